@@ -1,0 +1,22 @@
+"""graphexec: a CUDA-graph-aware decode-step executor with exact, path-invariant sampling.
+
+A request's token depends only on its processed logits row, its sampling parameters, its
+seed and its output position: not on batch, bucket, row, variant, or eager vs replay.
+"""
+
+from graphexec.grammar import Grammar
+from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Grammar",
+    "SamplerOutput",
+    "SamplerVariant",
+    "SamplingParams",
+    "SamplingTensors",
+    "choose_variant",
+    "sample_logits",
+    "sample_step",
+]

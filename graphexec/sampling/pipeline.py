@@ -1,0 +1,196 @@
+"""The sampler pipeline's two entry points.
+
+`sample_step` is the tensor-level call the executor captures in a CUDA graph: every input
+is a device tensor (logits [B, V], slot_ids [B], positions [B], the per-slot
+`SamplingTensors` table, an optional bitmask [B, ceil(V/32)]) and the outputs go into a
+preallocated `SamplerOutput`, so nothing allocates on the host's say-so and nothing waits
+on the GPU. The variant and the logprobs width are static: they pick the kernels, not the
+values (every variant gives a row it can serve the token `default` gives it).
+
+`sample_logits` is the convenience call over `SamplingParams`: it validates, builds a
+one-slot-per-row table, allocates the outputs and calls `sample_step`.
+
+Steps, in order (see `graphexec.sampling.reference` for the exact definition):
+grammar bitmask -> logit bias -> penalties -> temperature -> +inf collapse -> top-k ->
+top-p on the top-k mass -> min-p -> Gumbel-max draw (greedy: argmax) -> logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+
+BACKENDS = ("torch", "triton", "flashinfer")
+MAX_VOCAB = 1 << 21  # fixed-point mass stays below 2**53, exact in float64
+
+
+def default_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def sample_step(
+    logits: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    table: SamplingTensors,
+    out: SamplerOutput,
+    bitmask: torch.Tensor | None = None,
+    variant: SamplerVariant = SamplerVariant.DEFAULT,
+    backend: str | None = None,
+) -> SamplerOutput:
+    """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
+
+    Args:
+        logits: [B, V] float32 / bfloat16 / float16, read as is (no upcast copy).
+        slot_ids: [B] int64, row b's parameters are table row slot_ids[b].
+        positions: [B] int64 output position of the token being drawn (the noise counter).
+        table: per-slot parameters on the logits' device.
+        out: preallocated outputs (`SamplerOutput.allocate(B, device, num_top)`); logprobs
+            are written when out.logprobs is not None.
+        bitmask: optional [B, ceil(V/32)] int32 xgrammar bitmask (1 = allowed).
+        variant: which kernels run; every row must be servable by it (the caller's job:
+            `choose_variant`); an unservable row would be sampled without its filters.
+        backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
+
+    CUDA graphs: with backend="triton" this issues only kernel launches on fixed buffers;
+    capture it with static `logits`, `slot_ids`, `positions`, `bitmask` and `out`, and
+    write new values into them (and into `table`) before each replay.
+    """
+    backend = backend or default_backend(logits.device)
+    if backend == "torch":
+        from graphexec.sampling import reference
+
+        return reference.sample(logits, slot_ids, positions, table, out, bitmask, variant)
+    if backend == "triton":
+        from graphexec.sampling.triton import launch
+
+        return launch.sample(logits, slot_ids, positions, table, out, bitmask, variant)
+    if backend == "flashinfer":
+        from graphexec.sampling import flashinfer
+
+        return flashinfer.sample(logits, slot_ids, positions, table, out, bitmask, variant)
+    raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
+def _check_tensor(name: str, t: torch.Tensor | None, shape: tuple, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def sample_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int] | torch.Tensor,
+    token_counts: torch.Tensor | None = None,
+    prompt_mask: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
+    variant: SamplerVariant | str | None = None,
+    backend: str | None = None,
+) -> SamplerOutput:
+    """Sample one token per row of `logits`, exactly and reproducibly.
+
+    Args:
+        logits: [B, V] float32 / bfloat16 / float16 tensor on any device.
+        params: B `SamplingParams`, each with `seed` set.
+        positions: [B] ints, the output position of the token being drawn; with the seed
+            it keys the noise, so the same (row, params, seed, position) gives the same
+            token in any batch.
+        token_counts: optional [B, V] int counts of the tokens generated so far
+            (presence / frequency / repetition penalties).
+        prompt_mask: optional [B, V] bool, True where the token occurs in the prompt
+            (repetition penalty).
+        bitmask: optional [B, ceil(V/32)] int32 xgrammar token bitmask.
+        variant: None = `choose_variant(params)`; or force one that serves every row.
+        backend: None = "triton" on CUDA, "torch" elsewhere; or "flashinfer" (CUDA only,
+            not batch-position invariant, see `graphexec.sampling.flashinfer`).
+
+    Returns:
+        `SamplerOutput`: token_ids [B] int64 (-1 where valid is False), valid [B] bool,
+        and when any row set `logprobs`: logprobs [B] f32, ranks [B] i64, top_logprobs /
+        top_token_ids [B, N] with N the largest `logprobs` asked.
+
+    Example:
+        >>> import torch, graphexec as gx
+        >>> logits = torch.randn(2, 1000)
+        >>> ps = [gx.SamplingParams(temperature=0.7, top_k=50, seed=1),
+        ...       gx.SamplingParams(temperature=0.0, seed=2, logprobs=5)]
+        >>> out = gx.sample_logits(logits, ps, positions=[0, 0])
+        >>> out.token_ids.shape, out.top_logprobs.shape
+        (torch.Size([2]), torch.Size([2, 5]))
+
+    CUDA graphs: this call allocates its table and outputs; capture `sample_step`
+    instead, over static buffers.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [B, V], got shape {list(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    B, V = logits.shape
+    if not 0 < V <= MAX_VOCAB:
+        raise ValueError(f"logits vocabulary size must be in [1, {MAX_VOCAB}], got {V}")
+    params = list(params)
+    if len(params) != B:
+        raise ValueError(f"params must hold one SamplingParams per row ({B}), got {len(params)}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if p.seed is None:
+            raise ValueError(f"params[{i}].seed must be set for sample_logits")
+    dev = logits.device
+    pos = torch.as_tensor(positions, dtype=torch.int64)
+    if pos.shape != (B,):
+        raise ValueError(f"positions must have shape [{B}], got {list(pos.shape)}")
+    if B and (int(pos.min()) < 0 or int(pos.max()) >= 2**32):
+        raise ValueError("positions must be in [0, 2**32)")
+    _check_tensor("token_counts", token_counts, (B, V), dev)
+    _check_tensor("prompt_mask", prompt_mask, (B, V), dev)
+    _check_tensor("bitmask", bitmask, (B, (V + 31) // 32), dev)
+    if bitmask is not None and bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+    if token_counts is not None and token_counts.dtype != torch.int32:
+        token_counts = token_counts.to(torch.int32)
+    if prompt_mask is not None and prompt_mask.dtype != torch.bool:
+        prompt_mask = prompt_mask.to(torch.bool)
+    if variant is None:
+        variant = choose_variant(params)
+    else:
+        try:
+            variant = SamplerVariant(variant)
+        except ValueError:
+            names = [v.value for v in SamplerVariant]
+            raise ValueError(f"variant must be one of {names} or None, got {variant!r}") from None
+        for i, p in enumerate(params):
+            if not variant.serves(p):
+                raise ValueError(f"variant {variant.value!r} cannot serve params[{i}] ({p})")
+    backend = backend or default_backend(dev)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend in ("triton", "flashinfer") and dev.type != "cuda":
+        from graphexec.sampling.triton import interpreter_enabled
+
+        if backend == "flashinfer" or not interpreter_enabled():
+            raise ValueError(
+                f"backend {backend!r} needs CUDA tensors (triton runs on the CPU only under "
+                "TRITON_INTERPRET=1)"
+            )
+    if B == 0:
+        return SamplerOutput.allocate(0, dev, None)
+    table = SamplingTensors.from_params(params, V, dev, token_counts, prompt_mask)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    out = SamplerOutput.allocate(B, dev, max(asked) if asked else None)
+    slot_ids = torch.arange(B, device=dev)
+    return sample_step(
+        logits, slot_ids, pos.to(dev), table, out, bitmask, variant, backend
+    )

@@ -1,0 +1,205 @@
+"""Pure-torch sampler: the definition every other backend is tested against.
+
+Per batch row b (slot s = slot_ids[b], output position positions[b]):
+
+1. **Sanitise.** raw = float32(logits[b]); NaN -> -inf.
+2. **Process** (`process_logits`), in this order: grammar bitmask (disallowed -> -inf);
+   logit bias (x += bias); repetition penalty on tokens seen in the prompt or the output
+   (x > 0: x * fp32(1/rep), else x * rep); frequency then presence penalty
+   (x -= freq * count; x -= presence where count > 0); temperature (x *= fp32(1/T),
+   skipped for greedy rows).
+3. **Collapse +inf** (`collapse_inf`): if any entry is +inf, the row becomes 0 at its
+   +inf entries and -inf elsewhere, so it samples uniformly among them.
+4. **Filter.** Order the row by (x descending, token id ascending). The kept set is a
+   prefix of that order: top-k keeps the first k; top-p then keeps the shortest prefix of
+   those whose mass reaches p times their total mass; min-p keeps tokens with
+   exp(x - max) >= min_p. Mass is exact integer fixed point, q = trunc(exp(x - max)
+   * 2**32) (int64, summed exactly, so no split of the row changes a decision), compared
+   in float64: keep position j iff sum(q before j) < p * total.
+5. **Draw.** Gumbel-max over the kept set: argmax of x + g(seed, pos, token), ties to
+   the lower token id (`graphexec.rng`). Greedy rows take the argmax of x. A row whose
+   maximum is -inf has nothing to sample: valid = False, token -1.
+6. **Logprobs** of the raw row (default) or of the processed row x before the filters
+   (`logprobs_mode="processed"`), after the same +inf collapse: lp = (v - m) - log(sum
+   exp(v - m)); rank = 1 + #(v_j > v_token); the top-N by (v desc, id asc).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphexec.params import SamplerVariant
+from graphexec.rng import Stream, gumbel, philox4x32
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+
+MASS_SCALE = 2.0**32  # fixed-point scale of probability mass relative to the row max
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 xgrammar bitmask -> [B, V] bool (bit j of word w = token 32w+j)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
+    x = logits.to(torch.float32)
+    return torch.where(torch.isnan(x), torch.full_like(x, -torch.inf), x)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    slot_ids: torch.Tensor,
+    table: SamplingTensors,
+    bitmask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Steps 1-2: the processed fp32 logits [B, V] (temperature applied unless greedy)."""
+    x = sanitize(logits).clone()
+    B, V = x.shape
+    neg_inf = torch.tensor(-torch.inf, device=x.device)
+    if bitmask is not None:
+        x = torch.where(unpack_bitmask(bitmask, V), x, neg_inf)
+    ids = table.bias_ids[slot_ids].to(torch.int64)
+    if bool((ids >= 0).any()):
+        has = ids >= 0
+        rows = torch.arange(B, device=x.device).unsqueeze(1).expand_as(ids)[has]
+        cols = ids[has]
+        x[rows, cols] = x[rows, cols] + table.bias_values[slot_ids][has]
+    if table.token_counts is not None or table.prompt_mask is not None:
+        counts = (
+            table.token_counts[slot_ids]
+            if table.token_counts is not None
+            else torch.zeros((B, V), dtype=torch.int32, device=x.device)
+        )
+        seen = counts > 0
+        if table.prompt_mask is not None:
+            seen = seen | table.prompt_mask[slot_ids]
+        rep = table.repetition_penalty[slot_ids].unsqueeze(1)
+        inv_rep = table.inv_repetition_penalty[slot_ids].unsqueeze(1)
+        x = torch.where(seen, torch.where(x > 0, x * inv_rep, x * rep), x)
+        freq = table.frequency_penalty[slot_ids].unsqueeze(1)
+        pres = table.presence_penalty[slot_ids].unsqueeze(1)
+        x = x - freq * counts.to(torch.float32)
+        x = x - torch.where(counts > 0, pres, torch.zeros_like(pres))
+    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
+    inv_t = table.inv_temperature[slot_ids].unsqueeze(1)
+    return torch.where(greedy, x, x * inv_t)
+
+
+def collapse_inf(x: torch.Tensor) -> torch.Tensor:
+    """Step 3: rows holding +inf become uniform over their +inf entries."""
+    pinf = x == torch.inf
+    has = pinf.any(dim=-1, keepdim=True)
+    collapsed = torch.where(pinf, 0.0, -torch.inf).to(x.dtype)
+    return torch.where(has, collapsed, x)
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax with ties to the lowest index (explicitly, for any torch build)."""
+    m = x.max(dim=-1, keepdim=True).values
+    idx = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(x == m, idx, x.shape[-1]).min(dim=-1).values
+
+
+def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] Gumbel noise for every token of each row: one Philox call per 4 tokens."""
+    groups = torch.arange((vocab_size + 3) // 4, device=seed.device, dtype=torch.int64)
+    s = seed.to(torch.int64).unsqueeze(1)
+    zero = torch.zeros((), dtype=torch.int64, device=seed.device)
+    words = philox4x32(
+        groups.unsqueeze(0), pos.to(torch.int64).unsqueeze(1), zero + int(Stream.TOKEN), zero,
+        s & 0xFFFFFFFF, s >> 32,
+    )
+    bits = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], -1)
+    u = ((bits[:, :vocab_size] >> 8) | 1).to(torch.float32) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
+    """Step 4: [B, V] bool, True where the token survives top-k, top-p and min-p."""
+    B, V = x.shape
+    sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
+    m = sv[:, :1]
+    kept = sv > -torch.inf
+    rank = torch.arange(V, device=x.device).unsqueeze(0)
+    k = table.top_k[slot_ids].to(torch.int64).unsqueeze(1)
+    kept &= (k == 0) | (rank < k)
+    rel = torch.exp(sv - torch.where(m > -torch.inf, m, 0.0))
+    q = torch.where(kept, (rel * MASS_SCALE).to(torch.int64), 0)
+    before = torch.cumsum(q, dim=-1) - q
+    total = q.sum(dim=-1, keepdim=True)
+    p = table.top_p[slot_ids].to(torch.float64).unsqueeze(1)
+    kept &= (p >= 1.0) | (before.to(torch.float64) < p * total.to(torch.float64))
+    kept &= rel >= table.min_p[slot_ids].unsqueeze(1)
+    out = torch.zeros_like(kept)
+    return out.scatter(1, si, kept)
+
+
+def draw(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    table: SamplingTensors,
+    kept: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5: (token_ids [B] i64, valid [B] bool) from collapsed processed logits."""
+    g = row_gumbel(table.seed[slot_ids], positions, x.shape[1])
+    score = x + g
+    if kept is not None:
+        score = torch.where(kept, score, -torch.inf)
+    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
+    score = torch.where(greedy, x, score)
+    valid = x.max(dim=-1).values > -torch.inf
+    tok = first_argmax(score)
+    return torch.where(valid, tok, -1), valid
+
+
+def write_logprobs(
+    raw: torch.Tensor,
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    table: SamplingTensors,
+    tokens: torch.Tensor,
+    out: SamplerOutput,
+) -> None:
+    """Step 6, into out.logprobs / ranks / top_logprobs / top_token_ids."""
+    processed = table.logprobs_processed[slot_ids].unsqueeze(1)
+    v = collapse_inf(torch.where(processed, x, raw))
+    m = v.max(dim=-1, keepdim=True).values
+    shifted = v - m
+    lse = torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
+    lp = shifted - lse
+    valid = tokens >= 0
+    safe = tokens.clamp(min=0).unsqueeze(1)
+    tok_v = v.gather(1, safe)
+    out.logprobs.copy_(torch.where(valid, lp.gather(1, safe).squeeze(1), torch.nan))
+    out.ranks.copy_(torch.where(valid, (v > tok_v).sum(dim=1) + 1, 0))
+    n = out.num_top
+    if n:
+        sv, si = torch.sort(v, dim=-1, descending=True, stable=True)
+        out.top_token_ids.copy_(si[:, :n])
+        out.top_logprobs.copy_((sv[:, :n] - m) - lse)
+
+
+def sample(
+    logits: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    table: SamplingTensors,
+    out: SamplerOutput,
+    bitmask: torch.Tensor | None = None,
+    variant: SamplerVariant = SamplerVariant.DEFAULT,
+) -> SamplerOutput:
+    """The torch backend of `graphexec.sampling.pipeline.sample_step`."""
+    x = process_logits(logits, slot_ids, table, bitmask)
+    xc = collapse_inf(x)
+    kept = None if variant is SamplerVariant.NO_FILTER else filter_mask(xc, slot_ids, table)
+    tokens, valid = draw(xc, slot_ids, positions, table, kept)
+    out.token_ids.copy_(tokens)
+    out.valid.copy_(valid)
+    if out.logprobs is not None:
+        write_logprobs(sanitize(logits), x, slot_ids, table, tokens, out)
+    return out
+
+
+__all__ = ["sample", "process_logits", "collapse_inf", "filter_mask", "gumbel", "unpack_bitmask"]

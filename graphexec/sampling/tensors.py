@@ -1,0 +1,206 @@
+"""Typed device-side state of the sampler: the per-slot parameter table and the outputs.
+
+`SamplingTensors` holds one row per slot (the executor's `SlotTable` owns one sized
+`max_slots`; `sample_logits` builds a throwaway one with a slot per batch row). Kernels
+read a batch row's parameters through `slot_ids[b]`, so the table never moves and a CUDA
+graph captured over it stays valid while the values change between replays.
+
+Normalised encodings (so kernels test one thing):
+    temperature    0 = greedy; inv_temperature = fp32(1 / T) (1 for greedy rows)
+    top_k          0 = off (top_k <= 0 or >= V)
+    top_p          1 = off;  min_p  0 = off
+    logprobs       -1 = off; else the top-N asked (0..20)
+    bias_ids       -1 pads a slot's sparse logit-bias list (bias_values 0 there)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from graphexec.params import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-slot sampling parameters, each a device tensor with a leading [S] dim."""
+
+    temperature: torch.Tensor  # f32 [S]
+    inv_temperature: torch.Tensor  # f32 [S]
+    top_k: torch.Tensor  # i32 [S]
+    top_p: torch.Tensor  # f32 [S]
+    min_p: torch.Tensor  # f32 [S]
+    seed: torch.Tensor  # i64 [S]
+    repetition_penalty: torch.Tensor  # f32 [S]
+    inv_repetition_penalty: torch.Tensor  # f32 [S]
+    presence_penalty: torch.Tensor  # f32 [S]
+    frequency_penalty: torch.Tensor  # f32 [S]
+    logprobs: torch.Tensor  # i32 [S]
+    logprobs_processed: torch.Tensor  # bool [S]
+    bias_ids: torch.Tensor  # i32 [S, NB]
+    bias_values: torch.Tensor  # f32 [S, NB]
+    token_counts: torch.Tensor | None = None  # i32 [S, V]: tokens generated so far
+    prompt_mask: torch.Tensor | None = None  # bool [S, V]: token occurs in the prompt
+
+    @property
+    def num_slots(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.temperature.device
+
+    @classmethod
+    def allocate(
+        cls,
+        num_slots: int,
+        vocab_size: int,
+        device: torch.device | str,
+        max_bias: int = 1,
+        penalties: bool = False,
+    ) -> SamplingTensors:
+        """A table of `num_slots` rows, every row set to plain sampling (T=1, no filters)."""
+        d = torch.device(device)
+        f32 = dict(dtype=torch.float32, device=d)
+        nb = max(1, max_bias)
+        return cls(
+            temperature=torch.ones(num_slots, **f32),
+            inv_temperature=torch.ones(num_slots, **f32),
+            top_k=torch.zeros(num_slots, dtype=torch.int32, device=d),
+            top_p=torch.ones(num_slots, **f32),
+            min_p=torch.zeros(num_slots, **f32),
+            seed=torch.zeros(num_slots, dtype=torch.int64, device=d),
+            repetition_penalty=torch.ones(num_slots, **f32),
+            inv_repetition_penalty=torch.ones(num_slots, **f32),
+            presence_penalty=torch.zeros(num_slots, **f32),
+            frequency_penalty=torch.zeros(num_slots, **f32),
+            logprobs=torch.full((num_slots,), -1, dtype=torch.int32, device=d),
+            logprobs_processed=torch.zeros(num_slots, dtype=torch.bool, device=d),
+            bias_ids=torch.full((num_slots, nb), -1, dtype=torch.int32, device=d),
+            bias_values=torch.zeros((num_slots, nb), **f32),
+            token_counts=(
+                torch.zeros((num_slots, vocab_size), dtype=torch.int32, device=d)
+                if penalties
+                else None
+            ),
+            prompt_mask=(
+                torch.zeros((num_slots, vocab_size), dtype=torch.bool, device=d)
+                if penalties
+                else None
+            ),
+        )
+
+    @staticmethod
+    def row_values(p: SamplingParams, vocab_size: int) -> dict[str, float | int | bool]:
+        """The scalar entries of one slot's row, normalised (see the module docstring)."""
+        if p.seed is None:
+            raise ValueError("seed must be set for sampling (the executor draws one at admission)")
+        t = torch.tensor(p.temperature, dtype=torch.float32)
+        rep = torch.tensor(p.repetition_penalty, dtype=torch.float32)
+        greedy = p.temperature == 0.0
+        return dict(
+            temperature=p.temperature,
+            # fp32 reciprocals computed once here, so every backend multiplies by the same bits
+            inv_temperature=1.0 if greedy else float(1.0 / t),
+            top_k=p.top_k if 0 < p.top_k < vocab_size else 0,
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=p.seed,
+            repetition_penalty=p.repetition_penalty,
+            inv_repetition_penalty=float(1.0 / rep),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            logprobs=-1 if p.logprobs is None else p.logprobs,
+            logprobs_processed=p.logprobs_mode == "processed",
+        )
+
+    def write_row(self, slot: int, p: SamplingParams, vocab_size: int) -> None:
+        """Set slot `slot` to `p` (blocking copies; the executor stages and batches these)."""
+        p.check_vocab(vocab_size)
+        for name, value in self.row_values(p, vocab_size).items():
+            getattr(self, name)[slot] = value
+        bias = p.logit_bias or {}
+        nb = self.bias_ids.shape[1]
+        if len(bias) > nb:
+            raise ValueError(f"logit_bias has {len(bias)} entries; this table holds at most {nb}")
+        ids = torch.full((nb,), -1, dtype=torch.int32)
+        vals = torch.zeros(nb, dtype=torch.float32)
+        for i, (tok, b) in enumerate(sorted(bias.items())):
+            ids[i], vals[i] = tok, b
+        self.bias_ids[slot] = ids.to(self.device)
+        self.bias_values[slot] = vals.to(self.device)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str,
+        token_counts: torch.Tensor | None = None,
+        prompt_mask: torch.Tensor | None = None,
+    ) -> SamplingTensors:
+        """A table with one slot per entry of `params` (slot b serves batch row b)."""
+        rows = [cls.row_values(p, vocab_size) for p in params]
+        for p in params:
+            p.check_vocab(vocab_size)
+        d = torch.device(device)
+        table = cls.allocate(
+            len(params), vocab_size, d, max_bias=max(len(p.logit_bias or {}) for p in params)
+        )
+        for f in fields(cls):
+            if f.name in rows[0]:
+                col = getattr(table, f.name)
+                col.copy_(torch.tensor([r[f.name] for r in rows], dtype=col.dtype))
+        nb = table.bias_ids.shape[1]
+        ids = torch.full((len(params), nb), -1, dtype=torch.int32)
+        vals = torch.zeros((len(params), nb), dtype=torch.float32)
+        for b, p in enumerate(params):
+            for i, (tok, v) in enumerate(sorted((p.logit_bias or {}).items())):
+                ids[b, i], vals[b, i] = tok, v
+        table.bias_ids.copy_(ids)
+        table.bias_values.copy_(vals)
+        table.token_counts = token_counts
+        table.prompt_mask = prompt_mask
+        return table
+
+
+@dataclass
+class SamplerOutput:
+    """What one sampler call produces, one entry per batch row.
+
+    token_ids: i64 [B], -1 where valid is False.   valid: bool [B].
+    logprobs: f32 [B] logprob of the sampled token (NaN where invalid).
+    ranks: i64 [B], 1 = most likely (0 where invalid).
+    top_logprobs: f32 [B, N] / top_token_ids: i64 [B, N], most likely first, ties to
+        the lower id. The logprob fields are None when logprobs are off.
+    """
+
+    token_ids: torch.Tensor
+    valid: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls, batch: int, device: torch.device | str, num_top: int | None
+    ) -> SamplerOutput:
+        """Static output buffers; num_top None = logprobs off, else the top-N width."""
+        d = torch.device(device)
+        out = cls(
+            token_ids=torch.full((batch,), -1, dtype=torch.int64, device=d),
+            valid=torch.zeros(batch, dtype=torch.bool, device=d),
+        )
+        if num_top is not None:
+            out.logprobs = torch.zeros(batch, dtype=torch.float32, device=d)
+            out.ranks = torch.zeros(batch, dtype=torch.int64, device=d)
+            out.top_logprobs = torch.zeros((batch, num_top), dtype=torch.float32, device=d)
+            out.top_token_ids = torch.zeros((batch, num_top), dtype=torch.int64, device=d)
+        return out
+
+    @property
+    def num_top(self) -> int | None:
+        return None if self.top_logprobs is None else self.top_logprobs.shape[1]
