@@ -7,6 +7,7 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 from graphexec.grammar import Grammar
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
+from graphexec.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,7 @@ __all__ = [
     "SamplerVariant",
     "SamplingParams",
     "SamplingTensors",
+    "Tokenizer",
     "choose_variant",
     "sample_logits",
     "sample_step",

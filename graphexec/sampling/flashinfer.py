@@ -13,6 +13,9 @@ rows to FlashInfer's fused samplers and writes logprobs with `reference.write_lo
                    unchanged by renormalisation, so this is the reference's order)
     greedy rows    first argmax of the processed row (ties to the lower id), as the reference
 
+The variant picks the sampler for the whole batch (dispatching per row would need a host
+sync); every row the variant serves gets its own filters through the per-row tensors.
+
 Randomness: each row passes its own seed (`table.seed[slot_ids]`) and a Philox offset of
 `positions * OFFSET_STRIDE` as [B] int64 tensors. FlashInfer 0.7.2 reads element `row` of
 such tensors (element 0 when the tensor has length 1), but it derives the Philox
@@ -114,7 +117,9 @@ def sample(
         )
     else:
         probs = torch.softmax(fs.top_k_mask_logits(rows, top_k), dim=-1)
-        probs = fs.top_p_renorm_probs(probs, top_p)  # p >= 1 rows: plain renormalisation
+        # p >= 1 rows: plain renormalisation; is_deterministic: integer accumulation, so the
+        # same inputs give the same threshold on every call
+        probs = fs.top_p_renorm_probs(probs, top_p, is_deterministic=True)
         min_p = table.min_p[slot_ids].to(torch.float32).contiguous()
         tok = fs.min_p_sampling_from_probs(probs, min_p, **rng)
 

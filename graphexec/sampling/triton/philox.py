@@ -107,7 +107,8 @@ def gather_bits(seed, pos, token_ids, STREAM: tl.constexpr):
 
     One Philox call per token, then the lane token & 3 is selected.
     """
-    tok = token_ids.to(tl.int64)
+    # broadcast the ids to the common shape of (seed, pos, token_ids) first
+    tok = token_ids.to(tl.int64) + tl.zeros_like(seed.to(tl.int64) + pos.to(tl.int64))
     zero = tl.zeros_like(tok).to(tl.uint32)
     k0, k1 = _key(seed)
     c0 = (tok >> 2).to(tl.uint32)
@@ -181,17 +182,22 @@ def _philox_gather_kernel(
     pos_ptr,  # [R] i64
     ids_ptr,  # [R, N] i64, contiguous
     out_ptr,  # [R, N] i64 (uint32 values) or f32, contiguous
+    R,
     N,
+    BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STREAM: tl.constexpr,
     OUT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
-    m = cols < N
-    ids = tl.load(ids_ptr + row * N + cols, mask=m, other=0)
-    bits = gather_bits(tl.load(seed_ptr + row), tl.load(pos_ptr + row), ids, STREAM)
-    tl.store(out_ptr + row * N + cols, _finish(bits, OUT), mask=m)
+    rm = rows < R
+    m = rm[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    ids = tl.load(ids_ptr + offs, mask=m, other=0)
+    seed = tl.load(seed_ptr + rows, mask=rm, other=0)[:, None]  # broadcast over the ids
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0)[:, None]
+    tl.store(out_ptr + offs, _finish(gather_bits(seed, pos, ids, STREAM), OUT), mask=m)
 
 
 def _out_dtype(out: int) -> torch.dtype:
@@ -239,15 +245,19 @@ def philox_gather(
     *,
     out: int = OUT_BITS,
 ) -> torch.Tensor:
-    """Test-only: [R, N] noise of token_ids[r, n] for row r (seed[r], pos[r])."""
+    """Test-only: [R, N] noise of token_ids[r, n] for row r (seed[r], pos[r]), through
+    `gather_bits` with [BLOCK_R, 1] seeds and positions broadcast against [BLOCK_R, N] ids."""
     R, N = token_ids.shape
     res = torch.empty((R, N), dtype=_out_dtype(out), device=seed.device)
-    _philox_gather_kernel[(R,)](
+    block_r = min(triton.next_power_of_2(max(R, 1)), 32)
+    _philox_gather_kernel[(triton.cdiv(R, block_r),)](
         seed.to(torch.int64).contiguous(),
         pos.to(torch.int64).contiguous(),
         token_ids.to(torch.int64).contiguous(),
         res,
+        R,
         N,
+        block_r,
         triton.next_power_of_2(max(N, 1)),
         stream,
         out,

@@ -60,6 +60,7 @@ def _process_cols(
     prompt_ptr, stride_ps, stride_pv,
     rows, cols, m, bias, B,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr,
 ):  # fmt: skip
     """process_value at [BLOCK_R, N] (row, token) positions; m masks invalid entries.
 
@@ -72,13 +73,17 @@ def _process_cols(
     slot = tl.load(slot_ptr + r64, mask=row_ok, other=0).to(tl.int64)
     greedy = (tl.load(temp_ptr + slot, mask=row_ok, other=1.0) == 0.0)[:, None]
     inv_t = tl.load(inv_temp_ptr + slot, mask=row_ok, other=1.0)[:, None]
-    raw = tl.load(logits_ptr + r64[:, None] * stride_lb + c64 * stride_lv, mask=m, other=0.0)
+    raw = tl.load(logits_ptr + r64[:, None] * stride_lb + c64 * stride_lv, mask=m, other=0)
+    if BF16_BITS:
+        # bf16 logits arrive as their int16 bits: bf16 is the top half of an fp32, so the
+        # shift is the exact conversion (the interpreter's bf16 cast flushes subnormals)
+        raw = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     if HAS_BITMASK:
         w_offs = r64[:, None] * stride_mb + (c64 // 32) * stride_mw
         word = tl.load(bitmask_ptr + w_offs, mask=m, other=-1)
         allowed = ((word >> (cols & 31).to(tl.int32)) & 1) != 0
     else:
-        allowed = True
+        allowed = tl.full(cols.shape, 1, tl.int1)
     if HAS_COUNTS or HAS_PROMPT:
         rep = tl.load(rep_ptr + slot, mask=row_ok, other=1.0)
         inv_rep = tl.load(inv_rep_ptr + slot, mask=row_ok, other=1.0)
@@ -116,7 +121,7 @@ def _process_cols(
 
 @triton.jit
 def _process_kernel(
-    logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / bf16 / f16
+    logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64 / i32: row b reads table row slot_ids[b]
     temp_ptr, inv_temp_ptr,  # [S] f32
     rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,  # [S] f32
@@ -126,12 +131,15 @@ def _process_kernel(
     x_ptr, stride_xb,  # [B, V] f32 out, unit column stride
     B, V,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr,  # logits_ptr holds bf16 logits as i16 bits
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """x for a [BLOCK_R, BLOCK] tile of (rows, tokens), no logit bias. Grid
     (cdiv(B, BLOCK_R), cdiv(V, BLOCK))."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.broadcast_to((tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :], (BLOCK_R, BLOCK))
+    cols = tl.broadcast_to(
+        (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :], (BLOCK_R, BLOCK)
+    )
     m = (rows < B)[:, None] & (cols < V)
     # -0.0, the exact additive identity, made from its bits: some Triton versions turn a
     # literal -0.0 (== 0) into a null constant, i.e. +0.0
@@ -141,14 +149,14 @@ def _process_kernel(
         temp_ptr, inv_temp_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
         bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
         prompt_ptr, stride_ps, stride_pv,
-        rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+        rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
     )  # fmt: skip
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * stride_xb + cols, x, mask=m)
 
 
 @triton.jit
 def _bias_kernel(
-    logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / bf16 / f16
+    logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64 / i32
     temp_ptr, inv_temp_ptr,  # [S] f32
     rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,  # [S] f32
@@ -160,6 +168,7 @@ def _bias_kernel(
     x_ptr, stride_xb,  # [B, V] f32, written by _process_kernel; overwritten at bias ids
     B, V, NB,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr,
 ):  # fmt: skip
     """Recompute x at each row's biased ids, with the bias. Grid (cdiv(B, BLOCK_R),).
@@ -181,7 +190,7 @@ def _bias_kernel(
         temp_ptr, inv_temp_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
         bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
         prompt_ptr, stride_ps, stride_pv,
-        rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+        rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
     )  # fmt: skip
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * stride_xb + cols.to(tl.int64), x, mask=m)
 
@@ -193,6 +202,45 @@ def _blocks(B: int, V: int) -> tuple[int, int]:
     if not interpreter_enabled():
         return 1, block
     return min(triton.next_power_of_2(B), max(1, 16384 // block)), block
+
+
+def process_args(
+    logits: torch.Tensor,
+    slot_ids: torch.Tensor,
+    table: SamplingTensors,
+    bitmask: torch.Tensor | None,
+    dummy: torch.Tensor,
+) -> tuple[tuple, dict[str, bool]]:
+    """The leading arguments and HAS_* flags of every kernel that calls `_process_cols`.
+
+    `dummy` stands in for absent optional tensors (never read: its HAS_* flag is False).
+    """
+    mask = bitmask if bitmask is not None else dummy
+    if bitmask is not None and bitmask.dtype != torch.int32:
+        mask = bitmask.view(torch.int32) if bitmask.element_size() == 4 else bitmask.to(torch.int32)
+    counts = table.token_counts if table.token_counts is not None else dummy
+    prompt = table.prompt_mask if table.prompt_mask is not None else dummy
+    if prompt.dtype == torch.bool:
+        prompt = prompt.view(torch.uint8)  # same bytes; loads as 0/1
+    flags = dict(
+        HAS_BITMASK=bitmask is not None,
+        HAS_COUNTS=table.token_counts is not None,
+        HAS_PROMPT=table.prompt_mask is not None,
+        BF16_BITS=logits.dtype == torch.bfloat16,
+    )
+    if logits.dtype == torch.bfloat16:
+        logits = logits.view(torch.int16)  # same bytes and strides; see _process_cols
+    common = (
+        logits, logits.stride(0), logits.stride(1),
+        slot_ids,
+        table.temperature, table.inv_temperature,
+        table.repetition_penalty, table.inv_repetition_penalty,
+        table.frequency_penalty, table.presence_penalty,
+        mask, mask.stride(0), mask.stride(-1),
+        counts, counts.stride(0), counts.stride(-1),
+        prompt, prompt.stride(0), prompt.stride(-1),
+    )  # fmt: skip
+    return common, flags
 
 
 def process(
@@ -230,29 +278,7 @@ def process(
     br = block_r or br_default
     bl = block or bl_default
 
-    dummy = x  # never read: the matching HAS_* flag is False
-    mask = bitmask if bitmask is not None else dummy
-    if bitmask is not None and bitmask.dtype != torch.int32:
-        mask = bitmask.view(torch.int32) if bitmask.element_size() == 4 else bitmask.to(torch.int32)
-    counts = table.token_counts if table.token_counts is not None else dummy
-    prompt = table.prompt_mask if table.prompt_mask is not None else dummy
-    if prompt.dtype == torch.bool:
-        prompt = prompt.view(torch.uint8)  # same bytes; loads as 0/1
-    flags = dict(
-        HAS_BITMASK=bitmask is not None,
-        HAS_COUNTS=table.token_counts is not None,
-        HAS_PROMPT=table.prompt_mask is not None,
-    )
-    common = (
-        logits, logits.stride(0), logits.stride(1),
-        slot_ids,
-        table.temperature, table.inv_temperature,
-        table.repetition_penalty, table.inv_repetition_penalty,
-        table.frequency_penalty, table.presence_penalty,
-        mask, mask.stride(0), mask.stride(-1),
-        counts, counts.stride(0), counts.stride(-1),
-        prompt, prompt.stride(0), prompt.stride(-1),
-    )  # fmt: skip
+    common, flags = process_args(logits, slot_ids, table, bitmask, dummy=x)
     # enable_fp_fusion=False: no FMA, so every multiply and add rounds as in torch.
     grid = (triton.cdiv(B, br), triton.cdiv(V, bl))
     _process_kernel[grid](

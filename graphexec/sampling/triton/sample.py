@@ -33,7 +33,7 @@ from graphexec.sampling.triton.select import (
     unpack,
 )
 
-INT32_MAX = 2147483647
+INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -89,25 +89,6 @@ def _sample_tile_kernel(
     tok = tl.where(valid, tok, -1)
     tl.store(tok_ptr + rows, tok.to(tl.int64), mask=rmask)
     tl.store(valid_ptr + rows, valid, mask=rmask)
-
-
-@triton.jit
-def _count_above(xrow, V, has_inf, m, tau, min_p, BLOCK: tl.constexpr):
-    """(#finite x >= tau, their mass, mass of the whole row, #(exp(x - m) >= min_p))."""
-    n = tl.zeros([], dtype=tl.int32)
-    qc = tl.zeros([], dtype=tl.int64)
-    qt = tl.zeros([], dtype=tl.int64)
-    nm = tl.zeros([], dtype=tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = collapse_inf(tl.load(xrow + offs, mask=offs < V, other=float("-inf")), has_inf)
-        q = mass(x, m)
-        sel = (x >= tau) & (x > float("-inf"))
-        n += tl.sum(sel.to(tl.int32))
-        qc += tl.sum(tl.where(sel, q, 0))
-        qt += tl.sum(q)
-        nm += tl.sum(((tl.exp(x - m) >= min_p) & (x > float("-inf"))).to(tl.int32))
-    return n, qc, qt, nm
 
 
 @triton.jit
@@ -224,125 +205,48 @@ def _exact_prefix_draw(xrow, V, has_inf, m, n_fin, nm, qt, top_k, top_p, min_p, 
 
 
 @triton.jit
-def _sample_row_kernel(
+def _finish_kernel(
     x_ptr,  # [B, V] f32 processed logits
-    stride_x,
-    slot_ptr,  # [B] i64
-    pos_ptr,  # [B] i64
-    temp_ptr,  # [S] f32
-    top_k_ptr,  # [S] i32
-    top_p_ptr,  # [S] f32
-    min_p_ptr,  # [S] f32
-    seed_ptr,  # [S] i64
-    cand_ptr,  # [B, CAP] i64 scratch: packed candidate keys
-    tok_ptr,  # [B] i64 out
-    valid_ptr,  # [B] bool out
-    V,
-    FILTERS: tl.constexpr,
-    STREAM: tl.constexpr,
-    CAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROUNDS: tl.constexpr,
-):
+    slot_ptr, pos_ptr,  # [B] i64
+    top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,  # [S] i32, f32, f32, i64
+    stat_f_ptr, stat_i_ptr,  # [B, 1] f32 row max, [B, 2] i32 (has +inf, #finite)
+    state_ptr,  # [B] i32: 0 = no threshold found (exact path), 1 = candidates, 2 = final
+    qt_ptr, nm_ptr,  # [B] i64 whole-row mass, [B] i32 #(exp(x - m) >= min_p)
+    cnt_ptr,  # [B] i32 candidates gathered
+    cand_ptr,  # [B, CAP] i64 packed candidate keys
+    tok_ptr,  # [B] i64 in/out
+    V, CAP: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+):  # fmt: skip
+    """Sort the candidates, filter and draw; rows without candidates take the exact path."""
     row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row)
-    pos = tl.load(pos_ptr + row)
-    seed = tl.load(seed_ptr + slot)
-    greedy = tl.load(temp_ptr + slot) == 0.0
-    xrow = x_ptr + row.to(tl.int64) * stride_x
-    top_k = tl.zeros([], dtype=tl.int32)
-    top_p = tl.full([], 1.0, tl.float32)
-    min_p = tl.zeros([], dtype=tl.float32)
-    if FILTERS:
+    r64 = row.to(tl.int64)
+    state = tl.load(state_ptr + row)
+    if state != 2:
+        slot = tl.load(slot_ptr + row)
+        pos = tl.load(pos_ptr + row)
+        seed = tl.load(seed_ptr + slot)
         top_k = tl.load(top_k_ptr + slot)
         top_p = tl.load(top_p_ptr + slot)
         min_p = tl.load(min_p_ptr + slot)
-    plain = (top_k == 0) & (top_p >= 1.0) & (min_p <= 0.0)
-    draw_plain = plain & (greedy == 0)
-
-    # pass 1: max, first argmax, counts, and the unfiltered draw for plain rows
-    m = tl.full([], float("-inf"), tl.float32)
-    am = tl.zeros([], dtype=tl.int32)
-    n_live = tl.zeros([], dtype=tl.int32)
-    n_pinf = tl.zeros([], dtype=tl.int32)
-    best = tl.full([], float("-inf"), tl.float32)
-    bi = tl.full([], -1, tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(xrow + offs, mask=offs < V, other=float("-inf"))
-        cm = tl.max(x, axis=0)
-        am = tl.where(cm > m, tl.min(tl.where(x == cm, offs, INT32_MAX), axis=0), am)
-        m = tl.maximum(m, cm)
-        n_live += tl.sum((x > float("-inf")).to(tl.int32))
-        n_pinf += tl.sum((x == float("inf")).to(tl.int32))
-        if draw_plain:
-            s = x + gumbel(block_bits(seed, pos, start, BLOCK, STREAM))
-            cs = tl.max(s, axis=0)
-            bi = tl.where(cs > best, tl.min(tl.where(s == cs, offs, INT32_MAX), axis=0), bi)
-            best = tl.maximum(best, cs)
-    valid = m > float("-inf")
-    has_inf = m == float("inf")
-    n_fin = tl.where(has_inf, n_pinf, n_live)
-    m = tl.where(has_inf, 0.0, tl.where(valid, m, 0.0))
-    if draw_plain & has_inf:
-        # every collapsed entry is 0 or -inf: keep all live ones (keys above -inf's)
-        bi = _draw_pass(xrow, V, has_inf, seed, pos, okey(tl.full([], float("-inf"), tl.float32)),
-                        0, BLOCK, STREAM)
-    tok = tl.where(greedy, am, bi)
-
-    if FILTERS:
-        if (plain == 0) & (greedy == 0) & valid:
-            delta = tl.full([], 8.0, tl.float32)
-            d_lo = tl.zeros([], dtype=tl.float32)
-            d_hi = tl.full([], float("inf"), tl.float32)
-            done = tl.zeros([], dtype=tl.int32)
-            tau = m - delta
-            nm = n_fin
-            qt = tl.zeros([], dtype=tl.int64)
-            for _ in range(ROUNDS):
-                if done == 0:
-                    tau = m - delta
-                    n, qc, qt, nm = _count_above(xrow, V, has_inf, m, tau, min_p, BLOCK)
-                    covers = (
-                        ((top_k > 0) & (n >= top_k))
-                        | ((top_k == 0) & (top_p < 1.0)
-                           & (qc.to(tl.float64) >= top_p.to(tl.float64) * qt.to(tl.float64)))
-                        | ((min_p > 0.0) & (n >= nm))
-                        | (n >= n_fin)
-                    )
-                    enough = covers & ((top_p >= 1.0) | (top_k == 0) | (n >= top_k))
-                    done = (enough & (n <= CAP)).to(tl.int32)
-                    if done == 0:
-                        if enough:
-                            d_hi = delta
-                            delta = 0.5 * (d_lo + delta)
-                        else:
-                            d_lo = delta
-                            delta = tl.where(d_hi == float("inf"), 2.0 * delta, 0.5 * (delta + d_hi))
-            if done != 0:
-                crow = cand_ptr + row.to(tl.int64) * CAP
-                base = tl.zeros([], dtype=tl.int32)
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    x = collapse_inf(tl.load(xrow + offs, mask=offs < V, other=float("-inf")), has_inf)
-                    sel = (x >= tau) & (x > float("-inf"))
-                    idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                    tl.store(crow + idx, pack(x, offs), mask=sel & (idx < CAP))
-                    base += tl.sum(sel.to(tl.int32))
-                tl.debug_barrier()
-                c = tl.arange(0, CAP)
-                keys = tl.load(crow + c, mask=c < base, other=-9223372036854775808)
-                keys = tl.sort(keys.reshape(1, CAP), dim=1, descending=True)
-                vals, ids = unpack(keys)
-                one = tl.zeros([1, 1], dtype=tl.int32)
-                ftok, fbest = filter_sorted_draw(
-                    vals, ids, one + m, one + top_k, one + top_p, one + min_p, one + qt,
-                    one + seed, one + pos, STREAM,
-                )
-                tok = tl.sum(ftok, axis=0)
-            else:
-                tok = _exact_prefix_draw(xrow, V, has_inf, m, n_fin, nm, qt, top_k, top_p, min_p,
-                                         seed, pos, BLOCK, STREAM)
-    tok = tl.where(valid, tok, -1)
-    tl.store(tok_ptr + row, tok.to(tl.int64))
-    tl.store(valid_ptr + row, valid)
+        m = tl.load(stat_f_ptr + row)
+        has_inf = tl.load(stat_i_ptr + r64 * 2) != 0
+        n_fin = tl.load(stat_i_ptr + r64 * 2 + 1)
+        qt = tl.load(qt_ptr + row)
+        xrow = x_ptr + r64 * V
+        if state == 1:
+            c = tl.arange(0, CAP)
+            n = tl.load(cnt_ptr + row)
+            keys = tl.load(cand_ptr + r64 * CAP + c, mask=c < n, other=-9223372036854775808)
+            keys = tl.sort(keys.reshape(1, CAP), dim=1, descending=True)
+            vals, ids = unpack(keys)
+            one = tl.zeros([1, 1], dtype=tl.int32)
+            ftok, fbest = filter_sorted_draw(
+                vals, ids, one + m, one + top_k, one + top_p, one + min_p, one + qt,
+                one + seed, one + pos, STREAM,
+            )  # fmt: skip
+            tok = tl.sum(ftok, axis=0)
+        else:
+            nm = tl.load(nm_ptr + row)
+            tok = _exact_prefix_draw(xrow, V, has_inf, m, n_fin, nm, qt, top_k, top_p, min_p,
+                                     seed, pos, BLOCK, STREAM)
+        tl.store(tok_ptr + row, tok.to(tl.int64))

@@ -1,0 +1,3 @@
+from graphexec.cli import main
+
+raise SystemExit(main())
