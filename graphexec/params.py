@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 LOGPROBS_MODES = ("raw", "processed")
+# it and its reciprocal stay finite in float32 (an inf penalty would make 0 * inf = NaN)
+MIN_REPETITION, MAX_REPETITION = 1e-30, 1e30
 
 
 class SamplerVariant(str, enum.Enum):
@@ -119,8 +121,11 @@ class SamplingParams:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         rep = _finite("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < rep < math.inf:
-            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {rep}")
+        if not MIN_REPETITION <= rep <= MAX_REPETITION:
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION}, {MAX_REPETITION}] (1 = off), "
+                f"got {rep}"
+            )
         object.__setattr__(self, "repetition_penalty", rep)
         for name in ("presence_penalty", "frequency_penalty"):
             v = _finite(name, getattr(self, name))
@@ -143,7 +148,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        stops = tuple(self.stop_token_ids)
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(
+                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
+            ) from None
         for s in stops:
             if isinstance(s, bool) or not isinstance(s, int) or s < 0:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {s!r}")
@@ -178,6 +188,8 @@ class SamplingParams:
         """Raise ValueError for the fields that must fit a vocabulary of `vocab_size`."""
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be -1, 0 or in [1, {vocab_size}], got {self.top_k}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
         for tok in self.logit_bias or {}:
             if tok >= vocab_size:
                 raise ValueError(f"logit_bias token id {tok} is outside [0, {vocab_size})")

@@ -149,7 +149,10 @@ def sample_logits(
         if p.seed is None:
             raise ValueError(f"params[{i}].seed must be set for sample_logits")
     dev = logits.device
-    pos = torch.as_tensor(positions, dtype=torch.int64)
+    pos = torch.as_tensor(positions)
+    if pos.numel() and (pos.dtype.is_floating_point or pos.dtype in (torch.bool, torch.complex64)):
+        raise ValueError(f"positions must be integers, got {pos.dtype}")
+    pos = pos.to(torch.int64)
     if pos.shape != (B,):
         raise ValueError(f"positions must have shape [{B}], got {list(pos.shape)}")
     if B and (int(pos.min()) < 0 or int(pos.max()) >= 2**32):
@@ -159,10 +162,12 @@ def sample_logits(
     _check_tensor("bitmask", bitmask, (B, (V + 31) // 32), dev)
     if bitmask is not None and bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
-    if token_counts is not None and token_counts.dtype != torch.int32:
+    if token_counts is not None:
+        if token_counts.dtype.is_floating_point or token_counts.dtype == torch.bool:
+            raise ValueError(f"token_counts must be an integer tensor, got {token_counts.dtype}")
         token_counts = token_counts.to(torch.int32)
     if prompt_mask is not None and prompt_mask.dtype != torch.bool:
-        prompt_mask = prompt_mask.to(torch.bool)
+        raise ValueError(f"prompt_mask must be a bool tensor, got {prompt_mask.dtype}")
     if variant is None:
         variant = choose_variant(params)
     else:

@@ -6,21 +6,22 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
 2. **Process** (`process_logits`), in this order: grammar bitmask (disallowed -> -inf);
    logit bias (x += bias); repetition penalty on tokens seen in the prompt or the output
    (x > 0: x * fp32(1/rep), else x * rep); frequency then presence penalty
-   (x -= freq * count; x -= presence where count > 0); temperature (x *= fp32(1/T),
-   skipped for greedy rows).
+   (x -= freq * count; x -= presence where count > 0).
 3. **Collapse +inf** (`collapse_inf`): if any entry is +inf, the row becomes 0 at its
    +inf entries and -inf elsewhere, so it samples uniformly among them.
-4. **Filter.** Order the row by (x descending, token id ascending). The kept set is a
+4. **Temperature** (`scale`): y = (x - max x) * fp32(1/T) (1/T clamped to the largest
+   float32; greedy rows use 1). Shifting by the max first keeps y <= 0 with its maximum
+   exactly 0, so no temperature overflows and tied maxima stay exact ties for the noise.
+5. **Filter.** Order the row by (y descending, token id ascending). The kept set is a
    prefix of that order: top-k keeps the first k; top-p then keeps the shortest prefix of
    those whose mass reaches p times their total mass; min-p keeps tokens with
-   exp(x - max) >= min_p. Mass is exact integer fixed point, q = trunc(exp(x - max)
-   * 2**32) (int64, summed exactly, so no split of the row changes a decision), compared
+   exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32) (int64, summed exactly, so no split of the row changes a decision), compared
    in float64: keep position j iff sum(q before j) < p * total.
-5. **Draw.** Gumbel-max over the kept set: argmax of x + g(seed, pos, token), ties to
+6. **Draw.** Gumbel-max over the kept set: argmax of y + g(seed, pos, token), ties to
    the lower token id (`graphexec.rng`). Greedy rows take the argmax of x. A row whose
    maximum is -inf has nothing to sample: valid = False, token -1.
-6. **Logprobs** of the raw row (default) or of the processed row x before the filters
-   (`logprobs_mode="processed"`), after the same +inf collapse: lp = (v - m) - log(sum
+7. **Logprobs** of the raw row (default) or of the processed row y before the filters
+   (`logprobs_mode="processed"`), both +inf-collapsed: lp = (v - m) - log(sum
    exp(v - m)); rank = 1 + #(v_j > v_token); the top-N by (v desc, id asc).
 """
 
@@ -53,18 +54,18 @@ def process_logits(
     table: SamplingTensors,
     bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Steps 1-2: the processed fp32 logits [B, V] (temperature applied unless greedy)."""
+    """Steps 1-2: the processed fp32 logits x [B, V] (before temperature)."""
     x = sanitize(logits).clone()
     B, V = x.shape
     neg_inf = torch.tensor(-torch.inf, device=x.device)
     if bitmask is not None:
         x = torch.where(unpack_bitmask(bitmask, V), x, neg_inf)
+    # padding ids (-1) add their 0 to an extra column that is dropped: no host sync
     ids = table.bias_ids[slot_ids].to(torch.int64)
-    if bool((ids >= 0).any()):
-        has = ids >= 0
-        rows = torch.arange(B, device=x.device).unsqueeze(1).expand_as(ids)[has]
-        cols = ids[has]
-        x[rows, cols] = x[rows, cols] + table.bias_values[slot_ids][has]
+    cols = torch.where(ids >= 0, ids, V)
+    wide = torch.cat([x, torch.zeros((B, 1), dtype=x.dtype, device=x.device)], dim=1)
+    biased = wide.gather(1, cols) + table.bias_values[slot_ids]
+    x = wide.scatter(1, cols, biased)[:, :V]
     if table.token_counts is not None or table.prompt_mask is not None:
         counts = (
             table.token_counts[slot_ids]
@@ -81,9 +82,20 @@ def process_logits(
         pres = table.presence_penalty[slot_ids].unsqueeze(1)
         x = x - freq * counts.to(torch.float32)
         x = x - torch.where(counts > 0, pres, torch.zeros_like(pres))
-    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
+    return x
+
+
+def row_max(xc: torch.Tensor) -> torch.Tensor:
+    """[B, 1] max of collapsed rows, 0 for rows with nothing samplable."""
+    m = xc.max(dim=-1, keepdim=True).values
+    return torch.where(m > -torch.inf, m, 0.0)
+
+
+def scale(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
+    """Step 4: y = (xc - max) * fp32(1/T); greedy rows are stored with 1/T = 1."""
     inv_t = table.inv_temperature[slot_ids].unsqueeze(1)
-    return torch.where(greedy, x, x * inv_t)
+    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
+    return (xc - row_max(xc)) * torch.where(greedy, 1.0, inv_t)
 
 
 def collapse_inf(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +128,7 @@ def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.
 
 
 def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
-    """Step 4: [B, V] bool, True where the token survives top-k, top-p and min-p."""
+    """Step 5 on scaled rows y: [B, V] bool, True where the token survives top-k, top-p and min-p."""
     B, V = x.shape
     sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
     m = sv[:, :1]
@@ -136,35 +148,37 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors)
 
 
 def draw(
-    x: torch.Tensor,
+    xc: torch.Tensor,
+    y: torch.Tensor,
     slot_ids: torch.Tensor,
     positions: torch.Tensor,
     table: SamplingTensors,
     kept: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 5: (token_ids [B] i64, valid [B] bool) from collapsed processed logits."""
-    g = row_gumbel(table.seed[slot_ids], positions, x.shape[1])
-    score = x + g
+    """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (x: collapsed y's
+    source, for greedy rows)."""
+    g = row_gumbel(table.seed[slot_ids], positions, y.shape[1])
+    score = y + g
     if kept is not None:
         score = torch.where(kept, score, -torch.inf)
     greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
-    score = torch.where(greedy, x, score)
-    valid = x.max(dim=-1).values > -torch.inf
+    score = torch.where(greedy, xc, score)
+    valid = xc.max(dim=-1).values > -torch.inf
     tok = first_argmax(score)
     return torch.where(valid, tok, -1), valid
 
 
 def write_logprobs(
     raw: torch.Tensor,
-    x: torch.Tensor,
+    y: torch.Tensor,
     slot_ids: torch.Tensor,
     table: SamplingTensors,
     tokens: torch.Tensor,
     out: SamplerOutput,
 ) -> None:
-    """Step 6, into out.logprobs / ranks / top_logprobs / top_token_ids."""
+    """Step 7, into out.logprobs / ranks / top_logprobs / top_token_ids."""
     processed = table.logprobs_processed[slot_ids].unsqueeze(1)
-    v = collapse_inf(torch.where(processed, x, raw))
+    v = collapse_inf(torch.where(processed, y, raw))
     m = v.max(dim=-1, keepdim=True).values
     shifted = v - m
     lse = torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
@@ -191,15 +205,15 @@ def sample(
     variant: SamplerVariant = SamplerVariant.DEFAULT,
 ) -> SamplerOutput:
     """The torch backend of `graphexec.sampling.pipeline.sample_step`."""
-    x = process_logits(logits, slot_ids, table, bitmask)
-    xc = collapse_inf(x)
-    kept = None if variant is SamplerVariant.NO_FILTER else filter_mask(xc, slot_ids, table)
-    tokens, valid = draw(xc, slot_ids, positions, table, kept)
+    xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask))
+    y = scale(xc, slot_ids, table)
+    kept = None if variant is SamplerVariant.NO_FILTER else filter_mask(y, slot_ids, table)
+    tokens, valid = draw(xc, y, slot_ids, positions, table, kept)
     out.token_ids.copy_(tokens)
     out.valid.copy_(valid)
     if out.logprobs is not None:
-        write_logprobs(sanitize(logits), x, slot_ids, table, tokens, out)
+        write_logprobs(sanitize(logits), y, slot_ids, table, tokens, out)
     return out
 
 
-__all__ = ["sample", "process_logits", "collapse_inf", "filter_mask", "gumbel", "unpack_bitmask"]
+__all__ = ["sample", "process_logits", "collapse_inf", "scale", "filter_mask", "unpack_bitmask"]

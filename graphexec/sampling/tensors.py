@@ -16,7 +16,7 @@ Normalised encodings (so kernels test one thing):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -93,44 +93,64 @@ class SamplingTensors:
         )
 
     @staticmethod
-    def row_values(p: SamplingParams, vocab_size: int) -> dict[str, float | int | bool]:
-        """The scalar entries of one slot's row, normalised (see the module docstring)."""
-        if p.seed is None:
-            raise ValueError("seed must be set for sampling (the executor draws one at admission)")
-        t = torch.tensor(p.temperature, dtype=torch.float32)
-        rep = torch.tensor(p.repetition_penalty, dtype=torch.float32)
-        greedy = p.temperature == 0.0
+    def host_columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, torch.Tensor]:
+        """The scalar columns for `params`, normalised (see the module docstring), on the CPU."""
+        for i, p in enumerate(params):
+            if p.seed is None:
+                raise ValueError(
+                    f"params[{i}].seed must be set for sampling "
+                    "(the executor draws one at admission)"
+                )
+            p.check_vocab(vocab_size)
+        f32 = torch.float32
+        temp = torch.tensor([p.temperature for p in params], dtype=f32)
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=f32)
+        # fp32 reciprocals computed once here, so every backend multiplies by the same bits;
+        # 1/T is clamped so that a tiny temperature never turns into inf (0 * inf = NaN)
+        big = torch.finfo(f32).max
+        inv_t = torch.where(temp == 0, 1.0, (1.0 / temp).clamp(max=big))
         return dict(
-            temperature=p.temperature,
-            # fp32 reciprocals computed once here, so every backend multiplies by the same bits
-            inv_temperature=1.0 if greedy else float(1.0 / t),
-            top_k=p.top_k if 0 < p.top_k < vocab_size else 0,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            seed=p.seed,
-            repetition_penalty=p.repetition_penalty,
-            inv_repetition_penalty=float(1.0 / rep),
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            logprobs=-1 if p.logprobs is None else p.logprobs,
-            logprobs_processed=p.logprobs_mode == "processed",
+            temperature=temp,
+            inv_temperature=inv_t,
+            top_k=torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params], dtype=torch.int32
+            ),
+            top_p=torch.tensor([p.top_p for p in params], dtype=f32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=f32),
+            seed=torch.tensor([p.seed for p in params], dtype=torch.int64),
+            repetition_penalty=rep,
+            inv_repetition_penalty=(1.0 / rep).clamp(max=big),
+            presence_penalty=torch.tensor([p.presence_penalty for p in params], dtype=f32),
+            frequency_penalty=torch.tensor([p.frequency_penalty for p in params], dtype=f32),
+            logprobs=torch.tensor(
+                [-1 if p.logprobs is None else p.logprobs for p in params], dtype=torch.int32
+            ),
+            logprobs_processed=torch.tensor([p.logprobs_mode == "processed" for p in params]),
         )
 
-    def write_row(self, slot: int, p: SamplingParams, vocab_size: int) -> None:
-        """Set slot `slot` to `p` (blocking copies; the executor stages and batches these)."""
-        p.check_vocab(vocab_size)
-        for name, value in self.row_values(p, vocab_size).items():
-            getattr(self, name)[slot] = value
-        bias = p.logit_bias or {}
-        nb = self.bias_ids.shape[1]
-        if len(bias) > nb:
-            raise ValueError(f"logit_bias has {len(bias)} entries; this table holds at most {nb}")
-        ids = torch.full((nb,), -1, dtype=torch.int32)
-        vals = torch.zeros(nb, dtype=torch.float32)
-        for i, (tok, b) in enumerate(sorted(bias.items())):
-            ids[i], vals[i] = tok, b
-        self.bias_ids[slot] = ids.to(self.device)
-        self.bias_values[slot] = vals.to(self.device)
+    @staticmethod
+    def host_bias(params: Sequence[SamplingParams], nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([len, nb] int32 ids padded with -1, [len, nb] f32 values), ids ascending per row."""
+        ids = torch.full((len(params), nb), -1, dtype=torch.int32)
+        vals = torch.zeros((len(params), nb), dtype=torch.float32)
+        for b, p in enumerate(params):
+            bias = sorted((p.logit_bias or {}).items())
+            if len(bias) > nb:
+                raise ValueError(f"logit_bias has {len(bias)} entries; the table holds at most {nb}")
+            if bias:
+                ids[b, : len(bias)] = torch.tensor([t for t, _ in bias], dtype=torch.int32)
+                vals[b, : len(bias)] = torch.tensor([v for _, v in bias], dtype=torch.float32)
+        return ids, vals
+
+    def write_rows(self, slots: torch.Tensor, params: Sequence[SamplingParams], vocab_size: int):
+        """Set table rows `slots` ([n] int64) to `params` (one copy per column)."""
+        cols = self.host_columns(params, vocab_size)
+        idx = slots.to(self.device)
+        for name, col in cols.items():
+            getattr(self, name).index_copy_(0, idx, col.to(self.device))
+        ids, vals = self.host_bias(params, self.bias_ids.shape[1])
+        self.bias_ids.index_copy_(0, idx, ids.to(self.device))
+        self.bias_values.index_copy_(0, idx, vals.to(self.device))
 
     @classmethod
     def from_params(
@@ -142,25 +162,10 @@ class SamplingTensors:
         prompt_mask: torch.Tensor | None = None,
     ) -> SamplingTensors:
         """A table with one slot per entry of `params` (slot b serves batch row b)."""
-        rows = [cls.row_values(p, vocab_size) for p in params]
-        for p in params:
-            p.check_vocab(vocab_size)
         d = torch.device(device)
-        table = cls.allocate(
-            len(params), vocab_size, d, max_bias=max(len(p.logit_bias or {}) for p in params)
-        )
-        for f in fields(cls):
-            if f.name in rows[0]:
-                col = getattr(table, f.name)
-                col.copy_(torch.tensor([r[f.name] for r in rows], dtype=col.dtype))
-        nb = table.bias_ids.shape[1]
-        ids = torch.full((len(params), nb), -1, dtype=torch.int32)
-        vals = torch.zeros((len(params), nb), dtype=torch.float32)
-        for b, p in enumerate(params):
-            for i, (tok, v) in enumerate(sorted((p.logit_bias or {}).items())):
-                ids[b, i], vals[b, i] = tok, v
-        table.bias_ids.copy_(ids)
-        table.bias_values.copy_(vals)
+        nb = max(len(p.logit_bias or {}) for p in params)
+        table = cls.allocate(len(params), vocab_size, d, max_bias=nb)
+        table.write_rows(torch.arange(len(params)), params, vocab_size)
         table.token_counts = token_counts
         table.prompt_mask = prompt_mask
         return table

@@ -53,8 +53,7 @@ def _table(penalties: str) -> SamplingTensors:
     """penalties: which of token_counts / prompt_mask the table holds."""
     g = torch.Generator().manual_seed(1)
     t = SamplingTensors.allocate(S, V, DEV, max_bias=NB, penalties=True)
-    for s, p in enumerate(PARAMS):
-        t.write_row(s, p, V)
+    t.write_rows(torch.arange(len(PARAMS)), PARAMS, V)
     counts = torch.randint(0, 4, (S, V), generator=g, dtype=torch.int32)
     counts[torch.rand(S, V, generator=g) < 0.5] = 0
     counts[:, 0] = 2**20 + 1  # count -> f32 is exact here; large frequency term

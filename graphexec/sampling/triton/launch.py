@@ -7,6 +7,8 @@ values: everything data-dependent happens inside the kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -20,9 +22,10 @@ from graphexec.sampling.triton.passes import (
     _bias_scatter_kernel,
     _choose_kernel,
     _count_kernel,
-    _first_combine_kernel,
-    _first_pass_kernel,
+    _draw_combine_kernel,
     _gather_kernel,
+    _row_pass_kernel,
+    _stats_combine_kernel,
 )
 from graphexec.sampling.triton.process import process, process_args
 from graphexec.sampling.triton.sample import _finish_kernel, _sample_tile_kernel
@@ -30,7 +33,8 @@ from graphexec.sampling.triton.sample import _finish_kernel, _sample_tile_kernel
 TILE_V = 1024  # rows up to this many tokens are sorted whole in registers
 CAP = 2048  # candidates gathered and sorted per row on the large-V path
 DELTAS = 8  # thresholds tried per counting pass
-SEARCH_ROUNDS = 2  # counting passes before a row falls back to the exact slow path
+SEARCH_ROUNDS = 3  # counting passes before a row falls back to the exact slow path
+ROW_WARPS = 4 if interpreter_enabled() else 8
 
 
 def draw_large(
@@ -41,76 +45,83 @@ def draw_large(
     out: SamplerOutput,
     bitmask: torch.Tensor | None,
     variant: SamplerVariant,
-    need_x: bool,
+    need_y: bool,
     *,
     cap: int = CAP,
     split: int | None = None,
     block: int | None = None,
 ) -> torch.Tensor | None:
-    """The split-row path (see `passes`); returns x when the filters or `need_x` wrote it."""
+    """The split-row route (see `passes`); returns the scaled rows y when it wrote them."""
     B, V = logits.shape
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
-    write_x = filters or need_x
+    write_y = filters or need_y
     blk = block or (4096 if interpreter_enabled() else 2048)
-    sp = split or max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 8 * blk))))
+    sp = split or max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * blk))))
     slice_len = triton.cdiv(triton.cdiv(V, sp), blk) * blk
-    x = torch.empty((B, V) if write_x else (1, 1), dtype=torch.float32, device=dev)
-    nb = table.bias_ids.shape[1]
-    dense = torch.empty((B, V) if nb else (1, 1), dtype=torch.float32, device=dev)
-    _bias_fill_kernel[(B, triton.cdiv(V, blk))](
+    f32, i32 = torch.float32, torch.int32
+    y = torch.empty((B, V) if write_y else (1, 1), dtype=f32, device=dev)
+    dense = torch.empty((B, V), dtype=f32, device=dev)
+    _bias_fill_kernel[(B,)](
         slot_ids, table.bias_ids, table.bias_ids.stride(0), dense, V, BLOCK=blk
     )
+    nb = table.bias_ids.shape[1]
     _bias_scatter_kernel[(B,)](
         slot_ids, table.bias_ids, table.bias_ids.stride(0), table.bias_values,
         table.bias_values.stride(0), dense, V, nb, BLOCK_NB=triton.next_power_of_2(nb),
     )  # fmt: skip
-    common, flags = process_args(logits, slot_ids, table, bitmask, dummy=x)
-    part_f = torch.empty((B, sp, 3), dtype=torch.float32, device=dev)
-    part_i = torch.empty((B, sp, 5), dtype=torch.int32, device=dev)
+    common, flags = process_args(logits, slot_ids, table, bitmask, dummy=dense)
+    part_f = torch.empty((B, sp), dtype=f32, device=dev)
+    part_i = torch.empty((B, sp, 3), dtype=i32, device=dev)
+    stat_f = torch.empty(B, dtype=f32, device=dev)
+    stat_i = torch.empty((B, 2), dtype=i32, device=dev)
+    state = torch.empty(B, dtype=i32, device=dev)
+    deltas = torch.empty((B, DELTAS), dtype=f32, device=dev)
+    n_part = torch.empty((B, sp, DELTAS), dtype=i32, device=dev)
+    q_part = torch.empty((B, sp, DELTAS + 1), dtype=torch.int64, device=dev)
+    nm_part = torch.empty((B, sp), dtype=i32, device=dev)
     stream = int(Stream.TOKEN)
-    _first_pass_kernel[(B, sp)](
-        *common, table.bias_ids, table.bias_ids.stride(0), dense, positions, table.seed, x,
-        part_f, part_i, B, V, slice_len, **flags, WRITE_X=write_x, DRAW=True, STREAM=stream,
-        SPLIT=sp, BLOCK=blk, enable_fp_fusion=False,
+    row_pass = functools.partial(
+        _row_pass_kernel[(B, sp)],
+        *common, table.bias_ids, table.bias_ids.stride(0), dense, table.temperature,
+        table.inv_temperature, table.seed, table.top_k, table.top_p, table.min_p, positions,
+        stat_f, stat_i, state, deltas, y, part_f, part_i, n_part, q_part, nm_part,
+        B, V, slice_len, **flags, WRITE_Y=write_y, STREAM=stream, D=DELTAS, SPLIT=sp,
+        BLOCK=blk, enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip
-    stat_f = torch.empty((B, 1), dtype=torch.float32, device=dev)
-    stat_i = torch.empty((B, 2), dtype=torch.int32, device=dev)
-    state = torch.empty(B, dtype=torch.int32, device=dev)
-    deltas = torch.empty((B, DELTAS), dtype=torch.float32, device=dev)
-    _first_combine_kernel[(B,)](
+    row_pass(DRAW=False)
+    _stats_combine_kernel[(B,)](
         part_f, part_i, slot_ids, table.temperature, table.top_k, table.top_p, table.min_p,
         stat_f, stat_i, out.token_ids, out.valid, state, deltas,
         FILTERS=filters, D=DELTAS, SPLIT=sp,
     )  # fmt: skip
+    row_pass(DRAW=True)
+    _draw_combine_kernel[(B,)](part_f, part_i, state, out.token_ids, SPLIT=sp)
     if not filters:
-        return x if need_x else None
-    n_part = torch.empty((B, sp, DELTAS), dtype=torch.int32, device=dev)
-    q_part = torch.empty((B, sp, DELTAS + 1), dtype=torch.int64, device=dev)
-    nm_part = torch.empty((B, sp), dtype=torch.int32, device=dev)
-    chosen = torch.empty(B, dtype=torch.float32, device=dev)
+        return y if need_y else None
+    chosen = torch.empty(B, dtype=f32, device=dev)
     qt = torch.zeros(B, dtype=torch.int64, device=dev)
-    nm = torch.zeros(B, dtype=torch.int32, device=dev)
-    for _ in range(SEARCH_ROUNDS):
-        _count_kernel[(B, sp)](
-            x, stat_f, stat_i, deltas, state, slot_ids, table.min_p, n_part, q_part, nm_part,
-            V, slice_len, D=DELTAS, SPLIT=sp, BLOCK=blk,
-        )  # fmt: skip
+    nm = torch.zeros(B, dtype=i32, device=dev)
+    for round_ in range(SEARCH_ROUNDS):
+        if round_:  # the first round's counts came with the DRAW pass
+            _count_kernel[(B, sp)](
+                y, deltas, state, slot_ids, table.top_k, table.top_p, table.min_p,
+                n_part, q_part, nm_part, V, slice_len, D=DELTAS, SPLIT=sp, BLOCK=blk,
+                num_warps=ROW_WARPS,
+            )  # fmt: skip
         _choose_kernel[(B,)](
-            n_part, q_part, nm_part, stat_i, slot_ids, table.top_k, table.top_p, deltas, state,
-            chosen, qt, nm, cap, D=DELTAS, SPLIT=sp,
+            n_part, q_part, nm_part, stat_i, slot_ids, table.top_k, table.top_p, table.min_p,
+            deltas, state, chosen, qt, nm, cap, D=DELTAS, SPLIT=sp,
         )  # fmt: skip
-    cnt = torch.zeros(B, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(B, dtype=i32, device=dev)
     cand = torch.empty((B, cap), dtype=torch.int64, device=dev)
-    _gather_kernel[(B, sp)](
-        x, stat_f, stat_i, state, chosen, cnt, cand, V, slice_len, CAP=cap, BLOCK=blk
-    )
+    _gather_kernel[(B, sp)](y, state, chosen, cnt, cand, V, slice_len, CAP=cap, BLOCK=blk)
     _finish_kernel[(B,)](
-        x, slot_ids, positions, table.top_k, table.top_p, table.min_p, table.seed, stat_f,
-        stat_i, state, qt, nm, cnt, cand, out.token_ids, V, CAP=cap, BLOCK=blk, STREAM=stream,
+        y, slot_ids, positions, table.top_k, table.top_p, table.min_p, table.seed, stat_i,
+        state, qt, nm, cnt, cand, out.token_ids, V, CAP=cap, BLOCK=blk, STREAM=stream,
         num_warps=8 if not interpreter_enabled() else 4,
     )  # fmt: skip
-    return x
+    return y
 
 
 def draw_tile(
@@ -121,12 +132,13 @@ def draw_tile(
     out: SamplerOutput,
     variant: SamplerVariant,
 ) -> None:
-    """Whole rows in registers, for V <= TILE_V."""
+    """Whole rows in registers, for V <= TILE_V; x [B, V] is overwritten with y."""
     B, V = x.shape
     bv = max(16, triton.next_power_of_2(V))
     br = max(1, min(triton.next_power_of_2(B), (16384 if interpreter_enabled() else 2048) // bv))
     _sample_tile_kernel[(triton.cdiv(B, br),)](
-        x, x.stride(0), slot_ids, positions, table.temperature, table.top_k, table.top_p,
+        x, x.stride(0), slot_ids, positions, table.temperature, table.inv_temperature,
+        table.top_k, table.top_p,
         table.min_p, table.seed, out.token_ids, out.valid, B, V,
         FILTERS=variant is not SamplerVariant.NO_FILTER, STREAM=int(Stream.TOKEN),
         BLOCK_R=br, BLOCK_V=bv,
@@ -146,13 +158,13 @@ def sample(
     **large_kw,
 ) -> SamplerOutput:
     B, V = logits.shape
-    need_x = out.logprobs is not None
+    need_y = out.logprobs is not None
     if V <= tile_v:
-        x = process(logits, slot_ids, table, bitmask)
-        draw_tile(x, slot_ids, positions, table, out, variant)
+        y = process(logits, slot_ids, table, bitmask)
+        draw_tile(y, slot_ids, positions, table, out, variant)
     else:
-        x = draw_large(logits, slot_ids, positions, table, out, bitmask, variant, need_x,
+        y = draw_large(logits, slot_ids, positions, table, out, bitmask, variant, need_y,
                        **large_kw)
-    if need_x:
-        write_logprobs(logits, x, slot_ids, table, out)
+    if need_y:
+        write_logprobs(logits, y, slot_ids, table, out)
     return out

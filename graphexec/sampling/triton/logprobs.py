@@ -1,6 +1,7 @@
 """The logprobs writer: the sampled token's logprob and rank, and the top-N.
 
-Per row, over v = the raw logits (default) or the processed x (`logprobs_processed`),
+Per row, over v = the raw logits (default) or the scaled processed row y
+(`logprobs_processed`; the sampler's y = (x - max) / T, already collapsed),
 both NaN-free and +inf-collapsed as in `graphexec.sampling.reference.write_logprobs`:
 
     lp(t) = (v_t - m) - log(sum_j exp(v_j - m))      m = max v, sum in a fixed order
@@ -27,13 +28,19 @@ CAP = 256
 
 
 @triton.jit
-def _load_v(raw_row, x_row, offs, V, processed, has_inf):
+def _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS: tl.constexpr):
     """The logprob source v at offs: raw (NaN -> -inf) or processed, +inf-collapsed."""
     mask = offs < V
     if processed:
         v = tl.load(x_row + offs, mask=mask, other=float("-inf"))
     else:
-        v = tl.load(raw_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        if BF16_BITS:
+            # bf16 held as i16 bits: the exact widening (the interpreter's cast flushes
+            # subnormals)
+            bits = tl.load(raw_row + offs, mask=mask, other=-128).to(tl.int32) << 16
+            v = bits.to(tl.float32, bitcast=True)
+        else:
+            v = tl.load(raw_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
         v = tl.where(v != v, float("-inf"), v)
     return collapse_inf(v, has_inf)
 
@@ -53,6 +60,7 @@ def _logprobs_kernel(
     top_lp_ptr,  # [B, N] f32 out
     top_id_ptr,  # [B, N] i64 out
     V,
+    BF16_BITS: tl.constexpr,
     N: tl.constexpr,
     N_POW2: tl.constexpr,
     CAP: tl.constexpr,
@@ -70,17 +78,17 @@ def _logprobs_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = tl.maximum(m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no), axis=0))
+        m = tl.maximum(m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), axis=0))
     has_inf = m == float("inf")
     m = tl.where(has_inf, 0.0, m)
 
     t_off = tl.maximum(tok, 0) + tl.arange(0, 1)
-    v_tok = tl.sum(_load_v(raw_row, x_row, t_off, V, processed, has_inf), axis=0)
+    v_tok = tl.sum(_load_v(raw_row, x_row, t_off, V, processed, has_inf, BF16_BITS), axis=0)
     total = tl.zeros([], dtype=tl.float32)
     above = tl.zeros([], dtype=tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = _load_v(raw_row, x_row, offs, V, processed, has_inf)
+        v = _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS)
         total += tl.sum(tl.exp(v - m), axis=0)
         above += tl.sum((v > v_tok).to(tl.int32), axis=0)
     lse = tl.log(total)
@@ -102,7 +110,7 @@ def _logprobs_kernel(
                 n = tl.zeros([], dtype=tl.int32)
                 for start in range(0, V, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
-                    v = _load_v(raw_row, x_row, offs, V, processed, has_inf)
+                    v = _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS)
                     n += tl.sum(((v >= tau) & (offs < V)).to(tl.int32), axis=0)
                 done = ((n >= need) & (n <= CAP)).to(tl.int32)
                 if done == 0:
@@ -124,7 +132,7 @@ def _logprobs_kernel(
                     cnt = tl.zeros([], dtype=tl.int32)
                     for start in range(0, V, BLOCK):
                         offs = start + tl.arange(0, BLOCK)
-                        v = _load_v(raw_row, x_row, offs, V, processed, has_inf)
+                        v = _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS)
                         cnt += tl.sum(((okey(v).to(tl.int64) >= mid) & (offs < V)).to(tl.int32))
                     if cnt >= need:
                         lo = mid
@@ -134,7 +142,7 @@ def _logprobs_kernel(
             n_gt = tl.zeros([], dtype=tl.int32)
             for start in range(0, V, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                v = _load_v(raw_row, x_row, offs, V, processed, has_inf)
+                v = _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS)
                 n_gt += tl.sum(((okey(v).to(tl.int64) > t_n) & (offs < V)).to(tl.int32))
             r_n = need - n_gt
         crow = cand_ptr + row.to(tl.int64) * CAP
@@ -142,7 +150,7 @@ def _logprobs_kernel(
         seen_eq = tl.zeros([], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            v = _load_v(raw_row, x_row, offs, V, processed, has_inf)
+            v = _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS)
             k = okey(v).to(tl.int64)
             live = offs < V
             eq = live & (k == t_n)
@@ -168,7 +176,7 @@ def _logprobs_kernel(
 
 def write_logprobs(
     logits: torch.Tensor,
-    x: torch.Tensor,
+    y: torch.Tensor,
     slot_ids: torch.Tensor,
     table: SamplingTensors,
     out: SamplerOutput,
@@ -177,17 +185,20 @@ def write_logprobs(
     block: int | None = None,
 ) -> None:
     """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids."""
-    B, V = x.shape
+    B, V = y.shape
     n = out.num_top or 0
     if cap < n:
         raise ValueError(f"cap ({cap}) must be >= the top-N width ({n})")
-    cand = torch.empty((B, cap), dtype=torch.int64, device=x.device)
+    cand = torch.empty((B, cap), dtype=torch.int64, device=y.device)
     blk = block or min(triton.next_power_of_2(V), 4096 if interpreter_enabled() else 2048)
     top_lp = out.top_logprobs if n else out.logprobs
     top_id = out.top_token_ids if n else out.ranks
+    bf16 = logits.dtype == torch.bfloat16
+    if bf16:
+        logits = logits.view(torch.int16)  # same bytes; widened exactly in the kernel
     _logprobs_kernel[(B,)](
-        logits, logits.stride(0), x, x.stride(0), slot_ids, table.logprobs_processed,
+        logits, logits.stride(0), y, y.stride(0), slot_ids, table.logprobs_processed,
         out.token_ids, cand, out.logprobs, out.ranks, top_lp, top_id, V,
-        N=n, N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap, BLOCK=blk, ROUNDS=16,
+        BF16_BITS=bf16, N=n, N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap, BLOCK=blk, ROUNDS=16,
         num_warps=8 if not interpreter_enabled() else 4,
     )

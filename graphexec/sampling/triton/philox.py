@@ -102,6 +102,24 @@ def block_bits(seed, pos, start, BLOCK: tl.constexpr, STREAM: tl.constexpr):
 
 
 @triton.jit
+def group_bits(seed, pos, start, G: tl.constexpr, STREAM: tl.constexpr):
+    """[G, 4] uint32 words of tokens start .. start+4G-1 laid out as [token // 4, token % 4].
+
+    The 2-D layout keeps each group's four words where its Philox call produced them, so
+    no data moves between threads (block_bits' join/reshape interleave does move it)."""
+    k0, k1 = _key(seed)
+    c0 = (start // 4 + tl.arange(0, G)).to(tl.uint32)
+    c1 = tl.full((G,), 0, tl.uint32) + pos.to(tl.int64).to(tl.uint32)
+    c2 = tl.full((G,), STREAM, tl.uint32)
+    c3 = tl.zeros((G,), tl.uint32)
+    r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, c3 + k0, c3 + k1)
+    lane = tl.arange(0, 4)[None, :]
+    return tl.where(
+        lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None]))
+    )
+
+
+@triton.jit
 def gather_bits(seed, pos, token_ids, STREAM: tl.constexpr):
     """uint32 words of arbitrary token ids (any shape, broadcast with seed and pos).
 

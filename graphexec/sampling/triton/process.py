@@ -1,7 +1,7 @@
 """Processing stage as Triton kernels: logits -> processed fp32 logits x [B, V].
 
 Steps 1-2 of `graphexec.sampling.reference` (sanitise, grammar bitmask, logit bias,
-repetition / frequency / presence penalties, temperature), bit for bit equal to
+repetition / frequency / presence penalties; temperature comes later), bit for bit equal to
 `reference.process_logits`:
 
 - `process_value` is the element-wise definition, shared by both kernels, with the
@@ -32,12 +32,13 @@ NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres, inv_t, greedy):
+def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres):
     """Processed fp32 logit of one token (broadcasting tensors), as in the reference.
 
     raw: logit (any float dtype); allowed: bitmask bit (bool); bias: f32 logit bias
     (-0.0 for none); count: i32 times generated; in_prompt: bool; rep / inv_rep / freq /
-    pres / inv_t: the row's f32 parameters; greedy: bool (temperature == 0).
+    pres: the row's f32 parameters. Temperature comes later, after the row max is known
+    (`reference.scale`).
     """
     x = raw.to(tl.float32)
     x = tl.where(x != x, NEG_INF, x)  # NaN -> -inf
@@ -47,14 +48,14 @@ def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres
     x = tl.where(seen, tl.where(x > 0, x * inv_rep, x * rep), x)
     x = x - freq * count.to(tl.float32)
     x = x - tl.where(count > 0, pres, 0.0)
-    return tl.where(greedy, x, x * inv_t)
+    return x
 
 
 @triton.jit
 def _process_cols(
     logits_ptr, stride_lb, stride_lv,
     slot_ptr,
-    temp_ptr, inv_temp_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
     bitmask_ptr, stride_mb, stride_mw,
     counts_ptr, stride_cs, stride_cv,
     prompt_ptr, stride_ps, stride_pv,
@@ -71,8 +72,6 @@ def _process_cols(
     r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
     slot = tl.load(slot_ptr + r64, mask=row_ok, other=0).to(tl.int64)
-    greedy = (tl.load(temp_ptr + slot, mask=row_ok, other=1.0) == 0.0)[:, None]
-    inv_t = tl.load(inv_temp_ptr + slot, mask=row_ok, other=1.0)[:, None]
     raw = tl.load(logits_ptr + r64[:, None] * stride_lb + c64 * stride_lv, mask=m, other=0)
     if BF16_BITS:
         # bf16 logits arrive as their int16 bits: bf16 is the top half of an fp32, so the
@@ -108,14 +107,14 @@ def _process_cols(
             in_prompt = tl.zeros(cols.shape, tl.int1)
         x = process_value(
             raw, allowed, bias, count, in_prompt,
-            rep[:, None], inv_rep[:, None], freq[:, None], pres[:, None], inv_t, greedy,
+            rep[:, None], inv_rep[:, None], freq[:, None], pres[:, None],
         )  # fmt: skip
     else:
         # The reference skips the penalty block without counts or prompt mask; with
         # count = 0 and freq = pres = +0.0 process_value leaves x bit-identical.
         count = tl.zeros(cols.shape, tl.int32)
         none = count != 0
-        x = process_value(raw, allowed, bias, count, none, 1.0, 1.0, 0.0, 0.0, inv_t, greedy)
+        x = process_value(raw, allowed, bias, count, none, 1.0, 1.0, 0.0, 0.0)
     return x
 
 
@@ -123,7 +122,6 @@ def _process_cols(
 def _process_kernel(
     logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64 / i32: row b reads table row slot_ids[b]
-    temp_ptr, inv_temp_ptr,  # [S] f32
     rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,  # [S] f32
     bitmask_ptr, stride_mb, stride_mw,  # [B, ceil(V/32)] i32 (dummy if not HAS_BITMASK)
     counts_ptr, stride_cs, stride_cv,  # [S, V] i32 (dummy if not HAS_COUNTS)
@@ -146,7 +144,7 @@ def _process_kernel(
     bias = tl.full((BLOCK_R, BLOCK), -(2**31), tl.int32).to(tl.float32, bitcast=True)
     x = _process_cols(
         logits_ptr, stride_lb, stride_lv, slot_ptr,
-        temp_ptr, inv_temp_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+        rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
         bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
         prompt_ptr, stride_ps, stride_pv,
         rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
@@ -158,7 +156,6 @@ def _process_kernel(
 def _bias_kernel(
     logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64 / i32
-    temp_ptr, inv_temp_ptr,  # [S] f32
     rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,  # [S] f32
     bitmask_ptr, stride_mb, stride_mw,  # [B, ceil(V/32)] i32
     counts_ptr, stride_cs, stride_cv,  # [S, V] i32
@@ -187,7 +184,7 @@ def _bias_kernel(
     cols = tl.where(m, ids, 0)
     x = _process_cols(
         logits_ptr, stride_lb, stride_lv, slot_ptr,
-        temp_ptr, inv_temp_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+        rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
         bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
         prompt_ptr, stride_ps, stride_pv,
         rows, cols, m, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
@@ -233,7 +230,6 @@ def process_args(
     common = (
         logits, logits.stride(0), logits.stride(1),
         slot_ids,
-        table.temperature, table.inv_temperature,
         table.repetition_penalty, table.inv_repetition_penalty,
         table.frequency_penalty, table.presence_penalty,
         mask, mask.stride(0), mask.stride(-1),
