@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)
         device = torch.device("cuda", torch.cuda.current_device())
     methods = select_methods(args.methods)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]

@@ -31,10 +31,11 @@ from graphexec.sampling.triton.process import process, process_args
 from graphexec.sampling.triton.sample import _finish_kernel, _sample_tile_kernel
 
 TILE_V = 1024  # rows up to this many tokens are sorted whole in registers
-CAP = 2048  # candidates gathered and sorted per row on the large-V path
+CAP = 4096  # candidates gathered and sorted per row on the large-V path
+SMALL_CAP = 256  # rows with at most this many candidates sort a narrower tile
 DELTAS = 8  # thresholds tried per counting pass
 SEARCH_ROUNDS = 3  # counting passes before a row falls back to the exact slow path
-ROW_WARPS = 4 if interpreter_enabled() else 8
+ROW_WARPS = 4
 
 
 def draw_large(
@@ -56,8 +57,12 @@ def draw_large(
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
     write_y = filters or need_y
-    blk = block or (4096 if interpreter_enabled() else 2048)
-    sp = split or max(1, min(32, triton.next_power_of_2(triton.cdiv(V, 4 * blk))))
+    blk = block or (4096 if interpreter_enabled() else 512)
+    # enough programs to fill the GPU: partials combine by max / min / integer sums, so
+    # the split changes no result and may follow B
+    sp = split or min(64, triton.next_power_of_2(triton.cdiv(1024, B)))
+    while sp > 1 and (sp - 1) * blk >= V:  # every slice holds tokens
+        sp //= 2
     slice_len = triton.cdiv(triton.cdiv(V, sp), blk) * blk
     f32, i32 = torch.float32, torch.int32
     y = torch.empty((B, V) if write_y else (1, 1), dtype=f32, device=dev)
@@ -118,7 +123,8 @@ def draw_large(
     _gather_kernel[(B, sp)](y, state, chosen, cnt, cand, V, slice_len, CAP=cap, BLOCK=blk)
     _finish_kernel[(B,)](
         y, slot_ids, positions, table.top_k, table.top_p, table.min_p, table.seed, stat_i,
-        state, qt, nm, cnt, cand, out.token_ids, V, CAP=cap, BLOCK=blk, STREAM=stream,
+        state, qt, nm, cnt, cand, out.token_ids, V, CAP=cap, SMALL=min(cap, SMALL_CAP), BLOCK=blk,
+        STREAM=stream,
         num_warps=8 if not interpreter_enabled() else 4,
     )  # fmt: skip
     return y

@@ -68,22 +68,32 @@ def _bias_scatter_kernel(
 
 
 @triton.jit
-def _count_chunk(y, live, tau, min_p, NEED_MASS, NEED_NM, D: tl.constexpr):
-    """For a [G, 4] chunk of a scaled row: (#(y >= tau_d) [D], their mass [D] i64, the
-    chunk's mass, #(exp(y) >= min_p)); masses only when NEED_MASS, the last when NEED_NM."""
-    sel = live[:, :, None] & (y[:, :, None] >= tau[None, None, :])
-    n = tl.sum(tl.sum(sel.to(tl.int32), axis=0), axis=0)
+def _count_slice(y_ptr, r64, V, lo, hi, tau, min_p, NEED_MASS, NEED_NM, D: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """Over y[lo:hi] of a row: (#(y >= tau_d) [D], their mass [D] i64, the slice's mass,
+    #(exp(y) >= min_p)); masses only when NEED_MASS, the last only when NEED_NM."""
+    n = tl.zeros([D], dtype=tl.int32)
     qc = tl.zeros([D], dtype=tl.int64)
     qt = tl.zeros([], dtype=tl.int64)
     nm = tl.zeros([], dtype=tl.int32)
     if NEED_MASS | NEED_NM:
-        rel = tl.exp(y)
-        if NEED_MASS:
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            y = tl.load(y_ptr + r64 * V + offs, mask=offs < V, other=float("-inf"))
+            live = y > float("-inf")
+            sel = live[:, None] & (y[:, None] >= tau[None, :])
+            n += tl.sum(sel.to(tl.int32), axis=0)
+            rel = tl.exp(y)
             q = tl.where(live, (rel * 4294967296.0).to(tl.int64), 0)
-            qc = tl.sum(tl.sum(tl.where(sel, q[:, :, None], 0), axis=0), axis=0)
-            qt = tl.sum(tl.sum(q, axis=1), axis=0)
-        if NEED_NM:
-            nm = tl.sum(tl.sum((live & (rel >= min_p)).to(tl.int32), axis=1), axis=0)
+            qc += tl.sum(tl.where(sel, q[:, None], 0), axis=0)
+            qt += tl.sum(q, axis=0)
+            nm += tl.sum((live & (rel >= min_p)).to(tl.int32), axis=0)
+    else:
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            y = tl.load(y_ptr + r64 * V + offs, mask=offs < V, other=float("-inf"))
+            sel = (y > float("-inf"))[:, None] & (y[:, None] >= tau[None, :])
+            n += tl.sum(sel.to(tl.int32), axis=0)
     return n, qc, qt, nm
 
 
@@ -102,6 +112,32 @@ def _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr):
     min_p = tl.load(min_p_ptr + slot)
     need_mass = (tl.load(top_k_ptr + slot) == 0) & (tl.load(top_p_ptr + slot) < 1.0)
     return need_mass, min_p > 0.0, min_p
+
+
+@triton.jit
+def _process_chunk(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, dense_ptr, has_bias, row, offs, B, V,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):  # fmt: skip
+    """x at the 2-D tile of token ids offs of one row (-inf past V); the bias scratch is
+    read only for rows that have a bias."""
+    ok = offs < V
+    hb = (tl.zeros(offs.shape, dtype=tl.int32) + has_bias.to(tl.int32)) != 0
+    bias = tl.load(dense_ptr + row.to(tl.int64) * V + offs, mask=ok & hb, other=0.0)
+    # rows without a bias add -0.0, the exact additive identity
+    bias = tl.where(hb, bias, tl.full(offs.shape, -(2**31), tl.int32).to(tl.float32, bitcast=True))
+    x = _process_cols(
+        logits_ptr, stride_lb, stride_lv, slot_ptr,
+        rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+        bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+        prompt_ptr, stride_ps, stride_pv,
+        tl.zeros([1], dtype=tl.int32) + row, offs, ok, bias, B,
+        HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
+    )  # fmt: skip
+    return tl.where(ok, x, float("-inf"))
 
 
 @triton.jit
@@ -128,89 +164,99 @@ def _row_pass_kernel(
     BF16_BITS: tl.constexpr, DRAW: tl.constexpr, WRITE_Y: tl.constexpr,
     STREAM: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One slice of one row, processed from the raw logits in registers, in [BLOCK/4, 4]
-    chunks (row-major: token = start + 4g + j, one Philox call per g).
+    """One slice of one row, processed from the raw logits in registers.
 
     STATS mode (DRAW False): the slice's max, first argmax, #finite and #(+inf).
     DRAW mode: y = (collapse(x) - m) * inv_t, stored when WRITE_Y; for rows in state 3
     (unfiltered, not greedy) the slice's Gumbel-max of y; for rows in state 0 the counts
     of the first threshold round.
+    Each case has its own branch-free loop (a branch inside a loop stops Triton from
+    pipelining its loads). Maxima and argmaxes are kept per lane across the chunks and
+    reduced once at the end (a lane sees increasing ids: strict > keeps its first maximum).
     """
-    G: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     sp = tl.program_id(1)
     r64 = row.to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     has_bias = tl.load(bias_ids_ptr + slot * stride_is) >= 0
-    rows = tl.zeros([1], dtype=tl.int32) + row
-    grid = 4 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
+    G: tl.constexpr = BLOCK // 4
+    # chunks are [G, 4] tiles, token = start + 4g + j: one Philox call per g, no shuffles
+    lane = 4 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
+    best = tl.full([G, 4], float("-inf"), tl.float32)
+    bi = tl.zeros([G, 4], dtype=tl.int32)
+    n_live = tl.zeros([G, 4], dtype=tl.int32)
+    n_pinf = tl.zeros([G, 4], dtype=tl.int32)
+    lo = sp * SLICE
+    hi = lo + SLICE
+    args = (
+        logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+        bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+        prompt_ptr, stride_ps, stride_pv, dense_ptr, has_bias, row,
+    )  # fmt: skip
     if DRAW:
         m = tl.load(stat_f_ptr + row)
         has_inf = tl.load(stat_i_ptr + r64 * 2) != 0
         greedy = tl.load(temp_ptr + slot) == 0.0
         inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
         state = tl.load(state_ptr + row)
-        seed = tl.load(seed_ptr + slot)
-        pos = tl.load(pos_ptr + row)
-        need_mass, need_nm, min_p = _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr)
-        tau = -tl.load(delta_ptr + r64 * D + tl.arange(0, D))  # read only by state-0 rows
-    n = tl.zeros([D], dtype=tl.int32)
-    qc = tl.zeros([D], dtype=tl.int64)
-    qt = tl.zeros([], dtype=tl.int64)
-    nm = tl.zeros([], dtype=tl.int32)
-    best = tl.full([], float("-inf"), tl.float32)
-    bi = tl.zeros([], dtype=tl.int32)
-    n_live = tl.zeros([], dtype=tl.int32)
-    n_pinf = tl.zeros([], dtype=tl.int32)
-    hb = (tl.zeros([G, 4], dtype=tl.int32) + has_bias.to(tl.int32)) != 0
-    neg_zero = tl.full([G, 4], -(2**31), tl.int32).to(tl.float32, bitcast=True)
-    lo = sp * SLICE
-    for start in range(lo, lo + SLICE, BLOCK):
-        offs = start + grid
-        ok = offs < V
-        # rows without a bias read nothing and add -0.0, the exact additive identity
-        bias = tl.load(dense_ptr + r64 * V + offs, mask=ok & hb, other=0.0)
-        bias = tl.where(hb, bias, neg_zero)
-        x = _process_cols(
-            logits_ptr, stride_lb, stride_lv, slot_ptr,
-            rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-            bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-            prompt_ptr, stride_ps, stride_pv,
-            rows, offs, ok, bias, B, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-        )  # fmt: skip
-        x = tl.where(ok, x, float("-inf"))
-        if DRAW:
-            y = (collapse_inf(x, has_inf) - m) * inv_t
-            if WRITE_Y:
-                tl.store(y_ptr + r64 * V + offs, y, mask=ok)
-            if state == 3:
+        if state == 3:
+            seed = tl.load(seed_ptr + slot)
+            pos = tl.load(pos_ptr + row)
+            for start in range(lo, hi, BLOCK):
+                offs = start + lane
+                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                   BF16_BITS)  # fmt: skip
+                y = (collapse_inf(x, has_inf) - m) * inv_t
+                if WRITE_Y:
+                    tl.store(y_ptr + r64 * V + offs, y, mask=offs < V)
                 s = y + gumbel(group_bits(seed, pos, start, G, STREAM))
-                cs = tl.max(tl.max(s, axis=1), axis=0)
-                ci = tl.min(tl.min(tl.where(s == cs, offs, INT32_MAX), axis=1), axis=0)
-                bi = tl.where(cs > best, ci, bi)
-                best = tl.maximum(best, cs)
-            if state == 0:
-                live = y > float("-inf")
-                dn, dqc, dqt, dnm = _count_chunk(y, live, tau, min_p, need_mass, need_nm, D)
-                n += dn
-                qc += dqc
-                qt += dqt
-                nm += dnm
-        else:
-            cm = tl.max(tl.max(x, axis=1), axis=0)
-            ci = tl.min(tl.min(tl.where(x == cm, offs, INT32_MAX), axis=1), axis=0)
-            bi = tl.where(cm > best, ci, bi)
-            best = tl.maximum(best, cm)
-            n_live += tl.sum(tl.sum((x > float("-inf")).to(tl.int32), axis=1), axis=0)
-            n_pinf += tl.sum(tl.sum((x == float("inf")).to(tl.int32), axis=1), axis=0)
+                bi = tl.where(s > best, offs, bi)
+                best = tl.maximum(best, s)
+        elif state == 0:
+            need_mass, need_nm, min_p = _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr)
+            tau = -tl.load(delta_ptr + r64 * D + tl.arange(0, D))
+            qc = tl.zeros([D], dtype=tl.int64)
+            qt = tl.zeros([], dtype=tl.int64)
+            nm = tl.zeros([], dtype=tl.int32)
+            # per-lane counts of thresholds passed, reduced once after the loop
+            n_lane = tl.zeros([G, 4, D], dtype=tl.int32)
+            for start in range(lo, hi, BLOCK):
+                offs = start + lane
+                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                   BF16_BITS)  # fmt: skip
+                y = (collapse_inf(x, has_inf) - m) * inv_t
+                tl.store(y_ptr + r64 * V + offs, y, mask=offs < V)
+                live = (y > float("-inf"))[:, :, None]
+                n_lane += (live & (y[:, :, None] >= tau[None, None, :])).to(tl.int32)
+            n = tl.sum(tl.sum(n_lane, axis=0), axis=0)
+            if need_mass | need_nm:
+                # masses: a second look at the row just written (rare: top-p without top-k)
+                n, qc, qt, nm = _count_slice(y_ptr, r64, V, lo, hi, tau, min_p, need_mass,
+                                             need_nm, D, BLOCK)  # fmt: skip
+            _store_counts(n_ptr, q_ptr, nm_ptr, r64 * SPLIT + sp, n, qc, qt, nm, D)
+        elif WRITE_Y:
+            for start in range(lo, hi, BLOCK):
+                offs = start + lane
+                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                   BF16_BITS)  # fmt: skip
+                tl.store(y_ptr + r64 * V + offs, (collapse_inf(x, has_inf) - m) * inv_t,
+                         mask=offs < V)  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK):
+            offs = start + lane
+            x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                               BF16_BITS)  # fmt: skip
+            bi = tl.where(x > best, offs, bi)
+            best = tl.maximum(best, x)
+            n_live += (x > float("-inf")).to(tl.int32)
+            n_pinf += (x == float("inf")).to(tl.int32)
+    top = tl.max(tl.max(best, axis=1), axis=0)
     base = r64 * SPLIT + sp
-    tl.store(part_f_ptr + base, best)
-    tl.store(part_i_ptr + base * 3, bi)
-    tl.store(part_i_ptr + base * 3 + 1, n_live)
-    tl.store(part_i_ptr + base * 3 + 2, n_pinf)
-    if DRAW:
-        if state == 0:
-            _store_counts(n_ptr, q_ptr, nm_ptr, base, n, qc, qt, nm, D)
+    first = tl.min(tl.min(tl.where(best == top, bi, INT32_MAX), axis=1), axis=0)
+    tl.store(part_f_ptr + base, top)
+    tl.store(part_i_ptr + base * 3, first)
+    tl.store(part_i_ptr + base * 3 + 1, tl.sum(tl.sum(n_live, axis=1), axis=0))
+    tl.store(part_i_ptr + base * 3 + 2, tl.sum(tl.sum(n_pinf, axis=1), axis=0))
 
 
 @triton.jit
@@ -289,7 +335,6 @@ def _count_kernel(
     D: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Another threshold round over the stored y, for rows still searching."""
-    G: tl.constexpr = BLOCK // 4
     row = tl.program_id(0)
     sp = tl.program_id(1)
     r64 = row.to(tl.int64)
@@ -297,21 +342,9 @@ def _count_kernel(
         slot = tl.load(slot_ptr + row)
         need_mass, need_nm, min_p = _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr)
         tau = -tl.load(delta_ptr + r64 * D + tl.arange(0, D))
-        n = tl.zeros([D], dtype=tl.int32)
-        qc = tl.zeros([D], dtype=tl.int64)
-        qt = tl.zeros([], dtype=tl.int64)
-        nm = tl.zeros([], dtype=tl.int32)
-        grid = 4 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
         lo = sp * SLICE
-        for start in range(lo, lo + SLICE, BLOCK):
-            offs = start + grid
-            y = tl.load(y_ptr + r64 * V + offs, mask=offs < V, other=float("-inf"))
-            dn, dqc, dqt, dnm = _count_chunk(y, y > float("-inf"), tau, min_p, need_mass,
-                                             need_nm, D)  # fmt: skip
-            n += dn
-            qc += dqc
-            qt += dqt
-            nm += dnm
+        n, qc, qt, nm = _count_slice(y_ptr, r64, V, lo, lo + SLICE, tau, min_p, need_mass,
+                                     need_nm, D, BLOCK)  # fmt: skip
         _store_counts(n_ptr, q_ptr, nm_ptr, r64 * SPLIT + sp, n, qc, qt, nm, D)
 
 
@@ -389,7 +422,7 @@ def _gather_kernel(
             y = tl.load(y_ptr + r64 * V + offs, mask=offs < V, other=float("-inf"))
             sel = (y >= tau) & (y > float("-inf"))
             k = tl.sum(sel.to(tl.int32), axis=0)
-            if k > 0:
-                base = tl.atomic_add(cnt_ptr + row, k)
-                idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + r64 * CAP + idx, pack(y, offs), mask=sel & (idx < CAP))
+            # the order candidates land in does not matter: _finish_kernel sorts them
+            base = tl.atomic_add(cnt_ptr + row, k, sem="relaxed")
+            idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(cand_ptr + r64 * CAP + idx, pack(y, offs), mask=sel & (idx < CAP))

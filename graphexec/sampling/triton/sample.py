@@ -218,6 +218,22 @@ def _exact_prefix_draw(yrow, V, n_fin, nm, qt, top_k, top_p, min_p, seed, pos,
 
 
 @triton.jit
+def _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, W: tl.constexpr,
+                 STREAM: tl.constexpr):  # fmt: skip
+    """Sort a row's n <= W packed candidate keys, filter them and draw."""
+    c = tl.arange(0, W)
+    keys = tl.load(crow + c, mask=c < n, other=-9223372036854775808)
+    keys = tl.sort(keys.reshape(1, W), dim=1, descending=True)
+    vals, ids = unpack(keys)
+    one = tl.zeros([1, 1], dtype=tl.int32)
+    tok, best = filter_sorted_draw(
+        vals, ids, one * 0.0, one + top_k, one + top_p, one + min_p, one + qt, one + seed,
+        one + pos, STREAM,
+    )  # fmt: skip
+    return tl.sum(tok, axis=0)
+
+
+@triton.jit
 def _finish_kernel(
     y_ptr,  # [B, V] f32 scaled rows
     slot_ptr, pos_ptr,  # [B] i64
@@ -228,7 +244,7 @@ def _finish_kernel(
     cnt_ptr,  # [B] i32 candidates gathered
     cand_ptr,  # [B, CAP] i64 packed candidate keys
     tok_ptr,  # [B] i64 in/out
-    V, CAP: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+    V, CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
 ):  # fmt: skip
     """Sort the candidates, filter and draw; rows without candidates take the exact path."""
     row = tl.program_id(0)
@@ -244,17 +260,13 @@ def _finish_kernel(
         n_fin = tl.load(stat_i_ptr + r64 * 2 + 1)
         qt = tl.load(qt_ptr + row)
         if state == 1:
-            c = tl.arange(0, CAP)
             n = tl.load(cnt_ptr + row)
-            keys = tl.load(cand_ptr + r64 * CAP + c, mask=c < n, other=-9223372036854775808)
-            keys = tl.sort(keys.reshape(1, CAP), dim=1, descending=True)
-            vals, ids = unpack(keys)
-            one = tl.zeros([1, 1], dtype=tl.int32)
-            ftok, fbest = filter_sorted_draw(
-                vals, ids, one * 0.0, one + top_k, one + top_p, one + min_p, one + qt,
-                one + seed, one + pos, STREAM,
-            )  # fmt: skip
-            tok = tl.sum(ftok, axis=0)
+            crow = cand_ptr + r64 * CAP
+            # sort as few keys as the row has: most rows fit the small width
+            if n <= SMALL:
+                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, SMALL, STREAM)
+            else:
+                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, CAP, STREAM)
         else:
             nm = tl.load(nm_ptr + row)
             tok = _exact_prefix_draw(y_ptr + r64 * V, V, n_fin, nm, qt, top_k, top_p, min_p,
