@@ -17,12 +17,31 @@ def _demo_params() -> list[tuple[str, gx.SamplingParams]]:
         ("greedy", P(temperature=0.0, seed=1, logprobs=3)),
         ("top-k 50 / top-p 0.9", P(temperature=0.8, top_k=50, top_p=0.9, seed=2, logprobs=3)),
         ("top-p 0.95", P(temperature=1.0, top_p=0.95, seed=3, logprobs=0)),
-        ("min-p 0.05", P(temperature=1.2, min_p=0.05, seed=4, logprobs=3,
-                         logprobs_mode="processed")),
-        ("penalties", P(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5,
-                        repetition_penalty=1.3, seed=5, logprobs=3)),
-        ("logit bias", P(temperature=0.7, logit_bias={9906: 15.0, 1917: 15.0}, seed=6, logprobs=3,
-                         logprobs_mode="processed")),
+        (
+            "min-p 0.05",
+            P(temperature=1.2, min_p=0.05, seed=4, logprobs=3, logprobs_mode="processed"),
+        ),
+        (
+            "penalties",
+            P(
+                temperature=0.7,
+                presence_penalty=0.5,
+                frequency_penalty=0.5,
+                repetition_penalty=1.3,
+                seed=5,
+                logprobs=3,
+            ),
+        ),
+        (
+            "logit bias",
+            P(
+                temperature=0.7,
+                logit_bias={9906: 15.0, 1917: 15.0},
+                seed=6,
+                logprobs=3,
+                logprobs_mode="processed",
+            ),
+        ),
         ("bitmask: digits", P(temperature=1.0, seed=7, logprobs=3)),
         ("plain T=1", P(seed=8)),
     ]
@@ -47,13 +66,17 @@ def demo(args: argparse.Namespace) -> int:
         b = tok.token_bytes(i)
         if b and b.isdigit():
             allowed[6, i] = True
-    bits = allowed.reshape(B, -1, 1) if V % 32 == 0 else torch.nn.functional.pad(
-        allowed, (0, 32 - V % 32)).reshape(B, -1, 32)
+    bits = (
+        allowed.reshape(B, -1, 1)
+        if V % 32 == 0
+        else torch.nn.functional.pad(allowed, (0, 32 - V % 32)).reshape(B, -1, 32)
+    )
     bitmask = (bits.to(torch.int64) << torch.arange(32)).sum(-1).to(torch.int64)
     bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
     params = [p for _, p in rows]
-    kw = dict(token_counts=counts.to(device), prompt_mask=prompt.to(device),
-              bitmask=bitmask.to(device))
+    kw = dict(
+        token_counts=counts.to(device), prompt_mask=prompt.to(device), bitmask=bitmask.to(device)
+    )
     print(f"graphexec {gx.__version__} on {device}; vocabulary {V} ({tok.name})")
     for step in range(args.steps):
         pos = [step] * B
@@ -71,15 +94,20 @@ def demo(args: argparse.Namespace) -> int:
                 if p.logprobs:
                     top = ", ".join(
                         f"{tok.decode([int(i)])!r}:{float(v):.2f}"
-                        for i, v in zip(out.top_token_ids[b, : p.logprobs],
-                                        out.top_logprobs[b, : p.logprobs])
+                        for i, v in zip(
+                            out.top_token_ids[b, : p.logprobs],
+                            out.top_logprobs[b, : p.logprobs],
+                            strict=True,
+                        )
                     )
                     line += f"  top: {top}"
             print(line)
         # the invariant: the same rows, reversed into another batch order, give the same tokens
         rev = list(reversed(range(B)))
         again = gx.sample_logits(
-            logits[rev], [params[i] for i in rev], pos,
+            logits[rev],
+            [params[i] for i in rev],
+            pos,
             **{k: v[rev] for k, v in kw.items()},
         )
         same = torch.equal(again.token_ids.flip(0), out.token_ids)

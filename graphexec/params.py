@@ -113,13 +113,17 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
-                raise ValueError(f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}")
+                raise ValueError(
+                    f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}"
+                )
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(
                     f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
                 )
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         rep = _finite("repetition_penalty", self.repetition_penalty)
         if not MIN_REPETITION <= rep <= MAX_REPETITION:
             raise ValueError(
@@ -189,7 +193,9 @@ class SamplingParams:
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be -1, 0 or in [1, {vocab_size}], got {self.top_k}")
         if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
+            raise ValueError(
+                f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}"
+            )
         for tok in self.logit_bias or {}:
             if tok >= vocab_size:
                 raise ValueError(f"logit_bias token id {tok} is outside [0, {vocab_size})")

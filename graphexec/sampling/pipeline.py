@@ -196,6 +196,4 @@ def sample_logits(
     asked = [p.logprobs for p in params if p.logprobs is not None]
     out = SamplerOutput.allocate(B, dev, max(asked) if asked else None)
     slot_ids = torch.arange(B, device=dev)
-    return sample_step(
-        logits, slot_ids, pos.to(dev), table, out, bitmask, variant, backend
-    )
+    return sample_step(logits, slot_ids, pos.to(dev), table, out, bitmask, variant, backend)

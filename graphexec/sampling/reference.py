@@ -15,8 +15,9 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
 5. **Filter.** Order the row by (y descending, token id ascending). The kept set is a
    prefix of that order: top-k keeps the first k; top-p then keeps the shortest prefix of
    those whose mass reaches p times their total mass; min-p keeps tokens with
-   exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32) (int64, summed exactly, so no split of the row changes a decision), compared
-   in float64: keep position j iff sum(q before j) < p * total.
+   exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32)
+   (int64, summed exactly, so no split of the row changes a decision), compared in
+   float64: keep position j iff sum(q before j) < p * total.
 6. **Draw.** Gumbel-max over the kept set: argmax of y + g(seed, pos, token), ties to
    the lower token id (`graphexec.rng`). Greedy rows take the argmax of x. A row whose
    maximum is -inf has nothing to sample: valid = False, token -1.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.params import SamplerVariant
-from graphexec.rng import Stream, gumbel, philox4x32
+from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 MASS_SCALE = 2.0**32  # fixed-point scale of probability mass relative to the row max
@@ -119,8 +120,12 @@ def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.
     s = seed.to(torch.int64).unsqueeze(1)
     zero = torch.zeros((), dtype=torch.int64, device=seed.device)
     words = philox4x32(
-        groups.unsqueeze(0), pos.to(torch.int64).unsqueeze(1), zero + int(Stream.TOKEN), zero,
-        s & 0xFFFFFFFF, s >> 32,
+        groups.unsqueeze(0),
+        pos.to(torch.int64).unsqueeze(1),
+        zero + int(Stream.TOKEN),
+        zero,
+        s & 0xFFFFFFFF,
+        s >> 32,
     )
     bits = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], -1)
     u = ((bits[:, :vocab_size] >> 8) | 1).to(torch.float32) * 2.0**-24
@@ -128,7 +133,7 @@ def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.
 
 
 def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
-    """Step 5 on scaled rows y: [B, V] bool, True where the token survives top-k, top-p and min-p."""
+    """Step 5 on scaled rows y: [B, V] bool, True where a token survives the filters."""
     B, V = x.shape
     sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
     m = sv[:, :1]

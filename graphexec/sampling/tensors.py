@@ -136,7 +136,9 @@ class SamplingTensors:
         for b, p in enumerate(params):
             bias = sorted((p.logit_bias or {}).items())
             if len(bias) > nb:
-                raise ValueError(f"logit_bias has {len(bias)} entries; the table holds at most {nb}")
+                raise ValueError(
+                    f"logit_bias has {len(bias)} entries; the table holds at most {nb}"
+                )
             if bias:
                 ids[b, : len(bias)] = torch.tensor([t for t, _ in bias], dtype=torch.int32)
                 vals[b, : len(bias)] = torch.tensor([v for _, v in bias], dtype=torch.float32)
@@ -190,9 +192,7 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None = None
 
     @classmethod
-    def allocate(
-        cls, batch: int, device: torch.device | str, num_top: int | None
-    ) -> SamplerOutput:
+    def allocate(cls, batch: int, device: torch.device | str, num_top: int | None) -> SamplerOutput:
         """Static output buffers; num_top None = logprobs off, else the top-N width."""
         d = torch.device(device)
         out = cls(

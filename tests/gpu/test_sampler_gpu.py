@@ -23,10 +23,22 @@ def mixed_params(B: int, V: int, seed: int = 0) -> list[gx.SamplingParams]:
         lambda i: P(temperature=1.0, seed=i),
         lambda i: P(temperature=0.7, top_p=0.95, seed=i, logprobs=20, logprobs_mode="processed"),
         lambda i: P(temperature=1.3, min_p=0.05, seed=i),
-        lambda i: P(temperature=0.9, top_k=1000, seed=i, presence_penalty=0.5, frequency_penalty=0.3,
-                    repetition_penalty=1.2),
-        lambda i: P(temperature=1.0, top_k=5, min_p=0.1, top_p=0.8, seed=i,
-                    logit_bias={int(torch.randint(V, (1,), generator=g)): 5.0, 3: -100.0}),
+        lambda i: P(
+            temperature=0.9,
+            top_k=1000,
+            seed=i,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+        ),
+        lambda i: P(
+            temperature=1.0,
+            top_k=5,
+            min_p=0.1,
+            top_p=0.8,
+            seed=i,
+            logit_bias={int(torch.randint(V, (1,), generator=g)): 5.0, 3: -100.0},
+        ),
         lambda i: P(temperature=0.5, top_k=2000, top_p=0.99, seed=i),
     ]
     return [kinds[i % len(kinds)](1000 + i) for i in range(B)]
@@ -38,8 +50,9 @@ def make_inputs(B: int, V: int, dtype: torch.dtype, seed: int = 0):
     counts = torch.randint(0, 3, (B, V), device="cuda", generator=g, dtype=torch.int32)
     counts = counts * (torch.rand(B, V, device="cuda", generator=g) < 0.001)
     prompt = torch.rand(B, V, device="cuda", generator=g) < 0.001
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (B, (V + 31) // 32), device="cuda",
-                            generator=g, dtype=torch.int32)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (B, (V + 31) // 32), device="cuda", generator=g, dtype=torch.int32
+    )
     bitmask[::3] = -1  # every third row unconstrained
     return logits, counts.to(torch.int32), prompt, bitmask
 
@@ -47,11 +60,13 @@ def make_inputs(B: int, V: int, dtype: torch.dtype, seed: int = 0):
 def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_tri) -> bool:
     """True when the two tokens' reference scores x + g are within NEAR_TIE relative."""
     V = logits.shape[1]
-    table = SamplingTensors.from_params([params[row]], V, "cuda", counts[row : row + 1],
-                                        prompt[row : row + 1])
+    table = SamplingTensors.from_params(
+        [params[row]], V, "cuda", counts[row : row + 1], prompt[row : row + 1]
+    )
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    x = reference.collapse_inf(reference.process_logits(logits[row : row + 1], slots, table,
-                                                        bitmask[row : row + 1]))
+    x = reference.collapse_inf(
+        reference.process_logits(logits[row : row + 1], slots, table, bitmask[row : row + 1])
+    )
     if params[row].temperature == 0:
         s = x[0]
     else:
@@ -72,8 +87,21 @@ def test_triton_matches_torch(V, dtype):
     tri = gx.sample_logits(logits, params, pos, backend="triton", **kw)
     assert torch.equal(ref.valid, tri.valid)
     bad = (ref.token_ids != tri.token_ids).nonzero().flatten().tolist()
-    not_ties = [r for r in bad if not near_tie_ok(logits, params, pos, counts, prompt, bitmask, r,
-                                                  ref.token_ids[r].item(), tri.token_ids[r].item())]
+    not_ties = [
+        r
+        for r in bad
+        if not near_tie_ok(
+            logits,
+            params,
+            pos,
+            counts,
+            prompt,
+            bitmask,
+            r,
+            ref.token_ids[r].item(),
+            tri.token_ids[r].item(),
+        )
+    ]
     print(f"V={V} {dtype}: {len(bad)} near-tie mismatches of {B}")
     assert not not_ties, f"rows {not_ties} differ beyond near-ties"
     same = ref.token_ids == tri.token_ids
@@ -110,11 +138,13 @@ def test_cuda_graph_replay_equals_eager(V, variant):
         static_logits.copy_(torch.randn(B, V, device="cuda", generator=gen) * 3)
         pos.fill_(t)
         graph.replay()
-        replay = [o.clone() for o in (out.token_ids, out.logprobs, out.ranks, out.top_logprobs,
-                                       out.top_token_ids)]
+        replay = [
+            o.clone()
+            for o in (out.token_ids, out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids)
+        ]
         step()
         eager = (out.token_ids, out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids)
-        for a, b in zip(replay, eager):
+        for a, b in zip(replay, eager, strict=True):
             assert torch.equal(a, b), f"step {t}: replay != eager"
 
 
@@ -125,13 +155,15 @@ def test_batch_invariance_on_gpu():
     pos = list(range(64))
     full = gx.sample_logits(logits, params, pos, backend="triton")
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
-    shuffled = gx.sample_logits(logits[perm], [params[i] for i in perm], [pos[i] for i in perm],
-                                backend="triton")
+    shuffled = gx.sample_logits(
+        logits[perm], [params[i] for i in perm], [pos[i] for i in perm], backend="triton"
+    )
     assert torch.equal(shuffled.token_ids, full.token_ids[perm])
     assert torch.equal(shuffled.logprobs, full.logprobs[perm])
     for r in (0, 17, 63):
-        alone = gx.sample_logits(logits[r : r + 1], params[r : r + 1], pos[r : r + 1],
-                                 backend="triton")
+        alone = gx.sample_logits(
+            logits[r : r + 1], params[r : r + 1], pos[r : r + 1], backend="triton"
+        )
         assert alone.token_ids.item() == full.token_ids[r].item()
 
 

@@ -1,11 +1,16 @@
-"""Statistical exactness of the torch backend: the tokens drawn for one row over many
+"""Statistical exactness of the torch backend and of the Triton kernels (interpreter on the
+CPU): the tokens drawn for one row over many
 positions follow the exact filtered distribution, computed here independently in float64
 from DESIGN.md's semantics (processing order; order by (value desc, id asc); top-k; top-p
 on the top-k mass; min-p relative to the max probability)."""
 
 from __future__ import annotations
 
-import math
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()
+
+import math  # noqa: E402
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,7 +117,7 @@ def bitmask_for(allowed: list[int], batch: int) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int32).expand(batch, -1).contiguous()
 
 
-def draw(row: torch.Tensor, case: Case, seed: int) -> np.ndarray:
+def draw(row: torch.Tensor, case: Case, seed: int, backend: str = "torch") -> np.ndarray:
     params = gx.SamplingParams(seed=seed, **case.params)
     tokens = []
     for start in range(0, N, CHUNK):
@@ -133,7 +138,7 @@ def draw(row: torch.Tensor, case: Case, seed: int) -> np.ndarray:
             row.expand(b, -1).contiguous(),
             [params] * b,
             torch.arange(start, start + b),
-            backend="torch",
+            backend=backend,
             **kw,
         )
         assert out.valid.all()
@@ -195,12 +200,26 @@ def test_base_row_has_ties_and_neg_inf() -> None:
     assert ROW[RANKED[0]] == ROW[RANKED[1]]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_distribution_is_exact(case: Case) -> None:
+# The Triton kernels run under the CPU interpreter at ~0.4 ms a row: they get the cases
+# that cover every stage (filters, temperature, and "everything": bias, bitmask, penalties).
+TRITON_CASES = {
+    "no_filter",
+    "top_k",
+    "top_p",
+    "top_k_top_p",
+    "min_p",
+    "temperature_1.7",
+    "everything",
+}
+PAIRS = [(c, "torch") for c in CASES] + [(c, "triton") for c in CASES if c.name in TRITON_CASES]
+
+
+@pytest.mark.parametrize(("case", "backend"), PAIRS, ids=[f"{b}-{c.name}" for c, b in PAIRS])
+def test_distribution_is_exact(case: Case, backend: str) -> None:
     probs = exact_distribution(ROW, case)
     support = probs > 0
     assert support.sum() >= 3, "a case must leave something to test"
-    tokens = draw(ROW, case, seed=1000 + CASES.index(case))
+    tokens = draw(ROW, case, seed=1000 + CASES.index(case), backend=backend)
     assert tokens.min() >= 0 and tokens.max() < V
     counts = np.bincount(tokens, minlength=V)
     outside = np.flatnonzero(counts * ~support)

@@ -30,9 +30,13 @@ from graphexec.sampling.triton.passes import (
 from graphexec.sampling.triton.process import process, process_args
 from graphexec.sampling.triton.sample import _finish_kernel, _sample_tile_kernel
 
-TILE_V = 1024  # rows up to this many tokens are sorted whole in registers
-CAP = 4096  # candidates gathered and sorted per row on the large-V path
-SMALL_CAP = 256  # rows with at most this many candidates sort a narrower tile
+TILE_V = 1024 if not interpreter_enabled() else 256  # rows this short are sorted whole
+# candidates gathered and sorted per row on the large-V path (the interpreter sorts in
+# O(CAP^2), so it keeps fewer and leaves more rows to the exact path)
+CAP = 4096 if not interpreter_enabled() else 256
+SMALL_CAP = (
+    256 if not interpreter_enabled() else 32
+)  # rows with at most this many candidates sort a narrower tile
 DELTAS = 8  # thresholds tried per counting pass
 SEARCH_ROUNDS = 3  # counting passes before a row falls back to the exact slow path
 ROW_WARPS = 4
@@ -67,9 +71,7 @@ def draw_large(
     f32, i32 = torch.float32, torch.int32
     y = torch.empty((B, V) if write_y else (1, 1), dtype=f32, device=dev)
     dense = torch.empty((B, V), dtype=f32, device=dev)
-    _bias_fill_kernel[(B,)](
-        slot_ids, table.bias_ids, table.bias_ids.stride(0), dense, V, BLOCK=blk
-    )
+    _bias_fill_kernel[(B,)](slot_ids, table.bias_ids, table.bias_ids.stride(0), dense, V, BLOCK=blk)
     nb = table.bias_ids.shape[1]
     _bias_scatter_kernel[(B,)](
         slot_ids, table.bias_ids, table.bias_ids.stride(0), table.bias_values,
@@ -116,7 +118,9 @@ def draw_large(
             )  # fmt: skip
         _choose_kernel[(B,)](
             n_part, q_part, nm_part, stat_i, slot_ids, table.top_k, table.top_p, table.min_p,
-            deltas, state, chosen, qt, nm, cap, D=DELTAS, SPLIT=sp,
+            deltas, state, chosen, qt, nm,
+            # early rounds hold out for a set that fits the narrow sort; the last takes any
+            cap if round_ == SEARCH_ROUNDS - 1 else min(cap, SMALL_CAP), D=DELTAS, SPLIT=sp,
         )  # fmt: skip
     cnt = torch.zeros(B, dtype=i32, device=dev)
     cand = torch.empty((B, cap), dtype=torch.int64, device=dev)
@@ -124,7 +128,7 @@ def draw_large(
     _finish_kernel[(B,)](
         y, slot_ids, positions, table.top_k, table.top_p, table.min_p, table.seed, stat_i,
         state, qt, nm, cnt, cand, out.token_ids, V, CAP=cap, SMALL=min(cap, SMALL_CAP), BLOCK=blk,
-        STREAM=stream,
+        STREAM=stream, INTERP=interpreter_enabled(),
         num_warps=8 if not interpreter_enabled() else 4,
     )  # fmt: skip
     return y
@@ -147,7 +151,7 @@ def draw_tile(
         table.top_k, table.top_p,
         table.min_p, table.seed, out.token_ids, out.valid, B, V,
         FILTERS=variant is not SamplerVariant.NO_FILTER, STREAM=int(Stream.TOKEN),
-        BLOCK_R=br, BLOCK_V=bv,
+        BLOCK_R=br, BLOCK_V=bv, INTERP=interpreter_enabled(),
     )  # fmt: skip
 
 
@@ -169,8 +173,9 @@ def sample(
         y = process(logits, slot_ids, table, bitmask)
         draw_tile(y, slot_ids, positions, table, out, variant)
     else:
-        y = draw_large(logits, slot_ids, positions, table, out, bitmask, variant, need_y,
-                       **large_kw)
+        y = draw_large(
+            logits, slot_ids, positions, table, out, bitmask, variant, need_y, **large_kw
+        )
     if need_y:
         write_logprobs(logits, y, slot_ids, table, out)
     return out

@@ -22,9 +22,9 @@ import triton.language as tl
 
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
-from graphexec.sampling.triton.select import collapse_inf, okey, pack, unpack
+from graphexec.sampling.triton.select import collapse_inf, okey, pack, sort_desc, unpack
 
-CAP = 256
+CAP = 256 if not interpreter_enabled() else 64  # the interpreter sorts in O(CAP^2)
 
 
 @triton.jit
@@ -66,6 +66,7 @@ def _logprobs_kernel(
     CAP: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUNDS: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
@@ -78,7 +79,9 @@ def _logprobs_kernel(
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = tl.maximum(m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), axis=0))
+        m = tl.maximum(
+            m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), axis=0)
+        )
     has_inf = m == float("inf")
     m = tl.where(has_inf, 0.0, m)
 
@@ -163,7 +166,7 @@ def _logprobs_kernel(
         tl.debug_barrier()
         c = tl.arange(0, CAP)
         keys = tl.load(crow + c, mask=c < base, other=-9223372036854775808)
-        keys = tl.sort(keys, dim=0, descending=True)
+        keys = tl.reshape(sort_desc(tl.reshape(keys, (1, CAP)), INTERP), (CAP,))
         # keep the first N_POW2 sorted keys: a rank-select with a one-hot sum
         j = tl.arange(0, N_POW2)
         sel_keys = tl.sum(tl.where(c[None, :] == j[:, None], keys[None, :], 0), axis=1)
@@ -197,8 +200,25 @@ def write_logprobs(
     if bf16:
         logits = logits.view(torch.int16)  # same bytes; widened exactly in the kernel
     _logprobs_kernel[(B,)](
-        logits, logits.stride(0), y, y.stride(0), slot_ids, table.logprobs_processed,
-        out.token_ids, cand, out.logprobs, out.ranks, top_lp, top_id, V,
-        BF16_BITS=bf16, N=n, N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap, BLOCK=blk, ROUNDS=16,
+        logits,
+        logits.stride(0),
+        y,
+        y.stride(0),
+        slot_ids,
+        table.logprobs_processed,
+        out.token_ids,
+        cand,
+        out.logprobs,
+        out.ranks,
+        top_lp,
+        top_id,
+        V,
+        BF16_BITS=bf16,
+        N=n,
+        N_POW2=max(1, triton.next_power_of_2(n)),
+        CAP=cap,
+        BLOCK=blk,
+        ROUNDS=16,
+        INTERP=interpreter_enabled(),
         num_warps=8 if not interpreter_enabled() else 4,
     )

@@ -375,9 +375,10 @@ def _choose_kernel(
         top_k = tl.zeros([D], dtype=tl.int32) + tl.load(top_k_ptr + slot)
         top_p = tl.zeros([D], dtype=tl.float32) + tl.load(top_p_ptr + slot)
         min_p = tl.zeros([D], dtype=tl.float32) + tl.load(min_p_ptr + slot)
+        qt_f = qt.to(tl.float64)
         covers = (
             ((top_k > 0) & (n >= top_k))
-            | ((top_k == 0) & (top_p < 1.0) & (qc.to(tl.float64) >= top_p.to(tl.float64) * qt.to(tl.float64)))
+            | ((top_k == 0) & (top_p < 1.0) & (qc.to(tl.float64) >= top_p.to(tl.float64) * qt_f))
             | ((min_p > 0.0) & (n >= nm))
             | (n >= n_fin)
         )  # fmt: skip

@@ -115,7 +115,9 @@ def group_bits(seed, pos, start, G: tl.constexpr, STREAM: tl.constexpr):
     r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, c3 + k0, c3 + k1)
     lane = tl.arange(0, 4)[None, :]
     return tl.where(
-        lane == 0, r0[:, None], tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None]))
+        lane == 0,
+        r0[:, None],
+        tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])),
     )
 
 

@@ -29,6 +29,7 @@ from graphexec.sampling.triton.select import (
     okey,
     okey_to_float,
     pack,
+    sort_desc,
     unpack,
 )
 
@@ -54,6 +55,7 @@ def _sample_tile_kernel(
     STREAM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < B
@@ -81,9 +83,11 @@ def _sample_tile_kernel(
         min_p = tl.load(min_p_ptr + slot, mask=rmask, other=0.0)[:, None]
         zero = tl.zeros([BLOCK_R, 1], dtype=tl.float32)
         qtot = tl.sum(mass(y, zero), axis=1)[:, None]
-        keys = tl.sort(tl.where(mask, pack(y, ids), -9223372036854775808), dim=1, descending=True)
+        keys = sort_desc(tl.where(mask, pack(y, ids), -9223372036854775808), INTERP)
         vals, sids = unpack(keys)
-        tok, best = filter_sorted_draw(vals, sids, zero, top_k, top_p, min_p, qtot, seed, pos, STREAM)
+        tok, best = filter_sorted_draw(
+            vals, sids, zero, top_k, top_p, min_p, qtot, seed, pos, STREAM
+        )
     else:
         g = gumbel(tile_bits(seed1, pos1, 0, BLOCK_R, BLOCK_V, STREAM))
         score = y + g
@@ -219,11 +223,11 @@ def _exact_prefix_draw(yrow, V, n_fin, nm, qt, top_k, top_p, min_p, seed, pos,
 
 @triton.jit
 def _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, W: tl.constexpr,
-                 STREAM: tl.constexpr):  # fmt: skip
+                 STREAM: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """Sort a row's n <= W packed candidate keys, filter them and draw."""
     c = tl.arange(0, W)
     keys = tl.load(crow + c, mask=c < n, other=-9223372036854775808)
-    keys = tl.sort(keys.reshape(1, W), dim=1, descending=True)
+    keys = sort_desc(keys.reshape(1, W), INTERP)
     vals, ids = unpack(keys)
     one = tl.zeros([1, 1], dtype=tl.int32)
     tok, best = filter_sorted_draw(
@@ -245,6 +249,7 @@ def _finish_kernel(
     cand_ptr,  # [B, CAP] i64 packed candidate keys
     tok_ptr,  # [B] i64 in/out
     V, CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     """Sort the candidates, filter and draw; rows without candidates take the exact path."""
     row = tl.program_id(0)
@@ -264,9 +269,11 @@ def _finish_kernel(
             crow = cand_ptr + r64 * CAP
             # sort as few keys as the row has: most rows fit the small width
             if n <= SMALL:
-                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, SMALL, STREAM)
+                tok = _sorted_draw(
+                    crow, n, top_k, top_p, min_p, qt, seed, pos, SMALL, STREAM, INTERP
+                )
             else:
-                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, CAP, STREAM)
+                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, CAP, STREAM, INTERP)
         else:
             nm = tl.load(nm_ptr + row)
             tok = _exact_prefix_draw(y_ptr + r64 * V, V, n_fin, nm, qt, top_k, top_p, min_p,

@@ -51,6 +51,26 @@ def unpack(key):
 
 
 @triton.jit
+def sort_desc(keys, INTERP: tl.constexpr):
+    """Sort each row of [R, C] int64 keys in descending order.
+
+    Compiled: tl.sort. Under the CPU interpreter, whose tl.sort runs element by element in
+    Python, the same order by ranks (keys are distinct but for the padding): O(C^2) work
+    in a few vectorised numpy operations."""
+    if INTERP:
+        C: tl.constexpr = keys.shape[1]
+        idx = tl.arange(0, C)
+        ki = keys[:, :, None]
+        kj = keys[:, None, :]
+        ahead = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=2)
+        onehot = rank[:, :, None] == idx[None, None, :]
+        return tl.sum(tl.where(onehot, ki, 0), axis=1)
+    else:
+        return tl.sort(keys, dim=1, descending=True)
+
+
+@triton.jit
 def collapse_inf(x, has_inf):
     """Rows holding +inf sample uniformly among their +inf entries (has_inf broadcasts)."""
     return tl.where(has_inf, tl.where(x == float("inf"), 0.0, float("-inf")), x)
