@@ -400,7 +400,9 @@ def _choose_kernel(
             d_hi = tl.sum(tl.where(di == first_enough, deltas, 0.0), axis=0)
             d_lo = tl.where(last_short < 0, 0.0, d_lo)
             d_hi = tl.where(first_enough >= D, 4.0 * d_lo + 64.0, d_hi)
-            step = (d_hi - d_lo) / (D + 1)
+            # the last new delta is d_hi itself: "enough" there, so a later round that
+            # allows a wider sort can still take it
+            step = (d_hi - d_lo) / D
             tl.store(delta_ptr + r64 * D + di, d_lo + step * (di + 1).to(tl.float32))
 
 
