@@ -14,8 +14,9 @@ is exact (an odd integer below 2**24 times a power of two). Philox4x32-10 is the
 Salmon et al. (SC'11) generator: ten rounds of two 32x32->64 multiplications with the
 constants 0xD2511F53 and 0xCD9E8D57 and Weyl key increments 0x9E3779B9, 0xBB67AE85.
 
-`stream` separates independent uses of the same (seed, pos, token): token noise,
-speculative acceptance coins, recovered-token noise. Nothing here holds state: there is
+`stream` separates independent uses of the same (seed, pos, token): token noise, the
+block noise of the two-level draw (keyed on the block index), speculative acceptance
+coins, recovered-token noise. Nothing here holds state: there is
 no generator object, no global RNG and no per-batch offset, which is what makes a
 request's draws independent of batch, bucket, row, variant and eager-vs-replay.
 
@@ -46,6 +47,7 @@ class Stream(enum.IntEnum):
     TOKEN = 0  # Gumbel noise of the main draw
     SPEC_ACCEPT = 1  # speculative decoding: acceptance coin per draft position
     SPEC_RECOVER = 2  # speculative decoding: noise of the recovered-token draw
+    BLOCK = 3  # the block choice of the two-level draw ("token_id" = block index)
 
 
 def _mul32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

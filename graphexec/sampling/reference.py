@@ -18,9 +18,22 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
    exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32)
    (int64, summed exactly, so no split of the row changes a decision), compared in
    float64: keep position j iff sum(q before j) < p * total.
-6. **Draw.** Gumbel-max over the kept set: argmax of y + g(seed, pos, token), ties to
-   the lower token id (`graphexec.rng`). Greedy rows take the argmax of x. A row whose
-   maximum is -inf has nothing to sample: valid = False, token -1.
+6. **Draw.** Greedy rows take the argmax of x. A row whose maximum is -inf has nothing
+   to sample: valid = False, token -1. Otherwise, with g(seed, pos, i, stream) the
+   Gumbel noise of `graphexec.rng` and ties always to the lower index:
+   - a row with an active filter: Gumbel-max over the kept set, argmax of
+     y + g(seed, pos, token, TOKEN);
+   - a row with no active filter (top-k off, top-p 1, min-p 0): the **two-level draw**,
+     which reads the row once and draws noise for one block only. Cut the row into
+     blocks of DRAW_BLOCK consecutive token ids; per block b, with xm_b its max (of the
+     collapsed x) and s = fp32(1/T):
+         Q_b = sum over finite x_i of trunc(exp((x_i - xm_b) * s) * 2**32)   (int64)
+         L_b = (xm_b - m) * s + log(fp32(Q_b))                               (fp32)
+     pick b* = argmax of L_b + g(seed, pos, b, BLOCK), then the token is the argmax of
+     y + g(seed, pos, token, TOKEN) over block b*. P(b) is the block's share of the mass
+     and P(token | b) its share within the block, so the draw is exact; Q_b is an exact
+     integer sum (no summation order to depend on) that loses at most 2**-32 of the
+     block max per token, below float32 rounding.
 7. **Logprobs** of the raw row (default) or of the processed row y before the filters
    (`logprobs_mode="processed"`), both +inf-collapsed: lp = (v - m) - log(sum
    exp(v - m)); rank = 1 + #(v_j > v_token); the top-N by (v desc, id asc).
@@ -35,6 +48,7 @@ from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 MASS_SCALE = 2.0**32  # fixed-point scale of probability mass relative to the row max
+DRAW_BLOCK = 512  # token ids per block of the two-level draw (part of the definition)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -114,22 +128,27 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == m, idx, x.shape[-1]).min(dim=-1).values
 
 
-def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] Gumbel noise for every token of each row: one Philox call per 4 tokens."""
-    groups = torch.arange((vocab_size + 3) // 4, device=seed.device, dtype=torch.int64)
+def row_gumbel_stream(seed: torch.Tensor, pos: torch.Tensor, n: int, stream: int) -> torch.Tensor:
+    """[B, n] Gumbel noise of indices 0..n-1 of each row: one Philox call per 4 indices."""
+    groups = torch.arange((n + 3) // 4, device=seed.device, dtype=torch.int64)
     s = seed.to(torch.int64).unsqueeze(1)
     zero = torch.zeros((), dtype=torch.int64, device=seed.device)
     words = philox4x32(
         groups.unsqueeze(0),
         pos.to(torch.int64).unsqueeze(1),
-        zero + int(Stream.TOKEN),
+        zero + int(stream),
         zero,
         s & 0xFFFFFFFF,
         s >> 32,
     )
     bits = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], -1)
-    u = ((bits[:, :vocab_size] >> 8) | 1).to(torch.float32) * 2.0**-24
+    u = ((bits[:, :n] >> 8) | 1).to(torch.float32) * 2.0**-24
     return -torch.log(-torch.log(u))
+
+
+def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] token noise for every token of each row."""
+    return row_gumbel_stream(seed, pos, vocab_size, Stream.TOKEN)
 
 
 def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
@@ -152,6 +171,29 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors)
     return out.scatter(1, si, kept)
 
 
+def plain_rows(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
+    """[B] bool: rows with no active filter (they take the two-level draw)."""
+    return (
+        (table.top_k[slot_ids] == 0) & (table.top_p[slot_ids] >= 1.0) & (table.min_p[slot_ids] <= 0.0)
+    )
+
+
+def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
+    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc."""
+    B, V = xc.shape
+    nb = -(-V // draw_block)
+    pad = torch.full((B, nb * draw_block - V), -torch.inf, dtype=xc.dtype, device=xc.device)
+    xb = torch.cat([xc, pad], dim=1).view(B, nb, draw_block)
+    xm = xb.max(dim=-1).values
+    s = inv_t.view(B, 1, 1)
+    fin = torch.isfinite(xb) & torch.isfinite(xm).unsqueeze(-1)
+    xs = torch.where(torch.isfinite(xm), xm, 0.0).unsqueeze(-1)
+    z = torch.where(fin, (xb - xs) * s, -torch.inf)
+    q = torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0)
+    qf = q.sum(dim=-1).to(torch.float32)
+    return (xm - row_max(xc)) * inv_t.view(B, 1) + torch.log(qf)
+
+
 def draw(
     xc: torch.Tensor,
     y: torch.Tensor,
@@ -159,15 +201,27 @@ def draw(
     positions: torch.Tensor,
     table: SamplingTensors,
     kept: torch.Tensor | None,
+    draw_block: int = DRAW_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (x: collapsed y's
-    source, for greedy rows)."""
-    g = row_gumbel(table.seed[slot_ids], positions, y.shape[1])
+    """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (xc: collapsed y's
+    source, for greedy rows and the block masses)."""
+    B, V = y.shape
+    seed = table.seed[slot_ids]
+    g = row_gumbel(seed, positions, V)
     score = y + g
     if kept is not None:
         score = torch.where(kept, score, -torch.inf)
-    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
-    score = torch.where(greedy, xc, score)
+    # two-level draw for rows without an active filter
+    plain = plain_rows(slot_ids, table) if kept is not None else torch.ones_like(slot_ids, dtype=torch.bool)
+    greedy = table.temperature[slot_ids] == 0
+    inv_t = torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
+    lm = block_logmass(xc, inv_t, draw_block)
+    bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
+    chosen = first_argmax(lm + bg)
+    in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
+    two_level = torch.where(in_block, y + g, -torch.inf)
+    score = torch.where(plain.unsqueeze(1), two_level, score)
+    score = torch.where(greedy.unsqueeze(1), xc, score)
     valid = xc.max(dim=-1).values > -torch.inf
     tok = first_argmax(score)
     return torch.where(valid, tok, -1), valid
@@ -208,12 +262,15 @@ def sample(
     out: SamplerOutput,
     bitmask: torch.Tensor | None = None,
     variant: SamplerVariant = SamplerVariant.DEFAULT,
+    *,
+    draw_block: int = DRAW_BLOCK,
 ) -> SamplerOutput:
-    """The torch backend of `graphexec.sampling.pipeline.sample_step`."""
+    """The torch backend of `graphexec.sampling.pipeline.sample_step` (`draw_block` is
+    for tests only: the library always uses DRAW_BLOCK)."""
     xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask))
     y = scale(xc, slot_ids, table)
     kept = None if variant is SamplerVariant.NO_FILTER else filter_mask(y, slot_ids, table)
-    tokens, valid = draw(xc, y, slot_ids, positions, table, kept)
+    tokens, valid = draw(xc, y, slot_ids, positions, table, kept, draw_block)
     out.token_ids.copy_(tokens)
     out.valid.copy_(valid)
     if out.logprobs is not None:

@@ -21,10 +21,11 @@ from graphexec.sampling.triton import launch  # noqa: E402
 
 P = gx.SamplingParams
 V = 200
+# the split routes use blocks of 16 tokens for the two-level draw, so V = 200 has 13
 ROUTES = {
     "tile": dict(),
-    "split": dict(tile_v=16, block=64, cap=64),
-    "exact": dict(tile_v=16, block=64, cap=4),
+    "split": dict(tile_v=16, block=64, cap=64, draw_block=16),
+    "exact": dict(tile_v=16, block=64, cap=4, draw_block=16),
 }
 
 
@@ -65,8 +66,10 @@ def run_both(params, logits, counts, prompt, bitmask, variant, route, slots=None
     pos = torch.arange(B) * 7 + 3
     ref = SamplerOutput.allocate(B, "cpu", num_top)
     tri = SamplerOutput.allocate(B, "cpu", num_top)
-    reference.sample(logits, slot_ids, pos, table, ref, bitmask, variant)
-    launch.sample(logits, slot_ids, pos, table, tri, bitmask, variant, **ROUTES[route])
+    kw = ROUTES[route]
+    reference.sample(logits, slot_ids, pos, table, ref, bitmask, variant,
+                     draw_block=kw.get("draw_block", reference.DRAW_BLOCK))  # fmt: skip
+    launch.sample(logits, slot_ids, pos, table, tri, bitmask, variant, **kw)
     return ref, tri
 
 

@@ -14,6 +14,7 @@ import triton
 
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream
+from graphexec.sampling.reference import DRAW_BLOCK
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.logprobs import write_logprobs
@@ -22,13 +23,13 @@ from graphexec.sampling.triton.passes import (
     _bias_scatter_kernel,
     _choose_kernel,
     _count_kernel,
-    _draw_combine_kernel,
     _gather_kernel,
     _row_pass_kernel,
     _stats_combine_kernel,
 )
 from graphexec.sampling.triton.process import process, process_args
 from graphexec.sampling.triton.sample import _finish_kernel, _sample_tile_kernel
+from graphexec.sampling.triton.two_level import _two_level_draw_kernel
 
 TILE_V = 1024 if not interpreter_enabled() else 256  # rows this short are sorted whole
 # candidates gathered and sorted per row on the large-V path (the interpreter sorts in
@@ -55,13 +56,16 @@ def draw_large(
     cap: int = CAP,
     split: int | None = None,
     block: int | None = None,
+    draw_block: int = DRAW_BLOCK,
 ) -> torch.Tensor | None:
     """The split-row route (see `passes`); returns the scaled rows y when it wrote them."""
     B, V = logits.shape
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
     write_y = filters or need_y
-    blk = block or (4096 if interpreter_enabled() else 512)
+    blk = block or max(draw_block, 4096 if interpreter_enabled() else 512)
+    if blk % draw_block:
+        raise ValueError(f"block ({blk}) must be a multiple of draw_block ({draw_block})")
     # enough programs to fill the GPU: partials combine by max / min / integer sums, so
     # the split changes no result and may follow B
     sp = split or min(64, triton.next_power_of_2(triton.cdiv(1024, B)))
@@ -87,14 +91,19 @@ def draw_large(
     n_part = torch.empty((B, sp, DELTAS), dtype=i32, device=dev)
     q_part = torch.empty((B, sp, DELTAS + 1), dtype=torch.int64, device=dev)
     nm_part = torch.empty((B, sp), dtype=i32, device=dev)
+    nblk = triton.cdiv(V, draw_block)
+    blk_xm = torch.empty((B, nblk), dtype=f32, device=dev)
+    blk_q = torch.empty((B, nblk), dtype=torch.int64, device=dev)
+    blk_n = torch.empty((B, nblk), dtype=i32, device=dev)
     stream = int(Stream.TOKEN)
     row_pass = functools.partial(
         _row_pass_kernel[(B, sp)],
         *common, table.bias_ids, table.bias_ids.stride(0), dense, table.temperature,
-        table.inv_temperature, table.seed, table.top_k, table.top_p, table.min_p, positions,
+        table.inv_temperature, table.top_k, table.top_p, table.min_p,
         stat_f, stat_i, state, deltas, y, part_f, part_i, n_part, q_part, nm_part,
-        B, V, slice_len, **flags, WRITE_Y=write_y, STREAM=stream, D=DELTAS, SPLIT=sp,
-        BLOCK=blk, enable_fp_fusion=False, num_warps=ROW_WARPS,
+        blk_xm, blk_q, blk_n, B, V, slice_len, nblk, **flags, WRITE_Y=write_y,
+        FILTERS=filters, D=DELTAS, SPLIT=sp, BLOCK=blk, DB=draw_block,
+        enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip
     row_pass(DRAW=False)
     _stats_combine_kernel[(B,)](
@@ -102,8 +111,15 @@ def draw_large(
         stat_f, stat_i, out.token_ids, out.valid, state, deltas,
         FILTERS=filters, D=DELTAS, SPLIT=sp,
     )  # fmt: skip
-    row_pass(DRAW=True)
-    _draw_combine_kernel[(B,)](part_f, part_i, state, out.token_ids, SPLIT=sp)
+    _two_level_draw_kernel[(B,)](
+        *common, table.bias_ids, table.bias_ids.stride(0), dense, table.inv_temperature,
+        table.seed, positions, stat_f, stat_i, state, blk_xm, blk_q, blk_n, out.token_ids,
+        B, V, nblk, **flags, NB_P2=max(4, triton.next_power_of_2(nblk)), DB=draw_block,
+        TOKEN_STREAM=stream, BLOCK_STREAM=int(Stream.BLOCK), enable_fp_fusion=False,
+        num_warps=ROW_WARPS,
+    )  # fmt: skip
+    if write_y:
+        row_pass(DRAW=True)
     if not filters:
         return y if need_y else None
     chosen = torch.empty(B, dtype=f32, device=dev)
@@ -165,17 +181,20 @@ def sample(
     variant: SamplerVariant = SamplerVariant.DEFAULT,
     *,
     tile_v: int = TILE_V,
+    draw_block: int = DRAW_BLOCK,
     **large_kw,
 ) -> SamplerOutput:
     B, V = logits.shape
     need_y = out.logprobs is not None
-    if V <= tile_v:
+    # the tile kernel draws over the whole row: exact only where the row is one block
+    if V <= min(tile_v, draw_block):
         y = process(logits, slot_ids, table, bitmask)
         draw_tile(y, slot_ids, positions, table, out, variant)
     else:
         y = draw_large(
-            logits, slot_ids, positions, table, out, bitmask, variant, need_y, **large_kw
-        )
+            logits, slot_ids, positions, table, out, bitmask, variant, need_y,
+            draw_block=draw_block, **large_kw,
+        )  # fmt: skip
     if need_y:
         write_logprobs(logits, y, slot_ids, table, out)
     return out

@@ -8,12 +8,14 @@ batch. In order:
 1. `_bias_fill_kernel`, `_bias_scatter_kernel`: a dense per-row bias scratch, built (and
    later read) only for rows that have a logit bias.
 2. `_row_pass_kernel` in STATS mode (B x SPLIT): processes the raw logits in registers
-   (`process._process_cols`) and keeps per slice: max, first argmax, #finite, #(+inf).
+   (`process._process_cols`) and keeps per slice: max, first argmax, #finite, #(+inf);
+   for plain rows also the block stats of the two-level draw.
 3. `_stats_combine_kernel` (B): the row max m, the greedy token, validity, and each row's
    state: 2 = final (greedy or nothing samplable), 3 = draw unfiltered, 0 = filter.
-4. `_row_pass_kernel` in DRAW mode: processes again, scales y = (collapse(x) - m) * 1/T,
-   writes y when later passes need it, and Gumbel-max per slice for state-3 rows;
-   `_draw_combine_kernel` (B) takes their token.
+4. State-3 rows: `two_level._two_level_draw_kernel` (B) picks a block from the STATS
+   pass's block stats and draws the token inside it (no second read of the row).
+   `_row_pass_kernel` in DRAW mode processes again and writes y = (collapse(x) - m) * 1/T
+   for the rows and passes that need it (filtered rows; logprobs).
 5. Filtered rows: `_count_kernel` (B x SPLIT) counts, for D thresholds tau_d = -delta_d,
    the candidates y >= tau_d and their fixed-point mass; `_choose_kernel` (B) picks the
    tightest tau whose candidates hold the kept set and fit in CAP (else it refines the
@@ -26,9 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.philox import group_bits, gumbel
-from graphexec.sampling.triton.process import _process_cols
+from graphexec.sampling.triton.process import _process_chunk
 from graphexec.sampling.triton.select import collapse_inf, pack
+from graphexec.sampling.triton.two_level import block_stats
 
 INT32_MAX = tl.constexpr(2147483647)
 
@@ -115,32 +117,6 @@ def _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr):
 
 
 @triton.jit
-def _process_chunk(
-    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-    prompt_ptr, stride_ps, stride_pv, dense_ptr, has_bias, row, offs, B, V,
-    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-):  # fmt: skip
-    """x at the 2-D tile of token ids offs of one row (-inf past V); the bias scratch is
-    read only for rows that have a bias."""
-    ok = offs < V
-    hb = (tl.zeros(offs.shape, dtype=tl.int32) + has_bias.to(tl.int32)) != 0
-    bias = tl.load(dense_ptr + row.to(tl.int64) * V + offs, mask=ok & hb, other=0.0)
-    # rows without a bias add -0.0, the exact additive identity
-    bias = tl.where(hb, bias, tl.full(offs.shape, -(2**31), tl.int32).to(tl.float32, bitcast=True))
-    x = _process_cols(
-        logits_ptr, stride_lb, stride_lv, slot_ptr,
-        rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-        bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-        prompt_ptr, stride_ps, stride_pv,
-        tl.zeros([1], dtype=tl.int32) + row, offs, ok, bias, B,
-        HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-    )  # fmt: skip
-    return tl.where(ok, x, float("-inf"))
-
-
-@triton.jit
 def _row_pass_kernel(
     logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / bf16 / f16
     slot_ptr,  # [B] i64
@@ -150,26 +126,27 @@ def _row_pass_kernel(
     prompt_ptr, stride_ps, stride_pv,  # [S, V] u8
     bias_ids_ptr, stride_is,  # [S, NB] i32
     dense_ptr,  # [B, V] f32 bias scratch
-    temp_ptr, inv_temp_ptr, seed_ptr,  # [S] f32, f32, i64
+    temp_ptr, inv_temp_ptr,  # [S] f32
     top_k_ptr, top_p_ptr, min_p_ptr,  # [S] i32, f32, f32
-    pos_ptr,  # [B] i64
     stat_f_ptr, stat_i_ptr, state_ptr,  # [B] f32 row max, [B, 2] i32, [B] i32 (DRAW mode)
     delta_ptr,  # [B, D] f32 first thresholds (DRAW mode, rows in state 0)
     y_ptr,  # [B, V] f32 out: scaled rows y (DRAW mode, if WRITE_Y)
     part_f_ptr,  # [B, SPLIT] f32 out: slice max (STATS) / best score (DRAW)
     part_i_ptr,  # [B, SPLIT, 3] i32 out: first argmax, #finite, #(+inf) / best id
     n_ptr, q_ptr, nm_ptr,  # threshold counts out (DRAW mode), as in _count_kernel
-    B, V, SLICE,
+    bxm_ptr, bq_ptr, bn_ptr,  # [B, NBLK] out: two-level block stats (STATS mode, plain rows)
+    B, V, SLICE, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, DRAW: tl.constexpr, WRITE_Y: tl.constexpr,
-    STREAM: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    BF16_BITS: tl.constexpr, DRAW: tl.constexpr, WRITE_Y: tl.constexpr, FILTERS: tl.constexpr,
+    D: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, DB: tl.constexpr,
 ):  # fmt: skip
     """One slice of one row, processed from the raw logits in registers.
 
-    STATS mode (DRAW False): the slice's max, first argmax, #finite and #(+inf).
-    DRAW mode: y = (collapse(x) - m) * inv_t, stored when WRITE_Y; for rows in state 3
-    (unfiltered, not greedy) the slice's Gumbel-max of y; for rows in state 0 the counts
-    of the first threshold round.
+    STATS mode (DRAW False): the slice's max, first argmax, #finite and #(+inf); for
+    plain rows (not greedy, no active filter) also the two-level block stats of every
+    block in the slice (`two_level.block_stats`).
+    DRAW mode: y = (collapse(x) - m) * inv_t, stored when WRITE_Y; for rows in state 0
+    the counts of the first threshold round.
     Each case has its own branch-free loop (a branch inside a loop stops Triton from
     pipelining its loads). Maxima and argmaxes are kept per lane across the chunks and
     reduced once at the end (a lane sees increasing ids: strict > keeps its first maximum).
@@ -199,20 +176,7 @@ def _row_pass_kernel(
         greedy = tl.load(temp_ptr + slot) == 0.0
         inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
         state = tl.load(state_ptr + row)
-        if state == 3:
-            seed = tl.load(seed_ptr + slot)
-            pos = tl.load(pos_ptr + row)
-            for start in range(lo, hi, BLOCK):
-                offs = start + lane
-                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
-                                   BF16_BITS)  # fmt: skip
-                y = (collapse_inf(x, has_inf) - m) * inv_t
-                if WRITE_Y:
-                    tl.store(y_ptr + r64 * V + offs, y, mask=offs < V)
-                s = y + gumbel(group_bits(seed, pos, start, G, STREAM))
-                bi = tl.where(s > best, offs, bi)
-                best = tl.maximum(best, s)
-        elif state == 0:
+        if state == 0:
             need_mass, need_nm, min_p = _search_needs(slot, top_k_ptr, top_p_ptr, min_p_ptr)
             tau = -tl.load(delta_ptr + r64 * D + tl.arange(0, D))
             qc = tl.zeros([D], dtype=tl.int64)
@@ -242,14 +206,33 @@ def _row_pass_kernel(
                 tl.store(y_ptr + r64 * V + offs, (collapse_inf(x, has_inf) - m) * inv_t,
                          mask=offs < V)  # fmt: skip
     else:
-        for start in range(lo, hi, BLOCK):
-            offs = start + lane
-            x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
-                               BF16_BITS)  # fmt: skip
-            bi = tl.where(x > best, offs, bi)
-            best = tl.maximum(best, x)
-            n_live += (x > float("-inf")).to(tl.int32)
-            n_pinf += (x == float("inf")).to(tl.int32)
+        plain = tl.load(temp_ptr + slot) != 0.0
+        if FILTERS:
+            plain = plain & (
+                (tl.load(top_k_ptr + slot) == 0)
+                & (tl.load(top_p_ptr + slot) >= 1.0)
+                & (tl.load(min_p_ptr + slot) <= 0.0)
+            )
+        if plain:
+            inv_t = tl.load(inv_temp_ptr + slot)
+            for start in range(lo, hi, BLOCK):
+                offs = start + lane
+                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                   BF16_BITS)  # fmt: skip
+                bi = tl.where(x > best, offs, bi)
+                best = tl.maximum(best, x)
+                n_live += (x > float("-inf")).to(tl.int32)
+                n_pinf += (x == float("inf")).to(tl.int32)
+                block_stats(x, start, inv_t, r64, NBLK, bxm_ptr, bq_ptr, bn_ptr, BLOCK, DB)
+        else:
+            for start in range(lo, hi, BLOCK):
+                offs = start + lane
+                x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                   BF16_BITS)  # fmt: skip
+                bi = tl.where(x > best, offs, bi)
+                best = tl.maximum(best, x)
+                n_live += (x > float("-inf")).to(tl.int32)
+                n_pinf += (x == float("inf")).to(tl.int32)
     top = tl.max(tl.max(best, axis=1), axis=0)
     base = r64 * SPLIT + sp
     first = tl.min(tl.min(tl.where(best == top, bi, INT32_MAX), axis=1), axis=0)
@@ -302,24 +285,6 @@ def _stats_combine_kernel(
         tl.store(delta_ptr + r64 * D + di, 0.5 * tl.exp2(di.to(tl.float32)))
     search = valid & (greedy == 0) & (plain == 0)
     tl.store(state_ptr + row, tl.where(plain, 3, tl.where(search, 0, 2)))
-
-
-@triton.jit
-def _draw_combine_kernel(
-    part_f_ptr,  # [B, SPLIT] f32 best scores
-    part_i_ptr,  # [B, SPLIT, 3] i32 best ids
-    state_ptr,  # [B] i32
-    tok_ptr,  # [B] i64 out for rows in state 3
-    SPLIT: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    r64 = row.to(tl.int64)
-    if tl.load(state_ptr + row) == 3:
-        s = tl.arange(0, SPLIT)
-        bs = tl.load(part_f_ptr + r64 * SPLIT + s)
-        best = tl.max(bs, axis=0)
-        ids = tl.load(part_i_ptr + (r64 * SPLIT + s) * 3)
-        tl.store(tok_ptr + row, tl.min(tl.where(bs == best, ids, INT32_MAX), axis=0).to(tl.int64))
 
 
 @triton.jit
