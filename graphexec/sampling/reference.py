@@ -173,9 +173,8 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors)
 
 def plain_rows(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
     """[B] bool: rows with no active filter (they take the two-level draw)."""
-    return (
-        (table.top_k[slot_ids] == 0) & (table.top_p[slot_ids] >= 1.0) & (table.min_p[slot_ids] <= 0.0)
-    )
+    off_k = table.top_k[slot_ids] == 0
+    return off_k & (table.top_p[slot_ids] >= 1.0) & (table.min_p[slot_ids] <= 0.0)
 
 
 def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
@@ -212,7 +211,10 @@ def draw(
     if kept is not None:
         score = torch.where(kept, score, -torch.inf)
     # two-level draw for rows without an active filter
-    plain = plain_rows(slot_ids, table) if kept is not None else torch.ones_like(slot_ids, dtype=torch.bool)
+    if kept is None:
+        plain = torch.ones_like(slot_ids, dtype=torch.bool)
+    else:
+        plain = plain_rows(slot_ids, table)
     greedy = table.temperature[slot_ids] == 0
     inv_t = torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
     lm = block_logmass(xc, inv_t, draw_block)
