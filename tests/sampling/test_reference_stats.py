@@ -241,3 +241,62 @@ def test_cases_are_not_trivially_equal() -> None:
     plain = exact_distribution(ROW, CASES[0])
     for case in CASES[1:]:
         assert np.abs(exact_distribution(ROW, case) - plain).sum() > 0.05, case.name
+
+
+# The two-level draw (rows with no active filter) with blocks of 8 tokens, so V = 48 has 6
+# blocks of unequal mass; the library's DRAW_BLOCK (512) is covered on the GPU.
+TWO_LEVEL = [c for c in CASES if not ({"top_k", "top_p", "min_p"} & set(c.params))]
+
+
+def draw_blocks(row: torch.Tensor, case: Case, seed: int, draw_block: int) -> np.ndarray:
+    from graphexec.sampling import reference
+    from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+
+    params = gx.SamplingParams(seed=seed, **case.params)
+    counts = torch.zeros(V, dtype=torch.int32)
+    for tok, n in case.counts.items():
+        counts[tok] = n
+    prompt = torch.zeros(V, dtype=torch.bool)
+    prompt[case.prompt] = True
+    table = SamplingTensors.from_params(
+        [params], V, "cpu", counts.unsqueeze(0), prompt.unsqueeze(0)
+    )
+    tokens = []
+    for start in range(0, N, CHUNK):
+        b = min(CHUNK, N - start)
+        mask = None
+        if case.bitmask_allowed is not None:
+            mask = bitmask_for(case.bitmask_allowed, b)
+        out = SamplerOutput.allocate(b, "cpu", None)
+        reference.sample(
+            row.expand(b, -1).contiguous(),
+            torch.zeros(b, dtype=torch.int64),
+            torch.arange(start, start + b),
+            table,
+            out,
+            mask,
+            draw_block=draw_block,
+        )
+        assert out.valid.all()
+        tokens.append(out.token_ids.numpy())
+    return np.concatenate(tokens)
+
+
+@pytest.mark.parametrize("case", TWO_LEVEL, ids=[c.name for c in TWO_LEVEL])
+def test_two_level_draw_is_exact(case: Case) -> None:
+    probs = exact_distribution(ROW, case)
+    support = probs > 0
+    tokens = draw_blocks(ROW, case, seed=2000 + CASES.index(case), draw_block=8)
+    counts = np.bincount(tokens, minlength=V)
+    assert not (counts * ~support).any(), "drew a token outside the support"
+    obs, exp = merged_bins(counts[support], probs[support] * N)
+    p = scipy.stats.chisquare(obs, exp).pvalue
+    assert p > ALPHA, f"{case.name}: chi-square p = {p:.3g}"
+
+
+def test_two_level_draw_uses_other_noise_than_one_block() -> None:
+    """The block size is part of the definition: 8-token blocks and one 48-token block
+    (the plain Gumbel-max) give the same distribution but different tokens."""
+    a = draw_blocks(ROW, CASES[0], seed=7, draw_block=8)[:2000]
+    b = draw_blocks(ROW, CASES[0], seed=7, draw_block=64)[:2000]
+    assert 0.05 < (a == b).mean() < 0.9

@@ -26,6 +26,7 @@ ROUTES = {
     "tile": dict(),
     "split": dict(tile_v=16, block=64, cap=64, draw_block=16),
     "exact": dict(tile_v=16, block=64, cap=4, draw_block=16),
+    "split_chunk_is_block": dict(tile_v=16, block=16, cap=64, draw_block=16),
 }
 
 
@@ -145,3 +146,32 @@ def test_batch_position_invariance_triton() -> None:
     shuf = gx.sample_logits(logits[perm], [params[i] for i in perm], [pos[i] for i in perm],
                             bitmask=bitmask[perm], backend="triton")  # fmt: skip
     assert torch.equal(shuf.token_ids, full.token_ids[perm])
+
+
+@pytest.mark.parametrize("route", ["split", "split_chunk_is_block"])
+def test_two_level_rows_with_bad_data(route: str) -> None:
+    """Plain rows (two-level draw) holding +inf in several blocks, NaN, a fully masked
+    block, or nothing samplable: Triton equals the reference token for token."""
+    B = 6
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[0, [3, 40, 41, 199]] = float("inf")  # +inf in three blocks
+    logits[1, 100] = float("inf")
+    logits[2, ::3] = float("nan")
+    logits[3, 16:48] = float("-inf")  # two whole blocks masked
+    logits[4, :] = float("-inf")
+    logits[5, :] = float("-inf")
+    logits[5, 150] = 2.0  # one samplable token
+    params = [P(seed=40 + i, temperature=0.5 + 0.1 * i) for i in range(B)]
+    ref, tri = run_both(params, logits, None, None, None, SamplerVariant.DEFAULT, route,
+                        num_top=None)  # fmt: skip
+    assert ref.token_ids[0].item() in (3, 40, 41, 199) and ref.token_ids[1] == 100
+    assert not ref.valid[4] and ref.token_ids[5] == 150
+    assert_same(ref, tri)
+    # the +inf row draws among its four +inf tokens, from more than one block
+    table = SamplingTensors.from_params(params[:1] * 64, V, "cpu")
+    out = SamplerOutput.allocate(64, "cpu", None)
+    reference.sample(logits[:1].expand(64, -1), torch.arange(64), torch.arange(64), table, out,
+                     draw_block=16)  # fmt: skip
+    seen = set(out.token_ids.tolist())
+    assert seen <= {3, 40, 41, 199} and len(seen) >= 3

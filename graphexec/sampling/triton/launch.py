@@ -94,14 +94,13 @@ def draw_large(
     nblk = triton.cdiv(V, draw_block)
     blk_xm = torch.empty((B, nblk), dtype=f32, device=dev)
     blk_q = torch.empty((B, nblk), dtype=torch.int64, device=dev)
-    blk_n = torch.empty((B, nblk), dtype=i32, device=dev)
     stream = int(Stream.TOKEN)
     row_pass = functools.partial(
         _row_pass_kernel[(B, sp)],
         *common, table.bias_ids, table.bias_ids.stride(0), dense, table.temperature,
         table.inv_temperature, table.top_k, table.top_p, table.min_p,
         stat_f, stat_i, state, deltas, y, part_f, part_i, n_part, q_part, nm_part,
-        blk_xm, blk_q, blk_n, B, V, slice_len, nblk, **flags, WRITE_Y=write_y,
+        blk_xm, blk_q, B, V, slice_len, nblk, **flags, WRITE_Y=write_y,
         FILTERS=filters, D=DELTAS, SPLIT=sp, BLOCK=blk, DB=draw_block,
         enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip
@@ -113,7 +112,7 @@ def draw_large(
     )  # fmt: skip
     _two_level_draw_kernel[(B,)](
         *common, table.bias_ids, table.bias_ids.stride(0), dense, table.inv_temperature,
-        table.seed, positions, stat_f, stat_i, state, blk_xm, blk_q, blk_n, out.token_ids,
+        table.seed, positions, stat_f, stat_i, state, blk_xm, blk_q, out.token_ids,
         B, V, nblk, **flags, NB_P2=max(4, triton.next_power_of_2(nblk)), DB=draw_block,
         TOKEN_STREAM=stream, BLOCK_STREAM=int(Stream.BLOCK), enable_fp_fusion=False,
         num_warps=ROW_WARPS,

@@ -134,7 +134,7 @@ def _row_pass_kernel(
     part_f_ptr,  # [B, SPLIT] f32 out: slice max (STATS) / best score (DRAW)
     part_i_ptr,  # [B, SPLIT, 3] i32 out: first argmax, #finite, #(+inf) / best id
     n_ptr, q_ptr, nm_ptr,  # threshold counts out (DRAW mode), as in _count_kernel
-    bxm_ptr, bq_ptr, bn_ptr,  # [B, NBLK] out: two-level block stats (STATS mode, plain rows)
+    bxm_ptr, bq_ptr,  # [B, NBLK] out: two-level block stats (STATS mode, plain rows)
     B, V, SLICE, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, DRAW: tl.constexpr, WRITE_Y: tl.constexpr, FILTERS: tl.constexpr,
@@ -223,7 +223,7 @@ def _row_pass_kernel(
                 best = tl.maximum(best, x)
                 n_live += (x > float("-inf")).to(tl.int32)
                 n_pinf += (x == float("inf")).to(tl.int32)
-                block_stats(x, start, inv_t, r64, NBLK, bxm_ptr, bq_ptr, bn_ptr, BLOCK, DB)
+                block_stats(x, start, inv_t, r64, NBLK, bxm_ptr, bq_ptr, BLOCK, DB)
         else:
             for start in range(lo, hi, BLOCK):
                 offs = start + lane

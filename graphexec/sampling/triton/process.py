@@ -218,7 +218,6 @@ def _process_chunk(
     return tl.where(ok, x, float("-inf"))
 
 
-
 def _blocks(B: int, V: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK) for `_process_kernel`: one row per program on a GPU (a row is
     long; memory bound), many rows per program in the interpreter (per-program cost)."""
