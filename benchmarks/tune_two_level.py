@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 import graphexec as gx
 from graphexec.params import SamplerVariant
@@ -46,11 +47,15 @@ def main() -> None:
         slots = torch.arange(B, device="cuda")
         pos = torch.arange(B, device="cuda")
         out = SamplerOutput.allocate(B, "cuda", None)
-        for block, warps in ((512, 4), (512, 8), (1024, 8), (1024, 4)):
+        base = min(64, triton.next_power_of_2(triton.cdiv(1024, B)))
+        for block, warps, mult in ((512, 4, 1), (512, 2, 2), (512, 1, 4), (512, 2, 4),
+                                   (512, 4, 2), (1024, 4, 2), (512, 1, 8)):  # fmt: skip
             launch.ROW_WARPS = warps
+            sp = min(64 * mult, base * mult)
             fn = functools.partial(launch.sample, logits, slots, pos, table, out, None,
-                                   SamplerVariant.NO_FILTER, block=block)  # fmt: skip
-            print(f"B={B} V={V} block={block} warps={warps}: {graph_us(fn):.1f} us")
+                                   SamplerVariant.NO_FILTER, block=block, split=sp)  # fmt: skip
+            us = graph_us(fn)
+            print(f"B={B} V={V} block={block} warps={warps} split={sp}: {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ def draw_large(
     if blk % draw_block:
         raise ValueError(f"block ({blk}) must be a multiple of draw_block ({draw_block})")
     # enough programs to fill the GPU: partials combine by max / min / integer sums, so
-    # the split changes no result and may follow B
-    sp = split or min(64, triton.next_power_of_2(triton.cdiv(1024, B)))
+    # the split changes no result and may follow B (2048 row slices in all: measured best
+    # on an H100 for the no-filter pass, see benchmarks/tune_two_level.py)
+    sp = split or min(128, triton.next_power_of_2(triton.cdiv(2048, B)))
     while sp > 1 and (sp - 1) * blk >= V:  # every slice holds tokens
         sp //= 2
     slice_len = triton.cdiv(triton.cdiv(V, sp), blk) * blk

@@ -219,10 +219,8 @@ def _row_pass_kernel(
                 offs = start + lane
                 x = _process_chunk(*args, offs, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
                                    BF16_BITS)  # fmt: skip
-                bi = tl.where(x > best, offs, bi)
+                # only the max: the argmax (greedy) and the counts (filters) are not needed
                 best = tl.maximum(best, x)
-                n_live += (x > float("-inf")).to(tl.int32)
-                n_pinf += (x == float("inf")).to(tl.int32)
                 block_stats(x, start, inv_t, r64, NBLK, bxm_ptr, bq_ptr, BLOCK, DB)
         else:
             for start in range(lo, hi, BLOCK):
