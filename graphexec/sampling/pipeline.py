@@ -12,7 +12,8 @@ one-slot-per-row table, allocates the outputs and calls `sample_step`.
 
 Steps, in order (see `graphexec.sampling.reference` for the exact definition):
 grammar bitmask -> logit bias -> penalties -> temperature -> +inf collapse -> top-k ->
-top-p on the top-k mass -> min-p -> Gumbel-max draw (greedy: argmax) -> logprobs.
+top-p on the top-k mass -> min-p -> Gumbel-max draw (greedy: argmax; rows with no active
+filter: the two-level draw, a block by its mass then a token in it) -> logprobs.
 """
 
 from __future__ import annotations
