@@ -5,6 +5,7 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 """
 
 from graphexec.grammar import Grammar
+from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
 from graphexec.tokenizer import Tokenizer
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Grammar",
+    "GraphKey",
     "SamplerOutput",
     "SamplerVariant",
     "SamplingParams",
