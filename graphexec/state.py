@@ -1,0 +1,119 @@
+"""SlotTable: the executor's persistent per-request state, one row per slot.
+
+Every per-request parameter lives in a device tensor of length max_slots + 1 (a
+`SamplingTensors` table, plus the output position and the penalty state), so a captured
+graph reads them through the step's `slot_ids` and stays valid while requests come and
+go. The last row is the padding slot: padding rows of a bucket point at it, it is never
+given to a request, and nothing a padding row writes reaches a real slot.
+
+Writes are staged on the host (`assign`, `release`) and reach the device in one `flush`
+per step, a few batched copies with no sync. A released slot is reset completely at the
+next flush (parameters to plain sampling, counts, prompt mask, position), so nothing leaks
+into the request that gets it next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphexec.params import SamplingParams
+from graphexec.sampling.tensors import SamplingTensors
+
+_PLAIN = SamplingParams(seed=0)
+
+
+class SlotTable:
+    """Per-slot device state with staged host writes.
+
+    Args:
+        max_slots: how many requests may hold a slot at once.
+        vocab_size: V, for the penalty state and parameter checks.
+        device: where the tensors live.
+        max_bias: the most logit-bias entries one request may carry.
+        penalties: allocate token counts and prompt masks ([max_slots + 1, V] each).
+    """
+
+    def __init__(
+        self,
+        max_slots: int,
+        vocab_size: int,
+        device: torch.device | str,
+        max_bias: int = 16,
+        penalties: bool = True,
+    ) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.max_slots = max_slots
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        rows = max_slots + 1
+        self.tensors = SamplingTensors.allocate(rows, vocab_size, self.device, max_bias, penalties)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
+        self._params: dict[int, SamplingParams] = {}
+        self._staged: dict[int, tuple[SamplingParams, Sequence[int]]] = {}
+        self._resets: set[int] = set()
+
+    @property
+    def padding_slot(self) -> int:
+        return self.max_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def params(self, slot: int) -> SamplingParams:
+        return self._params[slot]
+
+    def assign(self, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> int:
+        """Take the lowest free slot for `params` (seed set); written at the next flush."""
+        if params.seed is None:
+            raise ValueError("params.seed must be set before a slot is assigned")
+        params.check_vocab(self.vocab_size)
+        nb = self.tensors.bias_ids.shape[1]
+        if len(params.logit_bias or {}) > nb:
+            raise ValueError(f"logit_bias may hold at most {nb} entries in this executor")
+        if not self._free:
+            raise RuntimeError(f"all {self.max_slots} slots are in use")
+        slot = self._free.pop()
+        self._params[slot] = params
+        self._staged[slot] = (params, tuple(prompt_token_ids))
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give `slot` back; it is reset at the next flush."""
+        if slot not in self._params:
+            raise ValueError(f"slot {slot} is not assigned")
+        del self._params[slot]
+        self._staged.pop(slot, None)
+        self._resets.add(slot)
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def flush(self) -> None:
+        """Write every staged change to the device: a few batched copies, no sync."""
+        dirty = sorted(self._resets | set(self._staged))
+        if not dirty:
+            return
+        params = [self._staged[s][0] if s in self._staged else _PLAIN for s in dirty]
+        idx = torch.tensor(dirty, dtype=torch.int64)
+        t = self.tensors
+        t.write_rows(idx, params, self.vocab_size)
+        dev_idx = idx.to(self.device)
+        self.positions.index_fill_(0, dev_idx, 0)
+        if t.token_counts is not None:
+            t.token_counts.index_fill_(0, dev_idx, 0)
+            t.prompt_mask.index_fill_(0, dev_idx, False)
+            rows, cols = [], []
+            for s in dirty:
+                ids = self._staged[s][1] if s in self._staged else ()
+                rows += [s] * len(ids)
+                cols += list(ids)
+            if rows:
+                t.prompt_mask[
+                    torch.tensor(rows).to(self.device), torch.tensor(cols).to(self.device)
+                ] = True
+        self._staged.clear()
+        self._resets.clear()
