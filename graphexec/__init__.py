@@ -4,6 +4,7 @@ A request's token depends only on its processed logits row, its sampling paramet
 seed and its output position: not on batch, bucket, row, variant, or eager vs replay.
 """
 
+from graphexec import models
 from graphexec.grammar import Grammar
 from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
@@ -21,6 +22,7 @@ __all__ = [
     "SamplingTensors",
     "Tokenizer",
     "choose_variant",
+    "models",
     "sample_logits",
     "sample_step",
 ]

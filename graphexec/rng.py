@@ -48,6 +48,7 @@ class Stream(enum.IntEnum):
     SPEC_ACCEPT = 1  # speculative decoding: acceptance coin per draft position
     SPEC_RECOVER = 2  # speculative decoding: noise of the recovered-token draw
     BLOCK = 3  # the block choice of the two-level draw ("token_id" = block index)
+    MODEL = 4  # TableModel's logits (test model; never sampling noise)
 
 
 def _mul32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

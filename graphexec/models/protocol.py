@@ -1,0 +1,31 @@
+"""The interface between the executor and a model."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class DecodeModel(Protocol):
+    """What the executor needs of a model.
+
+    `prefill` runs eagerly at admission; `decode` runs inside the captured step, so it must
+    be graph-capturable: static shapes, no host syncs, no allocation whose size depends on
+    data. Logits are [.., vocab_size] float32 / bfloat16 / float16.
+    """
+
+    vocab_size: int
+    max_seq_len: int  # longest prompt + output the model can hold per slot
+
+    def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
+        """Run the prompt [n] int64 into `slot`'s state; the logits [V] of its last token."""
+        ...
+
+    def decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """One step for B rows: input_ids [B] (the last token of each row), positions [B]
+        (that token's index in its sequence), slot_ids [B]; returns logits [B, V]."""
+        ...
