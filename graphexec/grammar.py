@@ -45,3 +45,98 @@ class Grammar:
     @classmethod
     def ebnf(cls, grammar: str) -> Grammar:
         return cls("ebnf", grammar)
+
+
+class GrammarCompiler:
+    """Compiles `Grammar`s with xgrammar against one tokenizer, cached by (kind, text).
+
+    Args:
+        tokenizer: a `graphexec.Tokenizer` (its raw token bytes form xgrammar's vocabulary;
+            its EOS is the stop token).
+        vocab_size: the model's V (>= the tokenizer's; ids past it are never allowed).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"vocab_size ({vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"
+            )
+        vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+        )
+        self.vocab_size = vocab_size
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(info, max_threads=4)
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def compile(self, grammar: Grammar):
+        """The xgrammar CompiledGrammar of `grammar`; ValueError naming the grammar if bad."""
+        key = (grammar.kind, grammar.text)
+        if key not in self._cache:
+            c = self._compiler
+            try:
+                if grammar.kind == "json":
+                    compiled = c.compile_builtin_json_grammar()
+                elif grammar.kind == "json_schema":
+                    # compact JSON: free whitespace lets a sampler loop on spaces forever
+                    compiled = c.compile_json_schema(grammar.text, any_whitespace=False)
+                elif grammar.kind == "regex":
+                    compiled = c.compile_regex(grammar.text)
+                else:
+                    compiled = c.compile_grammar(grammar.text)
+            except Exception as e:  # xgrammar raises several types for bad sources
+                raise ValueError(f"grammar ({grammar.kind}) does not compile: {e}") from e
+            self._cache[key] = compiled
+        return self._cache[key]
+
+    def matcher(self, grammar: Grammar):
+        return self._xgr.GrammarMatcher(self.compile(grammar))
+
+
+class GrammarSlots:
+    """One xgrammar matcher per slot, and the step's bitmask rows.
+
+    `fill(slots)` writes row b of a pinned host buffer for slots[b] (all ones where the slot
+    has no grammar) and returns it; the executor copies it into its static device bitmask
+    with non_blocking=True. `accept` feeds a sampled token back and reports termination.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, max_rows: int) -> None:
+        import torch
+
+        self.compiler = compiler
+        self.words = (compiler.vocab_size + 31) // 32
+        pin = torch.cuda.is_available()
+        self.host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
+        self._matchers: dict[int, Any] = {}
+
+    def add(self, slot: int, grammar: Grammar) -> None:
+        self._matchers[slot] = self.compiler.matcher(grammar)
+
+    def remove(self, slot: int) -> None:
+        self._matchers.pop(slot, None)
+
+    def has(self, slot: int) -> bool:
+        return slot in self._matchers
+
+    def fill(self, slots: list[int]):
+        """[len(slots), W] int32 host rows (a view of the pinned buffer)."""
+        rows = self.host[: len(slots)]
+        rows.fill_(-1)
+        for b, s in enumerate(slots):
+            m = self._matchers.get(s)
+            if m is not None:
+                m.fill_next_token_bitmask(self.host, b)
+        return rows
+
+    def accept(self, slot: int, token_id: int) -> bool:
+        """Feed `token_id` to the slot's matcher; True when the grammar has terminated
+        (or rejects the token, which the mask should have made impossible)."""
+        m = self._matchers.get(slot)
+        if m is None:
+            return False
+        ok = m.accept_token(int(token_id))
+        return (not ok) or m.is_terminated()

@@ -1,0 +1,71 @@
+"""Grammar compilation and per-slot matchers over the bundled cl100k tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import graphexec as gx
+from graphexec.grammar import GrammarCompiler, GrammarSlots
+from graphexec.sampling.reference import unpack_bitmask
+
+
+@pytest.fixture(scope="module")
+def tok() -> gx.Tokenizer:
+    return gx.Tokenizer.cl100k()
+
+
+@pytest.fixture(scope="module")
+def compiler(tok) -> GrammarCompiler:
+    return GrammarCompiler(tok, tok.vocab_size + 23)  # a model vocab padded past the tokenizer
+
+
+def greedy_walk(slots: GrammarSlots, slot: int, tok, scores: torch.Tensor, limit=200) -> str:
+    """Take the allowed token with the highest score until the grammar terminates."""
+    V = scores.shape[0]
+    out = []
+    for _ in range(limit):
+        allowed = unpack_bitmask(slots.fill([slot]), V)[0]
+        t = int(torch.where(allowed, scores, -torch.inf).argmax())
+        assert allowed[t]
+        if slots.accept(slot, t):
+            break
+        out.append(t)
+    else:
+        pytest.fail("grammar did not terminate")
+    return tok.decode(out)
+
+
+def test_compile_is_cached_and_bad_grammars_name_themselves(compiler) -> None:
+    g = gx.Grammar.regex("[0-9]{3}")
+    assert compiler.compile(g) is compiler.compile(gx.Grammar.regex("[0-9]{3}"))
+    with pytest.raises(ValueError, match="grammar"):
+        compiler.compile(gx.Grammar.json_schema("{not json"))
+
+
+def test_matchers_produce_text_the_grammar_accepts(compiler, tok) -> None:
+    slots = GrammarSlots(compiler, max_rows=4)
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}},
+              "required": ["c"], "additionalProperties": False}  # fmt: skip
+    slots.add(0, gx.Grammar.json_schema(schema))
+    slots.add(2, gx.Grammar.regex("(yes|no)-[0-9]{2}"))
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(compiler.vocab_size, generator=gen)
+    assert json.loads(greedy_walk(slots, 0, tok, scores))["c"] in ("red", "green")
+    text = greedy_walk(slots, 2, tok, scores)
+    assert text[:3] in ("yes", "no-") and text[-2:].isdigit()
+
+
+def test_rows_without_grammar_allow_everything_and_padding_never(compiler, tok) -> None:
+    slots = GrammarSlots(compiler, max_rows=3)
+    slots.add(1, gx.Grammar.regex("a+"))
+    rows = slots.fill([0, 1, 5])
+    assert rows.shape == (3, slots.words)
+    assert (rows[0] == -1).all() and (rows[2] == -1).all()
+    allowed = unpack_bitmask(rows, compiler.vocab_size)
+    assert 0 < allowed[1].sum() < 1000
+    assert not allowed[1, tok.vocab_size :].any()  # ids past the tokenizer: never
+    slots.remove(1)
+    assert not slots.has(1) and (slots.fill([1])[0] == -1).all()
