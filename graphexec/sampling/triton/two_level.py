@@ -142,7 +142,3 @@ def _two_level_draw_kernel(
     best = tl.max(tl.max(s, axis=1), axis=0)
     tok = tl.min(tl.min(tl.where(s == best, offs, INT32_MAX), axis=1), axis=0)
     tl.store(tok_ptr + row, tok.to(tl.int64))
-
-
-def num_blocks(V: int, draw_block: int) -> int:
-    return triton.cdiv(V, draw_block)
