@@ -5,15 +5,21 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 """
 
 from graphexec import models
+from graphexec.executor import DecodeExecutor, ExecutorFullError, ExecutorStats
 from graphexec.grammar import Grammar
 from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.request import RequestOutput
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
 from graphexec.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DecodeExecutor",
+    "ExecutorFullError",
+    "ExecutorStats",
+    "RequestOutput",
     "Grammar",
     "GraphKey",
     "SamplerOutput",

@@ -6,16 +6,26 @@ the variant from `choose_variant`, the smallest bucket that holds the batch, and
 on if any row asked for them. A batch larger than the largest bucket is served as several
 chunks, each with its own key.
 
-Capture and replay themselves belong to the executor (issue 3); this module only decides.
+`CapturedGraphs` captures and replays: on CUDA one `torch.cuda.CUDAGraph` per key, all in
+one shared memory pool, largest bucket first; without CUDA the capture is emulated (the
+recorded call is replayed on the same static buffers), so the keyed path runs in CI.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, order=True)
@@ -31,6 +41,9 @@ class GraphKey:
             raise ValueError(f"variant must be a SamplerVariant, got {self.variant!r}")
         if self.bucket < 1:
             raise ValueError(f"bucket must be >= 1, got {self.bucket}")
+
+    def __str__(self) -> str:
+        return f"{self.variant.value}/b{self.bucket}/{'lp' if self.logprobs else 'nolp'}"
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -89,3 +102,97 @@ def all_keys(buckets: Sequence[int]) -> list[GraphKey]:
         for v in SamplerVariant
         for lp in (False, True)
     ]
+
+
+@dataclass
+class CapturedStep:
+    """One captured key: its graph (None when emulated), the recorded call, its stats."""
+
+    key: GraphKey
+    graph: torch.cuda.CUDAGraph | None
+    fn: Callable[[], None]
+    capture_s: float
+    pool_bytes: int  # memory the pool grew by while this key was captured
+    kernel_nodes: int | None  # kernel nodes in the graph (debug capture only)
+    replays: int = 0
+
+
+class CapturedGraphs:
+    """Capture every key once, replay by key.
+
+    Args:
+        device: CUDA captures real graphs; any other device emulates them.
+        debug: keep each graph's DOT (CUDA only) to count its kernel nodes and write it
+            out with `write_dot`; costs capture time, so tools turn it on.
+    """
+
+    def __init__(self, device: torch.device, debug: bool = False) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.debug = debug and self.cuda
+        self.steps: dict[GraphKey, CapturedStep] = {}
+        self.failed: dict[GraphKey, str] = {}
+        self.pool = None
+        self._dots: dict[GraphKey, str] = {}
+
+    def capture(self, key: GraphKey, fn: Callable[[], None]) -> bool:
+        """Warm `fn` up and capture it under `key`; False (logged) when capture fails."""
+        t0 = time.perf_counter()
+        if not self.cuda:
+            self.steps[key] = CapturedStep(key, None, fn, time.perf_counter() - t0, 0, None)
+            return True
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            # warm up on a side stream: Triton JIT and the allocator, outside the capture
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.debug:
+                graph.enable_debug_mode()
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+            if self.pool is None:
+                self.pool = graph.pool()
+        except Exception as e:  # OOM, an op that cannot be captured, a bad kernel
+            torch.cuda.synchronize(self.device)
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            log.warning("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
+            return False
+        torch.cuda.synchronize(self.device)
+        nodes = self._count_kernels(key, graph) if self.debug else None
+        grew = torch.cuda.memory_reserved(self.device) - before
+        self.steps[key] = CapturedStep(key, graph, fn, time.perf_counter() - t0, grew, nodes)
+        return True
+
+    def _count_kernels(self, key: GraphKey, graph: torch.cuda.CUDAGraph) -> int:
+        fd, path = tempfile.mkstemp(suffix=".dot")
+        os.close(fd)
+        try:
+            graph.debug_dump(path)
+            with open(path) as f:
+                dot = f.read()
+        finally:
+            os.unlink(path)
+        self._dots[key] = dot
+        return dot.count("KERNEL")
+
+    def write_dot(self, key: GraphKey, path: str) -> None:
+        if key not in self._dots:
+            raise ValueError(f"no DOT kept for {key} (capture with debug=True, on CUDA)")
+        with open(path, "w") as f:
+            f.write(self._dots[key])
+
+    def replay(self, key: GraphKey) -> bool:
+        """Replay `key`'s graph (or its recorded call); False when it has none."""
+        step = self.steps.get(key)
+        if step is None:
+            return False
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.fn()
+        step.replays += 1
+        return True

@@ -1,7 +1,8 @@
 """SlotTable: the executor's persistent per-request state, one row per slot.
 
 Every per-request parameter lives in a device tensor of length max_slots + 1 (a
-`SamplingTensors` table, plus the output position and the penalty state), so a captured
+`SamplingTensors` table, the penalty state, the grammar bitmask row, and the decode state
+the captured step advances itself: output position, last token, prompt length), so a captured
 graph reads them through the step's `slot_ids` and stays valid while requests come and
 go. The last row is the padding slot: padding rows of a bucket point at it, it is never
 given to a request, and nothing a padding row writes reaches a real slot.
@@ -33,6 +34,14 @@ class SlotTable:
         device: where the tensors live.
         max_bias: the most logit-bias entries one request may carry.
         penalties: allocate token counts and prompt masks ([max_slots + 1, V] each).
+        grammar: allocate a bitmask row per slot ([max_slots + 1, ceil(V/32)] int32,
+            all ones = everything allowed).
+
+    Decode state, advanced inside the step by `graphexec.step.advance`:
+        positions   i64 [S]  output position of the next token (the noise counter)
+        last_token  i64 [S]  the last sampled token (the next decode input)
+        prompt_lens i64 [S]  prompt length; the model position of the input is
+                             prompt_len + position - 1
     """
 
     def __init__(
@@ -42,6 +51,7 @@ class SlotTable:
         device: torch.device | str,
         max_bias: int = 16,
         penalties: bool = True,
+        grammar: bool = False,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -50,7 +60,16 @@ class SlotTable:
         self.device = torch.device(device)
         rows = max_slots + 1
         self.tensors = SamplingTensors.allocate(rows, vocab_size, self.device, max_bias, penalties)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(rows, **i64)
+        self.last_token = torch.zeros(rows, **i64)
+        self.prompt_lens = torch.zeros(rows, **i64)
+        words = (vocab_size + 31) // 32
+        self.bitmask = (
+            torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
+            if grammar
+            else None
+        )
         self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._params: dict[int, SamplingParams] = {}
         self._staged: dict[int, tuple[SamplingParams, Sequence[int]]] = {}
@@ -103,6 +122,11 @@ class SlotTable:
         t.write_rows(idx, params, self.vocab_size)
         dev_idx = idx.to(self.device)
         self.positions.index_fill_(0, dev_idx, 0)
+        self.last_token.index_fill_(0, dev_idx, 0)
+        lens = [len(self._staged[s][1]) if s in self._staged else 0 for s in dirty]
+        self.prompt_lens.index_copy_(0, dev_idx, torch.tensor(lens).to(self.device))
+        if self.bitmask is not None:
+            self.bitmask.index_fill_(0, dev_idx, -1)
         if t.token_counts is not None:
             t.token_counts.index_fill_(0, dev_idx, 0)
             t.prompt_mask.index_fill_(0, dev_idx, False)
@@ -117,3 +141,11 @@ class SlotTable:
                 ] = True
         self._staged.clear()
         self._resets.clear()
+
+    def reset_padding(self) -> None:
+        """Zero the padding slot's decode state (capture warm-ups run steps on it)."""
+        p = self.padding_slot
+        for t in (self.positions, self.last_token, self.prompt_lens):
+            t[p] = 0
+        if self.tensors.token_counts is not None:
+            self.tensors.token_counts[p] = 0

@@ -2,5 +2,6 @@
 
 from graphexec.models.protocol import DecodeModel
 from graphexec.models.table import TableModel
+from graphexec.models.tiny_lm import TinyLM
 
-__all__ = ["DecodeModel", "TableModel"]
+__all__ = ["DecodeModel", "TableModel", "TinyLM"]

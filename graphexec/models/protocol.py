@@ -19,6 +19,11 @@ class DecodeModel(Protocol):
     vocab_size: int
     max_seq_len: int  # longest prompt + output the model can hold per slot
 
+    def bind(self, num_slots: int, device: torch.device) -> None:
+        """Allocate per-slot state (a KV cache) for `num_slots` slots on `device`; the
+        executor calls it once, before any prefill. The last slot is its padding slot."""
+        ...
+
     def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
         """Run the prompt [n] int64 into `slot`'s state; the logits [V] of its last token."""
         ...

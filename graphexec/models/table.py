@@ -54,6 +54,11 @@ class TableModel:
         # cubing keeps most of the row low and a few tokens high, like a real model
         return self.scale * (u**3) * 2.0 - self.scale * 0.25
 
+    def bind(self, num_slots: int, device: torch.device | str) -> None:
+        del num_slots  # stateless
+        self.device = torch.device(device)
+        self._tokens = torch.arange(self.vocab_size, device=self.device)
+
     def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
         n = int(token_ids.numel())
         if not 0 < n <= self.max_seq_len:

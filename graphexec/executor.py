@@ -1,0 +1,380 @@
+"""DecodeExecutor: the decode loop. add_request / step / abort over captured graphs.
+
+A step, in order:
+  1. emit the outputs waiting since the last step (first tokens sampled at admission,
+     aborts);
+  2. flush staged slot writes (admissions, releases) and upload the grammar bitmask rows
+     of grammar requests (pinned host rows, copied without blocking);
+  3. for each chunk of at most the largest bucket: pick its `GraphKey` from host copies
+     (variant, smallest bucket that fits, logprobs if any row asked), write its slot ids
+     (padding rows -> the padding slot), replay the key's graph or run the same step
+     function eagerly, and queue a non-blocking copy of its outputs to pinned host memory;
+  4. wait once for the outputs, then per row: feed the grammar, check stop conditions,
+     report, and release finished slots (reset at the next flush).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
+from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
+from graphexec.request import Request, RequestOutput, chunk_key, variant_rank
+from graphexec.sampling.pipeline import default_backend
+from graphexec.sampling.tensors import SamplerOutput
+from graphexec.state import SlotTable
+from graphexec.step import StepBuffers, decode_step, first_token
+
+log = logging.getLogger(__name__)
+
+INVALID_MESSAGE = "no samplable token: every logit was NaN or -inf, or the grammar allowed none"
+
+
+class ExecutorFullError(RuntimeError):
+    """add_request when max_batch_size requests are already running."""
+
+
+@dataclass
+class ExecutorStats:
+    """replays / eager_steps: per key; capture_s: per captured key; failed: key -> error."""
+
+    replays: dict[GraphKey, int] = field(default_factory=dict)
+    eager_steps: Counter = field(default_factory=Counter)
+    capture_s: dict[GraphKey, float] = field(default_factory=dict)
+    failed: dict[GraphKey, str] = field(default_factory=dict)
+    steps: int = 0
+    admitted: int = 0
+
+
+class DecodeExecutor:
+    """Runs the decode loop of up to `max_batch_size` requests.
+
+    Args:
+        model: a `graphexec.models.DecodeModel`; the executor calls `model.bind`.
+        max_batch_size: requests that may run at once (one slot each).
+        device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
+        cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
+        tokenizer: a `graphexec.Tokenizer`; needed for grammars, and its EOS stops requests.
+        buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
+            max_batch_size. Larger batches run as several chunks.
+        backend: the sampler backend; None = "triton" on CUDA, "torch" elsewhere.
+        max_logit_bias: the most logit_bias entries a request may carry.
+        seed: seeds the generator of seeds for unseeded requests; None = OS entropy.
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 256,
+        device: torch.device | str | None = None,
+        cuda_graphs: bool = True,
+        tokenizer=None,
+        buckets: Sequence[int] | None = None,
+        backend: str | None = None,
+        max_logit_bias: int = 16,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = model
+        self.vocab_size = int(model.vocab_size)
+        self.max_batch_size = max_batch_size
+        self.buckets = check_buckets(buckets or default_buckets(max_batch_size))
+        self.cuda_graphs = cuda_graphs
+        self.backend = backend or default_backend(self.device)
+        self.tokenizer = tokenizer
+        self.slots = SlotTable(
+            max_batch_size, self.vocab_size, self.device, max_logit_bias, grammar=bool(tokenizer)
+        )
+        model.bind(max_batch_size + 1, self.device)
+        self.grammar = None
+        if tokenizer is not None:
+            from graphexec.grammar import GrammarCompiler, GrammarSlots
+
+            self.grammar = GrammarSlots(GrammarCompiler(tokenizer, self.vocab_size), max_batch_size)
+        self._eos = None if tokenizer is None else tokenizer.eos_token_id
+        self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
+        largest = self.buckets[-1]
+        self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
+        self._first = {lp: SamplerOutput.allocate(1, self.device, MAX_TOP_LOGPROBS if lp else None)
+                       for lp in (False, True)}  # fmt: skip
+        pin = self.device.type == "cuda"
+        n = max_batch_size + largest  # chunk staging at each chunk's first row
+        self._host_slots = torch.empty(n, dtype=torch.int64, pin_memory=pin)
+        self._host_out = SamplerOutput.allocate(max_batch_size, "cpu", MAX_TOP_LOGPROBS)
+        if pin:
+            for name in ("token_ids", "valid", "logprobs", "ranks", "top_logprobs",
+                         "top_token_ids"):  # fmt: skip
+                setattr(self._host_out, name, getattr(self._host_out, name).pin_memory())
+        self._host_grammar_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
+        self.graphs = CapturedGraphs(self.device)
+        self._running: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._eager = Counter()
+        self._steps = 0
+        self._admitted = 0
+
+    # ---- public state ----------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.slots.free_slots
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def graph_keys(self) -> list[GraphKey]:
+        return list(self.graphs.steps)
+
+    @property
+    def stats(self) -> ExecutorStats:
+        g = self.graphs
+        return ExecutorStats(
+            replays={k: s.replays for k, s in g.steps.items()},
+            eager_steps=Counter(self._eager),
+            capture_s={k: s.capture_s for k, s in g.steps.items()},
+            failed=dict(g.failed),
+            steps=self._steps,
+            admitted=self._admitted,
+        )
+
+    # ---- capture ---------------------------------------------------------------------
+    def capture(self, keys: Sequence[GraphKey] | None = None, progress: bool = True) -> None:
+        """Warm up and capture every key (default: all of them), largest bucket first,
+        into one shared pool. A key that fails is logged and served eagerly."""
+        if not self.cuda_graphs:
+            raise RuntimeError("this executor was built with cuda_graphs=False")
+        keys = sorted(keys or all_keys(self.buckets), key=lambda k: -k.bucket)
+        self.slots.flush()
+        self.buffers.slot_ids.fill_(self.slots.padding_slot)
+        cuda = self.device.type == "cuda"
+        mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
+        t0 = time.perf_counter()
+        for key in tqdm(keys, desc="capture", unit="graph", disable=not progress):
+            if key.bucket > self.buckets[-1]:
+                raise ValueError(f"key {key} has a bucket larger than the largest bucket")
+            if key in self.graphs.steps:
+                continue
+            slot_ids, out = self.buffers.view(key)
+            self.graphs.capture(key, self._step_fn(key, slot_ids, out))
+        self.slots.reset_padding()
+        grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
+        log.info(
+            "captured %d graphs (%d failed) in %.1f s, pool +%.1f MiB%s",
+            len(self.graphs.steps), len(self.graphs.failed), time.perf_counter() - t0,
+            grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
+        )  # fmt: skip
+
+    def _step_fn(self, key: GraphKey, slot_ids: torch.Tensor, out: SamplerOutput):
+        model, slots, backend = self.model, self.slots, self.backend
+        return lambda: decode_step(model, slots, slot_ids, out, key, backend)
+
+    # ---- admission -------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Admit a request: validate, take a slot, prefill, and sample its first token
+        (reported by the next `step`). ValueError names the bad field; ExecutorFullError
+        when max_batch_size requests already run (nobody is evicted)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._running or any(o.request_id == request_id for o in self._pending):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        if params.grammar is not None and self.grammar is None:
+            raise ValueError("params.grammar needs a tokenizer: pass tokenizer= to DecodeExecutor")
+        prompt = self._check_prompt(prompt_token_ids)
+        if self.free_slots == 0:
+            raise ExecutorFullError(
+                f"all {self.max_batch_size} slots are in use; wait for requests to finish "
+                "(ex.free_slots says how many more fit)"
+            )
+        if params.grammar is not None:
+            self.grammar.compiler.compile(params.grammar)  # a bad grammar fails before a slot
+        if params.seed is None:
+            params = params.with_seed(self._seeds.getrandbits(63))
+        slot = self.slots.assign(params, prompt)
+        req = Request(
+            request_id, params, slot, len(prompt),
+            frozenset(params.stop_token_ids) | ({self._eos} if self._eos is not None else set()),
+            variant_rank(params),
+        )  # fmt: skip
+        try:
+            if params.grammar is not None:
+                self.grammar.add(slot, params.grammar)
+            self.slots.flush()
+            logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
+            self._upload_grammar([req])
+            out = self._first[req.wants_logprobs]
+            key = chunk_key([req], 1)
+            first_token(logits.to(self.device), self.slots, slot, out, key, self.backend)
+            self._copy_out(out, key, 0, 1)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        except Exception:
+            self.slots.release(slot)
+            if self.grammar is not None:
+                self.grammar.remove(slot)
+            raise
+        self._running[request_id] = req
+        self._admitted += 1
+        self._pending += self._finish_rows([req])
+
+    def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        try:
+            prompt = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise ValueError("prompt_token_ids must be a sequence of ints") from None
+        limit = self.model.max_seq_len
+        if not 1 <= len(prompt) <= limit:
+            raise ValueError(
+                f"prompt_token_ids must hold 1 to {limit} tokens (the model's max_seq_len), "
+                f"got {len(prompt)}"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        return prompt
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; the next step reports it with finish_reason "abort"."""
+        req = self._running.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id {request_id!r} is not running")
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        self._release(req)
+        self._pending.append(
+            RequestOutput(request_id, None, req.generated, req.params.seed, finished=True,
+                          finish_reason="abort")
+        )  # fmt: skip
+
+    def _release(self, req: Request) -> None:
+        del self._running[req.request_id]
+        self.slots.release(req.slot)
+        if self.grammar is not None:
+            self.grammar.remove(req.slot)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self, mode: str | None = None) -> list[RequestOutput]:
+        """One output per running request: its next token, or its end.
+
+        mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
+        same step function without replay, on the same buffers.
+        """
+        if mode not in (None, "replay", "eager"):
+            raise ValueError(f"mode must be None, 'replay' or 'eager', got {mode!r}")
+        outputs, self._pending = self._pending, []
+        rows = [r for r in self._running.values() if not r.fresh]
+        for r in self._running.values():
+            r.fresh = False
+        if not rows:
+            return outputs
+        self._steps += 1
+        self.slots.flush()
+        self._upload_grammar(rows)
+        largest = self.buckets[-1]
+        replay = mode != "eager" and self.cuda_graphs
+        for start in range(0, len(rows), largest):
+            chunk = rows[start : start + largest]
+            key = self._key(chunk)
+            host = self._host_slots[start : start + key.bucket]
+            host.fill_(self.slots.padding_slot)
+            host[: len(chunk)] = torch.tensor([r.slot for r in chunk], dtype=torch.int64)
+            self.buffers.slot_ids[: key.bucket].copy_(host, non_blocking=True)
+            if not (replay and self.graphs.replay(key)):
+                self._step_fn(key, *self.buffers.view(key))()
+                self._eager[key] += 1
+            self._copy_out(self.buffers.out, key, start, len(chunk))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        outputs += self._finish_rows(rows)
+        return outputs
+
+    def _key(self, chunk: list[Request]) -> GraphKey:
+        return chunk_key(chunk, self.buckets[bisect.bisect_left(self.buckets, len(chunk))])
+
+    def _copy_out(self, out: SamplerOutput, key: GraphKey, start: int, n: int) -> None:
+        """Queue the copy of rows [:n] of `out` to the host buffers at `start`."""
+        h = self._host_out
+        h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
+        h.valid[start : start + n].copy_(out.valid[:n], non_blocking=True)
+        if key.logprobs:
+            for name in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
+                getattr(h, name)[start : start + n].copy_(getattr(out, name)[:n], non_blocking=True)
+
+    def _upload_grammar(self, rows: list[Request]) -> None:
+        """Fill the grammar rows' bitmasks on the host and copy them to their slots."""
+        if self.grammar is None:
+            return
+        g = [r.slot for r in rows if self.grammar.has(r.slot)]
+        if not g:
+            return
+        host_rows = self.grammar.fill(g)
+        idx = self._host_grammar_idx[: len(g)]
+        idx.copy_(torch.tensor(g, dtype=torch.int64))
+        dev_idx = idx.to(self.device, non_blocking=True)
+        rows_dev = host_rows.to(self.device, non_blocking=True)
+        self.slots.bitmask.index_copy_(0, dev_idx, rows_dev)
+
+    def _finish_rows(self, rows: list[Request]) -> list[RequestOutput]:
+        """Turn the host outputs of `rows` (row i at index i) into outputs; finish the
+        requests that are due."""
+        n = len(rows)
+        h = self._host_out
+        valid, toks = h.valid[:n].tolist(), h.token_ids[:n].tolist()
+        lps = ranks = top_ids = top_lps = None
+        if any(r.params.logprobs is not None for r in rows):
+            lps, ranks = h.logprobs[:n].tolist(), h.ranks[:n].tolist()
+            top_ids, top_lps = h.top_token_ids[:n].tolist(), h.top_logprobs[:n].tolist()
+        outs = []
+        for i, req in enumerate(rows):
+            pos, seed = req.generated, req.params.seed
+            if not valid[i]:
+                self._release(req)
+                outs.append(
+                    RequestOutput(
+                        req.request_id,
+                        None,
+                        pos,
+                        seed,
+                        finished=True,
+                        finish_reason="error",
+                        message=INVALID_MESSAGE,
+                    )
+                )
+                continue  # fmt: skip
+            tok = toks[i]
+            req.generated += 1
+            req.token_ids.append(tok)
+            reason = None
+            if self.grammar is not None and self.grammar.accept(req.slot, tok):
+                reason = "stop"
+            elif tok in req.stop_ids:
+                reason = "stop"
+            elif req.generated >= req.params.max_tokens:
+                reason = "length"
+            elif req.prompt_len + req.generated >= self.model.max_seq_len:
+                reason = "length"  # no room for this token in the model's sequence
+            lp = rank = top = None
+            k = req.params.logprobs
+            if k is not None:
+                lp, rank = lps[i], ranks[i]
+                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+            if reason is not None:
+                self._release(req)
+            outs.append(RequestOutput(req.request_id, tok, pos, seed, lp, rank, top,
+                                      reason is not None, reason))  # fmt: skip
+        return outs

@@ -1,0 +1,76 @@
+"""A request as the executor sees it on the host, and what each step reports for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from graphexec.graphs import GraphKey
+from graphexec.params import SamplerVariant, SamplingParams
+
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One token of one request, or its end.
+
+    token_id: the sampled id, in [0, V); None for "abort" and "error" outputs.
+    position: its output position (0 = the first generated token).
+    logprob / rank: of the sampled token when the request asked for logprobs, else None.
+    top_logprobs: [(token_id, logprob)], most likely first, `params.logprobs` long; None
+        when logprobs are off.
+    finished / finish_reason: None while running; "length" (max_tokens or the model's
+        sequence limit), "stop" (a stop token, EOS, or the grammar terminated), "abort",
+        "error" (see `message`).
+    seed: the request's seed (drawn at admission when the params had none), so any stream
+        can be replayed.
+    """
+
+    request_id: str
+    token_id: int | None
+    position: int
+    seed: int
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    message: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Host-side state of a running request (the device side lives in its slot)."""
+
+    request_id: str
+    params: SamplingParams  # seed set
+    slot: int
+    prompt_len: int
+    stop_ids: frozenset[int]
+    variant_rank: int  # 0 no_filter, 1 top_k_top_p, 2 default: a batch takes the max
+    generated: int = 0
+    fresh: bool = True  # admitted since the last step: its first token is not out yet
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+
+_VARIANTS = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_K_TOP_P, SamplerVariant.DEFAULT)
+
+
+def variant_rank(params: SamplingParams) -> int:
+    """The position of the cheapest variant serving `params` in (no_filter, top_k_top_p,
+    default): the batch's variant is the one at the largest rank among its rows."""
+    for i, v in enumerate(_VARIANTS):
+        if v.serves(params):
+            return i
+    raise AssertionError("default serves every request")
+
+
+def chunk_key(rows: list[Request], bucket: int) -> GraphKey:
+    """The key of a chunk of rows: the same choice as `graphs.plan_step`, from the ranks
+    cached at admission (no per-step scan of the parameters)."""
+    rank = max(r.variant_rank for r in rows)
+    return GraphKey(_VARIANTS[rank], bucket, any(r.params.logprobs is not None for r in rows))

@@ -1,0 +1,99 @@
+"""The decode step: the function every captured graph records and the eager path runs.
+
+Steps, in order (all on the device, no host sync, static shapes):
+  1. gather     the rows' decode state through `slot_ids` [b]: output position (the
+                noise counter), last token (the model input), prompt length
+  2. forward    model.decode(last token, model position, slot) -> logits [b, V]
+  3. sample     grammar bitmask (gathered from the slot table), logit bias, penalties,
+                temperature, filters, draw, logprobs writer (`sample_step`)
+  4. advance    for real rows with a valid token: position += 1, last token = token,
+                token count += 1. Padding rows (the padding slot) and invalid rows change
+                nothing, so a graph's padding never touches a real slot.
+
+Terms: a *bucket* is the static batch size of a graph; the step's first n rows are the
+real requests and the rest are *padding rows* pointing at the table's padding slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphexec.graphs import GraphKey
+from graphexec.params import MAX_TOP_LOGPROBS
+from graphexec.sampling.pipeline import sample_step
+from graphexec.sampling.tensors import SamplerOutput
+from graphexec.state import SlotTable
+
+
+@dataclass
+class StepBuffers:
+    """Static inputs and outputs of the step, sized for the largest bucket.
+
+    A key of bucket b uses the first b rows: views keep their addresses fixed, so one set
+    serves every graph (as nano-vllm slices its graph variables).
+    """
+
+    slot_ids: torch.Tensor  # i64 [N]: the table row of each batch row
+    out: SamplerOutput  # token_ids / valid [N], logprobs [N], top-N [N, 20]
+
+    @classmethod
+    def allocate(cls, rows: int, padding_slot: int, device: torch.device) -> StepBuffers:
+        slot_ids = torch.full((rows,), padding_slot, dtype=torch.int64, device=device)
+        return cls(slot_ids, SamplerOutput.allocate(rows, device, MAX_TOP_LOGPROBS))
+
+    def view(self, key: GraphKey) -> tuple[torch.Tensor, SamplerOutput]:
+        """(slot_ids [b], outputs [b]) for `key`; logprob fields only when key.logprobs."""
+        b, o = key.bucket, self.out
+        out = SamplerOutput(o.token_ids[:b], o.valid[:b])
+        if key.logprobs:
+            out.logprobs, out.ranks = o.logprobs[:b], o.ranks[:b]
+            out.top_logprobs, out.top_token_ids = o.top_logprobs[:b], o.top_token_ids[:b]
+        return self.slot_ids[:b], out
+
+
+def advance(slots: SlotTable, slot_ids: torch.Tensor, out: SamplerOutput) -> None:
+    """Step 4: move each real row's decode state past the token it just drew."""
+    real = (slot_ids != slots.padding_slot) & out.valid
+    tok = torch.where(real, out.token_ids, 0)
+    slots.positions.index_add_(0, slot_ids, real.to(torch.int64))
+    # padding rows write back the value already there, so duplicates agree
+    slots.last_token[slot_ids] = torch.where(real, tok, slots.last_token[slot_ids])
+    counts = slots.tensors.token_counts
+    if counts is not None:
+        counts.index_put_((slot_ids, tok), real.to(counts.dtype), accumulate=True)
+
+
+def decode_step(
+    model,
+    slots: SlotTable,
+    slot_ids: torch.Tensor,
+    out: SamplerOutput,
+    key: GraphKey,
+    backend: str | None = None,
+) -> None:
+    """One decode step for the rows `slot_ids` [b] into `out` (see the module docstring)."""
+    pos = slots.positions[slot_ids]
+    model_pos = slots.prompt_lens[slot_ids] + pos - 1
+    logits = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
+    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
+    sample_step(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant, backend)
+    advance(slots, slot_ids, out)
+
+
+def first_token(
+    logits: torch.Tensor,
+    slots: SlotTable,
+    slot: int,
+    out: SamplerOutput,
+    key: GraphKey,
+    backend: str | None = None,
+) -> None:
+    """Sample a request's first token (position 0) from its prefill logits [V], with the
+    same sampler and state update as a decode step (eager: prefill is not captured)."""
+    slot_ids = torch.tensor([slot], dtype=torch.int64, device=logits.device)
+    pos = slots.positions[slot_ids]
+    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
+    sample_step(logits[None], slot_ids, pos, slots.tensors, out, bitmask, key.variant, backend)
+    advance(slots, slot_ids, out)
