@@ -134,6 +134,11 @@ class DecodeExecutor:
         return len(self._running)
 
     @property
+    def idle(self) -> bool:
+        """Nothing running and no output waiting to be reported."""
+        return not self._running and not self._pending
+
+    @property
     def graph_keys(self) -> list[GraphKey]:
         return list(self.graphs.steps)
 
@@ -287,9 +292,11 @@ class DecodeExecutor:
         self._upload_grammar(rows)
         largest = self.buckets[-1]
         replay = mode != "eager" and self.cuda_graphs
+        keys = []
         for start in range(0, len(rows), largest):
             chunk = rows[start : start + largest]
             key = self._key(chunk)
+            keys += [key] * len(chunk)
             host = self._host_slots[start : start + key.bucket]
             host.fill_(self.slots.padding_slot)
             host[: len(chunk)] = torch.tensor([r.slot for r in chunk], dtype=torch.int64)
@@ -300,7 +307,7 @@ class DecodeExecutor:
             self._copy_out(self.buffers.out, key, start, len(chunk))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        outputs += self._finish_rows(rows)
+        outputs += self._finish_rows(rows, keys)
         return outputs
 
     def _key(self, chunk: list[Request]) -> GraphKey:
@@ -329,7 +336,9 @@ class DecodeExecutor:
         rows_dev = host_rows.to(self.device, non_blocking=True)
         self.slots.bitmask.index_copy_(0, dev_idx, rows_dev)
 
-    def _finish_rows(self, rows: list[Request]) -> list[RequestOutput]:
+    def _finish_rows(
+        self, rows: list[Request], keys: list[GraphKey | None] | None = None
+    ) -> list[RequestOutput]:
         """Turn the host outputs of `rows` (row i at index i) into outputs; finish the
         requests that are due."""
         n = len(rows)
@@ -376,5 +385,6 @@ class DecodeExecutor:
             if reason is not None:
                 self._release(req)
             outs.append(RequestOutput(req.request_id, tok, pos, seed, lp, rank, top,
-                                      reason is not None, reason))  # fmt: skip
+                                      reason is not None, reason,
+                                      key=keys[i] if keys else None))  # fmt: skip
         return outs

@@ -24,6 +24,8 @@ class RequestOutput:
         "error" (see `message`).
     seed: the request's seed (drawn at admission when the params had none), so any stream
         can be replayed.
+    key: the graph key of the step that drew the token; None for the first token (drawn
+        at admission) and for ends without a token.
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     message: str | None = None
+    key: GraphKey | None = None
 
 
 @dataclass(slots=True, eq=False)

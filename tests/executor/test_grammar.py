@@ -69,3 +69,34 @@ def test_rows_without_grammar_allow_everything_and_padding_never(compiler, tok) 
     assert not allowed[1, tok.vocab_size :].any()  # ids past the tokenizer: never
     slots.remove(1)
     assert not slots.has(1) and (slots.fill([1])[0] == -1).all()
+
+
+def test_grammar_requests_finish_with_text_their_grammar_accepts() -> None:
+    import re
+
+    from graphexec import workload as wl
+
+    tok = gx.Tokenizer.cl100k()
+    ex = gx.DecodeExecutor(gx.models.TableModel(tok.vocab_size, seed=2), max_batch_size=8,
+                           device="cpu", tokenizer=tok)  # fmt: skip
+    ex.capture(progress=False)
+    schema = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
+    date = gx.Grammar.regex(wl.DATE_REGEX)
+    P = gx.SamplingParams
+    for i in range(4):
+        ex.add_request(f"j{i}", [1, i], P(temperature=1.0, seed=i, max_tokens=64, grammar=schema))
+        ex.add_request(f"d{i}", [2, i], P(top_k=20, seed=i, max_tokens=64, grammar=date,
+                                          presence_penalty=1.0))  # fmt: skip
+    outs: dict[str, list] = {}
+    while not ex.idle:
+        for o in ex.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert sum(ex.stats.replays.values()) > 0
+    for rid, os_ in outs.items():
+        assert os_[-1].finish_reason == "stop", rid
+        text = tok.decode([o.token_id for o in os_ if o.token_id != tok.eos_token_id])
+        if rid.startswith("j"):
+            obj = json.loads(text)
+            assert obj["answer"] in ("yes", "no", "maybe") and isinstance(obj["confident"], bool)
+        else:
+            assert re.fullmatch(wl.DATE_REGEX, text), text

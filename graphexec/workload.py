@@ -1,0 +1,171 @@
+"""Seeded mixed workloads, a runner that drives an executor through one, and a comparer.
+
+The demo, `tools/determinism_check.py`, the step benchmark and the tests all use these,
+so "the same workload in replay and in eager mode" means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from graphexec.grammar import Grammar
+from graphexec.graphs import GraphKey
+from graphexec.params import SamplingParams
+from graphexec.request import RequestOutput
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confident": {"type": "boolean"}},
+    "required": ["answer", "confident"],
+    "additionalProperties": False,
+}
+DATE_REGEX = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
+
+
+def request_kinds(grammars: bool) -> list[tuple[str, SamplingParams]]:
+    """One SamplingParams per kind of request the workloads mix (seeds set later)."""
+    P = SamplingParams
+    kinds = [
+        ("greedy", P(temperature=0.0, logprobs=3)),
+        ("top-k/top-p", P(temperature=0.8, top_k=50, top_p=0.9)),
+        ("top-p", P(temperature=1.0, top_p=0.95, logprobs=0)),
+        ("min-p", P(temperature=1.1, min_p=0.05, logprobs=5, logprobs_mode="processed")),
+        ("penalties", P(temperature=0.7, presence_penalty=0.6, frequency_penalty=0.4,
+                        repetition_penalty=1.3)),
+        ("logit bias", P(temperature=0.9, logit_bias={15: 4.0, 16: 4.0, 17: 4.0})),
+        ("plain", P()),
+    ]  # fmt: skip
+    if grammars:
+        kinds += [
+            ("json schema", P(temperature=0.8, grammar=Grammar.json_schema(ANSWER_SCHEMA))),
+            ("regex date", P(temperature=1.0, top_k=20, grammar=Grammar.regex(DATE_REGEX))),
+        ]
+    return kinds
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A request and the step at which it arrives."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    arrive: int
+    kind: str
+
+
+def mixed_workload(
+    n: int,
+    vocab_size: int,
+    seed: int = 0,
+    grammars: bool = False,
+    max_tokens: tuple[int, int] = (4, 32),
+    spread: int = 8,
+    unseeded_every: int = 5,
+) -> list[WorkItem]:
+    """`n` requests cycling through `request_kinds`, arriving over `spread` steps.
+
+    Every `unseeded_every`-th request has no seed (the executor draws one; give it
+    `seed=` to make those draws reproducible). Grammar requests get room to finish.
+    """
+    rng = random.Random(seed)
+    kinds = request_kinds(grammars)
+    items = []
+    for i in range(n):
+        kind, p = kinds[i % len(kinds)]
+        limit = 48 if p.grammar is not None else rng.randint(*max_tokens)
+        s = None if unseeded_every and i % unseeded_every == unseeded_every - 1 else seed + i
+        prompt = tuple(rng.randrange(min(vocab_size, 50_000)) for _ in range(rng.randint(1, 12)))
+        params = _replace(p, seed=s, max_tokens=limit)
+        items.append(WorkItem(f"r{i}", prompt, params, rng.randrange(spread + 1), kind))
+    return sorted(items, key=lambda it: it.arrive)
+
+
+def _replace(p: SamplingParams, **kw) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(p, **kw)
+
+
+@dataclass
+class Trace:
+    """Everything a run reported: outputs per request in order, and timings."""
+
+    outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return [o.token_id for o in self.outputs[request_id] if o.token_id is not None]
+
+    def final(self, request_id: str) -> RequestOutput:
+        return self.outputs[request_id][-1]
+
+
+def run(ex, items: list[WorkItem], mode: str | None = None, max_steps: int = 100_000) -> Trace:
+    """Admit each item at its arrival step (or as soon as a slot frees), step until all
+    are finished; returns the trace."""
+    trace = Trace()
+    queue = sorted(items, key=lambda it: it.arrive)
+    t0 = time.perf_counter()
+    step = 0
+    while queue or not ex.idle:
+        while queue and queue[0].arrive <= step and ex.free_slots > 0:
+            it = queue.pop(0)
+            ex.add_request(it.request_id, list(it.prompt), it.params)
+        for o in ex.step(mode):
+            trace.outputs.setdefault(o.request_id, []).append(o)
+            trace.tokens += o.token_id is not None
+        step += 1
+        if step > max_steps:
+            raise RuntimeError(f"workload did not finish in {max_steps} steps")
+    trace.steps = step
+    trace.seconds = time.perf_counter() - t0
+    return trace
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    request_id: str
+    position: int
+    key: GraphKey | None
+    what: str  # "token", "logprob", "top_logprobs", "finish", "length"
+
+
+def _same_float(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def compare(a: Trace, b: Trace) -> list[Mismatch]:
+    """Every difference between two traces: tokens exactly, logprobs bitwise."""
+    bad = []
+    for rid in sorted(set(a.outputs) | set(b.outputs)):
+        xs, ys = a.outputs.get(rid, []), b.outputs.get(rid, [])
+        if len(xs) != len(ys):
+            bad.append(Mismatch(rid, min(len(xs), len(ys)), None, "length"))
+        for x, y in zip(xs, ys, strict=False):
+            key = x.key or y.key
+            if x.token_id != y.token_id:
+                bad.append(Mismatch(rid, x.position, key, "token"))
+            elif not _same_float(x.logprob, y.logprob) or x.rank != y.rank:
+                bad.append(Mismatch(rid, x.position, key, "logprob"))
+            elif (x.top_logprobs is None) != (y.top_logprobs is None) or any(
+                i != j or not _same_float(u, v)
+                for (i, u), (j, v) in zip(x.top_logprobs or [], y.top_logprobs or [], strict=True)
+            ):
+                bad.append(Mismatch(rid, x.position, key, "top_logprobs"))
+            elif x.finish_reason != y.finish_reason:
+                bad.append(Mismatch(rid, x.position, key, "finish"))
+    return bad
+
+
+def outputs_per_key(trace: Trace) -> Counter:
+    """How many tokens each key drew in `trace` (None: first tokens, drawn at admission)."""
+    return Counter(o.key for outs in trace.outputs.values() for o in outs if o.token_id is not None)
