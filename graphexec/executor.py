@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 INVALID_MESSAGE = "no samplable token: every logit was NaN or -inf, or the grammar allowed none"
 
 
+@dataclass
+class StepTiming:
+    """Where the last step's wall time went (seconds): host work before and after the
+    wait for the device, and the wait itself. host = before + after is the executor's
+    overhead around the replay."""
+
+    before: float = 0.0
+    wait: float = 0.0
+    after: float = 0.0
+
+    @property
+    def host(self) -> float:
+        return self.before + self.after
+
+
 class ExecutorFullError(RuntimeError):
     """add_request when max_batch_size requests are already running."""
 
@@ -121,6 +136,7 @@ class DecodeExecutor:
         self._running: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._eager = Counter()
+        self.last_step_timing = StepTiming()
         self._steps = 0
         self._admitted = 0
 
@@ -279,6 +295,7 @@ class DecodeExecutor:
         mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
         same step function without replay, on the same buffers.
         """
+        t0 = time.perf_counter()
         if mode not in (None, "replay", "eager"):
             raise ValueError(f"mode must be None, 'replay' or 'eager', got {mode!r}")
         outputs, self._pending = self._pending, []
@@ -305,9 +322,12 @@ class DecodeExecutor:
                 self._step_fn(key, *self.buffers.view(key))()
                 self._eager[key] += 1
             self._copy_out(self.buffers.out, key, start, len(chunk))
+        t1 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        t2 = time.perf_counter()
         outputs += self._finish_rows(rows, keys)
+        self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
 
     def _key(self, chunk: list[Request]) -> GraphKey:

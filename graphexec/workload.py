@@ -169,3 +169,29 @@ def compare(a: Trace, b: Trace) -> list[Mismatch]:
 def outputs_per_key(trace: Trace) -> Counter:
     """How many tokens each key drew in `trace` (None: first tokens, drawn at admission)."""
     return Counter(o.key for outs in trace.outputs.values() for o in outs if o.token_id is not None)
+
+
+def key_workload(key: GraphKey, buckets: tuple[int, ...], steps: int, seed: int = 0,
+                 grammar: Grammar | None = None) -> list[WorkItem]:  # fmt: skip
+    """Requests that make every one of `steps` decode steps run `key`: as many rows as
+    the smallest batch `key.bucket` serves (so the bucket has padding rows), each for
+    steps + 1 tokens, with parameters that call for exactly key.variant and logprobs on
+    row 0 iff key.logprobs. `grammar` (optional) goes on the last row; it may end early."""
+    from graphexec.params import SamplerVariant as SV
+
+    i = buckets.index(key.bucket)
+    n = buckets[i - 1] + 1 if i else 1
+    P = SamplingParams
+    items = []
+    for r in range(n):
+        if key.variant is SV.NO_FILTER:
+            p = P(temperature=0.0 if r % 3 == 1 else 0.8, presence_penalty=0.3 * (r % 2))
+        elif key.variant is SV.TOP_K_TOP_P:
+            p = P(temperature=0.9, top_k=40 if r % 2 == 0 else -1, top_p=0.9)
+        else:
+            p = P(temperature=1.0, min_p=0.05 if r == 0 else 0.0, top_k=20 * (r % 2))
+        lp = 5 if key.logprobs and r == 0 else None
+        g = grammar if r == n - 1 and n > 1 else None
+        p = _replace(p, seed=seed + r, max_tokens=steps + 1, logprobs=lp, grammar=g)
+        items.append(WorkItem(f"{key}-{r}", tuple(range(1, 2 + r % 5)), p, 0, str(key)))
+    return items

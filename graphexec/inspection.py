@@ -1,0 +1,66 @@
+"""Inspect captured graphs: one row per key (`tools/inspect_graphs.py`, `graphexec inspect`).
+
+Columns: variant, bucket, logprobs, capture time, kernel nodes in the graph (CUDA only:
+counted from the graph's debug DOT), memory the shared pool grew by while the key was
+captured, and replays so far. `--dot KEY` writes that graph's DOT (KEY as printed, e.g.
+`top_k_top_p/b8/lp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import graphexec as gx
+from graphexec.graphs import CapturedGraphs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("tiny", "table"), default="tiny")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-batch-size", type=int, default=None, help="default 256 GPU, 8 CPU")
+    p.add_argument("--steps", type=int, default=0, help="replay a mixed workload first")
+    p.add_argument("--dot", default=None, metavar="KEY", help="write KEY's graph as DOT")
+    p.add_argument("--dot-path", default="graph.dot")
+
+
+def build(args: argparse.Namespace) -> gx.DecodeExecutor:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tok = gx.Tokenizer.cl100k()
+    batch = args.max_batch_size or (256 if device.type == "cuda" else 8)
+    if args.model == "tiny":
+        model = gx.models.TinyLM(tok.vocab_size, seed=0)
+    else:
+        model = gx.models.TableModel(tok.vocab_size, seed=0)
+    ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=tok, seed=0)
+    ex.graphs = CapturedGraphs(ex.device, debug=True)  # keep DOTs to count kernel nodes
+    return ex
+
+
+def inspect_graphs(args: argparse.Namespace) -> int:
+    from graphexec import workload as wl
+
+    ex = build(args)
+    ex.capture()
+    if args.steps:
+        items = wl.mixed_workload(args.steps, ex.vocab_size, grammars=True, spread=args.steps)
+        wl.run(ex, items)
+    print(f"{'variant':12s} {'bucket':>6s} {'logprobs':>8s} {'capture s':>9s} "
+          f"{'kernels':>7s} {'pool MiB':>8s} {'replays':>7s}")  # fmt: skip
+    for key, s in ex.graphs.steps.items():
+        nodes = "-" if s.kernel_nodes is None else str(s.kernel_nodes)
+        print(
+            f"{key.variant.value:12s} {key.bucket:6d} {str(key.logprobs):>8s} "
+            f"{s.capture_s:9.3f} {nodes:>7s} {s.pool_bytes / 2**20:8.1f} {s.replays:7d}"
+        )
+    for key, err in ex.graphs.failed.items():
+        print(f"FAILED {key}: {err} (served eagerly)")
+    if args.dot:
+        match = [k for k in ex.graphs.steps if str(k) == args.dot]
+        if not match:
+            print(f"--dot: no captured key {args.dot!r}; keys look like {ex.graph_keys[0]}")
+            return 2
+        ex.graphs.write_dot(match[0], args.dot_path)
+        print(f"wrote {args.dot_path}")
+    return 0

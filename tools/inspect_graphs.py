@@ -1,0 +1,19 @@
+"""Capture every graph key of an executor (TinyLM by default) and print one row per key.
+
+python tools/inspect_graphs.py [--model tiny|table] [--max-batch-size N] [--steps N]
+                               [--dot top_k_top_p/b8/lp --dot-path g.dot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from graphexec.inspection import add_arguments, inspect_graphs
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(inspect_graphs(parser.parse_args()))
