@@ -192,7 +192,7 @@ class DecodeExecutor:
         self.slots.reset_padding()
         grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
         log.info(
-            "captured %d graphs (%d failed) in %.1f s, pool +%.1f MiB%s",
+            "captured %d graphs (%d failed) in %.1f s, reserved CUDA memory +%.1f MiB%s",
             len(self.graphs.steps), len(self.graphs.failed), time.perf_counter() - t0,
             grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
         )  # fmt: skip

@@ -35,7 +35,7 @@ def replay_and_eager(ex, items) -> tuple[wl.Trace, wl.Trace]:
 
 def test_replay_equals_eager_for_every_key(tok) -> None:
     ex = executor(gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=512), tok, 32)
-    items = wl.mixed_workload(96, tok.vocab_size, seed=1, grammars=True, spread=150)
+    items = wl.mixed_workload(96, tok.vocab_size, seed=1, grammars=True, spread=220)
     a, b = replay_and_eager(ex, items)
     assert a.steps >= 200
     assert wl.compare(a, b) == []
