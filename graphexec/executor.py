@@ -15,7 +15,6 @@ A step, in order:
 
 from __future__ import annotations
 
-import bisect
 import logging
 import random
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from graphexec.batch import BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
 from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
 from graphexec.request import Request, RequestOutput, chunk_key, variant_rank
@@ -35,8 +35,6 @@ from graphexec.state import SlotTable
 from graphexec.step import StepBuffers, decode_step, first_token
 
 log = logging.getLogger(__name__)
-
-INVALID_MESSAGE = "no samplable token: every logit was NaN or -inf, or the grammar allowed none"
 
 
 @dataclass
@@ -135,6 +133,7 @@ class DecodeExecutor:
         self.graphs = CapturedGraphs(self.device)
         self._running: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
+        self._plan: BatchPlan | None = None
         self._eager = Counter()
         self.last_step_timing = StepTiming()
         self._steps = 0
@@ -178,6 +177,7 @@ class DecodeExecutor:
             raise RuntimeError("this executor was built with cuda_graphs=False")
         keys = sorted(keys or all_keys(self.buckets), key=lambda k: -k.bucket)
         self.slots.flush()
+        self._retire_plan()  # the slot ids buffer is about to hold padding
         self.buffers.slot_ids.fill_(self.slots.padding_slot)
         cuda = self.device.type == "cuda"
         mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
@@ -252,7 +252,11 @@ class DecodeExecutor:
             raise
         self._running[request_id] = req
         self._admitted += 1
-        self._pending += self._finish_rows([req])
+        self._retire_plan()  # it joins the decode rows at the step after next
+        first = BatchPlan.build([req], (1,), self.model.max_seq_len, self._has_grammar)
+        first.chunks = []  # no graph key: drawn at admission
+        self._pending += list(self._finish(first))
+        first.retire()
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         try:
@@ -283,14 +287,22 @@ class DecodeExecutor:
         )  # fmt: skip
 
     def _release(self, req: Request) -> None:
+        self._retire_plan()
         del self._running[req.request_id]
         self.slots.release(req.slot)
         if self.grammar is not None:
             self.grammar.remove(req.slot)
 
+    def _retire_plan(self) -> None:
+        """Requests came or went: write the plan's counters back; rebuild at the next step."""
+        if self._plan is not None:
+            self._plan.retire()
+            self._plan = None
+
     # ---- the step --------------------------------------------------------------------
-    def step(self, mode: str | None = None) -> list[RequestOutput]:
-        """One output per running request: its next token, or its end.
+    def step(self, mode: str | None = None) -> StepOutputs:
+        """One output per running request: its next token, or its end (a sequence of
+        `RequestOutput`, built as they are read).
 
         mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
         same step function without replay, on the same buffers.
@@ -298,40 +310,54 @@ class DecodeExecutor:
         t0 = time.perf_counter()
         if mode not in (None, "replay", "eager"):
             raise ValueError(f"mode must be None, 'replay' or 'eager', got {mode!r}")
-        outputs, self._pending = self._pending, []
-        rows = [r for r in self._running.values() if not r.fresh]
-        for r in self._running.values():
-            r.fresh = False
-        if not rows:
-            return outputs
+        ready, self._pending = self._pending, []
+        plan = self._plan
+        if plan is None:
+            rows = [r for r in self._running.values() if not r.fresh]
+            fresh = len(rows) < len(self._running)
+            for r in self._running.values():
+                r.fresh = False
+            plan = BatchPlan.build(rows, self.buckets, self.model.max_seq_len, self._has_grammar)
+            self._plan = None if fresh else plan  # fresh requests join at the next step
+        if not plan.rows:
+            outs = StepOutputs()
+            outs.ready = ready
+            return outs
         self._steps += 1
         self.slots.flush()
-        self._upload_grammar(rows)
-        largest = self.buckets[-1]
+        if plan.grammar_rows:
+            self._upload_grammar([plan.rows[i] for i in plan.grammar_rows])
         replay = mode != "eager" and self.cuda_graphs
-        keys = []
-        for start in range(0, len(rows), largest):
-            chunk = rows[start : start + largest]
-            key = self._key(chunk)
-            keys += [key] * len(chunk)
-            host = self._host_slots[start : start + key.bucket]
-            host.fill_(self.slots.padding_slot)
-            host[: len(chunk)] = torch.tensor([r.slot for r in chunk], dtype=torch.int64)
-            self.buffers.slot_ids[: key.bucket].copy_(host, non_blocking=True)
+        for key, start, n in plan.chunks:
+            if not plan.uploaded:
+                host = self._host_slots[start : start + key.bucket]
+                host.fill_(self.slots.padding_slot)
+                host[:n] = torch.tensor([r.slot for r in plan.rows[start : start + n]])
+            if not plan.uploaded or len(plan.chunks) > 1:
+                src = self._host_slots[start : start + key.bucket]
+                self.buffers.slot_ids[: key.bucket].copy_(src, non_blocking=True)
             if not (replay and self.graphs.replay(key)):
                 self._step_fn(key, *self.buffers.view(key))()
                 self._eager[key] += 1
-            self._copy_out(self.buffers.out, key, start, len(chunk))
+            self._copy_out(self.buffers.out, key, start, n)
+        plan.uploaded = True
         t1 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
-        outputs += self._finish_rows(rows, keys)
+        outs = self._finish(plan)
+        outs.ready = ready
         self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return outputs
+        return outs
 
-    def _key(self, chunk: list[Request]) -> GraphKey:
-        return chunk_key(chunk, self.buckets[bisect.bisect_left(self.buckets, len(chunk))])
+    def _finish(self, plan: BatchPlan) -> StepOutputs:
+        outs, ended = finish_rows(plan, self._host_out, self._eos, self.grammar)
+        for f in ended:
+            self._release(plan.rows[f.row])
+        return outs
+
+    def _has_grammar(self, slot: int) -> bool:
+        return self.grammar is not None and self.grammar.has(slot)
 
     def _copy_out(self, out: SamplerOutput, key: GraphKey, start: int, n: int) -> None:
         """Queue the copy of rows [:n] of `out` to the host buffers at `start`."""
@@ -355,56 +381,3 @@ class DecodeExecutor:
         dev_idx = idx.to(self.device, non_blocking=True)
         rows_dev = host_rows.to(self.device, non_blocking=True)
         self.slots.bitmask.index_copy_(0, dev_idx, rows_dev)
-
-    def _finish_rows(
-        self, rows: list[Request], keys: list[GraphKey | None] | None = None
-    ) -> list[RequestOutput]:
-        """Turn the host outputs of `rows` (row i at index i) into outputs; finish the
-        requests that are due."""
-        n = len(rows)
-        h = self._host_out
-        valid, toks = h.valid[:n].tolist(), h.token_ids[:n].tolist()
-        lps = ranks = top_ids = top_lps = None
-        if any(r.params.logprobs is not None for r in rows):
-            lps, ranks = h.logprobs[:n].tolist(), h.ranks[:n].tolist()
-            top_ids, top_lps = h.top_token_ids[:n].tolist(), h.top_logprobs[:n].tolist()
-        outs = []
-        for i, req in enumerate(rows):
-            pos, seed = req.generated, req.params.seed
-            if not valid[i]:
-                self._release(req)
-                outs.append(
-                    RequestOutput(
-                        req.request_id,
-                        None,
-                        pos,
-                        seed,
-                        finished=True,
-                        finish_reason="error",
-                        message=INVALID_MESSAGE,
-                    )
-                )
-                continue  # fmt: skip
-            tok = toks[i]
-            req.generated += 1
-            req.token_ids.append(tok)
-            reason = None
-            if self.grammar is not None and self.grammar.accept(req.slot, tok):
-                reason = "stop"
-            elif tok in req.stop_ids:
-                reason = "stop"
-            elif req.generated >= req.params.max_tokens:
-                reason = "length"
-            elif req.prompt_len + req.generated >= self.model.max_seq_len:
-                reason = "length"  # no room for this token in the model's sequence
-            lp = rank = top = None
-            k = req.params.logprobs
-            if k is not None:
-                lp, rank = lps[i], ranks[i]
-                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-            if reason is not None:
-                self._release(req)
-            outs.append(RequestOutput(req.request_id, tok, pos, seed, lp, rank, top,
-                                      reason is not None, reason,
-                                      key=keys[i] if keys else None))  # fmt: skip
-        return outs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant, SamplingParams
@@ -53,7 +53,6 @@ class Request:
     variant_rank: int  # 0 no_filter, 1 top_k_top_p, 2 default: a batch takes the max
     generated: int = 0
     fresh: bool = True  # admitted since the last step: its first token is not out yet
-    token_ids: list[int] = field(default_factory=list)
 
     @property
     def wants_logprobs(self) -> bool:
