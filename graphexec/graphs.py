@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -134,6 +135,9 @@ class CapturedGraphs:
         self.failed: dict[GraphKey, str] = {}
         self.pool = None
         self._dots: dict[GraphKey, str] = {}
+        # one warm-up stream for every key: cached blocks belong to a stream, so a new
+        # stream per key would leave each warm-up's memory stranded
+        self._side = torch.cuda.Stream(device) if self.cuda else None
 
     def capture(self, key: GraphKey, fn: Callable[[], None]) -> bool:
         """Warm `fn` up and capture it under `key`; False (logged) when capture fails."""
@@ -144,16 +148,19 @@ class CapturedGraphs:
         before = torch.cuda.memory_reserved(self.device)
         try:
             # warm up on a side stream: Triton JIT and the allocator, outside the capture
-            side = torch.cuda.Stream(self.device)
+            side = self._side
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 fn()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
+            # debug keeps the cudaGraph_t (for its DOT); it is then instantiated by hand
+            graph = torch.cuda.CUDAGraph(keep_graph=True) if self.debug else torch.cuda.CUDAGraph()
             if self.debug:
                 graph.enable_debug_mode()
             with torch.cuda.graph(graph, pool=self.pool):
                 fn()
+            if self.debug:
+                graph.instantiate()
             if self.pool is None:
                 self.pool = graph.pool()
         except Exception as e:  # OOM, an op that cannot be captured, a bad kernel
@@ -177,7 +184,7 @@ class CapturedGraphs:
         finally:
             os.unlink(path)
         self._dots[key] = dot
-        return dot.count("KERNEL")
+        return len(re.findall(r"\bKERNEL\b", dot))
 
     def write_dot(self, key: GraphKey, path: str) -> None:
         if key not in self._dots:

@@ -1,9 +1,9 @@
 """Inspect captured graphs: one row per key (`tools/inspect_graphs.py`, `graphexec inspect`).
 
 Columns: variant, bucket, logprobs, capture time, kernel nodes in the graph (CUDA only:
-counted from the graph's debug DOT), memory the shared pool grew by while the key was
-captured, and replays so far. `--dot KEY` writes that graph's DOT (KEY as printed, e.g.
-`top_k_top_p/b8/lp`).
+counted from the graph's debug DOT), reserved CUDA memory added while the key was warmed
+up and captured (the shared pool and the warm-up's cache), and replays so far.
+`--dot KEY` writes that graph's DOT (KEY as printed, e.g. `top_k_top_p/b8/lp`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def inspect_graphs(args: argparse.Namespace) -> int:
         items = wl.mixed_workload(args.steps, ex.vocab_size, grammars=True, spread=args.steps)
         wl.run(ex, items)
     print(f"{'variant':12s} {'bucket':>6s} {'logprobs':>8s} {'capture s':>9s} "
-          f"{'kernels':>7s} {'pool MiB':>8s} {'replays':>7s}")  # fmt: skip
+          f"{'kernels':>7s} {'mem MiB':>8s} {'replays':>7s}")  # fmt: skip
     for key, s in ex.graphs.steps.items():
         nodes = "-" if s.kernel_nodes is None else str(s.kernel_nodes)
         print(
