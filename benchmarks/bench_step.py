@@ -42,7 +42,7 @@ def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None) -
         )
     for _ in range(3):  # first tokens, then warm steps
         ex.step(mode)
-    walls, host, wait, built = [], [], [], []
+    walls, host, wait, built, before = [], [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         outs = ex.step(mode)
@@ -52,19 +52,20 @@ def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None) -
         walls.append(t1 - t0)
         host.append(ex.last_step_timing.host)
         wait.append(ex.last_step_timing.wait)
+        before.append(ex.last_step_timing.before)
         assert len(objs) == B
     for i in range(B):
         ex.abort(f"b{i}")
     ex.step(mode)
     med = statistics.median
     return dict(wall_us=med(walls) * 1e6, host_us=med(host) * 1e6, wait_us=med(wait) * 1e6,
-                outputs_us=med(built) * 1e6)  # fmt: skip
+                outputs_us=med(built) * 1e6, before_us=med(before) * 1e6)  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -75,7 +75,7 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, grammar) -> tuple[StepOu
     """
     n = len(plan.rows)
     toks = host.token_ids[:n].numpy().copy()
-    valid = host.valid[:n].numpy().copy()
+    valid = toks >= 0  # the sampler writes -1 exactly where a row is invalid
     positions = plan.generated.copy()
     plan.generated += valid
     stop = toks == eos if eos is not None else np.zeros(n, dtype=bool)

@@ -362,8 +362,8 @@ class DecodeExecutor:
     def _copy_out(self, out: SamplerOutput, key: GraphKey, start: int, n: int) -> None:
         """Queue the copy of rows [:n] of `out` to the host buffers at `start`."""
         h = self._host_out
+        # token_ids is -1 exactly where valid is False, so it alone tells both
         h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
-        h.valid[start : start + n].copy_(out.valid[:n], non_blocking=True)
         if key.logprobs:
             for name in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 getattr(h, name)[start : start + n].copy_(getattr(out, name)[:n], non_blocking=True)
