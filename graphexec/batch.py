@@ -157,4 +157,15 @@ class StepOutputs(Sequence[RequestOutput]):
                              reason is not None, reason, key=self._key(i))  # fmt: skip
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        return (self[i] for i in range(len(self)))
+        yield from self.ready
+        if not self._rows:
+            return
+        toks, pos = self.row_token_ids.tolist(), self._positions.tolist()
+        keys = [key for key, _, n in self._chunks for _ in range(n)] or [None] * len(toks)
+        skip = len(self.ready)
+        for i, req in enumerate(self._rows):
+            p = req.params
+            if toks[i] < 0 or p.logprobs is not None or i in self._reasons:
+                yield self[skip + i]  # the full path: logprobs, an end
+            else:
+                yield RequestOutput(req.request_id, toks[i], pos[i], p.seed, key=keys[i])

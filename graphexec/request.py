@@ -10,7 +10,7 @@ from graphexec.params import SamplerVariant, SamplingParams
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs ~2 us per output at B=256
 class RequestOutput:
     """One token of one request, or its end.
 

@@ -29,6 +29,7 @@ def test_step_outputs_sequence_and_columns() -> None:
     assert outs.row_token_ids.tolist() == [outs[2].token_id, outs[3].token_id]
     assert outs[2].logprob is None and outs[3].top_logprobs is not None
     assert all(o.position == 1 for o in outs[2:])
+    assert list(outs) == [outs[i] for i in range(len(outs))]  # the bulk and the single path
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
