@@ -89,3 +89,25 @@ def test_graphs_replay_correctly_after_slots_are_freed_and_reused(tok) -> None:
     wl.run(ex, wl.mixed_workload(20, tok.vocab_size, seed=3, grammars=True))
     got = wl.run(ex, [wl.WorkItem("probe", (5, 6), probe, 0, "probe")])
     assert wl.compare(want, got) == []
+
+
+class SyncsAtBucketTwo(gx.models.TableModel):
+    """A model that cannot be captured at batch 2: it reads a value back to the host."""
+
+    def decode(self, input_ids, positions, slot_ids):
+        if input_ids.shape[0] == 2 and int(positions.sum()) < 0:  # a host sync
+            raise AssertionError("unreachable")
+        return super().decode(input_ids, positions, slot_ids)
+
+
+def test_a_key_that_fails_to_capture_is_served_eagerly(tok) -> None:
+    ex = gx.DecodeExecutor(SyncsAtBucketTwo(tok.vocab_size), max_batch_size=4, device="cuda",
+                           tokenizer=tok, seed=0)  # fmt: skip
+    ex.capture(progress=False)
+    assert {k.bucket for k in ex.stats.failed} == {2} and len(ex.stats.failed) == 6
+    assert all(k.bucket != 2 for k in ex.graph_keys)
+    items = [wl.WorkItem(f"r{i}", (i + 1,), P(seed=i, max_tokens=8), 0, "plain") for i in range(2)]
+    got = wl.run(ex, items)
+    assert sum(ex.stats.eager_steps.values()) > 0  # bucket 2 ran eagerly
+    want = wl.run(executor(gx.models.TableModel(tok.vocab_size), tok, 4), items)
+    assert wl.compare(got, want) == []
