@@ -346,6 +346,8 @@ class DecodeExecutor:
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
         outs = self._finish(plan)
+        if plan is not self._plan:
+            plan.retire()  # a one-off plan (a request joins next step): keep its counters
         outs.ready = ready
         self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outs

@@ -271,3 +271,14 @@ def test_cuda_graphs_off_runs_eagerly() -> None:
     assert ex.graph_keys == [] and sum(ex.stats.eager_steps.values()) == 2
     with pytest.raises(RuntimeError, match="cuda_graphs=False"):
         ex.capture()
+
+
+def test_every_request_gets_exactly_its_tokens_while_others_come_and_go() -> None:
+    items = wl.mixed_workload(30, V, seed=1, spread=12)  # arrivals while others run
+    trace = wl.run(make(8), items)
+    for it in items:
+        outs = trace.outputs[it.request_id]
+        assert [o.position for o in outs] == list(range(len(outs))), it.request_id
+        if outs[-1].finish_reason == "length":
+            assert len(outs) == it.params.max_tokens, it.request_id
+        assert all(not o.finished for o in outs[:-1]) and outs[-1].finished
