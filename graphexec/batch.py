@@ -10,13 +10,12 @@ grammar, or has its own stop ids.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from graphexec.graphs import GraphKey
+from graphexec.graphs import GraphKey, chunks
 from graphexec.request import Request, RequestOutput, chunk_key
 
 INVALID_MESSAGE = "no samplable token: every logit was NaN or -inf, or the grammar allowed none"
@@ -36,15 +35,12 @@ class BatchPlan:
     @classmethod
     def build(cls, rows: list[Request], buckets: Sequence[int], max_seq_len: int,
               grammar_slots) -> BatchPlan:  # fmt: skip
-        largest = buckets[-1]
-        chunks = []
-        for start in range(0, len(rows), largest):
-            chunk = rows[start : start + largest]
-            bucket = buckets[bisect.bisect_left(buckets, len(chunk))]
-            chunks.append((chunk_key(chunk, bucket), start, len(chunk)))
         return cls(
             rows=rows,
-            chunks=chunks,
+            chunks=[
+                (chunk_key(rows[start : start + n], bucket), start, n)
+                for start, n, bucket in chunks(len(rows), buckets)
+            ],
             generated=np.array([r.generated for r in rows], dtype=np.int64),
             limit=np.array(
                 [min(r.params.max_tokens, max_seq_len - r.prompt_len) for r in rows],
@@ -94,7 +90,7 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, grammar) -> tuple[StepOu
     if plan.logprobs:
         lp = tuple(getattr(host, f)[:n].clone()
                    for f in ("logprobs", "ranks", "top_token_ids", "top_logprobs"))  # fmt: skip
-    outs = StepOutputs(plan.rows, plan.chunks, toks, valid, positions,
+    outs = StepOutputs(plan.rows, plan.chunks, toks, positions,
                        {f.row: f.reason for f in ended}, lp)  # fmt: skip
     return outs, ended
 
@@ -106,13 +102,12 @@ class StepOutputs(Sequence[RequestOutput]):
     Engines that want columns read `row_request_ids` / `row_token_ids` (numpy, -1 where
     invalid) for the decode rows."""
 
-    def __init__(self, rows=(), chunks=(), token_ids=None, valid=None, positions=None,
-                 reasons=None, logprobs=None) -> None:  # fmt: skip
+    def __init__(self, rows=(), chunks=(), token_ids=None, positions=None, reasons=None,
+                 logprobs=None) -> None:  # fmt: skip
         self.ready: list[RequestOutput] = []
         self._rows = rows
         self._chunks = chunks
         self.row_token_ids = token_ids
-        self._valid = valid
         self._positions = positions
         self._reasons = reasons
         self._lp = logprobs
@@ -143,7 +138,7 @@ class StepOutputs(Sequence[RequestOutput]):
         req = self._rows[i]
         pos, seed = int(self._positions[i]), req.params.seed
         reason = self._reasons.get(i)
-        if not self._valid[i]:
+        if self.row_token_ids[i] < 0:  # the sampler found nothing samplable
             return RequestOutput(req.request_id, None, pos, seed, finished=True,
                                  finish_reason="error", message=INVALID_MESSAGE,
                                  key=self._key(i))  # fmt: skip

@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 from graphexec.batch import BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
-from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
-from graphexec.request import Request, RequestOutput, chunk_key, variant_rank
+from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams, variant_rank
+from graphexec.request import Request, RequestOutput, chunk_key
 from graphexec.sampling.pipeline import default_backend
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.state import SlotTable
@@ -126,8 +126,7 @@ class DecodeExecutor:
         self._host_slots = torch.empty(n, dtype=torch.int64, pin_memory=pin)
         self._host_out = SamplerOutput.allocate(max_batch_size, "cpu", MAX_TOP_LOGPROBS)
         if pin:
-            for name in ("token_ids", "valid", "logprobs", "ranks", "top_logprobs",
-                         "top_token_ids"):  # fmt: skip
+            for name in ("token_ids", "logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 setattr(self._host_out, name, getattr(self._host_out, name).pin_memory())
         self._host_grammar_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
         self.graphs = CapturedGraphs(self.device)
@@ -238,7 +237,8 @@ class DecodeExecutor:
                 self.grammar.add(slot, params.grammar)
             self.slots.flush()
             logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
-            self._upload_grammar([req])
+            if params.grammar is not None:
+                self._upload_grammar([slot])
             out = self._first[req.wants_logprobs]
             key = chunk_key([req], 1)
             first_token(logits.to(self.device), self.slots, slot, out, key, self.backend)
@@ -326,7 +326,7 @@ class DecodeExecutor:
         self._steps += 1
         self.slots.flush()
         if plan.grammar_rows:
-            self._upload_grammar([plan.rows[i] for i in plan.grammar_rows])
+            self._upload_grammar([plan.rows[i].slot for i in plan.grammar_rows])
         replay = mode != "eager" and self.cuda_graphs
         for key, start, n in plan.chunks:
             if not plan.uploaded:
@@ -370,13 +370,8 @@ class DecodeExecutor:
             for name in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 getattr(h, name)[start : start + n].copy_(getattr(out, name)[:n], non_blocking=True)
 
-    def _upload_grammar(self, rows: list[Request]) -> None:
-        """Fill the grammar rows' bitmasks on the host and copy them to their slots."""
-        if self.grammar is None:
-            return
-        g = [r.slot for r in rows if self.grammar.has(r.slot)]
-        if not g:
-            return
+    def _upload_grammar(self, g: list[int]) -> None:
+        """Fill the bitmasks of grammar slots `g` on the host and copy them to the slots."""
         host_rows = self.grammar.fill(g)
         idx = self._host_grammar_idx[: len(g)]
         idx.copy_(torch.tensor(g, dtype=torch.int64))

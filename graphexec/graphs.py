@@ -73,6 +73,17 @@ def pick_bucket(batch_size: int, buckets: Sequence[int]) -> int:
     return buckets[i]
 
 
+def chunks(batch_size: int, buckets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first row, rows, bucket) of each chunk: rows cut into runs of at most the largest
+    bucket, each served by the smallest bucket that holds it."""
+    largest = buckets[-1]
+    out = []
+    for start in range(0, batch_size, largest):
+        n = min(largest, batch_size - start)
+        out.append((start, n, pick_bucket(n, buckets)))
+    return out
+
+
 def plan_step(
     params: Sequence[SamplingParams], buckets: Sequence[int]
 ) -> list[tuple[GraphKey, slice]]:
@@ -82,16 +93,11 @@ def plan_step(
     and logprobs flag of its own rows (a chunk's key never depends on the other chunks),
     so a request's chunk never changes its token: variants and buckets are not semantics.
     """
-    largest = buckets[-1]
     plan = []
-    for start in range(0, len(params), largest):
-        rows = params[start : start + largest]
-        key = GraphKey(
-            variant=choose_variant(rows),
-            bucket=pick_bucket(len(rows), buckets),
-            logprobs=any(p.logprobs is not None for p in rows),
-        )
-        plan.append((key, slice(start, start + len(rows))))
+    for start, n, bucket in chunks(len(params), buckets):
+        rows = params[start : start + n]
+        key = GraphKey(choose_variant(rows), bucket, any(p.logprobs is not None for p in rows))
+        plan.append((key, slice(start, start + n)))
     return plan
 
 

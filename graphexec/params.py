@@ -206,10 +206,15 @@ class SamplingParams:
         return dataclasses.replace(self, seed=seed)
 
 
+# cheapest first; each variant serves every request the one before it serves
+VARIANT_ORDER = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_K_TOP_P, SamplerVariant.DEFAULT)
+
+
+def variant_rank(params: SamplingParams) -> int:
+    """The index in VARIANT_ORDER of the cheapest variant that serves `params`."""
+    return next(i for i, v in enumerate(VARIANT_ORDER) if v.serves(params))
+
+
 def choose_variant(params: Sequence[SamplingParams]) -> SamplerVariant:
     """The cheapest variant that serves every row of the batch."""
-    if any(p.uses_min_p for p in params):
-        return SamplerVariant.DEFAULT
-    if any(p.uses_top_k or p.uses_top_p for p in params):
-        return SamplerVariant.TOP_K_TOP_P
-    return SamplerVariant.NO_FILTER
+    return VARIANT_ORDER[max((variant_rank(p) for p in params), default=0)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphexec.graphs import GraphKey
-from graphexec.params import SamplerVariant, SamplingParams
+from graphexec.params import VARIANT_ORDER, SamplingParams
 
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
@@ -50,7 +50,7 @@ class Request:
     slot: int
     prompt_len: int
     stop_ids: frozenset[int]
-    variant_rank: int  # 0 no_filter, 1 top_k_top_p, 2 default: a batch takes the max
+    variant_rank: int  # params.variant_rank: a chunk takes the max over its rows
     generated: int = 0
     fresh: bool = True  # admitted since the last step: its first token is not out yet
 
@@ -59,20 +59,8 @@ class Request:
         return self.params.logprobs is not None
 
 
-_VARIANTS = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_K_TOP_P, SamplerVariant.DEFAULT)
-
-
-def variant_rank(params: SamplingParams) -> int:
-    """The position of the cheapest variant serving `params` in (no_filter, top_k_top_p,
-    default): the batch's variant is the one at the largest rank among its rows."""
-    for i, v in enumerate(_VARIANTS):
-        if v.serves(params):
-            return i
-    raise AssertionError("default serves every request")
-
-
 def chunk_key(rows: list[Request], bucket: int) -> GraphKey:
-    """The key of a chunk of rows: the same choice as `graphs.plan_step`, from the ranks
-    cached at admission (no per-step scan of the parameters)."""
+    """The key of a chunk of rows: `choose_variant`'s choice, from the ranks cached at
+    admission (no per-step scan of the parameters)."""
     rank = max(r.variant_rank for r in rows)
-    return GraphKey(_VARIANTS[rank], bucket, any(r.params.logprobs is not None for r in rows))
+    return GraphKey(VARIANT_ORDER[rank], bucket, any(r.params.logprobs is not None for r in rows))
