@@ -35,15 +35,6 @@ def _workload(tok: gx.Tokenizer, n: int, seed: int) -> list[wl.WorkItem]:
     ]
 
 
-def _seeded(items: list[wl.WorkItem], trace: wl.Trace) -> list[wl.WorkItem]:
-    """The same items with the seeds the executor drew for the unseeded ones."""
-    out = []
-    for it in items:
-        seed = trace.outputs[it.request_id][0].seed
-        out.append(dataclasses.replace(it, params=it.params.with_seed(seed)))
-    return out
-
-
 def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | None) -> float:
     """Mean wall time of one decode step (ms) with `batch` plain requests running."""
     for i in range(batch):
@@ -100,7 +91,7 @@ def demo(args: argparse.Namespace) -> int:
     replayed = wl.run(ex, items)
     print(f"\nreplay: {len(items)} requests, {replayed.tokens} tokens in {replayed.steps} steps, "
           f"{replayed.tokens / replayed.seconds:.0f} tokens/s")  # fmt: skip
-    eager = wl.run(ex, _seeded(items, replayed), mode="eager")
+    eager = wl.run(ex, wl.with_reported_seeds(items, replayed), mode="eager")
     print(f"eager:  {eager.tokens} tokens in {eager.steps} steps, "
           f"{eager.tokens / eager.seconds:.0f} tokens/s")  # fmt: skip
     bad = wl.compare(replayed, eager)

@@ -6,6 +6,7 @@ so "the same workload in replay and in eager mode" means the same thing everywhe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -80,15 +81,9 @@ def mixed_workload(
         limit = 48 if p.grammar is not None else rng.randint(*max_tokens)
         s = None if unseeded_every and i % unseeded_every == unseeded_every - 1 else seed + i
         prompt = tuple(rng.randrange(min(vocab_size, 50_000)) for _ in range(rng.randint(1, 12)))
-        params = _replace(p, seed=s, max_tokens=limit)
+        params = dataclasses.replace(p, seed=s, max_tokens=limit)
         items.append(WorkItem(f"r{i}", prompt, params, rng.randrange(spread + 1), kind))
     return sorted(items, key=lambda it: it.arrive)
-
-
-def _replace(p: SamplingParams, **kw) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(p, **kw)
 
 
 @dataclass
@@ -127,6 +122,15 @@ def run(ex, items: list[WorkItem], mode: str | None = None, max_steps: int = 100
     trace.steps = step
     trace.seconds = time.perf_counter() - t0
     return trace
+
+
+def with_reported_seeds(items: list[WorkItem], trace: Trace) -> list[WorkItem]:
+    """The same items, each with the seed `trace` reports for it (the executor draws one
+    for unseeded requests), so a second run replays the same streams."""
+    return [
+        dataclasses.replace(it, params=it.params.with_seed(trace.outputs[it.request_id][0].seed))
+        for it in items
+    ]
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,6 @@ def key_workload(key: GraphKey, buckets: tuple[int, ...], steps: int, seed: int 
             p = P(temperature=1.0, min_p=0.05 if r == 0 else 0.0, top_k=20 * (r % 2))
         lp = 5 if key.logprobs and r == 0 else None
         g = grammar if r == n - 1 and n > 1 else None
-        p = _replace(p, seed=seed + r, max_tokens=steps + 1, logprobs=lp, grammar=g)
+        p = dataclasses.replace(p, seed=seed + r, max_tokens=steps + 1, logprobs=lp, grammar=g)
         items.append(WorkItem(f"{key}-{r}", tuple(range(1, 2 + r % 5)), p, 0, str(key)))
     return items

@@ -13,7 +13,6 @@ replayed run). Prints compared tokens and mismatches per key; exit 1 on any mism
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -27,11 +26,8 @@ from graphexec import workload as wl
 
 def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, list[wl.Mismatch]]:
     replayed = wl.run(ex, items)
-    seeded = [
-        dataclasses.replace(it, params=it.params.with_seed(replayed.outputs[it.request_id][0].seed))
-        for it in items
-    ]
-    return replayed, wl.compare(replayed, wl.run(ex, seeded, mode="eager"))
+    eager = wl.run(ex, wl.with_reported_seeds(items, replayed), mode="eager")
+    return replayed, wl.compare(replayed, eager)
 
 
 def main() -> int:

@@ -3,8 +3,6 @@ of every key with TinyLM at the full vocabulary, slot reuse under captured graph
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import graphexec as gx
@@ -28,9 +26,7 @@ def executor(model, tok, batch: int) -> gx.DecodeExecutor:
 
 def replay_and_eager(ex, items) -> tuple[wl.Trace, wl.Trace]:
     a = wl.run(ex, items)
-    seeded = [dataclasses.replace(it, params=it.params.with_seed(a.outputs[it.request_id][0].seed))
-              for it in items]  # fmt: skip
-    return a, wl.run(ex, seeded, mode="eager")
+    return a, wl.run(ex, wl.with_reported_seeds(items, a), mode="eager")
 
 
 def test_replay_equals_eager_for_every_key(tok) -> None:
