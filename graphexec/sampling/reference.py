@@ -17,7 +17,12 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
    those whose mass reaches p times their total mass; min-p keeps tokens with
    exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32)
    (int64, summed exactly, so no split of the row changes a decision), compared in
-   float64: keep position j iff sum(q before j) < p * total.
+   float64: keep position j iff sum(q before j) < p * total. With top-k on, total is the
+   exact sum of q over the top-k prefix; with top-k off it is the row's mass from its
+   block stats (step 6), summed in float64 in block order, a sum fixed by V alone:
+       total = sum over blocks b of float64(Q_b) * exp(float64(ym_b))
+   with ym_b = (xm_b - m) * s the block's max of y, so the sampler gets it from one
+   read of the row without knowing m in advance.
 6. **Draw.** Greedy rows take the argmax of x. A row whose maximum is -inf has nothing
    to sample: valid = False, token -1. Otherwise, with g(seed, pos, i, stream) the
    Gumbel noise of `graphexec.rng` and ties always to the lower index:
@@ -48,7 +53,7 @@ from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 MASS_SCALE = 2.0**32  # fixed-point scale of probability mass relative to the row max
-DRAW_BLOCK = 512  # token ids per block of the two-level draw (part of the definition)
+DRAW_BLOCK = 128  # token ids per block of the two-level draw (part of the definition)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -151,8 +156,16 @@ def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.
     return row_gumbel_stream(seed, pos, vocab_size, Stream.TOKEN)
 
 
-def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
-    """Step 5 on scaled rows y: [B, V] bool, True where a token survives the filters."""
+def filter_mask(
+    x: torch.Tensor,
+    slot_ids: torch.Tensor,
+    table: SamplingTensors,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Step 5 on scaled rows y: [B, V] bool, True where a token survives the filters.
+
+    total: [B] float64 top-p total for rows with top-k off (`row_mass`); None sums q
+    over the row instead (tests of other backends use that approximation)."""
     B, V = x.shape
     sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
     m = sv[:, :1]
@@ -163,9 +176,11 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors)
     rel = torch.exp(sv - torch.where(m > -torch.inf, m, 0.0))
     q = torch.where(kept, (rel * MASS_SCALE).to(torch.int64), 0)
     before = torch.cumsum(q, dim=-1) - q
-    total = q.sum(dim=-1, keepdim=True)
+    tot = q.sum(dim=-1, keepdim=True).to(torch.float64)
+    if total is not None:
+        tot = torch.where(k == 0, total.to(torch.float64).unsqueeze(1), tot)
     p = table.top_p[slot_ids].to(torch.float64).unsqueeze(1)
-    kept &= (p >= 1.0) | (before.to(torch.float64) < p * total.to(torch.float64))
+    kept &= (p >= 1.0) | (before.to(torch.float64) < p * tot)
     kept &= rel >= table.min_p[slot_ids].unsqueeze(1)
     out = torch.zeros_like(kept)
     return out.scatter(1, si, kept)
@@ -177,8 +192,10 @@ def plain_rows(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
     return off_k & (table.top_p[slot_ids] >= 1.0) & (table.min_p[slot_ids] <= 0.0)
 
 
-def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
-    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc."""
+def block_stats(
+    xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, nblocks] f32 block max xm_b, [B, nblocks] int64 Q_b) of collapsed rows xc."""
     B, V = xc.shape
     nb = -(-V // draw_block)
     pad = torch.full((B, nb * draw_block - V), -torch.inf, dtype=xc.dtype, device=xc.device)
@@ -189,8 +206,27 @@ def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> tor
     xs = torch.where(torch.isfinite(xm), xm, 0.0).unsqueeze(-1)
     z = torch.where(fin, (xb - xs) * s, -torch.inf)
     q = torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0)
-    qf = q.sum(dim=-1).to(torch.float32)
-    return (xm - row_max(xc)) * inv_t.view(B, 1) + torch.log(qf)
+    return xm, q.sum(dim=-1)
+
+
+def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
+    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc."""
+    xm, q = block_stats(xc, inv_t, draw_block)
+    return (xm - row_max(xc)) * inv_t.view(-1, 1) + torch.log(q.to(torch.float32))
+
+
+def row_mass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
+    """[B] float64 total of step 5 (top-k off): sum_b Q_b * exp(ym_b), in block order."""
+    xm, q = block_stats(xc, inv_t, draw_block)
+    ym = (xm - row_max(xc)) * inv_t.view(-1, 1)
+    terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
+    return terms.sum(dim=-1)
+
+
+def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
+    """[B] the fp32 1/T each row scales by (1 for greedy rows)."""
+    greedy = table.temperature[slot_ids] == 0
+    return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
 def draw(
@@ -216,8 +252,7 @@ def draw(
     else:
         plain = plain_rows(slot_ids, table)
     greedy = table.temperature[slot_ids] == 0
-    inv_t = torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
-    lm = block_logmass(xc, inv_t, draw_block)
+    lm = block_logmass(xc, effective_inv_t(slot_ids, table), draw_block)
     bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
     chosen = first_argmax(lm + bg)
     in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
@@ -271,7 +306,10 @@ def sample(
     for tests only: the library always uses DRAW_BLOCK)."""
     xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask))
     y = scale(xc, slot_ids, table)
-    kept = None if variant is SamplerVariant.NO_FILTER else filter_mask(y, slot_ids, table)
+    kept = None
+    if variant is not SamplerVariant.NO_FILTER:
+        total = row_mass(xc, effective_inv_t(slot_ids, table), draw_block)
+        kept = filter_mask(y, slot_ids, table, total)
     tokens, valid = draw(xc, y, slot_ids, positions, table, kept, draw_block)
     out.token_ids.copy_(tokens)
     out.valid.copy_(valid)

@@ -24,9 +24,9 @@ V = 200
 # the split routes use blocks of 16 tokens for the two-level draw, so V = 200 has 13
 ROUTES = {
     "tile": dict(),
-    "split": dict(tile_v=16, block=64, cap=64, draw_block=16),
-    "exact": dict(tile_v=16, block=64, cap=4, draw_block=16),
-    "split_chunk_is_block": dict(tile_v=16, block=16, cap=64, draw_block=16),
+    "split": dict(tile_v=16, rows=2, cap=64, small=16, draw_block=16),
+    "exact": dict(tile_v=16, rows=2, cap=4, small=4, draw_block=16),
+    "split_one_block_tiles": dict(tile_v=16, rows=1, split=3, cap=64, small=16, draw_block=16),
 }
 
 
@@ -148,7 +148,7 @@ def test_batch_position_invariance_triton() -> None:
     assert torch.equal(shuf.token_ids, full.token_ids[perm])
 
 
-@pytest.mark.parametrize("route", ["split", "split_chunk_is_block"])
+@pytest.mark.parametrize("route", ["split", "split_one_block_tiles"])
 def test_two_level_rows_with_bad_data(route: str) -> None:
     """Plain rows (two-level draw) holding +inf in several blocks, NaN, a fully masked
     block, or nothing samplable: Triton equals the reference token for token."""
@@ -175,3 +175,22 @@ def test_two_level_rows_with_bad_data(route: str) -> None:
                      draw_block=16)  # fmt: skip
     seen = set(out.token_ids.tolist())
     assert seen <= {3, 40, 41, 199} and len(seen) >= 3
+
+
+def test_block_stats_logprobs_writer_serves_raw_rows(monkeypatch) -> None:
+    """With the general logprobs kernel switched off, the writer that works from the block
+    pass's raw stats (`raw_logprobs`) alone gives raw-mode rows the reference's logprobs,
+    ranks and top-N (rows with a raw +inf are left to the general kernel)."""
+    B = 8
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[1, 17] = float("nan")
+    logits[2, 40:80] = float("-inf")
+    logits[3, [5, 50, 150]] = logits[3].max()  # tied max: ties to the lower id
+    params = [P(seed=i, logprobs=4, temperature=0.6 + 0.1 * i, top_k=(0, 5)[i % 2])
+              for i in range(B)]  # fmt: skip
+    params[4] = P(seed=4, logprobs=None)  # a row that did not ask is written too
+    monkeypatch.setattr(launch, "write_logprobs", lambda *a, **k: None)
+    ref, tri = run_both(params, logits, None, None, None, SamplerVariant.DEFAULT, "split",
+                        num_top=4)  # fmt: skip
+    assert_same(ref, tri)

@@ -59,6 +59,7 @@ def _logprobs_kernel(
     rank_ptr,  # [B] i64 out
     top_lp_ptr,  # [B, N] f32 out
     top_id_ptr,  # [B, N] i64 out
+    done_ptr,  # [B] i32: rows already written (`raw_logprobs`) are skipped
     V,
     BF16_BITS: tl.constexpr,
     N: tl.constexpr,
@@ -67,8 +68,12 @@ def _logprobs_kernel(
     BLOCK: tl.constexpr,
     ROUNDS: tl.constexpr,
     INTERP: tl.constexpr,
+    SKIP_DONE: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if SKIP_DONE:
+        if tl.load(done_ptr + row) != 0:
+            return
     slot = tl.load(slot_ptr + row)
     processed = tl.load(proc_ptr + slot).to(tl.int32) != 0
     raw_row = raw_ptr + row.to(tl.int64) * stride_raw
@@ -186,8 +191,10 @@ def write_logprobs(
     *,
     cap: int = CAP,
     block: int | None = None,
+    done: torch.Tensor | None = None,
 ) -> None:
-    """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids."""
+    """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids
+    (done: optional [B] int32, rows already written are skipped)."""
     B, V = y.shape
     n = out.num_top or 0
     if cap < n:
@@ -212,6 +219,7 @@ def write_logprobs(
         out.ranks,
         top_lp,
         top_id,
+        done if done is not None else out.ranks,
         V,
         BF16_BITS=bf16,
         N=n,
@@ -220,5 +228,6 @@ def write_logprobs(
         BLOCK=blk,
         ROUNDS=16,
         INTERP=interpreter_enabled(),
+        SKIP_DONE=done is not None,
         num_warps=8 if not interpreter_enabled() else 4,
     )

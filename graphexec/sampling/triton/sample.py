@@ -5,11 +5,11 @@ Two routes compute the same function (`graphexec.sampling.reference`, steps 3-6)
 - `_sample_tile_kernel`, for V <= TILE_V: a program holds BLOCK_R whole rows in registers,
   scales them (y = (x - max) / T), writes y back for the logprobs writer, sorts them by
   (value desc, id asc) and filters the sorted tile.
-- the split-row passes of `passes.py` for larger V, which end in `_finish_kernel` here:
-  rows whose candidates were gathered sort and filter them; rows for which no threshold
-  served (k > CAP, a flat top-p, ties wider than CAP) take the exact slow path,
-  `_exact_prefix_draw`: bisection over the 32-bit order key for the last element of the
-  kept prefix, then one pass drawing over the prefix.
+- for larger V, `rowdraw` sorts, filters and draws the gathered candidates of a row with
+  `_sorted_draw`; rows no threshold serves (k above the live blocks, more candidates than
+  CAP, a flat top-p, +inf) take the exact slow path, `_exact_prefix_draw`: bisection over
+  the 32-bit order key for the last element of the kept prefix, then one pass drawing
+  over the prefix.
 
 Every per-row computation runs in an order fixed by V and the block size only, never by
 the batch: that is what keeps a request's token batch-invariant. On the large-V route the
@@ -82,7 +82,8 @@ def _sample_tile_kernel(
         top_p = tl.load(top_p_ptr + slot, mask=rmask, other=1.0)[:, None]
         min_p = tl.load(min_p_ptr + slot, mask=rmask, other=0.0)[:, None]
         zero = tl.zeros([BLOCK_R, 1], dtype=tl.float32)
-        qtot = tl.sum(mass(y, zero), axis=1)[:, None]
+        # one block: the block total sum_b Q_b * exp(ym_b) is this exact sum
+        qtot = tl.sum(mass(y, zero), axis=1)[:, None].to(tl.float64)
         keys = sort_desc(tl.where(mask, pack(y, ids), -9223372036854775808), INTERP)
         vals, sids = unpack(keys)
         tok, best = filter_sorted_draw(
@@ -183,7 +184,7 @@ def _draw_pass(yrow, V, seed, pos, t_star, r_star, BLOCK: tl.constexpr, STREAM: 
 
 
 @triton.jit
-def _exact_prefix_draw(yrow, V, n_fin, nm, qt, top_k, top_p, min_p, seed, pos,
+def _exact_prefix_draw(yrow, V, n_fin, nm, row_total, top_k, top_p, min_p, seed, pos,
                        BLOCK: tl.constexpr, STREAM: tl.constexpr):  # fmt: skip
     """The slow exact path: locate the kept prefix by bisection over order keys, then draw.
 
@@ -196,14 +197,17 @@ def _exact_prefix_draw(yrow, V, n_fin, nm, qt, top_k, top_p, min_p, seed, pos,
     L_m = tl.where(min_p > 0.0, nm, n_fin)
     L_p = n_fin
     if top_p < 1.0:
-        total = qt  # the whole row's mass, counted by the search only when top-k is off
+        total = row_total  # float64 (reference step 5) when top-k is off
         if top_k > 0:
-            n_all, total, n_eq_all = _count_key(yrow, V, lo - 1, BLOCK)
+            n_all, q_all, n_eq_all = _count_key(yrow, V, lo - 1, BLOCK)
+            total = q_all.to(tl.float64)
         if L_k < n_fin:
             t_k = _key_at(yrow, V, L_k - 1, lo, hi, BLOCK)
             n_gt, q_gt, n_eq = _count_key(yrow, V, t_k, BLOCK)
-            total = q_gt + (L_k - n_gt).to(tl.int64) * mass(okey_to_float(t_k), 0.0)
-        target = top_p.to(tl.float64) * total.to(tl.float64)
+            total = (q_gt + (L_k - n_gt).to(tl.int64) * mass(okey_to_float(t_k), 0.0)).to(
+                tl.float64
+            )
+        target = top_p.to(tl.float64) * total
         t_p = _mass_key(yrow, V, target, lo, hi, BLOCK)
         n_gt_p, q_gt_p, n_eq_p = _count_key(yrow, V, t_p, BLOCK)
         q_tp = mass(okey_to_float(t_p), 0.0).to(tl.float64)
@@ -222,60 +226,17 @@ def _exact_prefix_draw(yrow, V, n_fin, nm, qt, top_k, top_p, min_p, seed, pos,
 
 
 @triton.jit
-def _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, W: tl.constexpr,
+def _sorted_draw(crow, n, top_k, top_p, min_p, total, seed, pos, W: tl.constexpr,
                  STREAM: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Sort a row's n <= W packed candidate keys, filter them and draw."""
+    """Sort a row's n <= W packed candidate keys, filter them and draw (total: the
+    float64 top-p total of a row with top-k off)."""
     c = tl.arange(0, W)
     keys = tl.load(crow + c, mask=c < n, other=-9223372036854775808)
     keys = sort_desc(keys.reshape(1, W), INTERP)
     vals, ids = unpack(keys)
     one = tl.zeros([1, 1], dtype=tl.int32)
     tok, best = filter_sorted_draw(
-        vals, ids, one * 0.0, one + top_k, one + top_p, one + min_p, one + qt, one + seed,
+        vals, ids, one * 0.0, one + top_k, one + top_p, one + min_p, one + total, one + seed,
         one + pos, STREAM,
     )  # fmt: skip
     return tl.sum(tok, axis=0)
-
-
-@triton.jit
-def _finish_kernel(
-    y_ptr,  # [B, V] f32 scaled rows
-    slot_ptr, pos_ptr,  # [B] i64
-    top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,  # [S] i32, f32, f32, i64
-    stat_i_ptr,  # [B, 2] i32 (has +inf, #finite)
-    state_ptr,  # [B] i32: 0 = no threshold found (exact path), 1 = candidates, else final
-    qt_ptr, nm_ptr,  # [B] i64 whole-row mass, [B] i32 #(exp(y) >= min_p)
-    cnt_ptr,  # [B] i32 candidates gathered
-    cand_ptr,  # [B, CAP] i64 packed candidate keys
-    tok_ptr,  # [B] i64 in/out
-    V, CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr, STREAM: tl.constexpr,
-    INTERP: tl.constexpr,
-):  # fmt: skip
-    """Sort the candidates, filter and draw; rows without candidates take the exact path."""
-    row = tl.program_id(0)
-    r64 = row.to(tl.int64)
-    state = tl.load(state_ptr + row)
-    if state <= 1:
-        slot = tl.load(slot_ptr + row)
-        pos = tl.load(pos_ptr + row)
-        seed = tl.load(seed_ptr + slot)
-        top_k = tl.load(top_k_ptr + slot)
-        top_p = tl.load(top_p_ptr + slot)
-        min_p = tl.load(min_p_ptr + slot)
-        n_fin = tl.load(stat_i_ptr + r64 * 2 + 1)
-        qt = tl.load(qt_ptr + row)
-        if state == 1:
-            n = tl.load(cnt_ptr + row)
-            crow = cand_ptr + r64 * CAP
-            # sort as few keys as the row has: most rows fit the small width
-            if n <= SMALL:
-                tok = _sorted_draw(
-                    crow, n, top_k, top_p, min_p, qt, seed, pos, SMALL, STREAM, INTERP
-                )
-            else:
-                tok = _sorted_draw(crow, n, top_k, top_p, min_p, qt, seed, pos, CAP, STREAM, INTERP)
-        else:
-            nm = tl.load(nm_ptr + row)
-            tok = _exact_prefix_draw(y_ptr + r64 * V, V, n_fin, nm, qt, top_k, top_p, min_p,
-                                     seed, pos, BLOCK, STREAM)  # fmt: skip
-        tl.store(tok_ptr + row, tok.to(tl.int64))

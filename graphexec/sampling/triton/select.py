@@ -90,7 +90,7 @@ def filter_sorted_draw(vals, ids, m, top_k, top_p, min_p, qtot, seed, pos, STREA
     vals: [R, C] f32, each row sorted by (value desc, id asc) and holding a prefix of its
         row's order (-inf pads the tail).   ids: [R, C] int32 token ids of vals.
     m: [R, 1] row max. top_k: [R, 1] int32 (0 off). top_p, min_p: [R, 1] f32.
-    qtot: [R, 1] int64 total mass for top-p when top_k is off (the whole row's), else
+    qtot: [R, 1] float64 total mass for top-p when top_k is off (the whole row's), else
         ignored (the top-k prefix's own mass is used).
     seed, pos: [R, 1] int64 noise keys.
     Returns (token [R] int32, -1 where nothing is kept; best score [R] f32).
@@ -102,8 +102,8 @@ def filter_sorted_draw(vals, ids, m, top_k, top_p, min_p, qtot, seed, pos, STREA
     rel = tl.exp(vals - m)
     q = tl.where(kept, (rel * 4294967296.0).to(tl.int64), 0)
     before = tl.cumsum(q, axis=1) - q
-    total = tl.where(top_k == 0, qtot, tl.sum(q, axis=1)[:, None])
-    thresh = top_p.to(tl.float64) * total.to(tl.float64)
+    total = tl.where(top_k == 0, qtot, tl.sum(q, axis=1)[:, None].to(tl.float64))
+    thresh = top_p.to(tl.float64) * total
     kept = kept & ((top_p >= 1.0) | (before.to(tl.float64) < thresh))
     kept = kept & (rel >= min_p)
     g = gumbel(gather_bits(seed, pos, ids, STREAM))

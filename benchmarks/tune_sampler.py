@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Tune the Triton sampler's launch knobs on a GPU: CUDA-graph replay time of
+`sample_step` per (knobs, variant, B), logits flushed from L2 before each replay.
+
+    python benchmarks/tune_sampler.py [--vocab 128256] [--batch 1,32,256] [--out FILE]
+
+Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
+ROW_WARPS, TARGET_PROGRAMS); each line prints one configuration's times in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+
+import graphexec as gx
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+from graphexec.sampling.triton import launch
+
+CASES = {
+    "no_filter": dict(temperature=0.8),
+    "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.9),
+    "top_p": dict(temperature=0.8, top_p=0.9),
+    "min_p": dict(temperature=0.8, min_p=0.05),
+}
+
+
+def replay_us(fn, reps: int = 30) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    t = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        t.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(t)
+
+
+def case_fn(name: str, B: int, V: int, dtype: torch.dtype):
+    params = [gx.SamplingParams(seed=1000 + b, **CASES[name]) for b in range(B)]
+    table = SamplingTensors.from_params(params, V, "cuda")
+    out = SamplerOutput.allocate(B, "cuda", None)
+    logits = (torch.randn(B, V, device="cuda") * 3).to(dtype)
+    slots = torch.arange(B, device="cuda")
+    pos = torch.arange(B, device="cuda") + 7
+    variant = gx.choose_variant(params)
+    ref = gx.sample_logits(logits, params, (pos).tolist(), backend="torch")
+
+    def fn():
+        gx.sample_step(logits, slots, pos, table, out, None, variant, "triton")
+
+    fn()
+    bad = int((out.token_ids != ref.token_ids).sum())
+    return fn, bad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--batch", default="1,32,256")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--rows", default="4,8,16")
+    ap.add_argument("--pass-warps", default="4,8")
+    ap.add_argument("--row-warps", default="8")
+    ap.add_argument("--programs", default="2048")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    ints = lambda s: [int(v) for v in s.split(",")]
+    results = []
+    for rows, pw, rw, tp in itertools.product(
+        ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs)
+    ):
+        launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
+        line = []
+        for name in a.cases.split(","):
+            for B in ints(a.batch):
+                fn, bad = case_fn(name, B, a.vocab, dtype)
+                us = replay_us(fn)
+                results.append(dict(rows=rows, pass_warps=pw, row_warps=rw, programs=tp,
+                                    case=name, B=B, V=a.vocab, dtype=a.dtype, us=us,
+                                    mismatches_vs_torch=bad))  # fmt: skip
+                line.append(f"{name}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
+        print(f"R={rows} pw={pw} rw={rw} prog={tp}: " + " ".join(line), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

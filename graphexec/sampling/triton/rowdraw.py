@@ -1,0 +1,360 @@
+"""The draw, one program per row, from the block stats of `blocks._block_pass_kernel`.
+
+Terms: y = (x - m) * s is the scaled row (m the row max, s = 1/T); ym_b = (xm_b - m) * s
+the block max of y; a *candidate* is a token with y >= tau for the row's candidate
+threshold tau; the kept set is what the filters keep (`reference`, step 5). Per row:
+
+1. From the block stats alone: m, validity, +inf (m = +inf), and for filtered rows the
+   top-p total sum_b Q_b * exp(ym_b) (float64, block order: fixed by V).
+2. Greedy rows: the first block whose max is m is read again; its first x == m.
+3. Rows with no active filter: the two-level draw (a block by L_b + block noise, then a
+   token of that block by y + token noise); one block is read again.
+4. Filtered rows: a threshold tau whose candidates provably hold the kept set, from the
+   block maxes: top-k's k-th largest block max bounds the k-th token (at least k tokens
+   lie at or above it); min-p's is ln(min_p) less a margin. Top-p without top-k has no
+   such bound: it guesses below the point where the block masses reach p * total and
+   checks the guess with the exact mass of what it gathered, lowering it in ROUNDS.
+   Only blocks with ym_b >= tau are read again; their candidates are packed
+   (`select.pack`) into a per-row buffer, sorted, filtered exactly and drawn with token
+   noise (`sample._sorted_draw`).
+5. Rows no threshold serves (k above the number of live blocks, more than CAP
+   candidates, a row with +inf, a flat top-p row) write their y to a scratch row and take
+   the exact bisection path (`sample._exact_prefix_draw`): slow, exact, rare.
+
+Every decision above is a function of the row's block stats and values, never of the
+batch: the token is the same in any batch, bucket or variant.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.sampling.triton.blocks import bias_tile, neg_zero, tile_x
+from graphexec.sampling.triton.philox import block_bits, group_bits, gumbel
+from graphexec.sampling.triton.sample import _exact_prefix_draw, _sorted_draw
+from graphexec.sampling.triton.select import collapse_inf, mass, pack
+
+INT32_MAX = tl.constexpr(2147483647)
+MIN_P_MARGIN = tl.constexpr(1e-3)  # fp32 exp / log error is far below this
+
+
+@triton.jit
+def _grid_delta(yb, w, target):
+    """The smallest delta (a 4x grid from 1/8 to 2048, refined twice in eighths) with
+    sum(w where yb >= -delta) >= target; +inf when none reaches it. A delta returned
+    always reaches it (refinements keep the last delta that did)."""
+    d = tl.arange(0, 8)
+    deltas = 0.125 * tl.exp2(2.0 * d.to(tl.float32))
+    lo = tl.zeros([], dtype=tl.float32)
+    hi = tl.full([], float("inf"), tl.float32)
+    for _level in tl.static_range(3):
+        sums = tl.zeros([8], dtype=tl.float32)
+        for i in tl.static_range(8):
+            di = tl.sum(tl.where(d == i, deltas, 0.0), axis=0)
+            sums = tl.where(d == i, tl.sum(tl.where(yb >= -di, w, 0.0), axis=0), sums)
+        j = tl.min(tl.where(sums >= target, d, 8), axis=0)
+        lo = tl.where((j > 0) & (j < 8), tl.sum(tl.where(d == j - 1, deltas, 0.0), axis=0), lo)
+        hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
+        deltas = lo + (hi - lo) * (d + 1).to(tl.float32) / 8.0
+    return hi
+
+
+@triton.jit
+def _greedy_token(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    xm, mraw, ids, ids_row, vals_row, B, V,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
+    """First token with x == mraw: the first block whose max is mraw, read again."""
+    gb = tl.min(tl.where(xm == mraw, tl.arange(0, NBLK_P2), NBLK_P2), axis=0)
+    offs = gb * DB + tl.arange(0, DB)[None, :]
+    bias = bias_tile(ids, ids_row, vals_row, offs, gb * DB, gb * DB + DB, neg_zero([1, DB]))
+    x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
+               pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+               prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
+               HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+    return tl.min(tl.min(tl.where(x == mraw, offs, INT32_MAX), axis=1), axis=0)
+
+
+@triton.jit
+def _two_level_token(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    xm, q, m, has_inf, inv_t, seed, pos, xm_row, ids, ids_row, vals_row, B, V, NBLK,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+    TOKEN_STREAM: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+):  # fmt: skip
+    """Step 6 of the reference for a row with no active filter."""
+    b = tl.arange(0, NBLK_P2)
+    G: tl.constexpr = DB // 4
+    # [G, 4] tiles, token = start + 4g + j: one Philox call per g, no shuffles
+    lane = 4 * tl.arange(0, G)[:, None] + tl.arange(0, 4)[None, :]
+    if has_inf:
+        # bad data, rare: a collapsed block's mass is its count of +inf entries
+        n_inf = tl.zeros([NBLK_P2], dtype=tl.int64)
+        for blk in range(0, NBLK):
+            if tl.load(xm_row + blk) == float("inf"):
+                offs = blk * DB + lane
+                bias = bias_tile(ids, ids_row, vals_row, offs, blk * DB, blk * DB + DB,
+                                 neg_zero([G, 4]))  # fmt: skip
+                xi = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
+                            freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr,
+                            stride_cs, stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs,
+                            bias, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+                c = tl.sum(tl.sum((xi == float("inf")).to(tl.int64), axis=1), axis=0)
+                n_inf = tl.where(b == blk, c, n_inf)
+        xm = tl.where(n_inf > 0, 0.0, float("-inf"))
+        q = n_inf << 32
+    logmass = (xm - m) * inv_t + tl.log(q.to(tl.float32))
+    key = tl.where(b < NBLK, logmass + gumbel(block_bits(seed, pos, 0, NBLK_P2, BLOCK_STREAM)),
+                   float("-inf"))  # fmt: skip
+    top = tl.max(key, axis=0)
+    start = tl.min(tl.where(key == top, b, NBLK_P2), axis=0) * DB
+    offs = start + lane
+    bias = bias_tile(ids, ids_row, vals_row, offs, start, start + DB, neg_zero([G, 4]))
+    x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
+               pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+               prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
+               HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+    y = (collapse_inf(x, has_inf) - m) * inv_t
+    s = y + gumbel(group_bits(seed, pos, start, G, TOKEN_STREAM))
+    best = tl.max(tl.max(s, axis=1), axis=0)
+    return tl.min(tl.min(tl.where(s == best, offs, INT32_MAX), axis=1), axis=0)
+
+
+@triton.jit
+def _gather(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    yb, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, cblk_row, cand_row,
+    B, V, NBLK,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    CAP: tl.constexpr,
+):  # fmt: skip
+    """Append the tokens with tau <= y < tau_prev to the candidates (n so far, their
+    exact mass qs); reads only the blocks with ym_b >= tau, R at a time."""
+    b = tl.arange(0, NBLK_P2)
+    sel_b = (b < NBLK) & (yb >= tau) & (yb > float("-inf"))
+    nbc = tl.sum(sel_b.to(tl.int32), axis=0)
+    tl.debug_barrier()  # an earlier round may still be reading the block list
+    tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
+    tl.debug_barrier()
+    cols = tl.arange(0, DB)[None, :]
+    # every block read holds a candidate at least: more blocks than CAP cannot fit
+    if nbc > CAP:
+        n = CAP + 1
+        nbc = 0
+    for i in range(0, nbc, R):
+        jj = i + tl.arange(0, R)
+        bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)  # block NBLK: past V
+        offs = bid[:, None] * DB + cols
+        t_hi = (tl.max(tl.where(jj < nbc, bid, 0), axis=0) + 1) * DB
+        bias = bias_tile(ids, ids_row, vals_row, offs, tl.min(bid, axis=0) * DB, t_hi,
+                         neg_zero([R, DB]))  # fmt: skip
+        x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
+                   pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs,
+                   stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
+                   HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+        y = (x - m) * inv_t
+        sel = (y >= tau) & (y < tau_prev) & (y > float("-inf"))
+        cnt = tl.sum(sel.to(tl.int32), axis=1)
+        idx = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+        tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < CAP))
+        qs += tl.sum(tl.sum(tl.where(sel, mass(y, 0.0), 0), axis=1), axis=0)
+        n += tl.sum(cnt, axis=0)
+    return n, qs
+
+
+@triton.jit
+def materialize_y(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    m, has_inf, inv_t, min_p, ids, ids_row, vals_row, y_row, B, V,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, YB: tl.constexpr,
+):  # fmt: skip
+    """Write the row's y (collapsed, scaled); returns (#live, #(exp(y) >= min_p))."""
+    n_fin = tl.zeros([], dtype=tl.int32)
+    nm = tl.zeros([], dtype=tl.int32)
+    for start in range(0, V, YB):
+        offs = start + tl.arange(0, YB)[None, :]
+        bias = bias_tile(ids, ids_row, vals_row, offs, start, start + YB, neg_zero([1, YB]))
+        x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
+                   pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs,
+                   stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
+                   HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+        y = (collapse_inf(x, has_inf) - m) * inv_t
+        tl.store(y_row + offs, y, mask=offs < V)
+        live = y > float("-inf")
+        n_fin += tl.sum(tl.sum(live.to(tl.int32), axis=1), axis=0)
+        nm += tl.sum(tl.sum((live & (tl.exp(y) >= min_p)).to(tl.int32), axis=1), axis=0)
+    return n_fin, nm
+
+
+@triton.jit
+def _filtered_token(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
+    ids, ids_row, vals_row, cblk_row, cand_row, y_row, B, V, NBLK,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    CAP: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, YB: tl.constexpr,
+    STREAM: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    """Steps 4-5 of the module docstring for a valid row with an active filter."""
+    b = tl.arange(0, NBLK_P2)
+    yb = tl.where((b < NBLK) & (xm > float("-inf")), (xm - m) * inv_t, float("-inf"))
+    total = tl.sum(tl.where(q > 0, q.to(tl.float64) * tl.exp(yb.to(tl.float64)), 0.0), axis=0)
+    p_total = top_p.to(tl.float64) * total
+    tok = tl.full([], -1, tl.int32)
+    served = tl.zeros([], dtype=tl.int32)
+    if has_inf == 0:
+        # thresholds that provably hold the kept set: top-k's from the block maxes, min-p's
+        cert = tl.full([], float("-inf"), tl.float32)
+        if top_k > 0:
+            cert = -_grid_delta(yb, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32))
+        tau_m = tl.log(min_p) - MIN_P_MARGIN
+        if min_p > 0.0:
+            cert = tl.maximum(cert, tau_m)
+        # top-p alone: a guess below where the block masses reach p * total, checked below
+        guess = tl.full([], float("-inf"), tl.float32)
+        if (top_k == 0) & (top_p < 1.0):
+            w = q.to(tl.float32) * tl.exp(yb)
+            guess = -_grid_delta(yb, w, p_total.to(tl.float32))
+        n = tl.zeros([], dtype=tl.int32)
+        qs = tl.zeros([], dtype=tl.int64)
+        tau_prev = tl.full([], float("inf"), tl.float32)
+        done = tl.zeros([], dtype=tl.int32)
+        step = tl.full([], 1.0, tl.float32)
+        for _ in range(ROUNDS):
+            if (done == 0) & (n <= CAP):
+                # without any threshold (k above the live blocks) every live token is one
+                tau = tl.maximum(cert, guess - step)
+                n, qs = _gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
+                                freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw,
+                                counts_ptr, stride_cs, stride_cv, prompt_ptr, stride_ps,
+                                stride_pv, row, yb, tau, tau_prev, n, qs, m, inv_t, ids,
+                                ids_row, vals_row, cblk_row, cand_row, B, V, NBLK,
+                                HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R,
+                                DB, CAP)  # fmt: skip
+                tau_prev = tau
+                holds = (
+                    ((top_k > 0) & (n >= top_k))
+                    | ((top_k == 0) & (top_p < 1.0) & (qs.to(tl.float64) >= p_total))
+                    | ((min_p > 0.0) & (tau <= tau_m))
+                    | (tau == float("-inf"))
+                )  # fmt: skip
+                done = holds.to(tl.int32)
+                step = step * 2.0
+        served = done & (n <= CAP).to(tl.int32)
+        if served != 0:
+            tl.debug_barrier()
+            if n <= SMALL:
+                tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, SMALL,
+                                   STREAM, INTERP)  # fmt: skip
+            else:
+                tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, CAP,
+                                   STREAM, INTERP)  # fmt: skip
+    if served == 0:
+        n_fin, nm = materialize_y(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
+                                  inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
+                                  stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
+                                  stride_ps, stride_pv, row, m, has_inf, inv_t, min_p, ids,
+                                  ids_row, vals_row, y_row, B, V, HAS_BITMASK, HAS_COUNTS,
+                                  HAS_PROMPT, BF16_BITS, YB)  # fmt: skip
+        # a collapsed row's mass is 2**32 per +inf entry
+        tot = tl.where(has_inf, n_fin.to(tl.float64) * 4294967296.0, total)
+        tl.debug_barrier()
+        tok = _exact_prefix_draw(y_row, V, n_fin, nm, tot, top_k, top_p, min_p, seed, pos, YB,
+                                 STREAM)  # fmt: skip
+    return tok
+
+
+@triton.jit
+def _row_draw_kernel(
+    logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
+    slot_ptr,  # [B] i64
+    rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,  # [S] f32
+    bitmask_ptr, stride_mb, stride_mw,  # [B, ceil(V/32)] i32
+    counts_ptr, stride_cs, stride_cv,  # [S, V] i32
+    prompt_ptr, stride_ps, stride_pv,  # [S, V] u8
+    bias_ids_ptr, bias_val_ptr, stride_is, stride_vs,  # [S, NB] i32 (sorted, -1 pads), f32
+    temp_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # [S] f32, f32, i32, f32, f32
+    seed_ptr, lp_proc_ptr,  # [S] i64, bool (logprobs of the processed row)
+    pos_ptr,  # [B] i64
+    xm_ptr, q_ptr,  # [B, NBLK] f32, i64 block stats
+    cblk_ptr,  # [B, NBLK_P2] i32 scratch: candidate blocks
+    cand_ptr,  # [B, CAP] i64 scratch: packed candidate keys
+    y_ptr,  # [B, V] f32 out: y of rows on the exact path or in processed logprobs mode
+    tok_ptr,  # [B] i64 out (-1 where nothing is samplable)
+    valid_ptr,  # [B] bool out
+    B, V, NB, NBLK,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
+    NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    CAP: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, YB: tl.constexpr,
+    TOKEN_STREAM: tl.constexpr, BLOCK_STREAM: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    seed = tl.load(seed_ptr + slot)
+    pos = tl.load(pos_ptr + row)
+    greedy = tl.load(temp_ptr + slot) == 0.0
+    inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
+    b = tl.arange(0, NBLK_P2)
+    xm = tl.load(xm_ptr + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
+    q = tl.load(q_ptr + r64 * NBLK + b, mask=b < NBLK, other=0)
+    mraw = tl.max(xm, axis=0)
+    valid = mraw > float("-inf")
+    has_inf = mraw == float("inf")
+    m = tl.where(valid & (has_inf == 0), mraw, 0.0)
+    jb = tl.arange(0, NBIAS_P2)
+    ids_row = bias_ids_ptr + slot * stride_is
+    vals_row = bias_val_ptr + slot * stride_vs
+    ids = tl.load(ids_row + jb, mask=jb < NB, other=-1)
+    y_row = y_ptr + r64 * V
+    args = (
+        logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+        bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+        prompt_ptr, stride_ps, stride_pv, row,
+    )  # fmt: skip
+    tok = tl.full([], -1, tl.int32)
+    if valid:
+        top_k = tl.load(top_k_ptr + slot)
+        top_p = tl.load(top_p_ptr + slot)
+        min_p = tl.load(min_p_ptr + slot)
+        plain = (top_k == 0) & (top_p >= 1.0) & (min_p <= 0.0)
+        if not FILTERS:
+            plain = tl.full([], 1, tl.int1)
+        if greedy:
+            tok = _greedy_token(*args, xm, mraw, ids, ids_row, vals_row, B, V, HAS_BITMASK,
+                                HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, DB)  # fmt: skip
+        elif plain:
+            tok = _two_level_token(*args, xm, q, m, has_inf, inv_t, seed, pos, xm_ptr + r64 * NBLK,
+                                   ids, ids_row, vals_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS,
+                                   HAS_PROMPT, BF16_BITS, NBLK_P2, DB, TOKEN_STREAM,
+                                   BLOCK_STREAM)  # fmt: skip
+        else:
+            tok = _filtered_token(*args, xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
+                                  ids, ids_row, vals_row, cblk_ptr + r64 * NBLK_P2,
+                                  cand_ptr + r64 * CAP, y_row, B, V, NBLK, HAS_BITMASK,
+                                  HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R, DB, CAP, SMALL,
+                                  ROUNDS, YB, TOKEN_STREAM, INTERP)  # fmt: skip
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(valid_ptr + row, valid)
+    if NEED_Y:
+        if tl.load(lp_proc_ptr + slot).to(tl.int32) != 0:
+            materialize_y(*args, m, has_inf, inv_t, 0.0, ids, ids_row, vals_row, y_row, B, V,
+                          HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, YB)  # fmt: skip
