@@ -244,7 +244,7 @@ def test_cases_are_not_trivially_equal() -> None:
 
 
 # The two-level draw (rows with no active filter) with blocks of 8 tokens, so V = 48 has 6
-# blocks of unequal mass; the library's DRAW_BLOCK (512) is covered on the GPU.
+# blocks of unequal mass; the library's DRAW_BLOCK (128) is covered on the GPU.
 TWO_LEVEL = [c for c in CASES if not ({"top_k", "top_p", "min_p"} & set(c.params))]
 
 

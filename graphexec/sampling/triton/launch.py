@@ -35,6 +35,7 @@ TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # in O(n^2), so it keeps fewer and leaves more rows to the exact path
 CAP = 4096 if _GPU else 256
 SMALL = 256 if _GPU else 32
+MID = 1024 if _GPU else 64
 LP_CAP = 256 if _GPU else 64  # top-N candidates of the raw logprobs writer
 ROUNDS = 4  # top-p guesses checked before a row takes the exact path
 Y_BLOCK = 2048 if _GPU else 256  # chunk of the exact path's passes over a y row
@@ -53,6 +54,7 @@ def draw_large(
     *,
     cap: int = CAP,
     small: int = SMALL,
+    mid: int = MID,
     split: int | None = None,
     rows: int | None = None,
     draw_block: int = DRAW_BLOCK,
@@ -60,7 +62,7 @@ def draw_large(
     lp_cap: int = LP_CAP,
 ) -> None:
     """Block pass, row draw and (when out has logprob fields) the logprobs writers.
-    `cap`, `small`, `split`, `rows`, `y_block`, `lp_cap` are for tests."""
+    `cap`, `small`, `mid`, `split`, `rows`, `y_block`, `lp_cap` are for tests."""
     B, V = logits.shape
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
@@ -97,9 +99,9 @@ def draw_large(
         table.min_p, table.seed, table.logprobs_processed, positions, xm, q, cblk, cand, y,
         out.token_ids, out.valid, B, V, nb, nblk, **flags, FILTERS=filters, NEED_Y=need_lp,
         NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, R=rows, DB=draw_block, CAP=cap,
-        SMALL=min(small, cap), ROUNDS=ROUNDS, YB=y_block, TOKEN_STREAM=int(Stream.TOKEN),
-        BLOCK_STREAM=int(Stream.BLOCK), INTERP=interpreter_enabled(), enable_fp_fusion=False,
-        num_warps=ROW_WARPS,
+        SMALL=min(small, cap), MID=min(mid, cap), ROUNDS=ROUNDS, YB=y_block,
+        TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
+        INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip
     if need_lp:
         n = out.num_top or 0

@@ -15,8 +15,8 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
    such bound: it guesses below the point where the block masses reach p * total and
    checks the guess with the exact mass of what it gathered, lowering it in ROUNDS.
    Only blocks with ym_b >= tau are read again; their candidates are packed
-   (`select.pack`) into a per-row buffer, sorted, filtered exactly and drawn with token
-   noise (`sample._sorted_draw`).
+   (`select.pack`) into a per-row buffer, sorted (in the narrowest of three widths that
+   holds them), filtered exactly and drawn with token noise (`sample._sorted_draw`).
 5. Rows no threshold serves (k above the number of live blocks, more than CAP
    candidates, a row with +inf, a flat top-p row) write their y to a scratch row and take
    the exact bisection path (`sample._exact_prefix_draw`): slow, exact, rare.
@@ -209,8 +209,8 @@ def _filtered_token(
     ids, ids_row, vals_row, cblk_row, cand_row, y_row, B, V, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, YB: tl.constexpr,
-    STREAM: tl.constexpr, INTERP: tl.constexpr,
+    CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
+    YB: tl.constexpr, STREAM: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Steps 4-5 of the module docstring for a valid row with an active filter."""
     b = tl.arange(0, NBLK_P2)
@@ -263,6 +263,9 @@ def _filtered_token(
             if n <= SMALL:
                 tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, SMALL,
                                    STREAM, INTERP)  # fmt: skip
+            elif n <= MID:
+                tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, MID,
+                                   STREAM, INTERP)  # fmt: skip
             else:
                 tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, CAP,
                                    STREAM, INTERP)  # fmt: skip
@@ -303,8 +306,9 @@ def _row_draw_kernel(
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
     NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr, SMALL: tl.constexpr, ROUNDS: tl.constexpr, YB: tl.constexpr,
-    TOKEN_STREAM: tl.constexpr, BLOCK_STREAM: tl.constexpr, INTERP: tl.constexpr,
+    CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
+    YB: tl.constexpr, TOKEN_STREAM: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
@@ -351,7 +355,7 @@ def _row_draw_kernel(
                                   ids, ids_row, vals_row, cblk_ptr + r64 * NBLK_P2,
                                   cand_ptr + r64 * CAP, y_row, B, V, NBLK, HAS_BITMASK,
                                   HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R, DB, CAP, SMALL,
-                                  ROUNDS, YB, TOKEN_STREAM, INTERP)  # fmt: skip
+                                  MID, ROUNDS, YB, TOKEN_STREAM, INTERP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
     if NEED_Y:
