@@ -1,0 +1,325 @@
+"""The methods `bench_sampler.py` times (graphexec, FlashInfer, torch-native) and how one is timed.
+
+METHODS names and describes each method; BUILDERS[name](case) prepares one on a Case (static
+[B, V] logits on a device) and returns a Bench whose fn() is one sampler call. Every method
+uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9 (min-p 0.05 for
+graphexec.min_p), a seed per row. graphexec and FlashInfer are imported on first use, so
+this module imports with torch alone. run_method(name, case, Timer(...), first_call) times
+one method on one case and returns its results row (see bench_sampler.py for the timing).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+TEMPERATURE, TOP_K, TOP_P, MIN_P, NUM_LOGPROBS = 0.8, 50, 0.9, 0.05, 20
+FLUSH_BYTES = 256 << 20
+
+METHODS = {
+    "graphexec.no_filter": "sample_step, temperature only (variant no_filter)",
+    "graphexec.top_k_top_p": "sample_step, temperature + top-k + top-p (variant top_k_top_p)",
+    "graphexec.top_p": "sample_step, temperature + top-p, no top-k (variant top_k_top_p)",
+    "graphexec.min_p": "sample_step, temperature + min-p 0.05 (variant default)",
+    "graphexec.top_k_top_p+logprobs20": "graphexec.top_k_top_p with logprobs=20 on every row",
+    "graphexec.top_k_top_p+bitmask": "graphexec.top_k_top_p with a random int32 bitmask "
+    "allowing ~50% of tokens",
+    "flashinfer.sampling_from_logits": "flashinfer.sampling.sampling_from_logits (no temperature)",
+    "flashinfer.top_k_top_p_from_logits": "flashinfer.sampling.top_k_top_p_sampling_from_logits, "
+    "per-row k/p tensors, top_k_first (no temperature)",
+    "flashinfer.cake": "flashinfer.sampling.softmax(temperature) + flashinfer.cake_sampling."
+    "top_k_top_p_sampling_from_probs (top_k_max=50); 'note' gives its route",
+    "torch.sort_top_k_top_p": "temperature, sort, top-k then top-p mask, scatter back, softmax, "
+    "exponential race argmax(probs / Exp(1)) (vLLM forward_native)",
+    "torch.no_filter": "softmax(logits / T), exponential race argmax(probs / Exp(1))",
+}
+
+
+@dataclass
+class Case:
+    logits: torch.Tensor  # [B, V] static input
+    B: int
+    V: int
+    device: torch.device
+    gx_backend: str
+
+
+@dataclass
+class Bench:
+    fn: Callable[[], torch.Tensor]  # one sampler call; returns the sampled ids
+    note: str | None = None
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False):
+    def build(c: Case) -> Bench:
+        import graphexec as gx
+        from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+
+        params = [gx.SamplingParams(seed=1000 + b, **variant_params) for b in range(c.B)]
+        table = SamplingTensors.from_params(params, c.V, c.device)
+        out = SamplerOutput.allocate(c.B, c.device, num_top)
+        slot_ids = torch.arange(c.B, device=c.device)
+        positions = torch.arange(c.B, device=c.device) + 7
+        bm = None
+        if bitmask:  # random bits: each token allowed with probability 1/2
+            g = torch.Generator().manual_seed(1)
+            words = torch.randint(0, 2**32, (c.B, (c.V + 31) // 32), generator=g)
+            bm = words.to(torch.int32).to(c.device)
+        variant = gx.choose_variant(params)
+
+        def fn() -> torch.Tensor:
+            gx.sample_step(c.logits, slot_ids, positions, table, out, bm, variant, c.gx_backend)
+            return out.token_ids
+
+        return Bench(fn, note=None)
+
+    return build
+
+
+def _flashinfer(name: str):
+    if name == "cake_sampling":
+        import flashinfer.cake_sampling as mod
+    else:
+        import flashinfer.sampling as mod
+    return mod
+
+
+def _fi_rng(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    seed = torch.arange(1000, 1000 + c.B, dtype=torch.int64, device=c.device)
+    return seed, torch.full((c.B,), 7 << 16, dtype=torch.int64, device=c.device)
+
+
+def _fi_sampling_from_logits(c: Case) -> Bench:
+    fs = _flashinfer("sampling")
+    seed, offset = _fi_rng(c)
+    return Bench(lambda: fs.sampling_from_logits(c.logits, seed=seed, offset=offset))
+
+
+def _fi_top_k_top_p(c: Case) -> Bench:
+    fs = _flashinfer("sampling")
+    seed, offset = _fi_rng(c)
+    k = torch.full((c.B,), TOP_K, dtype=torch.int32, device=c.device)
+    p = torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
+    return Bench(
+        lambda: fs.top_k_top_p_sampling_from_logits(c.logits, k, p, seed=seed, offset=offset)
+    )
+
+
+def _fi_cake(c: Case) -> Bench:
+    fs, cs = _flashinfer("sampling"), _flashinfer("cake_sampling")
+    t = torch.full((c.B,), TEMPERATURE, dtype=torch.float32, device=c.device)
+    k = torch.full((c.B,), TOP_K, dtype=torch.int32, device=c.device)
+    p = torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
+
+    def fn() -> torch.Tensor:
+        probs = fs.softmax(c.logits, temperature=t)
+        return cs.top_k_top_p_sampling_from_probs(
+            probs, k, p, top_k_max=TOP_K, philox_seed=1234, philox_offset=7 << 16
+        )
+
+    try:
+        route = cs.cake_sampling_route(fs.softmax(c.logits, temperature=t), k, TOP_K)
+    except Exception as e:  # the route is informative only
+        route = f"route unknown: {type(e).__name__}: {e}"
+    return Bench(fn, note=f"cake route: {route}")
+
+
+def _torch_sort_top_k_top_p(c: Case) -> Bench:
+    inv_t = torch.full((c.B, 1), 1.0 / TEMPERATURE, device=c.device)
+    k = torch.full((c.B, 1), TOP_K, dtype=torch.int64, device=c.device)
+    p = torch.full((c.B, 1), TOP_P, device=c.device)
+
+    def fn() -> torch.Tensor:
+        x = c.logits.float() * inv_t
+        sv, si = x.sort(dim=-1, descending=False)
+        kth = sv.gather(1, (c.V - k).clamp(min=0))  # k-th largest value
+        sv = sv.masked_fill(sv < kth, -torch.inf)
+        cum = sv.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p
+        drop[:, -1] = False  # always keep the most likely token
+        sv = sv.masked_fill(drop, -torch.inf)
+        probs = torch.empty_like(sv).scatter_(1, si, sv).softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_()
+        return probs.div_(q).argmax(dim=-1)
+
+    return Bench(fn)
+
+
+def _torch_no_filter(c: Case) -> Bench:
+    inv_t = torch.full((c.B, 1), 1.0 / TEMPERATURE, device=c.device)
+
+    def fn() -> torch.Tensor:
+        probs = (c.logits.float() * inv_t).softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_()
+        return probs.div_(q).argmax(dim=-1)
+
+    return Bench(fn)
+
+
+_T = dict(temperature=TEMPERATURE)
+BUILDERS: dict[str, Callable[[Case], Bench]] = {
+    "graphexec.no_filter": _gx(_T),
+    "graphexec.top_k_top_p": _gx(dict(_T, top_k=TOP_K, top_p=TOP_P)),
+    "graphexec.top_p": _gx(dict(_T, top_p=TOP_P)),
+    "graphexec.min_p": _gx(dict(_T, min_p=MIN_P)),
+    "graphexec.top_k_top_p+logprobs20": _gx(
+        dict(_T, top_k=TOP_K, top_p=TOP_P, logprobs=NUM_LOGPROBS), num_top=NUM_LOGPROBS
+    ),
+    "graphexec.top_k_top_p+bitmask": _gx(dict(_T, top_k=TOP_K, top_p=TOP_P), bitmask=True),
+    "flashinfer.sampling_from_logits": _fi_sampling_from_logits,
+    "flashinfer.top_k_top_p_from_logits": _fi_top_k_top_p,
+    "flashinfer.cake": _fi_cake,
+    "torch.sort_top_k_top_p": _torch_sort_top_k_top_p,
+    "torch.no_filter": _torch_no_filter,
+}
+assert list(BUILDERS) == list(METHODS)
+
+
+def select_methods(spec: str | None) -> list[str]:
+    """Comma list; a token naming a method exactly selects it, else every method containing it."""
+    if not spec:
+        return list(METHODS)
+    chosen: set[str] = set()
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        hits = [tok] if tok in METHODS else [m for m in METHODS if tok in m]
+        if not hits:
+            raise SystemExit(f"--methods: {tok!r} matches none of {list(METHODS)}")
+        chosen.update(hits)
+    return [m for m in METHODS if m in chosen]
+
+
+# ----------------------------------------------------------------------------- timing one method
+
+
+class Timer:
+    def __init__(self, device: torch.device, quick: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.budget_s, self.min_reps, self.max_reps = (0.03, 3, 20) if quick else (0.15, 10, 200)
+        self.flush = None
+        if self.cuda:
+            self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def _reps(self, est_us: float) -> int:
+        n = int(self.budget_s * 1e6 / max(est_us + (80.0 if self.cuda else 0.0), 1.0))
+        return max(self.min_reps, min(self.max_reps, n))
+
+    def _cuda_median(self, fn: Callable, reps: int, sync_each: bool) -> float:
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
+        torch.cuda.synchronize(self.device)
+        for start, end in ev:
+            self.flush.zero_()
+            if sync_each:
+                torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(self.device)
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+
+    def time(self, fn: Callable, sync_each: bool) -> float:
+        """Median microseconds per call of fn (already warmed up)."""
+        if self.cuda:
+            est = self._cuda_median(fn, 3, sync_each)
+            return self._cuda_median(fn, self._reps(est), sync_each)
+        t0 = time.perf_counter()
+        fn()
+        times = []
+        for _ in range(self._reps((time.perf_counter() - t0) * 1e6)):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+
+    def capture(self, fn: Callable) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = fn()
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        return graph, result
+
+
+def check_tokens(tok: torch.Tensor, V: int) -> str | None:
+    tok = tok.reshape(-1)
+    lo, hi = int(tok.min()), int(tok.max())
+    return None if 0 <= lo and hi < V else f"sampled ids outside [0, {V}): min {lo}, max {hi}"
+
+
+def error_text(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}".strip()
+    return msg if len(msg) <= 600 else msg[:600] + " ..."
+
+
+def blank_row(method: str, B: int, V: int, dtype: str) -> dict:
+    return dict(method=method, B=B, V=V, dtype=dtype, eager_us=None, graph_us=None, floor_us=None)
+
+
+def run_method(name: str, case: Case, timer: Timer, first_call: dict) -> dict:
+    """One JSON row; never raises (except KeyboardInterrupt)."""
+    row = blank_row(name, case.B, case.V, str(case.logits.dtype)[6:])
+    if name.startswith("flashinfer.") and not timer.cuda:
+        row["error"] = "FlashInfer needs CUDA"
+        return row
+    if name not in first_call and name.startswith("flashinfer."):
+        print(
+            f"  first call of {name}: FlashInfer may JIT-build its module now "
+            "(minutes on a fresh host)",
+            flush=True,
+        )
+    try:
+        t0 = time.perf_counter()
+        bench = BUILDERS[name](case)
+        if bench.note:
+            row["note"] = bench.note
+        tok = bench.fn()
+        if timer.cuda:
+            torch.cuda.synchronize(case.device)
+        first_call.setdefault(name, round(time.perf_counter() - t0, 3))
+        bad = check_tokens(tok, case.V)
+        if bad:
+            row["warning"] = f"eager: {bad}"
+        for _ in range(2):
+            bench.fn()
+        row["eager_us"] = round(timer.time(bench.fn, sync_each=True), 2)
+    except Exception as e:
+        row["error"] = error_text(e)
+        traceback.print_exc(limit=3)
+        return row
+    if not timer.cuda:
+        return row
+    graph = None
+    try:
+        graph, result = timer.capture(bench.fn)
+        bad = check_tokens(result, case.V)
+        if bad:
+            row["warning"] = f"{row.get('warning', '')} graph: {bad}".strip()
+        row["graph_us"] = round(timer.time(graph.replay, sync_each=False), 2)
+    except Exception as e:
+        row["error"] = "graph capture/replay: " + error_text(e)
+        traceback.print_exc(limit=3)
+    del graph
+    try:
+        torch.cuda.synchronize(case.device)
+    except Exception as e:  # a sticky CUDA error: every later call will report it too
+        row.setdefault("error", "synchronize after graph: " + error_text(e))
+    return row
