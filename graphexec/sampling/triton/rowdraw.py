@@ -43,16 +43,14 @@ MIN_P_MARGIN = tl.constexpr(1e-3)  # fp32 exp / log error is far below this
 def _grid_delta(yb, w, target):
     """The smallest delta (a 4x grid from 1/8 to 2048, refined twice in eighths) with
     sum(w where yb >= -delta) >= target; +inf when none reaches it. A delta returned
-    always reaches it (refinements keep the last delta that did)."""
+    always reaches it (refinements keep the last delta that did). Each level is one
+    [NBLK_P2, 8] reduction: the row program's latency is a chain of reductions."""
     d = tl.arange(0, 8)
     deltas = 0.125 * tl.exp2(2.0 * d.to(tl.float32))
     lo = tl.zeros([], dtype=tl.float32)
     hi = tl.full([], float("inf"), tl.float32)
     for _level in tl.static_range(3):
-        sums = tl.zeros([8], dtype=tl.float32)
-        for i in tl.static_range(8):
-            di = tl.sum(tl.where(d == i, deltas, 0.0), axis=0)
-            sums = tl.where(d == i, tl.sum(tl.where(yb >= -di, w, 0.0), axis=0), sums)
+        sums = tl.sum(tl.where(yb[:, None] >= -deltas[None, :], w[:, None], 0.0), axis=0)
         j = tl.min(tl.where(sums >= target, d, 8), axis=0)
         lo = tl.where((j > 0) & (j < 8), tl.sum(tl.where(d == j - 1, deltas, 0.0), axis=0), lo)
         hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
