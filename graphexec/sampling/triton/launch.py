@@ -64,6 +64,9 @@ def draw_large(
     """Block pass, row draw and (when out has logprob fields) the logprobs writers.
     `cap`, `small`, `mid`, `split`, `rows`, `y_block`, `lp_cap` are for tests."""
     B, V = logits.shape
+    for name, width in (("cap", cap), ("small", small), ("mid", mid), ("lp_cap", lp_cap)):
+        if width < 1 or width & (width - 1):
+            raise ValueError(f"{name} must be a power of two, got {width}")
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
     need_lp = out.logprobs is not None

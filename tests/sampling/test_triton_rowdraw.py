@@ -1,0 +1,147 @@
+"""The Triton row draw (`graphexec.sampling.triton.rowdraw`, CPU interpreter) against the
+torch reference, token for token, on rows built to take each of its routes: the top-k
+bound from the block maxes, k above the live blocks, top-p guesses checked in one round or
+several, min-p's bound, a biased token inside a gathered block, the three sort widths,
+and the exact path (too many candidates, +inf, flat top-p).
+
+Blocks are 16 tokens (V = 320: 20 blocks), so a handful of tokens already spans blocks;
+every row is drawn at several positions so the draw itself is compared, not one token.
+"""
+
+from __future__ import annotations
+
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import graphexec as gx  # noqa: E402
+from graphexec.params import SamplerVariant  # noqa: E402
+from graphexec.sampling import reference  # noqa: E402
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
+from graphexec.sampling.triton import launch  # noqa: E402
+
+P = gx.SamplingParams
+V = 320
+DB = 16
+NPOS = 6  # positions per row
+KW = dict(tile_v=16, rows=2, cap=32, small=8, mid=16, draw_block=DB)
+
+
+def row(seed: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, generator=g) * scale
+
+
+def allowed_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool -> [ceil(V/32)] int32 xgrammar bitmask."""
+    bits = torch.zeros(((V + 31) // 32) * 32, dtype=torch.int64)
+    bits[:V] = allowed.long()
+    words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def case_rows():
+    """(name, logits row, params, allowed or None)."""
+    few = torch.zeros(V, dtype=torch.bool)
+    few[[3, 7, 100, 101, 250, 251]] = True  # 6 tokens in 3 blocks
+    peaked = row(3, 4.0)
+    low = torch.argsort(peaked)[:3].tolist()  # the three lowest tokens, in other blocks
+    inf_row = row(8, 2.0)
+    inf_row[[17, 200]] = float("inf")
+    return [
+        ("top_k_block_bound", row(1, 3.0), P(top_k=5, temperature=0.9), None),
+        ("top_k_above_live_blocks", row(2, 3.0), P(top_k=10), few),
+        ("top_p_one_round", row(4, 4.0), P(top_p=0.5, temperature=0.8), None),
+        ("top_p_rounds", row(5, 1.5), P(top_p=0.9), None),
+        ("top_p_flat_exact", row(6, 0.2), P(top_p=0.95), None),
+        ("min_p_bound", row(7, 3.0), P(min_p=0.1, temperature=1.2), None),
+        ("bias_in_gathered_block", peaked, P(top_k=3, logit_bias=dict.fromkeys(low, 30.0)), None),
+        ("mid_width_sort", row(9, 0.7), P(top_k=12), None),
+        ("cap_width_sort", row(10, 0.7), P(top_k=24), None),
+        ("over_cap_exact", row(11, 0.7), P(top_k=60), None),
+        ("top_k_top_p_min_p", row(12, 3.0), P(top_k=30, top_p=0.8, min_p=0.01), None),
+        ("plus_inf_exact", inf_row, P(top_k=4), None),
+        ("greedy_bias", peaked, P(temperature=0.0, logit_bias={low[0]: 50.0}), None),
+        ("penalties_top_k", row(13, 3.0), P(top_k=7, presence_penalty=1.0,
+                                            frequency_penalty=0.5, repetition_penalty=1.3),
+         None),  # fmt: skip
+    ]
+
+
+CASES = case_rows()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_route_equals_reference(case) -> None:
+    name, logits_row, base, allowed = case
+    params = [base.__class__(**{**base.__dict__, "seed": 50 + i}) for i in range(NPOS)]
+    logits = logits_row.expand(NPOS, -1).contiguous()
+    g = torch.Generator().manual_seed(len(name))
+    counts = torch.randint(0, 3, (NPOS, V), generator=g, dtype=torch.int32)
+    prompt = torch.rand(NPOS, V, generator=g) < 0.1
+    bitmask = None if allowed is None else allowed_bits(allowed).expand(NPOS, -1).contiguous()
+    table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
+    slots = torch.arange(NPOS)
+    pos = torch.arange(NPOS) * 3 + 1
+    ref = SamplerOutput.allocate(NPOS, "cpu", None)
+    tri = SamplerOutput.allocate(NPOS, "cpu", None)
+    reference.sample(logits, slots, pos, table, ref, bitmask, SamplerVariant.DEFAULT,
+                     draw_block=DB)  # fmt: skip
+    launch.sample(logits, slots, pos, table, tri, bitmask, SamplerVariant.DEFAULT, **KW)
+    assert torch.equal(tri.token_ids, ref.token_ids), name
+    assert torch.equal(tri.valid, ref.valid)
+    if allowed is not None:
+        assert bool(allowed[ref.token_ids].all())
+    if name == "bias_in_gathered_block":  # the biased tokens are the only ones kept
+        assert set(ref.token_ids.tolist()) <= set(torch.argsort(logits_row)[:3].tolist())
+
+
+def test_split_of_the_block_pass_changes_no_token() -> None:
+    """The block pass's split follows B in the library; any split gives the same tokens."""
+    name, logits_row, base, _ = CASES[3]
+    params = [base.__class__(**{**base.__dict__, "seed": 70 + i}) for i in range(4)]
+    logits = torch.stack([row(20 + i, 1.5) for i in range(4)])
+    table = SamplingTensors.from_params(params, V, "cpu")
+    outs = []
+    for split in (1, 3, 10):
+        out = SamplerOutput.allocate(4, "cpu", None)
+        launch.sample(logits, torch.arange(4), torch.arange(4), table, out, None,
+                      SamplerVariant.DEFAULT, **{**KW, "split": split, "rows": 1})  # fmt: skip
+        outs.append(out.token_ids)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_widths_must_be_powers_of_two() -> None:
+    params = [P(seed=1, top_k=3)]
+    table = SamplingTensors.from_params(params, V, "cpu")
+    out = SamplerOutput.allocate(1, "cpu", None)
+    with pytest.raises(ValueError, match="cap must be a power of two"):
+        launch.sample(row(1, 1.0)[None], torch.arange(1), torch.arange(1), table, out,
+                      **{**KW, "cap": 48})  # fmt: skip
+
+
+def test_top_p_guess_checked_over_two_rounds() -> None:
+    """A row whose block masses overstate the mass near the top: each block holds one
+    token at 0 and, in half of them, two at -2 (the rest far below). p = 0.99 needs nine
+    of the ten -2 tokens, which the first guess (just below the block maxes) leaves out;
+    the exact mass check rejects it and the second round gathers them."""
+    x = torch.full((V,), -30.0)
+    x[::DB] = 0.0
+    for blk in range(0, V // DB, 2):
+        x[blk * DB + 5 : blk * DB + 7] = -2.0
+    n = 64
+    params = [P(top_p=0.99, seed=300 + i) for i in range(n)]
+    table = SamplingTensors.from_params(params, V, "cpu")
+    ref = SamplerOutput.allocate(n, "cpu", None)
+    tri = SamplerOutput.allocate(n, "cpu", None)
+    logits = x.expand(n, -1).contiguous()
+    args = (logits, torch.arange(n), torch.arange(n), table)
+    reference.sample(*args, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **KW)
+    assert torch.equal(tri.token_ids, ref.token_ids)
+    drawn = x[ref.token_ids]
+    assert bool((drawn == -2.0).any())  # the second round's tokens are drawn
+    assert bool(((drawn == 0.0) | (drawn == -2.0)).all())
