@@ -65,9 +65,12 @@ def case_rows():
         ("top_k_top_p_min_p", row(12, 3.0), P(top_k=30, top_p=0.8, min_p=0.01), None),
         ("plus_inf_exact", inf_row, P(top_k=4), None),
         ("greedy_bias", peaked, P(temperature=0.0, logit_bias={low[0]: 50.0}), None),
-        ("penalties_top_k", row(13, 3.0), P(top_k=7, presence_penalty=1.0,
-                                            frequency_penalty=0.5, repetition_penalty=1.3),
-         None),  # fmt: skip
+        (
+            "penalties_top_k",
+            row(13, 3.0),
+            P(top_k=7, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3),
+            None,
+        ),  # fmt: skip
     ]
 
 

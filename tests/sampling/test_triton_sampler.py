@@ -26,8 +26,9 @@ ROUTES = {
     "tile": dict(),
     "split": dict(tile_v=16, rows=2, cap=64, small=8, mid=16, draw_block=16),
     "exact": dict(tile_v=16, rows=2, cap=4, small=4, mid=4, draw_block=16),
-    "split_one_block_tiles": dict(tile_v=16, rows=1, split=3, cap=64, small=16, mid=32,
-                                  draw_block=16),
+    "split_one_block_tiles": dict(
+        tile_v=16, rows=1, split=3, cap=64, small=16, mid=32, draw_block=16
+    ),
 }
 
 
