@@ -107,6 +107,9 @@ def measure_bandwidth(device: torch.device) -> float:
 
 def versions() -> dict:
     info = {"torch": torch.__version__, "triton": None, "flashinfer": None}
+    # the GPU host gets a copy of the tree without .git: the caller names the commit
+    if os.environ.get("GRAPHEXEC_COMMIT"):
+        info["commit"] = os.environ["GRAPHEXEC_COMMIT"]
     for mod in ("triton", "flashinfer"):
         try:
             info[mod] = __import__(mod).__version__

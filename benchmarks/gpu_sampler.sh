@@ -33,6 +33,23 @@ shift
 mkdir -p "$OUT"
 bash .gpu-bundle/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
     FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1 || { echo "bundle install failed"; exit 1; }
+[ -f .gpu-bundle/commit ] && export GRAPHEXEC_COMMIT=$(cat .gpu-bundle/commit)
+
+# Triton compiles each kernel specialisation on first use (the row-draw kernel takes
+# 20-30 s); a host starts with an empty cache. A cache saved by an earlier command of the
+# same code (.gpu-bundle/triton-cache.tgz, from $OUT) is restored first and the grown one
+# saved at the end, so later commands skip the compiles.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .gpu-bundle/triton-cache.tgz ] && tar xzf .gpu-bundle/triton-cache.tgz -C "$TRITON_CACHE_DIR"
+save_cache() {
+    tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+    if [ "$(stat -c %s "$OUT/triton-cache.tgz")" -gt 16000000 ]; then
+        rm -f "$OUT/triton-cache.tgz"
+        echo "triton cache over 16 MB: not saved"
+    fi
+}
+trap save_cache EXIT
 
 jit() {
     python benchmarks/bench_sampler.py --jit-only --methods flashinfer >"$OUT/jit.log" 2>&1

@@ -3,6 +3,7 @@
 `sample_step` per (knobs, variant, B), logits flushed from L2 before each replay.
 
     python benchmarks/tune_sampler.py [--vocab 128256] [--batch 1,32,256] [--out FILE]
+    python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
 
 Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
 ROW_WARPS, TARGET_PROGRAMS); each line prints one configuration's times in microseconds.
@@ -70,6 +71,28 @@ def case_fn(name: str, B: int, V: int, dtype: torch.dtype):
     return fn, bad
 
 
+def markdown(path: str) -> str:
+    """Rows: knob settings; columns: case@B; cells: microseconds (mismatches vs torch)."""
+    with open(path) as f:
+        data = json.load(f)
+    res = data["results"]
+    knobs = ("rows", "pass_warps", "row_warps", "programs")
+    cols = list(dict.fromkeys((r["case"], r["B"]) for r in res))
+    head = "| " + " | ".join(knobs) + " | " + " | ".join(f"{c}@B={b}" for c, b in cols) + " |"
+    lines = [f"{data['device']}, V = {res[0]['V']}, {res[0]['dtype']}, CUDA-graph replay, us",
+             "", head, "|" + "---|" * (len(knobs) + len(cols))]  # fmt: skip
+    for k in dict.fromkeys(tuple(r[n] for n in knobs) for r in res):
+        cell = {(r["case"], r["B"]): r for r in res if tuple(r[n] for n in knobs) == k}
+        vals = [
+            f"{cell[c]['us']:.1f}" + (f" ({cell[c]['mismatches_vs_torch']}!)"
+                                      if cell[c]["mismatches_vs_torch"] else "")
+            if c in cell else "-"
+            for c in cols
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(v) for v in k) + " | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=128256)
@@ -81,7 +104,11 @@ def main() -> None:
     ap.add_argument("--programs", default="2048")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--markdown", default=None, help="print the table of a saved run and exit")
     a = ap.parse_args()
+    if a.markdown:
+        print(markdown(a.markdown))
+        return
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
