@@ -192,32 +192,6 @@ def _bias_kernel(
     tl.store(x_ptr + rows.to(tl.int64)[:, None] * stride_xb + cols.to(tl.int64), x, mask=m)
 
 
-@triton.jit
-def _process_chunk(
-    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-    prompt_ptr, stride_ps, stride_pv, dense_ptr, has_bias, row, offs, B, V,
-    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-):  # fmt: skip
-    """x at the 2-D tile of token ids offs of one row (-inf past V); the bias scratch is
-    read only for rows that have a bias."""
-    ok = offs < V
-    hb = (tl.zeros(offs.shape, dtype=tl.int32) + has_bias.to(tl.int32)) != 0
-    bias = tl.load(dense_ptr + row.to(tl.int64) * V + offs, mask=ok & hb, other=0.0)
-    # rows without a bias add -0.0, the exact additive identity
-    bias = tl.where(hb, bias, tl.full(offs.shape, -(2**31), tl.int32).to(tl.float32, bitcast=True))
-    x = _process_cols(
-        logits_ptr, stride_lb, stride_lv, slot_ptr,
-        rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-        bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-        prompt_ptr, stride_ps, stride_pv,
-        tl.zeros([1], dtype=tl.int32) + row, offs, ok, bias, B,
-        HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-    )  # fmt: skip
-    return tl.where(ok, x, float("-inf"))
-
-
 def _blocks(B: int, V: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK) for `_process_kernel`: one row per program on a GPU (a row is
     long; memory bound), many rows per program in the interpreter (per-program cost)."""
