@@ -209,15 +209,27 @@ def block_stats(
     return xm, q.sum(dim=-1)
 
 
-def block_logmass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
-    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc."""
-    xm, q = block_stats(xc, inv_t, draw_block)
+def block_logmass(
+    xc: torch.Tensor,
+    inv_t: torch.Tensor,
+    draw_block: int,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc
+    (stats: their `block_stats`, when already computed)."""
+    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
     return (xm - row_max(xc)) * inv_t.view(-1, 1) + torch.log(q.to(torch.float32))
 
 
-def row_mass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int) -> torch.Tensor:
-    """[B] float64 total of step 5 (top-k off): sum_b Q_b * exp(ym_b), in block order."""
-    xm, q = block_stats(xc, inv_t, draw_block)
+def row_mass(
+    xc: torch.Tensor,
+    inv_t: torch.Tensor,
+    draw_block: int,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """[B] float64 total of step 5 (top-k off): sum_b Q_b * exp(ym_b), in block order
+    (stats: the rows' `block_stats`, when already computed)."""
+    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
     ym = (xm - row_max(xc)) * inv_t.view(-1, 1)
     terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
     return terms.sum(dim=-1)
@@ -237,9 +249,10 @@ def draw(
     table: SamplingTensors,
     kept: torch.Tensor | None,
     draw_block: int = DRAW_BLOCK,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (xc: collapsed y's
-    source, for greedy rows and the block masses)."""
+    source, for greedy rows and the block masses; stats: its `block_stats`, if known)."""
     B, V = y.shape
     seed = table.seed[slot_ids]
     g = row_gumbel(seed, positions, V)
@@ -252,7 +265,7 @@ def draw(
     else:
         plain = plain_rows(slot_ids, table)
     greedy = table.temperature[slot_ids] == 0
-    lm = block_logmass(xc, effective_inv_t(slot_ids, table), draw_block)
+    lm = block_logmass(xc, effective_inv_t(slot_ids, table), draw_block, stats)
     bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
     chosen = first_argmax(lm + bg)
     in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
@@ -306,11 +319,13 @@ def sample(
     for tests only: the library always uses DRAW_BLOCK)."""
     xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask))
     y = scale(xc, slot_ids, table)
+    # block stats serve both the top-p total and the two-level draw: computed once
+    inv_t = effective_inv_t(slot_ids, table)
+    stats = block_stats(xc, inv_t, draw_block)
     kept = None
     if variant is not SamplerVariant.NO_FILTER:
-        total = row_mass(xc, effective_inv_t(slot_ids, table), draw_block)
-        kept = filter_mask(y, slot_ids, table, total)
-    tokens, valid = draw(xc, y, slot_ids, positions, table, kept, draw_block)
+        kept = filter_mask(y, slot_ids, table, row_mass(xc, inv_t, draw_block, stats))
+    tokens, valid = draw(xc, y, slot_ids, positions, table, kept, draw_block, stats)
     out.token_ids.copy_(tokens)
     out.valid.copy_(valid)
     if out.logprobs is not None:
