@@ -9,7 +9,8 @@
 #       to $OUT/aot-NAME.so; put each at .gpu-bundle/aot/NAME/NAME.so so that later hosts
 #       load it without a build. Log: $OUT/jit.log.
 #   bash benchmarks/gpu_sampler.sh test
-#       python -m pytest -m gpu -q -x; log (with the GPU and the exit code): $OUT/pytest-gpu.log.
+#       python -m pytest -m gpu, its test ids shared among JOBS (default 6) processes run
+#       side by side; log (with the GPU and the exit code): $OUT/pytest-gpu.log.
 #   bash benchmarks/gpu_sampler.sh bench [BUDGET_S] [PREVIOUS_JSON] [bench_sampler args...]
 #       bench_sampler.py over its default grid (fp32 and bf16) with --time-budget BUDGET_S
 #       (default 420) and --append, results in $OUT, then the issue-4 targets table. With
@@ -17,7 +18,10 @@
 #       run adds --resume: blocks already in it are skipped, so the sweep goes on where it
 #       stopped (--append merges only a file of the same name: same device, same date).
 #       Log: $OUT/bench-sampler.log.
+#   bash benchmarks/gpu_sampler.sh tune [tune_sampler args...]
+#       benchmarks/tune_sampler.py --out $OUT/tune.json, then its table. Log: $OUT/tune.log.
 #   bash benchmarks/gpu_sampler.sh all [BUDGET_S] [PREVIOUS_JSON] [...]     # test, then bench
+#   Phases may be chained with commas (test,tune); ARGS go to bench and tune.
 #
 # Without .gpu-bundle/aot/ modules the first FlashInfer call in bench builds them inside the
 # timed run (the time budget only stops new blocks from starting): run `jit` first and put
@@ -26,7 +30,7 @@
 # `jit` is not enough; with the modules under aot/ the first cake call took 0.1 s.
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu_sampler.sh jit|test|bench|all [BUDGET_S] [PREVIOUS_JSON] [...]"
+usage="usage: bash benchmarks/gpu_sampler.sh PHASE[,PHASE...] [ARGS...] (jit test bench tune all)"
 phase=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -73,12 +77,29 @@ jit() {
 }
 
 run_tests() {
-    local log="$OUT/pytest-gpu.log" rc
+    # the tests compile many kernel specialisations (CPU-bound): JOBS pytest processes,
+    # each a share of the test ids, so the compiles run side by side
+    local log="$OUT/pytest-gpu.log" jobs=${JOBS:-6} rc=0 i
+    local dir=/tmp/pytest-gpu
+    rm -rf "$dir" && mkdir -p "$dir"
     python -c "import datetime, torch, triton; print(torch.cuda.get_device_name(), \
 'torch', torch.__version__, 'triton', triton.__version__, datetime.date.today())" >"$log" 2>&1
-    echo "python -m pytest -m gpu -q -x" >>"$log"
-    python -m pytest -m gpu -q -x 2>&1 | tee -a "$log" | tail -n 15
-    rc=$?
+    python -m pytest -m gpu --collect-only -q 2>/dev/null | grep '::' >"$dir/ids"
+    echo "python -m pytest -m gpu: $(wc -l <"$dir/ids") tests in $jobs processes" | tee -a "$log"
+    for ((i = 0; i < jobs; i++)); do
+        awk -v n="$jobs" -v i="$i" '(NR - 1) % n == i' "$dir/ids" >"$dir/ids.$i"
+        [ -s "$dir/ids.$i" ] || continue
+        (xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rfE \
+            >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
+    done
+    wait
+    for ((i = 0; i < jobs; i++)); do
+        [ -f "$dir/log.$i" ] || continue
+        { echo "== group $i"; cat "$dir/log.$i"; } >>"$log"
+        grep -E "passed|failed|error|skipped" "$dir/log.$i" | tail -n 1
+        grep -E "^(FAILED|ERROR) " "$dir/log.$i" | cut -c1-200
+        grep -q "exit code: 0$" "$dir/log.$i" || rc=1
+    done
     echo "pytest -m gpu exit code: $rc" | tee -a "$log"
     return "$rc"
 }
@@ -107,19 +128,28 @@ bench() {
     return "$rc"
 }
 
-case "$phase" in
-jit) jit ;;
-test) run_tests ;;
-bench) bench "$@" ;;
-all)
-    run_tests
-    t=$?
-    bench "$@"
-    b=$?
-    exit $((t || b))
-    ;;
-*)
-    echo "$usage"
-    exit 2
-    ;;
-esac
+tune() {
+    python benchmarks/tune_sampler.py --out "$OUT/tune.json" "$@" >"$OUT/tune.log" 2>&1
+    local rc=$?
+    tail -n 3 "$OUT/tune.log" | cut -c1-300
+    [ -f "$OUT/tune.json" ] && python benchmarks/tune_sampler.py --markdown "$OUT/tune.json"
+    echo "tune exit code: $rc (log: tune.log)"
+    return "$rc"
+}
+
+[ "$phase" = all ] && phase=test,bench
+rc=0
+IFS=, read -ra phases <<<"$phase"
+for p in "${phases[@]}"; do
+    case "$p" in
+    jit) jit || rc=1 ;;
+    test) run_tests || rc=1 ;;
+    bench) bench "$@" || rc=1 ;;
+    tune) tune "$@" || rc=1 ;;
+    *)
+        echo "$usage"
+        exit 2
+        ;;
+    esac
+done
+exit "$rc"

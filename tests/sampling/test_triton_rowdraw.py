@@ -2,7 +2,7 @@
 torch reference, token for token, on rows built to take each of its routes: the top-k
 bound from the block maxes, k above the live blocks, top-p guesses checked in one round or
 several, min-p's bound, a biased token inside a gathered block, the three sort widths,
-and the exact path (too many candidates, +inf, flat top-p).
+top-p / min-p over more candidates than the small sort (`band`), and the exact path (too many candidates, +inf, flat top-p).
 
 Blocks are 16 tokens (V = 320: 20 blocks), so a handful of tokens already spans blocks;
 every row is drawn at several positions so the draw itself is compared, not one token.
@@ -51,6 +51,8 @@ def case_rows():
     low = torch.argsort(peaked)[:3].tolist()  # the three lowest tokens, in other blocks
     inf_row = row(8, 2.0)
     inf_row[[17, 200]] = float("inf")
+    ties = torch.full((V,), -40.0)
+    ties[torch.arange(20) * 15] = 0.0  # 20 equal tokens: no value band splits them
     return [
         ("top_k_block_bound", row(1, 3.0), P(top_k=5, temperature=0.9), None),
         ("top_k_above_live_blocks", row(2, 3.0), P(top_k=10), few),
@@ -59,6 +61,10 @@ def case_rows():
         ("top_p_flat_exact", row(6, 0.2), P(top_p=0.95), None),
         ("min_p_bound", row(7, 3.0), P(min_p=0.1, temperature=1.2), None),
         ("bias_in_gathered_block", peaked, P(top_k=3, logit_bias=dict.fromkeys(low, 30.0)), None),
+        ("top_p_band", row(14, 2.0), P(top_p=0.7), None),
+        ("min_p_band", row(15, 2.5), P(min_p=0.05, temperature=0.9), None),
+        ("top_p_min_p_band", row(16, 2.0), P(top_p=0.7, min_p=0.05), None),
+        ("top_p_ties_band_too_wide", ties, P(top_p=0.5), None),
         ("mid_width_sort", row(9, 0.7), P(top_k=12), None),
         ("cap_width_sort", row(10, 0.7), P(top_k=24), None),
         ("over_cap_exact", row(11, 0.7), P(top_k=60), None),

@@ -37,6 +37,7 @@ CAP = 4096 if _GPU else 256
 SMALL = 256 if _GPU else 32
 MID = 1024 if _GPU else 64
 LP_CAP = 256 if _GPU else 64  # top-N candidates of the raw logprobs writer
+BAND_CH = 512 if _GPU else 16  # candidates per step of `band`'s passes
 ROUNDS = 4  # top-p guesses checked before a row takes the exact path
 Y_BLOCK = 2048 if _GPU else 256  # chunk of the exact path's passes over a y row
 PASS_WARPS = 4  # warps of a block-pass program (benchmarks/tune_sampler.py)
@@ -96,13 +97,14 @@ def draw_large(
     y = torch.empty((B, V) if (filters or need_lp) else (1, 1), dtype=torch.float32, device=dev)
     cblk = torch.empty((B, nblk_p2) if filters or need_lp else (1, 1), dtype=torch.int32,
                        device=dev)  # fmt: skip
-    cand = torch.empty((B, cap) if filters else (1, 1), dtype=torch.int64, device=dev)
+    small = min(small, cap)
+    cand = torch.empty((B, cap + small) if filters else (1, 1), dtype=torch.int64, device=dev)
     _row_draw_kernel[(B,)](
         *common, *bias, table.temperature, table.inv_temperature, table.top_k, table.top_p,
         table.min_p, table.seed, table.logprobs_processed, positions, xm, q, cblk, cand, y,
         out.token_ids, out.valid, B, V, nb, nblk, **flags, FILTERS=filters, NEED_Y=need_lp,
         NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, R=rows, DB=draw_block, CAP=cap,
-        SMALL=min(small, cap), MID=min(mid, cap), ROUNDS=ROUNDS, YB=y_block,
+        SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
         INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip

@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.sampling.triton.band import band_draw
 from graphexec.sampling.triton.blocks import bias_tile, neg_zero, tile_x
 from graphexec.sampling.triton.philox import block_bits, group_bits, gumbel
 from graphexec.sampling.triton.sample import _exact_prefix_draw, _sorted_draw
@@ -208,7 +209,7 @@ def _filtered_token(
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
-    YB: tl.constexpr, STREAM: tl.constexpr, INTERP: tl.constexpr,
+    BAND_CH: tl.constexpr, YB: tl.constexpr, STREAM: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     """Steps 4-5 of the module docstring for a valid row with an active filter."""
     b = tl.arange(0, NBLK_P2)
@@ -258,15 +259,20 @@ def _filtered_token(
         served = done & (n <= CAP).to(tl.int32)
         if served != 0:
             tl.debug_barrier()
+            tok = tl.full([], -2, tl.int32)  # not drawn yet
             if n <= SMALL:
                 tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, SMALL,
                                    STREAM, INTERP)  # fmt: skip
-            elif n <= MID:
-                tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, MID,
-                                   STREAM, INTERP)  # fmt: skip
-            else:
-                tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, CAP,
-                                   STREAM, INTERP)  # fmt: skip
+            elif top_k == 0:
+                tok = band_draw(cand_row, cand_row + CAP, n, tau_prev, qs, top_p, min_p, total,
+                                seed, pos, SMALL, BAND_CH, STREAM, INTERP)  # fmt: skip
+            if tok == -2:
+                if n <= MID:
+                    tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, MID,
+                                       STREAM, INTERP)  # fmt: skip
+                else:
+                    tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, CAP,
+                                       STREAM, INTERP)  # fmt: skip
     if served == 0:
         n_fin, nm = materialize_y(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
                                   inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
@@ -282,7 +288,7 @@ def _filtered_token(
     return tok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "NB"])
 def _row_draw_kernel(
     logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64
@@ -296,7 +302,7 @@ def _row_draw_kernel(
     pos_ptr,  # [B] i64
     xm_ptr, q_ptr,  # [B, NBLK] f32, i64 block stats
     cblk_ptr,  # [B, NBLK_P2] i32 scratch: candidate blocks
-    cand_ptr,  # [B, CAP] i64 scratch: packed candidate keys
+    cand_ptr,  # [B, CAP + SMALL] i64 scratch: packed candidate keys, then a band's
     y_ptr,  # [B, V] f32 out: y of rows on the exact path or in processed logprobs mode
     tok_ptr,  # [B] i64 out (-1 where nothing is samplable)
     valid_ptr,  # [B] bool out
@@ -305,7 +311,8 @@ def _row_draw_kernel(
     BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
     NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
-    YB: tl.constexpr, TOKEN_STREAM: tl.constexpr, BLOCK_STREAM: tl.constexpr,
+    BAND_CH: tl.constexpr, YB: tl.constexpr, TOKEN_STREAM: tl.constexpr,
+    BLOCK_STREAM: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -348,12 +355,12 @@ def _row_draw_kernel(
                                    ids, ids_row, vals_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS,
                                    HAS_PROMPT, BF16_BITS, NBLK_P2, DB, TOKEN_STREAM,
                                    BLOCK_STREAM)  # fmt: skip
-        else:
+        elif FILTERS:  # constexpr: the no-filter variant compiles none of it
             tok = _filtered_token(*args, xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
                                   ids, ids_row, vals_row, cblk_ptr + r64 * NBLK_P2,
-                                  cand_ptr + r64 * CAP, y_row, B, V, NBLK, HAS_BITMASK,
+                                  cand_ptr + r64 * (CAP + SMALL), y_row, B, V, NBLK, HAS_BITMASK,
                                   HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R, DB, CAP, SMALL,
-                                  MID, ROUNDS, YB, TOKEN_STREAM, INTERP)  # fmt: skip
+                                  MID, ROUNDS, BAND_CH, YB, TOKEN_STREAM, INTERP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
     if NEED_Y:
