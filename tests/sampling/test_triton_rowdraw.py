@@ -2,7 +2,8 @@
 torch reference, token for token, on rows built to take each of its routes: the top-k
 bound from the block maxes, k above the live blocks, top-p guesses checked in one round or
 several, min-p's bound, a biased token inside a gathered block, the three sort widths,
-top-p / min-p over more candidates than the small sort (`band`), and the exact path (too many candidates, +inf, flat top-p).
+top-p / min-p over more candidates than the small sort (`band`), and the exact path
+(too many candidates, +inf, flat top-p).
 
 Blocks are 16 tokens (V = 320: 20 blocks), so a handful of tokens already spans blocks;
 every row is drawn at several positions so the draw itself is compared, not one token.
