@@ -20,6 +20,10 @@
 #       Log: $OUT/bench-sampler.log.
 #   bash benchmarks/gpu_sampler.sh tune [tune_sampler args...]
 #       benchmarks/tune_sampler.py --out $OUT/tune.json, then its table. Log: $OUT/tune.log.
+#   bash benchmarks/gpu_sampler.sh warm
+#       benchmarks/warm_sampler.py once per argument set of $WARM_SETS ("|" between sets),
+#       side by side: the Triton kernels of the graphexec methods compiled in parallel
+#       before the timed phases. Log: $OUT/warm.log.
 #   bash benchmarks/gpu_sampler.sh all [BUDGET_S] [PREVIOUS_JSON] [...]     # test, then bench
 #   Phases may be chained with commas (test,tune); ARGS go to bench and tune.
 #
@@ -30,7 +34,7 @@
 # `jit` is not enough; with the modules under aot/ the first cake call took 0.1 s.
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu_sampler.sh PHASE[,PHASE...] [ARGS...] (jit test bench tune all)"
+usage="usage: bash benchmarks/gpu_sampler.sh PHASE[,PHASE...] [ARGS...] (jit test warm bench tune all)"
 phase=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -128,6 +132,21 @@ bench() {
     return "$rc"
 }
 
+warm() {
+    # WARM_SETS: warm_sampler.py argument sets separated by "|", run side by side (one
+    # per launch-knob setting); default: its own grid
+    local sets i=0
+    rm -f /tmp/warm.*.log
+    IFS='|' read -ra sets <<<"${WARM_SETS:- }"
+    for ((i = 0; i < ${#sets[@]}; i++)); do
+        python benchmarks/warm_sampler.py ${sets[$i]} >"/tmp/warm.$i.log" 2>&1 &
+    done
+    wait
+    cat /tmp/warm.*.log >"$OUT/warm.log"
+    grep -c " ok$" "$OUT/warm.log" | sed 's/$/ kernels warmed/'
+    grep -E "ERROR|^warmed" "$OUT/warm.log" | cut -c1-240
+}
+
 tune() {
     python benchmarks/tune_sampler.py --out "$OUT/tune.json" "$@" >"$OUT/tune.log" 2>&1
     local rc=$?
@@ -146,6 +165,7 @@ for p in "${phases[@]}"; do
     test) run_tests || rc=1 ;;
     bench) bench "$@" || rc=1 ;;
     tune) tune "$@" || rc=1 ;;
+    warm) warm ;;
     *)
         echo "$usage"
         exit 2

@@ -124,6 +124,46 @@ def test_split_of_the_block_pass_changes_no_token() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("name", ["top_k_block_bound", "top_p_rounds", "min_p_band"])
+def test_gather_order_changes_no_token(name) -> None:
+    """A gather reads its blocks from the packed list or in block order (masked): the
+    same candidates either way, so the same tokens; each order is forced here."""
+    _, logits_row, base, _ = next(c for c in CASES if c[0] == name)
+    params = [base.__class__(**{**base.__dict__, "seed": 90 + i}) for i in range(NPOS)]
+    logits = logits_row.expand(NPOS, -1).contiguous()
+    table = SamplingTensors.from_params(params, V, "cpu")
+    slots, pos = torch.arange(NPOS), torch.arange(NPOS) + 5
+    ref = SamplerOutput.allocate(NPOS, "cpu", None)
+    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    for dense_div, gather_rows in ((0, 2), (1000, 2), (1000, 8)):
+        out = SamplerOutput.allocate(NPOS, "cpu", None)
+        launch.sample(logits, slots, pos, table, out, None, SamplerVariant.DEFAULT,
+                      **{**KW, "dense_div": dense_div, "gather_rows": gather_rows})  # fmt: skip
+        assert torch.equal(out.token_ids, ref.token_ids), (dense_div, gather_rows)
+
+
+def test_min_p_bound_keeps_the_top_k_mass_of_top_p() -> None:
+    """top-k 5, top-p 0.8, min-p 0.1: the 5th token is below min-p but in the top-k mass
+    that top-p's threshold is taken of, and that mass keeps the 4th token. A candidate
+    bound at min-p's (an earlier bug, seen on bf16 rows) dropped the 5th from the total
+    and the 4th from the kept set."""
+    x = torch.full((V,), -30.0)
+    top = [(40, 0.0), (75, -0.375), (130, -0.5), (170, -0.625), (260, -2.3125)]
+    for tok, val in top:
+        x[tok] = val
+    n = 48
+    params = [P(top_k=5, top_p=0.8, min_p=0.1, seed=500 + i) for i in range(n)]
+    table = SamplingTensors.from_params(params, V, "cpu")
+    slots, pos = torch.arange(n), torch.arange(n)
+    ref = SamplerOutput.allocate(n, "cpu", None)
+    tri = SamplerOutput.allocate(n, "cpu", None)
+    logits = x.expand(n, -1).contiguous()
+    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, **KW)
+    assert set(ref.token_ids.tolist()) == {40, 75, 130, 170}
+    assert torch.equal(tri.token_ids, ref.token_ids)
+
+
 def test_widths_must_be_powers_of_two() -> None:
     params = [P(seed=1, top_k=3)]
     table = SamplingTensors.from_params(params, V, "cpu")

@@ -29,7 +29,9 @@ from graphexec.sampling.triton.sample import _sample_tile_kernel
 
 _GPU = not interpreter_enabled()
 TILE_V = 1024 if _GPU else 256  # rows this short are sorted whole
-ROWS = 8  # blocks per tile of the block pass and of the row program's gathers
+ROWS = 8  # blocks per tile of the block pass
+GATHER_ROWS = 32 if _GPU else 2  # blocks per tile of the row program's gathers
+DENSE_DIV = 4  # a gather over more than NBLK / DENSE_DIV blocks reads in block order
 TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # candidates a row may gather (sorted whole: most rows fit SMALL); the interpreter sorts
 # in O(n^2), so it keeps fewer and leaves more rows to the exact path
@@ -58,12 +60,15 @@ def draw_large(
     mid: int = MID,
     split: int | None = None,
     rows: int | None = None,
+    gather_rows: int | None = None,
+    dense_div: int | None = None,
     draw_block: int = DRAW_BLOCK,
     y_block: int = Y_BLOCK,
     lp_cap: int = LP_CAP,
 ) -> None:
     """Block pass, row draw and (when out has logprob fields) the logprobs writers.
-    `cap`, `small`, `mid`, `split`, `rows`, `y_block`, `lp_cap` are for tests."""
+    `cap`, `small`, `mid`, `split`, `rows`, `gather_rows`, `dense_div`, `y_block`,
+    `lp_cap` are for tests (`dense_div` 0: gathers always use the packed block list)."""
     B, V = logits.shape
     for name, width in (("cap", cap), ("small", small), ("mid", mid), ("lp_cap", lp_cap)):
         if width < 1 or width & (width - 1):
@@ -103,8 +108,9 @@ def draw_large(
         *common, *bias, table.temperature, table.inv_temperature, table.top_k, table.top_p,
         table.min_p, table.seed, table.logprobs_processed, positions, xm, q, cblk, cand, y,
         out.token_ids, out.valid, B, V, nb, nblk, **flags, FILTERS=filters, NEED_Y=need_lp,
-        NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, R=rows, DB=draw_block, CAP=cap,
-        SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
+        NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block,
+        CAP=cap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
+        DENSE_DIV=DENSE_DIV if dense_div is None else dense_div,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
         INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
     )  # fmt: skip

@@ -11,7 +11,8 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
    token of that block by y + token noise); one block is read again.
 4. Filtered rows: a threshold tau whose candidates provably hold the kept set, from the
    block maxes: top-k's k-th largest block max bounds the k-th token (at least k tokens
-   lie at or above it); min-p's is ln(min_p) less a margin. Top-p without top-k has no
+   lie at or above it); min-p's is ln(min_p) less a margin (unless top-p needs the mass
+   of the whole top-k prefix, which min-p may cut). Top-p without top-k has no
    such bound: it guesses below the point where the block masses reach p * total and
    checks the guess with the exact mass of what it gathered, lowering it in ROUNDS.
    Only blocks with ym_b >= tau are read again; their candidates are packed
@@ -128,47 +129,82 @@ def _two_level_token(
 
 
 @triton.jit
+def _gather_tile(
+    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
+    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
+    prompt_ptr, stride_ps, stride_pv, row,
+    bid, t_lo, t_hi, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, cand_row, B, V,
+    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
+    BF16_BITS: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    """Append the tokens with tau <= y < tau_prev of the GR blocks bid (block ids past V
+    read nothing) to the candidates; t_lo, t_hi bound the tile's token ids."""
+    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+    bias = bias_tile(ids, ids_row, vals_row, offs, t_lo, t_hi, neg_zero([GR, DB]))
+    x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
+               pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs,
+               stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
+               HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
+    y = (x - m) * inv_t
+    sel = (y >= tau) & (y < tau_prev) & (y > float("-inf"))
+    cnt = tl.sum(sel.to(tl.int32), axis=1)
+    idx = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+    tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < CAP))
+    qs += tl.sum(tl.sum(tl.where(sel, mass(y, 0.0), 0), axis=1), axis=0)
+    return n + tl.sum(cnt, axis=0), qs
+
+
+@triton.jit
 def _gather(
     logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
     bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
     prompt_ptr, stride_ps, stride_pv, row,
-    yb, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, cblk_row, cand_row,
+    yb, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, xm_row, cblk_row, cand_row,
     B, V, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
+    CAP: tl.constexpr, DENSE_DIV: tl.constexpr,
 ):  # fmt: skip
     """Append the tokens with tau <= y < tau_prev to the candidates (n so far, their
-    exact mass qs); reads only the blocks with ym_b >= tau, R at a time."""
+    exact mass qs); reads only the blocks with ym_b >= tau, GR at a time: from a packed
+    list of them when they are few, else in block order with the others masked off (no
+    load waits on a loaded block id: a flat row's many blocks stream)."""
     b = tl.arange(0, NBLK_P2)
     sel_b = (b < NBLK) & (yb >= tau) & (yb > float("-inf"))
     nbc = tl.sum(sel_b.to(tl.int32), axis=0)
-    tl.debug_barrier()  # an earlier round may still be reading the block list
-    tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
-    tl.debug_barrier()
-    cols = tl.arange(0, DB)[None, :]
     # every block read holds a candidate at least: more blocks than CAP cannot fit
     if nbc > CAP:
         n = CAP + 1
         nbc = 0
-    for i in range(0, nbc, R):
-        jj = i + tl.arange(0, R)
-        bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)  # block NBLK: past V
-        offs = bid[:, None] * DB + cols
-        t_hi = (tl.max(tl.where(jj < nbc, bid, 0), axis=0) + 1) * DB
-        bias = bias_tile(ids, ids_row, vals_row, offs, tl.min(bid, axis=0) * DB, t_hi,
-                         neg_zero([R, DB]))  # fmt: skip
-        x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
-                   pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs,
-                   stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
-                   HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
-        y = (x - m) * inv_t
-        sel = (y >= tau) & (y < tau_prev) & (y > float("-inf"))
-        cnt = tl.sum(sel.to(tl.int32), axis=1)
-        idx = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-        tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < CAP))
-        qs += tl.sum(tl.sum(tl.where(sel, mass(y, 0.0), 0), axis=1), axis=0)
-        n += tl.sum(cnt, axis=0)
+    g = tl.arange(0, GR)
+    if nbc * DENSE_DIV > NBLK:
+        for start in range(0, NBLK, GR):
+            bid = start + g
+            xmb = tl.load(xm_row + bid, mask=bid < NBLK, other=float("-inf"))
+            ybt = tl.where(xmb > float("-inf"), (xmb - m) * inv_t, float("-inf"))
+            bid = tl.where((bid < NBLK) & (ybt >= tau) & (ybt > float("-inf")), bid, NBLK)
+            n, qs = _gather_tile(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
+                                 inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
+                                 stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
+                                 stride_ps, stride_pv, row, bid, start * DB, (start + GR) * DB,
+                                 tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row,
+                                 cand_row, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
+                                 GR, DB, CAP)  # fmt: skip
+    else:
+        tl.debug_barrier()  # an earlier round may still be reading the block list
+        tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
+        tl.debug_barrier()
+        for i in range(0, nbc, GR):
+            jj = i + g
+            bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)  # block NBLK: past V
+            t_hi = (tl.max(tl.where(jj < nbc, bid, 0), axis=0) + 1) * DB
+            n, qs = _gather_tile(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
+                                 inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
+                                 stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
+                                 stride_ps, stride_pv, row, bid, tl.min(bid, axis=0) * DB,
+                                 t_hi, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row,
+                                 cand_row, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
+                                 GR, DB, CAP)  # fmt: skip
     return n, qs
 
 
@@ -205,11 +241,12 @@ def _filtered_token(
     bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
     prompt_ptr, stride_ps, stride_pv, row,
     xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
-    ids, ids_row, vals_row, cblk_row, cand_row, y_row, B, V, NBLK,
+    ids, ids_row, vals_row, xm_row, cblk_row, cand_row, y_row, B, V, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
-    BAND_CH: tl.constexpr, YB: tl.constexpr, STREAM: tl.constexpr, INTERP: tl.constexpr,
+    DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, STREAM: tl.constexpr,
+    INTERP: tl.constexpr,
 ):  # fmt: skip
     """Steps 4-5 of the module docstring for a valid row with an active filter."""
     b = tl.arange(0, NBLK_P2)
@@ -223,8 +260,10 @@ def _filtered_token(
         cert = tl.full([], float("-inf"), tl.float32)
         if top_k > 0:
             cert = -_grid_delta(yb, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32))
+        # min-p's bound may cut into the top-k prefix, whose whole mass top-p needs
+        use_m = (min_p > 0.0) & ((top_k == 0) | (top_p >= 1.0))
         tau_m = tl.log(min_p) - MIN_P_MARGIN
-        if min_p > 0.0:
+        if use_m:
             cert = tl.maximum(cert, tau_m)
         # top-p alone: a guess below where the block masses reach p * total, checked below
         guess = tl.full([], float("-inf"), tl.float32)
@@ -244,14 +283,14 @@ def _filtered_token(
                                 freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw,
                                 counts_ptr, stride_cs, stride_cv, prompt_ptr, stride_ps,
                                 stride_pv, row, yb, tau, tau_prev, n, qs, m, inv_t, ids,
-                                ids_row, vals_row, cblk_row, cand_row, B, V, NBLK,
-                                HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R,
-                                DB, CAP)  # fmt: skip
+                                ids_row, vals_row, xm_row, cblk_row, cand_row, B, V, NBLK,
+                                HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, GR,
+                                DB, CAP, DENSE_DIV)  # fmt: skip
                 tau_prev = tau
                 holds = (
                     ((top_k > 0) & (n >= top_k))
                     | ((top_k == 0) & (top_p < 1.0) & (qs.to(tl.float64) >= p_total))
-                    | ((min_p > 0.0) & (tau <= tau_m))
+                    | (use_m & (tau <= tau_m))
                     | (tau == float("-inf"))
                 )  # fmt: skip
                 done = holds.to(tl.int32)
@@ -309,9 +348,9 @@ def _row_draw_kernel(
     B, V, NB, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
-    NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
-    BAND_CH: tl.constexpr, YB: tl.constexpr, TOKEN_STREAM: tl.constexpr,
+    DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, TOKEN_STREAM: tl.constexpr,
     BLOCK_STREAM: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
@@ -357,10 +396,11 @@ def _row_draw_kernel(
                                    BLOCK_STREAM)  # fmt: skip
         elif FILTERS:  # constexpr: the no-filter variant compiles none of it
             tok = _filtered_token(*args, xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
-                                  ids, ids_row, vals_row, cblk_ptr + r64 * NBLK_P2,
-                                  cand_ptr + r64 * (CAP + SMALL), y_row, B, V, NBLK, HAS_BITMASK,
-                                  HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, R, DB, CAP, SMALL,
-                                  MID, ROUNDS, BAND_CH, YB, TOKEN_STREAM, INTERP)  # fmt: skip
+                                  ids, ids_row, vals_row, xm_ptr + r64 * NBLK,
+                                  cblk_ptr + r64 * NBLK_P2, cand_ptr + r64 * (CAP + SMALL), y_row,
+                                  B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
+                                  NBLK_P2, GR, DB, CAP, SMALL, MID, ROUNDS, DENSE_DIV, BAND_CH,
+                                  YB, TOKEN_STREAM, INTERP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
     if NEED_Y:
