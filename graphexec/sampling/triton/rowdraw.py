@@ -16,7 +16,7 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
    such bound: it guesses below the point where the block masses reach p * total and
    checks the guess with the exact mass of what it gathered, lowering it in ROUNDS.
    Only blocks with ym_b >= tau are read again; their candidates are packed
-   (`select.pack`) into a per-row buffer, sorted (in the narrowest of three widths that
+   (`gather`) into a per-row buffer, sorted (in the narrowest of three widths that
    holds them), filtered exactly and drawn with token noise (`sample._sorted_draw`).
 5. Rows no threshold serves (k above the number of live blocks, more than CAP
    candidates, a row with +inf, a flat top-p row) write their y to a scratch row and take
@@ -33,9 +33,10 @@ import triton.language as tl
 
 from graphexec.sampling.triton.band import band_draw
 from graphexec.sampling.triton.blocks import bias_tile, neg_zero, tile_x
+from graphexec.sampling.triton.gather import gather
 from graphexec.sampling.triton.philox import block_bits, group_bits, gumbel
 from graphexec.sampling.triton.sample import _exact_prefix_draw, _sorted_draw
-from graphexec.sampling.triton.select import collapse_inf, mass, pack
+from graphexec.sampling.triton.select import collapse_inf
 
 INT32_MAX = tl.constexpr(2147483647)
 MIN_P_MARGIN = tl.constexpr(1e-3)  # fp32 exp / log error is far below this
@@ -129,86 +130,6 @@ def _two_level_token(
 
 
 @triton.jit
-def _gather_tile(
-    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-    prompt_ptr, stride_ps, stride_pv, row,
-    bid, t_lo, t_hi, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, cand_row, B, V,
-    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr,
-):  # fmt: skip
-    """Append the tokens with tau <= y < tau_prev of the GR blocks bid (block ids past V
-    read nothing) to the candidates; t_lo, t_hi bound the tile's token ids."""
-    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
-    bias = bias_tile(ids, ids_row, vals_row, offs, t_lo, t_hi, neg_zero([GR, DB]))
-    x = tile_x(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr,
-               pres_ptr, bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs,
-               stride_cv, prompt_ptr, stride_ps, stride_pv, row, offs, bias, B, V,
-               HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS)  # fmt: skip
-    y = (x - m) * inv_t
-    sel = (y >= tau) & (y < tau_prev) & (y > float("-inf"))
-    cnt = tl.sum(sel.to(tl.int32), axis=1)
-    idx = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-    tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < CAP))
-    qs += tl.sum(tl.sum(tl.where(sel, mass(y, 0.0), 0), axis=1), axis=0)
-    return n + tl.sum(cnt, axis=0), qs
-
-
-@triton.jit
-def _gather(
-    logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
-    bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
-    prompt_ptr, stride_ps, stride_pv, row,
-    yb, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, xm_row, cblk_row, cand_row,
-    B, V, NBLK,
-    HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr, DENSE_DIV: tl.constexpr,
-):  # fmt: skip
-    """Append the tokens with tau <= y < tau_prev to the candidates (n so far, their
-    exact mass qs); reads only the blocks with ym_b >= tau, GR at a time: from a packed
-    list of them when they are few, else in block order with the others masked off (no
-    load waits on a loaded block id: a flat row's many blocks stream)."""
-    b = tl.arange(0, NBLK_P2)
-    sel_b = (b < NBLK) & (yb >= tau) & (yb > float("-inf"))
-    nbc = tl.sum(sel_b.to(tl.int32), axis=0)
-    # every block read holds a candidate at least: more blocks than CAP cannot fit
-    if nbc > CAP:
-        n = CAP + 1
-        nbc = 0
-    g = tl.arange(0, GR)
-    if nbc * DENSE_DIV > NBLK:
-        for start in range(0, NBLK, GR):
-            bid = start + g
-            xmb = tl.load(xm_row + bid, mask=bid < NBLK, other=float("-inf"))
-            ybt = tl.where(xmb > float("-inf"), (xmb - m) * inv_t, float("-inf"))
-            bid = tl.where((bid < NBLK) & (ybt >= tau) & (ybt > float("-inf")), bid, NBLK)
-            n, qs = _gather_tile(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
-                                 inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
-                                 stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
-                                 stride_ps, stride_pv, row, bid, start * DB, (start + GR) * DB,
-                                 tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row,
-                                 cand_row, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-                                 GR, DB, CAP)  # fmt: skip
-    else:
-        tl.debug_barrier()  # an earlier round may still be reading the block list
-        tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
-        tl.debug_barrier()
-        for i in range(0, nbc, GR):
-            jj = i + g
-            bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)  # block NBLK: past V
-            t_hi = (tl.max(tl.where(jj < nbc, bid, 0), axis=0) + 1) * DB
-            n, qs = _gather_tile(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
-                                 inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
-                                 stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
-                                 stride_ps, stride_pv, row, bid, tl.min(bid, axis=0) * DB,
-                                 t_hi, tau, tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row,
-                                 cand_row, B, V, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-                                 GR, DB, CAP)  # fmt: skip
-    return n, qs
-
-
-@triton.jit
 def materialize_y(
     logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr, freq_ptr, pres_ptr,
     bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
@@ -279,13 +200,13 @@ def _filtered_token(
             if (done == 0) & (n <= CAP):
                 # without any threshold (k above the live blocks) every live token is one
                 tau = tl.maximum(cert, guess - step)
-                n, qs = _gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
+                n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
                                 freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw,
                                 counts_ptr, stride_cs, stride_cv, prompt_ptr, stride_ps,
                                 stride_pv, row, yb, tau, tau_prev, n, qs, m, inv_t, ids,
                                 ids_row, vals_row, xm_row, cblk_row, cand_row, B, V, NBLK,
                                 HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, GR,
-                                DB, CAP, DENSE_DIV)  # fmt: skip
+                                DB, CAP, DENSE_DIV, BAND_CH)  # fmt: skip
                 tau_prev = tau
                 holds = (
                     ((top_k > 0) & (n >= top_k))
