@@ -6,8 +6,8 @@
     python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
 
 Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
-ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV); each line prints one configuration's
-times in microseconds.
+ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG); each line prints one
+configuration's times in microseconds.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def markdown(path: str) -> str:
     with open(path) as f:
         data = json.load(f)
     res = data["results"]
-    knobs = ("rows", "pass_warps", "row_warps", "programs", "gather_rows", "dense_div")
+    knobs = ("rows", "pass_warps", "row_warps", "programs", "gather_rows", "dense_div",
+             "row_maxnreg")  # fmt: skip
     cols = list(dict.fromkeys((r["case"], r["B"]) for r in res))
     head = "| " + " | ".join(knobs) + " | " + " | ".join(f"{c}@B={b}" for c, b in cols) + " |"
     lines = [f"{data['device']}, V = {res[0]['V']}, {res[0]['dtype']}, CUDA-graph replay, us",
@@ -105,6 +106,11 @@ def main() -> None:
     ap.add_argument("--programs", default="2048")
     ap.add_argument("--gather-rows", default=str(launch.GATHER_ROWS))
     ap.add_argument("--dense-div", default=str(launch.DENSE_DIV), help="0: packed lists only")
+    ap.add_argument(
+        "--row-maxnreg",
+        default=str(launch.ROW_MAXNREG),
+        help="register cap of the row programs when B exceeds the SMs; 0: never",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None, help="print the table of a saved run and exit")
@@ -115,22 +121,23 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
-    for rows, pw, rw, tp, gr, dd in itertools.product(
+    for rows, pw, rw, tp, gr, dd, mr in itertools.product(
         ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs),
-        ints(a.gather_rows), ints(a.dense_div),
+        ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg),
     ):  # fmt: skip
         launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
-        launch.GATHER_ROWS, launch.DENSE_DIV = gr, dd
+        launch.GATHER_ROWS, launch.DENSE_DIV, launch.ROW_MAXNREG = gr, dd, mr
         line = []
         for name in a.cases.split(","):
             for B in ints(a.batch):
                 fn, bad = case_fn(name, B, a.vocab, dtype)
                 us = replay_us(fn)
                 results.append(dict(rows=rows, pass_warps=pw, row_warps=rw, programs=tp,
-                                    gather_rows=gr, dense_div=dd, case=name, B=B, V=a.vocab,
+                                    gather_rows=gr, dense_div=dd, row_maxnreg=mr, case=name,
+                                    B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
                 line.append(f"{name}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
-        print(f"R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd}: " + " ".join(line),
+        print(f"R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr}: " + " ".join(line),
               flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:

@@ -178,6 +178,27 @@ def test_batch_invariance_on_gpu():
         assert alone.token_ids.item() == full.token_ids[r].item()
 
 
+def test_register_cap_changes_no_token():
+    """Row programs get a register cap only when rows outnumber the SMs (launch.py): the
+    same rows in batches of 64 (no cap) give the same tokens as one large batch."""
+    from graphexec.sampling.triton import launch
+
+    V = 128256
+    B = launch._sm_count(torch.device("cuda")) + 8
+    assert launch.ROW_MAXNREG > 0
+    logits, counts, prompt, bitmask = make_inputs(B, V, torch.float32, seed=3)
+    params = mixed_params(B, V, seed=3)
+    pos = [5 * i for i in range(B)]
+    full = gx.sample_logits(logits, params, pos, backend="triton")
+    for lo in range(0, B, 64):
+        hi = min(B, lo + 64)
+        part = gx.sample_logits(logits[lo:hi], params[lo:hi], pos[lo:hi], backend="triton")
+        assert torch.equal(part.token_ids, full.token_ids[lo:hi])
+        assert torch.allclose(
+            part.logprobs, full.logprobs[lo:hi], rtol=1e-6, atol=0, equal_nan=True
+        )
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")

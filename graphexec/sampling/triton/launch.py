@@ -12,6 +12,8 @@ values: everything data-dependent happens inside the kernels.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -44,6 +46,20 @@ ROUNDS = 4  # top-p guesses checked before a row takes the exact path
 Y_BLOCK = 2048 if _GPU else 256  # chunk of the exact path's passes over a y row
 PASS_WARPS = 4  # warps of a block-pass program (benchmarks/tune_sampler.py)
 ROW_WARPS = 8  # warps of a row program
+# Register cap of the row programs when they outnumber the SMs (0: never). Uncapped, a
+# filtered row program takes about 250 registers x 256 threads, so one fits per SM and
+# B = 256 runs in two waves; at 128 two fit (some spills on rare paths). H100, B = 256:
+# top_k_top_p 94.8 -> 86.6 us, top_p 581 -> 437 us; at B <= 128 the cap only costs
+# (benchmarks/results/tune-sampler-maxnreg-*). Registers never change a result.
+ROW_MAXNREG = 128
+
+
+@functools.cache
+def _sm_count(dev: torch.device) -> int:
+    """SMs of a CUDA device (a large number elsewhere: no cap off the GPU)."""
+    if dev.type != "cuda":
+        return 1 << 30
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def draw_large(
@@ -113,6 +129,7 @@ def draw_large(
         DENSE_DIV=DENSE_DIV if dense_div is None else dense_div,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
         INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
+        **({"maxnreg": ROW_MAXNREG} if ROW_MAXNREG and B > _sm_count(dev) else {}),
     )  # fmt: skip
     if need_lp:
         n = out.num_top or 0
