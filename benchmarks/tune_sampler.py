@@ -6,8 +6,8 @@
     python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
 
 Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
-ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG); each line prints one
-configuration's times in microseconds.
+ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG, TOP_P_STEP); each line
+prints one configuration's times in microseconds.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def replay_us(fn, reps: int = 30) -> float:
     return statistics.median(t)
 
 
-def case_fn(name: str, B: int, V: int, dtype: torch.dtype):
+def case_fn(name: str, B: int, V: int, dtype: torch.dtype, scale: float = 3.0):
     params = [gx.SamplingParams(seed=1000 + b, **CASES[name]) for b in range(B)]
     table = SamplingTensors.from_params(params, V, "cuda")
     out = SamplerOutput.allocate(B, "cuda", None)
-    logits = (torch.randn(B, V, device="cuda") * 3).to(dtype)
+    logits = (torch.randn(B, V, device="cuda") * scale).to(dtype)
     slots = torch.arange(B, device="cuda")
     pos = torch.arange(B, device="cuda") + 7
     variant = gx.choose_variant(params)
@@ -78,7 +78,7 @@ def markdown(path: str) -> str:
         data = json.load(f)
     res = data["results"]
     knobs = ("rows", "pass_warps", "row_warps", "programs", "gather_rows", "dense_div",
-             "row_maxnreg")  # fmt: skip
+             "row_maxnreg", "top_p_step")  # fmt: skip
     cols = list(dict.fromkeys((r["case"], r["B"]) for r in res))
     head = "| " + " | ".join(knobs) + " | " + " | ".join(f"{c}@B={b}" for c, b in cols) + " |"
     lines = [f"{data['device']}, V = {res[0]['V']}, {res[0]['dtype']}, CUDA-graph replay, us",
@@ -111,6 +111,8 @@ def main() -> None:
         default=str(launch.ROW_MAXNREG),
         help="register cap of the row programs when B exceeds the SMs; 0: never",
     )
+    ap.add_argument("--top-p-step", default=str(launch.TOP_P_STEP))
+    ap.add_argument("--scale", default="3", help="logits are randn * scale; a list")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None, help="print the table of a saved run and exit")
@@ -121,24 +123,27 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
-    for rows, pw, rw, tp, gr, dd, mr in itertools.product(
+    for rows, pw, rw, tp, gr, dd, mr, ps in itertools.product(
         ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs),
-        ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg),
+        ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg), ints(a.top_p_step),
     ):  # fmt: skip
         launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
         launch.GATHER_ROWS, launch.DENSE_DIV, launch.ROW_MAXNREG = gr, dd, mr
+        launch.TOP_P_STEP = ps
         line = []
-        for name in a.cases.split(","):
+        for name, scale in itertools.product(a.cases.split(","), a.scale.split(",")):
+            case = name if scale == "3" else f"{name}*{scale}"
             for B in ints(a.batch):
-                fn, bad = case_fn(name, B, a.vocab, dtype)
+                fn, bad = case_fn(name, B, a.vocab, dtype, float(scale))
                 us = replay_us(fn)
                 results.append(dict(rows=rows, pass_warps=pw, row_warps=rw, programs=tp,
-                                    gather_rows=gr, dense_div=dd, row_maxnreg=mr, case=name,
+                                    gather_rows=gr, dense_div=dd, row_maxnreg=mr,
+                                    top_p_step=ps, case=case,
                                     B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
-                line.append(f"{name}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
-        print(f"R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr}: " + " ".join(line),
-              flush=True)  # fmt: skip
+                line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
+        print(f"R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr} ps={ps}: "
+              + " ".join(line), flush=True)  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)

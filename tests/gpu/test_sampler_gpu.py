@@ -199,6 +199,34 @@ def test_register_cap_changes_no_token():
         )
 
 
+def test_top_p_first_step_changes_no_token(monkeypatch):
+    """How far below its guess top-p's first gather reads (launch.TOP_P_STEP) changes the
+    rounds and the candidates, never a token: flat rows (most need a second round at 1)
+    and peaked ones, top-p alone and with min-p, against the torch reference."""
+    from graphexec.sampling.triton import launch
+
+    V, B = 128256, 48
+    g = torch.Generator(device="cuda").manual_seed(11)
+    scale = torch.tensor([3.0, 1.0, 8.0], device="cuda").repeat(B // 3)[:, None]
+    logits = torch.randn(B, V, device="cuda", generator=g) * scale
+    params = [P(seed=40 + i, top_p=(0.9, 0.5, 0.99)[i % 3], temperature=0.8,
+                min_p=0.02 if i % 4 == 0 else 0.0) for i in range(B)]  # fmt: skip
+    pos = [3 * i for i in range(B)]
+    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    outs = []
+    for step in (1, 2, 4):
+        monkeypatch.setattr(launch, "TOP_P_STEP", step)
+        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    counts = torch.zeros(B, V, dtype=torch.int32, device="cuda")
+    prompt = torch.zeros(B, V, dtype=torch.bool, device="cuda")
+    ones = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device="cuda")
+    for r in (ref != outs[1]).nonzero().flatten().tolist():
+        tie = near_tie_ok(logits, params, pos, counts, prompt, ones, r, ref[r].item(),
+                          outs[1][r].item())  # fmt: skip
+        assert tie, f"row {r} differs from the torch reference beyond a near-tie"
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")

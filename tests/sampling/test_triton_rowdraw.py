@@ -84,8 +84,7 @@ def case_rows():
 CASES = case_rows()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_route_equals_reference(case) -> None:
+def draw_case(case) -> None:
     name, logits_row, base, allowed = case
     params = [base.__class__(**{**base.__dict__, "seed": 50 + i}) for i in range(NPOS)]
     logits = logits_row.expand(NPOS, -1).contiguous()
@@ -107,6 +106,23 @@ def test_route_equals_reference(case) -> None:
         assert bool(allowed[ref.token_ids].all())
     if name == "bias_in_gathered_block":  # the biased tokens are the only ones kept
         assert set(ref.token_ids.tolist()) <= set(torch.argsort(logits_row)[:3].tolist())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_route_equals_reference(case) -> None:
+    draw_case(case)
+
+
+TOP_P_CASES = [c for c in CASES if c[0].startswith("top_p")]
+
+
+@pytest.mark.parametrize("case", TOP_P_CASES, ids=[c[0] for c in TOP_P_CASES])
+def test_top_p_routes_with_a_narrow_first_round(case, monkeypatch) -> None:
+    """The same top-p rows with the first gather one nat below the guess instead of
+    launch.TOP_P_STEP: fewer candidates per round, more rounds; the same tokens."""
+    assert launch.TOP_P_STEP != 1
+    monkeypatch.setattr(launch, "TOP_P_STEP", 1)
+    draw_case(case)
 
 
 def test_split_of_the_block_pass_changes_no_token() -> None:
@@ -173,15 +189,19 @@ def test_widths_must_be_powers_of_two() -> None:
                       **{**KW, "cap": 48})  # fmt: skip
 
 
-def test_top_p_guess_checked_over_two_rounds() -> None:
+@pytest.mark.parametrize("step", [1, 2])
+def test_top_p_guess_checked_over_two_rounds(step, monkeypatch) -> None:
     """A row whose block masses overstate the mass near the top: each block holds one
-    token at 0 and, in half of them, two at -2 (the rest far below). p = 0.99 needs nine
-    of the ten -2 tokens, which the first guess (just below the block maxes) leaves out;
-    the exact mass check rejects it and the second round gathers them."""
+    token at 0 and four at -1.5 * step (the rest far below). The guess lies just below
+    the block maxes (within 1/8), so the first gather (down to the guess less step) leaves the
+    -1.5 * step tokens out, while p = 0.99 needs nearly all of them; the exact mass check
+    rejects the round and the second (the guess less 2 * step) gathers them."""
+    monkeypatch.setattr(launch, "TOP_P_STEP", step)
+    tier = -1.5 * step
     x = torch.full((V,), -30.0)
     x[::DB] = 0.0
-    for blk in range(0, V // DB, 2):
-        x[blk * DB + 5 : blk * DB + 7] = -2.0
+    for blk in range(V // DB):
+        x[blk * DB + 5 : blk * DB + 9] = tier
     n = 64
     params = [P(top_p=0.99, seed=300 + i) for i in range(n)]
     table = SamplingTensors.from_params(params, V, "cpu")
@@ -190,8 +210,34 @@ def test_top_p_guess_checked_over_two_rounds() -> None:
     logits = x.expand(n, -1).contiguous()
     args = (logits, torch.arange(n), torch.arange(n), table)
     reference.sample(*args, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
-    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **KW)
+    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **{**KW, "cap": 128})
     assert torch.equal(tri.token_ids, ref.token_ids)
     drawn = x[ref.token_ids]
-    assert bool((drawn == -2.0).any())  # the second round's tokens are drawn
-    assert bool(((drawn == 0.0) | (drawn == -2.0)).all())
+    assert bool((drawn == tier).any())  # the second round's tokens are drawn
+    assert bool(((drawn == 0.0) | (drawn == tier)).all())
+
+
+def test_top_p_first_round_past_cap_starts_over_nearer() -> None:
+    """Each block holds a token at 0, one at -0.5 and five at -1.5. The guess lies just
+    below the block maxes; the first gather (down to the guess less TOP_P_STEP = 2) takes
+    140 candidates, past CAP = 64, and the row starts over at the guess less 1: 40
+    candidates whose mass (32.1 of 54.4) holds p = 0.55's. Tokens as the reference's."""
+    assert launch.TOP_P_STEP == 2
+    x = torch.full((V,), -30.0)
+    x[::DB] = 0.0
+    x[1::DB] = -0.5
+    for blk in range(V // DB):
+        x[blk * DB + 5 : blk * DB + 10] = -1.5
+    n = 48
+    params = [P(top_p=0.55, seed=700 + i) for i in range(n)]
+    table = SamplingTensors.from_params(params, V, "cpu")
+    ref = SamplerOutput.allocate(n, "cpu", None)
+    tri = SamplerOutput.allocate(n, "cpu", None)
+    logits = x.expand(n, -1).contiguous()
+    args = (logits, torch.arange(n), torch.arange(n), table)
+    reference.sample(*args, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **{**KW, "cap": 64})
+    assert torch.equal(tri.token_ids, ref.token_ids)
+    drawn = x[ref.token_ids]
+    assert bool(((drawn == 0.0) | (drawn == -0.5)).all())
+    assert bool((drawn == -0.5).any())

@@ -52,6 +52,11 @@ ROW_WARPS = 8  # warps of a row program
 # top_k_top_p 94.8 -> 86.6 us, top_p 581 -> 437 us; at B <= 128 the cap only costs
 # (benchmarks/results/tune-sampler-maxnreg-*). Registers never change a result.
 ROW_MAXNREG = 128
+# top-p without top-k: how far below its guess (in y, nats) the first gather reads, doubled
+# each round. H100, randn * 3 rows, B = 256: 1.0 needed a second round in most rows
+# (431 us), 2.0 none (272 us); a wider first round gathers more candidates
+# (benchmarks/results/tune-sampler-topp-step-*). Never changes a result.
+TOP_P_STEP = 2
 
 
 @functools.cache
@@ -128,7 +133,8 @@ def draw_large(
         CAP=cap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
         DENSE_DIV=DENSE_DIV if dense_div is None else dense_div,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
-        INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
+        INTERP=interpreter_enabled(), P_STEP=float(TOP_P_STEP), enable_fp_fusion=False,
+        num_warps=ROW_WARPS,
         **({"maxnreg": ROW_MAXNREG} if ROW_MAXNREG and B > _sm_count(dev) else {}),
     )  # fmt: skip
     if need_lp:

@@ -14,7 +14,9 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
    lie at or above it); min-p's is ln(min_p) less a margin (unless top-p needs the mass
    of the whole top-k prefix, which min-p may cut). Top-p without top-k has no
    such bound: it guesses below the point where the block masses reach p * total and
-   checks the guess with the exact mass of what it gathered, lowering it in ROUNDS.
+   checks the guess with the exact mass of what it gathered, lowering it in ROUNDS
+   (first P_STEP below the guess, then twice as far each round; a first round past CAP
+   starts over once at 1 below, where a row's set may still fit).
    Only blocks with ym_b >= tau are read again; their candidates are packed
    (`gather`) into a per-row buffer, sorted (in the narrowest of three widths that
    holds them), filtered exactly and drawn with token noise (`sample._sorted_draw`).
@@ -167,7 +169,7 @@ def _filtered_token(
     BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
     DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, STREAM: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, P_STEP: tl.constexpr,
 ):  # fmt: skip
     """Steps 4-5 of the module docstring for a valid row with an active filter."""
     b = tl.arange(0, NBLK_P2)
@@ -195,7 +197,10 @@ def _filtered_token(
         qs = tl.zeros([], dtype=tl.int64)
         tau_prev = tl.full([], float("inf"), tl.float32)
         done = tl.zeros([], dtype=tl.int32)
-        step = tl.full([], 1.0, tl.float32)
+        step = tl.full([], P_STEP, tl.float32)
+        retry = tl.zeros([], dtype=tl.int32)
+        if P_STEP > 1.0:
+            retry = (guess - P_STEP > cert).to(tl.int32)
         for _ in range(ROUNDS):
             if (done == 0) & (n <= CAP):
                 # without any threshold (k above the live blocks) every live token is one
@@ -216,6 +221,15 @@ def _filtered_token(
                 )  # fmt: skip
                 done = holds.to(tl.int32)
                 step = step * 2.0
+                # a first guess-led round past CAP starts over once at guess - 1: a row
+                # whose set fits there is still served
+                if (retry != 0) & (n > CAP):
+                    n = tl.zeros([], dtype=tl.int32)
+                    qs = tl.zeros([], dtype=tl.int64)
+                    tau_prev = tl.full([], float("inf"), tl.float32)
+                    done = tl.zeros([], dtype=tl.int32)
+                    step = tl.full([], 1.0, tl.float32)
+                retry = tl.zeros([], dtype=tl.int32)
         served = done & (n <= CAP).to(tl.int32)
         if served != 0:
             tl.debug_barrier()
@@ -273,7 +287,7 @@ def _row_draw_kernel(
     CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
     DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, TOKEN_STREAM: tl.constexpr,
     BLOCK_STREAM: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, P_STEP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
@@ -321,7 +335,7 @@ def _row_draw_kernel(
                                   cblk_ptr + r64 * NBLK_P2, cand_ptr + r64 * (CAP + SMALL), y_row,
                                   B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
                                   NBLK_P2, GR, DB, CAP, SMALL, MID, ROUNDS, DENSE_DIV, BAND_CH,
-                                  YB, TOKEN_STREAM, INTERP)  # fmt: skip
+                                  YB, TOKEN_STREAM, INTERP, P_STEP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
     if NEED_Y:
