@@ -241,3 +241,35 @@ def test_top_p_first_round_past_cap_starts_over_nearer() -> None:
     drawn = x[ref.token_ids]
     assert bool(((drawn == 0.0) | (drawn == -0.5)).all())
     assert bool((drawn == -0.5).any())
+
+
+@pytest.mark.parametrize("gather_cap", [32, 128])
+@pytest.mark.parametrize(
+    "name,base",
+    [("top_p", P(top_p=0.9)), ("min_p", P(min_p=0.02)), ("top_k", P(top_k=12))],
+)
+def test_rows_past_cap_without_top_k_go_to_band(name, base, gather_cap) -> None:
+    """Rows whose candidates pass cap (32): top-p's first round gathers 106 and min-p's
+    bound 109 (counted with a temporary device_print), within gather_cap = 128, where
+    `band` draws over them; top-k 12's bound holds 58, sorted cap wide, so the exact path
+    takes it. At gather_cap = cap min-p takes the exact path too and top-p starts over
+    nearer its guess (16 candidates). Tokens as the reference's on every route."""
+    logits_row = row(21, 2.0)
+    params = [base.__class__(**{**base.__dict__, "seed": 800 + i}) for i in range(NPOS)]
+    logits = logits_row.expand(NPOS, -1).contiguous()
+    table = SamplingTensors.from_params(params, V, "cpu")
+    slots, pos = torch.arange(NPOS), torch.arange(NPOS) * 5 + 2
+    ref = SamplerOutput.allocate(NPOS, "cpu", None)
+    tri = SamplerOutput.allocate(NPOS, "cpu", None)
+    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT,
+                  **{**KW, "gather_cap": gather_cap})  # fmt: skip
+    assert torch.equal(tri.token_ids, ref.token_ids), name
+
+
+def test_gather_cap_below_cap_is_refused() -> None:
+    table = SamplingTensors.from_params([P(seed=1, top_p=0.5)], V, "cpu")
+    out = SamplerOutput.allocate(1, "cpu", None)
+    with pytest.raises(ValueError, match="gather_cap must be at least cap"):
+        launch.sample(row(1, 1.0)[None], torch.arange(1), torch.arange(1), table, out,
+                      **{**KW, "gather_cap": 16})  # fmt: skip

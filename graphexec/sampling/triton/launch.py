@@ -38,6 +38,11 @@ TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # candidates a row may gather (sorted whole: most rows fit SMALL); the interpreter sorts
 # in O(n^2), so it keeps fewer and leaves more rows to the exact path
 CAP = 4096 if _GPU else 256
+# candidates a row without top-k may gather, as a multiple of CAP: `band` draws over them
+# without sorting them all, so flat rows whose kept set passes CAP stay off the exact path
+# (about 3 ms on an H100). Scratch: B x (CAP x GATHER_MULT + SMALL) x 8 bytes, 34 MB at
+# B = 256 on the GPU.
+GATHER_MULT = 4 if _GPU else 1
 SMALL = 256 if _GPU else 32
 MID = 1024 if _GPU else 64
 LP_CAP = 256 if _GPU else 64  # top-N candidates of the raw logprobs writer
@@ -77,6 +82,7 @@ def draw_large(
     variant: SamplerVariant,
     *,
     cap: int = CAP,
+    gather_cap: int | None = None,
     small: int = SMALL,
     mid: int = MID,
     split: int | None = None,
@@ -88,12 +94,16 @@ def draw_large(
     lp_cap: int = LP_CAP,
 ) -> None:
     """Block pass, row draw and (when out has logprob fields) the logprobs writers.
-    `cap`, `small`, `mid`, `split`, `rows`, `gather_rows`, `dense_div`, `y_block`,
-    `lp_cap` are for tests (`dense_div` 0: gathers always use the packed block list)."""
+    `cap`, `gather_cap` (default cap x GATHER_MULT), `small`, `mid`, `split`, `rows`,
+    `gather_rows`, `dense_div`, `y_block`, `lp_cap` are for tests (`dense_div` 0: gathers
+    always use the packed block list)."""
     B, V = logits.shape
     for name, width in (("cap", cap), ("small", small), ("mid", mid), ("lp_cap", lp_cap)):
         if width < 1 or width & (width - 1):
             raise ValueError(f"{name} must be a power of two, got {width}")
+    gcap = cap * GATHER_MULT if gather_cap is None else gather_cap
+    if gcap < cap:
+        raise ValueError(f"gather_cap must be at least cap ({cap}), got {gcap}")
     dev = logits.device
     filters = variant is not SamplerVariant.NO_FILTER
     need_lp = out.logprobs is not None
@@ -124,13 +134,14 @@ def draw_large(
     cblk = torch.empty((B, nblk_p2) if filters or need_lp else (1, 1), dtype=torch.int32,
                        device=dev)  # fmt: skip
     small = min(small, cap)
-    cand = torch.empty((B, cap + small) if filters else (1, 1), dtype=torch.int64, device=dev)
+    cand = torch.empty((B, gcap + small) if filters else (1, 1), dtype=torch.int64, device=dev)
     _row_draw_kernel[(B,)](
         *common, *bias, table.temperature, table.inv_temperature, table.top_k, table.top_p,
         table.min_p, table.seed, table.logprobs_processed, positions, xm, q, cblk, cand, y,
         out.token_ids, out.valid, B, V, nb, nblk, **flags, FILTERS=filters, NEED_Y=need_lp,
         NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block,
-        CAP=cap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
+        CAP=cap, GCAP=gcap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH,
+        YB=y_block,
         DENSE_DIV=DENSE_DIV if dense_div is None else dense_div,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
         INTERP=interpreter_enabled(), P_STEP=float(TOP_P_STEP), enable_fp_fusion=False,

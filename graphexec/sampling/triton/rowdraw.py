@@ -15,14 +15,15 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
    of the whole top-k prefix, which min-p may cut). Top-p without top-k has no
    such bound: it guesses below the point where the block masses reach p * total and
    checks the guess with the exact mass of what it gathered, lowering it in ROUNDS
-   (first P_STEP below the guess, then twice as far each round; a first round past CAP
-   starts over once at 1 below, where a row's set may still fit).
+   (first P_STEP below the guess, then twice as far each round; a first round past the
+   row's limit starts over once at 1 below, where a row's set may still fit).
    Only blocks with ym_b >= tau are read again; their candidates are packed
    (`gather`) into a per-row buffer, sorted (in the narrowest of three widths that
    holds them), filtered exactly and drawn with token noise (`sample._sorted_draw`).
-5. Rows no threshold serves (k above the number of live blocks, more than CAP
-   candidates, a row with +inf, a flat top-p row) write their y to a scratch row and take
-   the exact bisection path (`sample._exact_prefix_draw`): slow, exact, rare.
+5. Rows no threshold serves (k above the number of live blocks, more candidates than CAP
+   with top-k or than GCAP without (`band` draws over those without sorting them all), a
+   row with +inf, a very flat top-p row) write their y to a scratch row and take the
+   exact bisection path (`sample._exact_prefix_draw`): slow, exact, rare.
 
 Every decision above is a function of the row's block stats and values, never of the
 batch: the token is the same in any batch, bucket or variant.
@@ -167,7 +168,8 @@ def _filtered_token(
     ids, ids_row, vals_row, xm_row, cblk_row, cand_row, y_row, B, V, NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
+    CAP: tl.constexpr, GCAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
+    ROUNDS: tl.constexpr,
     DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, STREAM: tl.constexpr,
     INTERP: tl.constexpr, P_STEP: tl.constexpr,
 ):  # fmt: skip
@@ -201,8 +203,10 @@ def _filtered_token(
         retry = tl.zeros([], dtype=tl.int32)
         if P_STEP > 1.0:
             retry = (guess - P_STEP > cert).to(tl.int32)
+        # top-k's candidates are sorted (CAP wide); the others go to `band`, which takes more
+        lim = tl.where(top_k > 0, CAP, GCAP)
         for _ in range(ROUNDS):
-            if (done == 0) & (n <= CAP):
+            if (done == 0) & (n <= lim):
                 # without any threshold (k above the live blocks) every live token is one
                 tau = tl.maximum(cert, guess - step)
                 n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
@@ -211,7 +215,7 @@ def _filtered_token(
                                 stride_pv, row, yb, tau, tau_prev, n, qs, m, inv_t, ids,
                                 ids_row, vals_row, xm_row, cblk_row, cand_row, B, V, NBLK,
                                 HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, GR,
-                                DB, CAP, DENSE_DIV, BAND_CH)  # fmt: skip
+                                DB, GCAP, DENSE_DIV, BAND_CH)  # fmt: skip
                 tau_prev = tau
                 holds = (
                     ((top_k > 0) & (n >= top_k))
@@ -221,16 +225,16 @@ def _filtered_token(
                 )  # fmt: skip
                 done = holds.to(tl.int32)
                 step = step * 2.0
-                # a first guess-led round past CAP starts over once at guess - 1: a row
-                # whose set fits there is still served
-                if (retry != 0) & (n > CAP):
+                # a first guess-led round past the limit starts over once at guess - 1: a
+                # row whose set fits there is still served
+                if (retry != 0) & (n > lim):
                     n = tl.zeros([], dtype=tl.int32)
                     qs = tl.zeros([], dtype=tl.int64)
                     tau_prev = tl.full([], float("inf"), tl.float32)
                     done = tl.zeros([], dtype=tl.int32)
                     step = tl.full([], 1.0, tl.float32)
                 retry = tl.zeros([], dtype=tl.int32)
-        served = done & (n <= CAP).to(tl.int32)
+        served = done & (n <= lim).to(tl.int32)
         if served != 0:
             tl.debug_barrier()
             tok = tl.full([], -2, tl.int32)  # not drawn yet
@@ -238,15 +242,17 @@ def _filtered_token(
                 tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, SMALL,
                                    STREAM, INTERP)  # fmt: skip
             elif top_k == 0:
-                tok = band_draw(cand_row, cand_row + CAP, n, tau_prev, qs, top_p, min_p, total,
+                tok = band_draw(cand_row, cand_row + GCAP, n, tau_prev, qs, top_p, min_p, total,
                                 seed, pos, SMALL, BAND_CH, STREAM, INTERP)  # fmt: skip
             if tok == -2:
                 if n <= MID:
                     tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, MID,
                                        STREAM, INTERP)  # fmt: skip
-                else:
+                elif n <= CAP:
                     tok = _sorted_draw(cand_row, n, top_k, top_p, min_p, total, seed, pos, CAP,
                                        STREAM, INTERP)  # fmt: skip
+                else:  # a band too wide over more candidates than the widest sort
+                    served = tl.zeros([], dtype=tl.int32)
     if served == 0:
         n_fin, nm = materialize_y(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
                                   inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
@@ -276,7 +282,7 @@ def _row_draw_kernel(
     pos_ptr,  # [B] i64
     xm_ptr, q_ptr,  # [B, NBLK] f32, i64 block stats
     cblk_ptr,  # [B, NBLK_P2] i32 scratch: candidate blocks
-    cand_ptr,  # [B, CAP + SMALL] i64 scratch: packed candidate keys, then a band's
+    cand_ptr,  # [B, GCAP + SMALL] i64 scratch: packed candidate keys, then a band's
     y_ptr,  # [B, V] f32 out: y of rows on the exact path or in processed logprobs mode
     tok_ptr,  # [B] i64 out (-1 where nothing is samplable)
     valid_ptr,  # [B] bool out
@@ -284,7 +290,8 @@ def _row_draw_kernel(
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
     NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
-    CAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr, ROUNDS: tl.constexpr,
+    CAP: tl.constexpr, GCAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
+    ROUNDS: tl.constexpr,
     DENSE_DIV: tl.constexpr, BAND_CH: tl.constexpr, YB: tl.constexpr, TOKEN_STREAM: tl.constexpr,
     BLOCK_STREAM: tl.constexpr,
     INTERP: tl.constexpr, P_STEP: tl.constexpr,
@@ -332,10 +339,11 @@ def _row_draw_kernel(
         elif FILTERS:  # constexpr: the no-filter variant compiles none of it
             tok = _filtered_token(*args, xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
                                   ids, ids_row, vals_row, xm_ptr + r64 * NBLK,
-                                  cblk_ptr + r64 * NBLK_P2, cand_ptr + r64 * (CAP + SMALL), y_row,
-                                  B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-                                  NBLK_P2, GR, DB, CAP, SMALL, MID, ROUNDS, DENSE_DIV, BAND_CH,
-                                  YB, TOKEN_STREAM, INTERP, P_STEP)  # fmt: skip
+                                  cblk_ptr + r64 * NBLK_P2, cand_ptr + r64 * (GCAP + SMALL),
+                                  y_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
+                                  BF16_BITS, NBLK_P2, GR, DB, CAP, GCAP, SMALL, MID, ROUNDS,
+                                  DENSE_DIV, BAND_CH, YB, TOKEN_STREAM, INTERP,
+                                  P_STEP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
     if NEED_Y:
