@@ -227,6 +227,33 @@ def test_top_p_first_step_changes_no_token(monkeypatch):
         assert tie, f"row {r} differs from the torch reference beyond a near-tie"
 
 
+def test_gather_limit_changes_no_token(monkeypatch):
+    """Rows without top-k may gather CAP x GATHER_MULT candidates (band) where the others
+    stop at CAP (exact path): randn * 2.5 rows at p = 0.9, whose kept sets pass CAP, and
+    min-p rows give the same tokens at GATHER_MULT 1 and 4, as the torch reference's."""
+    from graphexec.sampling.triton import launch
+
+    V, B = 128256, 16
+    g = torch.Generator(device="cuda").manual_seed(12)
+    logits = torch.randn(B, V, device="cuda", generator=g) * 2.5
+    params = [P(seed=60 + i, temperature=0.8, top_p=0.9 if i % 2 else 1.0,
+                min_p=0.0 if i % 2 else 0.01) for i in range(B)]  # fmt: skip
+    pos = [7 * i for i in range(B)]
+    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    outs = []
+    for mult in (1, 4):
+        monkeypatch.setattr(launch, "GATHER_MULT", mult)
+        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
+    assert torch.equal(outs[0], outs[1])
+    counts = torch.zeros(B, V, dtype=torch.int32, device="cuda")
+    prompt = torch.zeros(B, V, dtype=torch.bool, device="cuda")
+    ones = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device="cuda")
+    for r in (ref != outs[1]).nonzero().flatten().tolist():
+        tie = near_tie_ok(logits, params, pos, counts, prompt, ones, r, ref[r].item(),
+                          outs[1][r].item())  # fmt: skip
+        assert tie, f"row {r} differs from the torch reference beyond a near-tie"
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")
