@@ -11,7 +11,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 import prune_triton_cache  # noqa: E402
 
 cache = pytest.importorskip("triton.runtime.cache")
-knobs = pytest.importorskip("triton").knobs
+knobs = getattr(pytest.importorskip("triton"), "knobs", None)
+if knobs is None:  # an older Triton sets its cache dir another way
+    pytest.skip("needs triton.knobs", allow_module_level=True)
 
 
 @pytest.fixture
