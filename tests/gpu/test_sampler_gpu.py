@@ -86,6 +86,19 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
     return abs(a - b) <= NEAR_TIE * max(1.0, abs(a))
 
 
+def assert_equal_up_to_near_ties(logits, params, pos, ref, got) -> None:
+    """Token ids ref and got [B] are equal but at near-ties (rows without penalties or a
+    bitmask)."""
+    B, V = logits.shape
+    counts = torch.zeros(B, V, dtype=torch.int32, device=logits.device)
+    prompt = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+    ones = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device=logits.device)
+    for r in (ref != got).nonzero().flatten().tolist():
+        tie = near_tie_ok(logits, params, pos, counts, prompt, ones, r, ref[r].item(),
+                          got[r].item())  # fmt: skip
+        assert tie, f"row {r} differs from the torch reference beyond a near-tie"
+
+
 @pytest.mark.parametrize("V", [32000, 128256, 151936])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_matches_torch(V, dtype):
@@ -218,13 +231,7 @@ def test_top_p_first_step_changes_no_token(monkeypatch):
         monkeypatch.setattr(launch, "TOP_P_STEP", step)
         outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    counts = torch.zeros(B, V, dtype=torch.int32, device="cuda")
-    prompt = torch.zeros(B, V, dtype=torch.bool, device="cuda")
-    ones = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device="cuda")
-    for r in (ref != outs[1]).nonzero().flatten().tolist():
-        tie = near_tie_ok(logits, params, pos, counts, prompt, ones, r, ref[r].item(),
-                          outs[1][r].item())  # fmt: skip
-        assert tie, f"row {r} differs from the torch reference beyond a near-tie"
+    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[1])
 
 
 def test_gather_limit_changes_no_token(monkeypatch):
@@ -245,13 +252,7 @@ def test_gather_limit_changes_no_token(monkeypatch):
         monkeypatch.setattr(launch, "GATHER_MULT", mult)
         outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
     assert torch.equal(outs[0], outs[1])
-    counts = torch.zeros(B, V, dtype=torch.int32, device="cuda")
-    prompt = torch.zeros(B, V, dtype=torch.bool, device="cuda")
-    ones = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device="cuda")
-    for r in (ref != outs[1]).nonzero().flatten().tolist():
-        tie = near_tie_ok(logits, params, pos, counts, prompt, ones, r, ref[r].item(),
-                          outs[1][r].item())  # fmt: skip
-        assert tie, f"row {r} differs from the torch reference beyond a near-tie"
+    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[1])
 
 
 def test_bad_rows_on_gpu():
