@@ -108,6 +108,20 @@ def draw_case(case) -> None:
         assert set(ref.token_ids.tolist()) <= set(torch.argsort(logits_row)[:3].tolist())
 
 
+def ref_and_triton(logits, params, pos=None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the torch reference and of the Triton launcher (KW, updated by kw) for
+    logits [n, V] in slots 0..n-1 at positions pos (default 0..n-1)."""
+    n = logits.shape[0]
+    table = SamplingTensors.from_params(params, V, "cpu")
+    slots = torch.arange(n)
+    pos = torch.arange(n) if pos is None else pos
+    ref = SamplerOutput.allocate(n, "cpu", None)
+    tri = SamplerOutput.allocate(n, "cpu", None)
+    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
+    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, **{**KW, **kw})
+    return ref.token_ids, tri.token_ids
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_route_equals_reference(case) -> None:
     draw_case(case)
@@ -169,15 +183,9 @@ def test_min_p_bound_keeps_the_top_k_mass_of_top_p() -> None:
         x[tok] = val
     n = 48
     params = [P(top_k=5, top_p=0.8, min_p=0.1, seed=500 + i) for i in range(n)]
-    table = SamplingTensors.from_params(params, V, "cpu")
-    slots, pos = torch.arange(n), torch.arange(n)
-    ref = SamplerOutput.allocate(n, "cpu", None)
-    tri = SamplerOutput.allocate(n, "cpu", None)
-    logits = x.expand(n, -1).contiguous()
-    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
-    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, **KW)
-    assert set(ref.token_ids.tolist()) == {40, 75, 130, 170}
-    assert torch.equal(tri.token_ids, ref.token_ids)
+    ref, tri = ref_and_triton(x.expand(n, -1).contiguous(), params)
+    assert set(ref.tolist()) == {40, 75, 130, 170}
+    assert torch.equal(tri, ref)
 
 
 def test_widths_must_be_powers_of_two() -> None:
@@ -204,15 +212,9 @@ def test_top_p_guess_checked_over_two_rounds(step, monkeypatch) -> None:
         x[blk * DB + 5 : blk * DB + 9] = tier
     n = 64
     params = [P(top_p=0.99, seed=300 + i) for i in range(n)]
-    table = SamplingTensors.from_params(params, V, "cpu")
-    ref = SamplerOutput.allocate(n, "cpu", None)
-    tri = SamplerOutput.allocate(n, "cpu", None)
-    logits = x.expand(n, -1).contiguous()
-    args = (logits, torch.arange(n), torch.arange(n), table)
-    reference.sample(*args, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
-    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **{**KW, "cap": 128})
-    assert torch.equal(tri.token_ids, ref.token_ids)
-    drawn = x[ref.token_ids]
+    ref, tri = ref_and_triton(x.expand(n, -1).contiguous(), params, cap=128)
+    assert torch.equal(tri, ref)
+    drawn = x[ref]
     assert bool((drawn == tier).any())  # the second round's tokens are drawn
     assert bool(((drawn == 0.0) | (drawn == tier)).all())
 
@@ -230,15 +232,9 @@ def test_top_p_first_round_past_cap_starts_over_nearer() -> None:
         x[blk * DB + 5 : blk * DB + 10] = -1.5
     n = 48
     params = [P(top_p=0.55, seed=700 + i) for i in range(n)]
-    table = SamplingTensors.from_params(params, V, "cpu")
-    ref = SamplerOutput.allocate(n, "cpu", None)
-    tri = SamplerOutput.allocate(n, "cpu", None)
-    logits = x.expand(n, -1).contiguous()
-    args = (logits, torch.arange(n), torch.arange(n), table)
-    reference.sample(*args, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
-    launch.sample(*args, tri, None, SamplerVariant.DEFAULT, **{**KW, "cap": 64})
-    assert torch.equal(tri.token_ids, ref.token_ids)
-    drawn = x[ref.token_ids]
+    ref, tri = ref_and_triton(x.expand(n, -1).contiguous(), params, cap=64)
+    assert torch.equal(tri, ref)
+    drawn = x[ref]
     assert bool(((drawn == 0.0) | (drawn == -0.5)).all())
     assert bool((drawn == -0.5).any())
 
@@ -257,14 +253,9 @@ def test_rows_past_cap_without_top_k_go_to_band(name, base, gather_cap) -> None:
     logits_row = row(21, 2.0)
     params = [base.__class__(**{**base.__dict__, "seed": 800 + i}) for i in range(NPOS)]
     logits = logits_row.expand(NPOS, -1).contiguous()
-    table = SamplingTensors.from_params(params, V, "cpu")
-    slots, pos = torch.arange(NPOS), torch.arange(NPOS) * 5 + 2
-    ref = SamplerOutput.allocate(NPOS, "cpu", None)
-    tri = SamplerOutput.allocate(NPOS, "cpu", None)
-    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT, draw_block=DB)
-    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT,
-                  **{**KW, "gather_cap": gather_cap})  # fmt: skip
-    assert torch.equal(tri.token_ids, ref.token_ids), name
+    pos = torch.arange(NPOS) * 5 + 2
+    ref, tri = ref_and_triton(logits, params, pos, gather_cap=gather_cap)
+    assert torch.equal(tri, ref), name
 
 
 def test_gather_cap_below_cap_is_refused() -> None:
