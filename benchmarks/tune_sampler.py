@@ -6,8 +6,10 @@
     python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
 
 Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
-ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG, TOP_P_STEP); each line
-prints one configuration's times in microseconds.
+ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG, TOP_P_STEP, SPLIT_ROWS,
+SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_SLICE); each line prints one configuration's times in
+microseconds.
+Knobs a launcher lacks (an older tree, to time it side by side) are left out.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 
 import torch
@@ -113,9 +116,15 @@ def main() -> None:
         help="register cap of the row programs when B exceeds the SMs; 0: never",
     )
     ap.add_argument("--top-p-step", default=str(launch.TOP_P_STEP))
+    ap.add_argument("--split-rows", default=str(getattr(launch, "SPLIT_ROWS", 0)))
+    ap.add_argument("--split-programs", default=str(getattr(launch, "SPLIT_PROGRAMS", 0)))
+    ap.add_argument("--split-warps", default=str(getattr(launch, "SPLIT_WARPS", 0)))
+    ap.add_argument("--split-slice", default=str(getattr(launch, "SPLIT_SLICE", 0)))
+    ap.add_argument("--tag", default="", help="a label stored with every result")
     ap.add_argument("--scale", default="3", help="logits are randn * scale; a list")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--append", action="store_true", help="add to the results in --out")
     ap.add_argument("--markdown", default=None, help="print the table of a saved run and exit")
     a = ap.parse_args()
     if a.markdown:
@@ -124,28 +133,39 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
-    for rows, pw, rw, tp, gr, dd, mr, ps in itertools.product(
+    for rows, pw, rw, tp, gr, dd, mr, ps, sr, sp, sw, sa in itertools.product(
         ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs),
         ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg), ints(a.top_p_step),
+        ints(a.split_rows), ints(a.split_programs), ints(a.split_warps),
+        ints(a.split_slice),
     ):  # fmt: skip
         launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
         launch.GATHER_ROWS, launch.DENSE_DIV, launch.ROW_MAXNREG = gr, dd, mr
         launch.TOP_P_STEP = ps
+        split = dict(SPLIT_ROWS=sr, SPLIT_PROGRAMS=sp, SPLIT_WARPS=sw, SPLIT_SLICE=sa)
+        for k, v in split.items():
+            if hasattr(launch, k):
+                setattr(launch, k, v)
         line = []
         for name, scale in itertools.product(a.cases.split(","), a.scale.split(",")):
             case = name if scale == "3" else f"{name}*{scale}"
             for B in ints(a.batch):
                 fn, bad = case_fn(name, B, a.vocab, dtype, float(scale))
                 us = replay_us(fn)
-                results.append(dict(rows=rows, pass_warps=pw, row_warps=rw, programs=tp,
-                                    gather_rows=gr, dense_div=dd, row_maxnreg=mr,
-                                    top_p_step=ps, case=case,
+                results.append(dict(tag=a.tag, rows=rows, pass_warps=pw, row_warps=rw,
+                                    programs=tp, gather_rows=gr, dense_div=dd, row_maxnreg=mr,
+                                    top_p_step=ps, split_rows=sr, split_programs=sp,
+                                    split_warps=sw, split_slice=sa, case=case,
                                     B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
                 line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
-        print(f"R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr} ps={ps}: "
+        print(f"{a.tag} R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr} ps={ps} "
+              f"sr={sr} sp={sp} sw={sw} ss={sa}: "
               + " ".join(line), flush=True)  # fmt: skip
     if a.out:
+        if a.append and os.path.exists(a.out):
+            with open(a.out) as f:
+                results = json.load(f)["results"] + results
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
 

@@ -255,6 +255,38 @@ def test_gather_limit_changes_no_token(monkeypatch):
     assert_equal_up_to_near_ties(logits, params, pos, ref, outs[1])
 
 
+def test_split_gather_changes_no_token(monkeypatch):
+    """Top-p rows without top-k take their first gather from `split_gather` (B x SPLIT
+    programs, slots by atomic adds) in batches up to SPLIT_MAX_B, from their own program
+    above it: flat and peaked rows, top-p with and without min-p, beside top-k and min-p
+    rows, give the same tokens with the split gather on (two splits) and off, as the torch
+    reference's (up to near ties)."""
+    from graphexec.sampling.triton import launch
+
+    V, B = 128256, 48
+    g = torch.Generator(device="cuda").manual_seed(13)
+    scale = torch.tensor([3.0, 1.0, 8.0, 2.5], device="cuda").repeat(B // 4)[:, None]
+    logits = torch.randn(B, V, device="cuda", generator=g) * scale
+    kinds = [
+        lambda i: P(seed=i, temperature=0.8, top_p=0.9),
+        lambda i: P(seed=i, top_p=0.5, min_p=0.02),
+        lambda i: P(seed=i, temperature=0.8, top_k=50, top_p=0.9),
+        lambda i: P(seed=i, temperature=1.2, top_p=0.99),
+        lambda i: P(seed=i, min_p=0.05),
+        lambda i: P(seed=i, temperature=0.7, top_p=0.7, logit_bias={5: 12.0, 77000: 9.0}),
+    ]
+    params = [kinds[i % len(kinds)](90 + i) for i in range(B)]
+    pos = [5 * i + 1 for i in range(B)]
+    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    outs = []
+    for max_b, programs in ((B, 2048), (B, 64), (0, 2048)):
+        monkeypatch.setattr(launch, "SPLIT_MAX_B", max_b)
+        monkeypatch.setattr(launch, "SPLIT_PROGRAMS", programs)
+        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[0])
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")

@@ -1,9 +1,11 @@
 """The Triton backend of `sample_step`: launches only.
 
-Large V (two launches): `blocks._block_pass_kernel` reads the logits once (B x SPLIT
-programs) and stores per-block stats; `rowdraw._row_draw_kernel` (one program per row)
-draws from them, reading again only the blocks that can hold the token. Small V (one
-block): `sample._sample_tile_kernel` holds whole rows. Then the logprobs writer.
+Large V: `blocks._block_pass_kernel` reads the logits once (B x SPLIT programs) and
+stores per-block stats; for filtered variants and batches up to SPLIT_MAX_B,
+`split_gather` computes the thresholds of top-p rows without top-k (B programs) and
+gathers their first candidates (B x SPLIT programs); `rowdraw._row_draw_kernel` (one
+program per row) draws, reading again only the blocks that can hold the token. Small V
+(one block): `sample._sample_tile_kernel` holds whole rows. Then the logprobs writer.
 
 Buffers are allocated per call with shapes fixed by (B, V); under CUDA-graph capture they
 come from the graph's pool, so replays reuse them. No host sync and no branch on tensor
@@ -28,11 +30,20 @@ from graphexec.sampling.triton.process import process, process_args
 from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
 from graphexec.sampling.triton.rowdraw import _row_draw_kernel
 from graphexec.sampling.triton.sample import _sample_tile_kernel
+from graphexec.sampling.triton.split_gather import _split_gather_kernel, _thresholds_kernel
 
 _GPU = not interpreter_enabled()
 TILE_V = 1024 if _GPU else 256  # rows this short are sorted whole
 ROWS = 8  # blocks per tile of the block pass
 GATHER_ROWS = 32 if _GPU else 2  # blocks per tile of the row program's gathers
+SPLIT_ROWS = 8 if _GPU else 2  # blocks per tile of `split_gather`
+SPLIT_PROGRAMS = 2048  # `split_gather` programs to aim for (rows x slices)
+SPLIT_WARPS = 4
+SPLIT_SLICE = 128  # most blocks of one `split_gather` program (their maxes load at once)
+# `split_gather` runs for batches up to this size (top-p rows without top-k only). H100,
+# V = 128256, top_p: 118 -> 50 us at B = 1, 191 -> 170 at B = 128, 276 -> 290 at B = 256
+# (benchmarks/results/tune-sampler-split-*). Never changes a result.
+SPLIT_MAX_B = 128
 DENSE_DIV = 4  # a gather over more than NBLK / DENSE_DIV blocks reads in block order
 TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # candidates a row may gather (sorted whole: most rows fit SMALL); the interpreter sorts
@@ -72,6 +83,15 @@ def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
+def _split_blocks(nblk: int, B: int) -> int:
+    """Blocks per `split_gather` program: about SPLIT_PROGRAMS programs in all, at least
+    a tile's worth each and at most SPLIT_SLICE. The split changes no result, so it may
+    follow B."""
+    programs = min(triton.cdiv(nblk, SPLIT_ROWS),
+                   triton.next_power_of_2(triton.cdiv(SPLIT_PROGRAMS, B)))  # fmt: skip
+    return min(triton.cdiv(nblk, programs), SPLIT_SLICE)
+
+
 def draw_large(
     logits: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -89,14 +109,16 @@ def draw_large(
     rows: int | None = None,
     gather_rows: int | None = None,
     dense_div: int | None = None,
+    split_blocks: int | None = None,
     draw_block: int = DRAW_BLOCK,
     y_block: int = Y_BLOCK,
     lp_cap: int = LP_CAP,
 ) -> None:
     """Block pass, row draw and (when out has logprob fields) the logprobs writers.
     `cap`, `gather_cap` (default cap x GATHER_MULT), `small`, `mid`, `split`, `rows`,
-    `gather_rows`, `dense_div`, `y_block`, `lp_cap` are for tests (`dense_div` 0: gathers
-    always use the packed block list)."""
+    `gather_rows`, `dense_div`, `split_blocks` (blocks per `split_gather` program, up to
+    SPLIT_SLICE), `y_block`, `lp_cap` are for tests (`dense_div` 0: gathers always use the
+    packed block list)."""
     B, V = logits.shape
     for name, width in (("cap", cap), ("small", small), ("mid", mid), ("lp_cap", lp_cap)):
         if width < 1 or width & (width - 1):
@@ -135,10 +157,30 @@ def draw_large(
                        device=dev)  # fmt: skip
     small = min(small, cap)
     cand = torch.empty((B, gcap + small) if filters else (1, 1), dtype=torch.int64, device=dev)
+    thr = torch.empty((B, 4) if filters else (1, 4), dtype=torch.float32, device=dev)
+    cnt = torch.empty(B if filters else 1, dtype=torch.int32, device=dev)
+    split_on = filters and B <= SPLIT_MAX_B
+    if split_on:
+        _thresholds_kernel[(B,)](
+            slot_ids, table.temperature, table.inv_temperature, table.top_k, table.top_p,
+            table.min_p, xm, q, thr, cnt, nblk, NBLK_P2=nblk_p2, GCAP=gcap,
+            P_STEP=float(TOP_P_STEP), enable_fp_fusion=False, num_warps=ROW_WARPS,
+        )  # fmt: skip
+        per_s = split_blocks or _split_blocks(nblk, B)
+        if per_s < 1 or per_s > SPLIT_SLICE:
+            raise ValueError(f"split_blocks must lie in [1, {SPLIT_SLICE}], got {per_s}")
+        _split_gather_kernel[(B, triton.cdiv(nblk, per_s))](
+            *common, *bias, table.temperature, table.inv_temperature, xm, thr, cnt, cand, B, V,
+            nb, nblk, per_s, cand.stride(0), **flags, NBIAS_P2=nbias_p2, GR=SPLIT_ROWS,
+            DB=draw_block, SLICE=SPLIT_SLICE, GCAP=gcap, enable_fp_fusion=False,
+            num_warps=SPLIT_WARPS,
+        )  # fmt: skip
     _row_draw_kernel[(B,)](
         *common, *bias, table.temperature, table.inv_temperature, table.top_k, table.top_p,
-        table.min_p, table.seed, table.logprobs_processed, positions, xm, q, cblk, cand, y,
-        out.token_ids, out.valid, B, V, nb, nblk, **flags, FILTERS=filters, NEED_Y=need_lp,
+        table.min_p, table.seed, table.logprobs_processed, positions, xm, q, thr, cnt, cblk,
+        cand, y,
+        out.token_ids, out.valid, B, V, nb, nblk, int(split_on), **flags, FILTERS=filters,
+        NEED_Y=need_lp,
         NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block,
         CAP=cap, GCAP=gcap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH,
         YB=y_block,

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton.blocks import raw_tile
-from graphexec.sampling.triton.rowdraw import _grid_delta
 from graphexec.sampling.triton.select import pack, sort_desc, unpack
+from graphexec.sampling.triton.thresholds import _grid_delta
 
 
 @triton.jit

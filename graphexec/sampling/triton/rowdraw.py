@@ -10,16 +10,18 @@ threshold tau; the kept set is what the filters keep (`reference`, step 5). Per 
 3. Rows with no active filter: the two-level draw (a block by L_b + block noise, then a
    token of that block by y + token noise); one block is read again.
 4. Filtered rows: a threshold tau whose candidates provably hold the kept set, from the
-   block maxes: top-k's k-th largest block max bounds the k-th token (at least k tokens
-   lie at or above it); min-p's is ln(min_p) less a margin (unless top-p needs the mass
-   of the whole top-k prefix, which min-p may cut). Top-p without top-k has no
-   such bound: it guesses below the point where the block masses reach p * total and
+   block maxes (`thresholds`): top-k's k-th largest block max bounds the k-th token (at
+   least k tokens lie at or above it); min-p's is ln(min_p) less a margin (unless top-p
+   needs the mass of the whole top-k prefix, which min-p may cut). Top-p without top-k
+   has no such bound: it guesses below the point where the block masses reach p * total and
    checks the guess with the exact mass of what it gathered, lowering it in ROUNDS
    (first P_STEP below the guess, then twice as far each round; a first round past the
    row's limit starts over once at 1 below, where a row's set may still fit).
-   Only blocks with ym_b >= tau are read again; their candidates are packed
-   (`gather`) into a per-row buffer, sorted (in the narrowest of three widths that
-   holds them), filtered exactly and drawn with token noise (`sample._sorted_draw`).
+   Only blocks with ym_b >= tau are read again; their candidates are packed into a
+   per-row buffer by `gather` (top-p rows without top-k: the first round by
+   `split_gather`, across programs, in batches up to launch.SPLIT_MAX_B), sorted (in
+   the narrowest of three widths that holds them), filtered exactly and drawn with
+   token noise (`sample._sorted_draw`).
 5. Rows no threshold serves (k above the number of live blocks, more candidates than CAP
    with top-k or than GCAP without (`band` draws over those without sorting them all), a
    row with +inf, a very flat top-p row) write their y to a scratch row and take the
@@ -36,32 +38,31 @@ import triton.language as tl
 
 from graphexec.sampling.triton.band import band_draw
 from graphexec.sampling.triton.blocks import bias_tile, neg_zero, tile_x
-from graphexec.sampling.triton.gather import gather
+from graphexec.sampling.triton.gather import _keys_mass, gather
 from graphexec.sampling.triton.philox import block_bits, group_bits, gumbel
 from graphexec.sampling.triton.sample import _exact_prefix_draw, _sorted_draw
 from graphexec.sampling.triton.select import collapse_inf
+from graphexec.sampling.triton.thresholds import (
+    block_y,
+    candidate_thresholds,
+    min_p_bound,
+    top_p_total,
+)
 
 INT32_MAX = tl.constexpr(2147483647)
-MIN_P_MARGIN = tl.constexpr(1e-3)  # fp32 exp / log error is far below this
 
 
 @triton.jit
-def _grid_delta(yb, w, target):
-    """The smallest delta (a 4x grid from 1/8 to 2048, refined twice in eighths) with
-    sum(w where yb >= -delta) >= target; +inf when none reaches it. A delta returned
-    always reaches it (refinements keep the last delta that did). Each level is one
-    [NBLK_P2, 8] reduction: the row program's latency is a chain of reductions."""
-    d = tl.arange(0, 8)
-    deltas = 0.125 * tl.exp2(2.0 * d.to(tl.float32))
-    lo = tl.zeros([], dtype=tl.float32)
-    hi = tl.full([], float("inf"), tl.float32)
-    for _level in tl.static_range(3):
-        sums = tl.sum(tl.where(yb[:, None] >= -deltas[None, :], w[:, None], 0.0), axis=0)
-        j = tl.min(tl.where(sums >= target, d, 8), axis=0)
-        lo = tl.where((j > 0) & (j < 8), tl.sum(tl.where(d == j - 1, deltas, 0.0), axis=0), lo)
-        hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
-        deltas = lo + (hi - lo) * (d + 1).to(tl.float32) / 8.0
-    return hi
+def _holds(top_k, top_p, use_m, tau, tau_m, n, qs, p_total):
+    """Whether the candidates y >= tau (n of them, exact mass qs) provably hold the kept
+    set: k of them for top-k, p's mass for top-p alone, min-p's bound, or every token."""
+    holds = (
+        ((top_k > 0) & (n >= top_k))
+        | ((top_k == 0) & (top_p < 1.0) & (qs.to(tl.float64) >= p_total))
+        | (use_m & (tau <= tau_m))
+        | (tau == float("-inf"))
+    )  # fmt: skip
+    return holds.to(tl.int32)
 
 
 @triton.jit
@@ -165,7 +166,8 @@ def _filtered_token(
     bitmask_ptr, stride_mb, stride_mw, counts_ptr, stride_cs, stride_cv,
     prompt_ptr, stride_ps, stride_pv, row,
     xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
-    ids, ids_row, vals_row, xm_row, cblk_row, cand_row, y_row, B, V, NBLK,
+    ids, ids_row, vals_row, xm_row, thr_row, cnt_row, split_on, cblk_row, cand_row, y_row, B, V,
+    NBLK,
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, GCAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
@@ -174,28 +176,25 @@ def _filtered_token(
     INTERP: tl.constexpr, P_STEP: tl.constexpr,
 ):  # fmt: skip
     """Steps 4-5 of the module docstring for a valid row with an active filter."""
-    b = tl.arange(0, NBLK_P2)
-    yb = tl.where((b < NBLK) & (xm > float("-inf")), (xm - m) * inv_t, float("-inf"))
-    total = tl.sum(tl.where(q > 0, q.to(tl.float64) * tl.exp(yb.to(tl.float64)), 0.0), axis=0)
+    yb = block_y(xm, m, inv_t, NBLK, NBLK_P2)
+    total = top_p_total(yb, q)
     p_total = top_p.to(tl.float64) * total
     tok = tl.full([], -1, tl.int32)
     served = tl.zeros([], dtype=tl.int32)
     if has_inf == 0:
-        # thresholds that provably hold the kept set: top-k's from the block maxes, min-p's
-        cert = tl.full([], float("-inf"), tl.float32)
-        if top_k > 0:
-            cert = -_grid_delta(yb, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32))
-        # min-p's bound may cut into the top-k prefix, whose whole mass top-p needs
-        use_m = (min_p > 0.0) & ((top_k == 0) | (top_p >= 1.0))
-        tau_m = tl.log(min_p) - MIN_P_MARGIN
-        if use_m:
-            cert = tl.maximum(cert, tau_m)
-        # top-p alone: a guess below where the block masses reach p * total, checked below
-        guess = tl.full([], float("-inf"), tl.float32)
-        if (top_k == 0) & (top_p < 1.0):
-            w = q.to(tl.float32) * tl.exp(yb)
-            guess = -_grid_delta(yb, w, p_total.to(tl.float32))
-        n = tl.zeros([], dtype=tl.int32)
+        # top-p rows without top-k: (cert, guess) and the first round's candidates come
+        # from `split_gather` when it ran (split_on); the others find their own
+        from_split = (split_on != 0) & (top_k == 0) & (top_p < 1.0)
+        if from_split:
+            cert = tl.load(thr_row)
+            guess = tl.load(thr_row + 1)
+            n = tl.load(cnt_row)
+        else:
+            cert, guess = candidate_thresholds(yb, q, top_k, top_p, min_p, NBLK_P2)
+            n = tl.zeros([], dtype=tl.int32)
+        use_m, tau_m = min_p_bound(top_k, top_p, min_p)
+        # top-k's candidates are sorted (CAP wide); the others go to `band`, which takes more
+        lim = tl.where(top_k > 0, CAP, GCAP)
         qs = tl.zeros([], dtype=tl.int64)
         tau_prev = tl.full([], float("inf"), tl.float32)
         done = tl.zeros([], dtype=tl.int32)
@@ -203,27 +202,21 @@ def _filtered_token(
         retry = tl.zeros([], dtype=tl.int32)
         if P_STEP > 1.0:
             retry = (guess - P_STEP > cert).to(tl.int32)
-        # top-k's candidates are sorted (CAP wide); the others go to `band`, which takes more
-        lim = tl.where(top_k > 0, CAP, GCAP)
-        for _ in range(ROUNDS):
-            if (done == 0) & (n <= lim):
-                # without any threshold (k above the live blocks) every live token is one
+        for rnd in range(ROUNDS):
+            if (done == 0) & ((n <= lim) | (rnd == 0)):
                 tau = tl.maximum(cert, guess - step)
-                n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
-                                freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw,
-                                counts_ptr, stride_cs, stride_cv, prompt_ptr, stride_ps,
-                                stride_pv, row, yb, tau, tau_prev, n, qs, m, inv_t, ids,
-                                ids_row, vals_row, xm_row, cblk_row, cand_row, B, V, NBLK,
-                                HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, NBLK_P2, GR,
-                                DB, GCAP, DENSE_DIV, BAND_CH)  # fmt: skip
+                if from_split & (rnd == 0):
+                    qs = _keys_mass(cand_row, 0, tl.minimum(n, GCAP), BAND_CH)
+                else:
+                    n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
+                                   inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
+                                   stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
+                                   stride_ps, stride_pv, row, yb, tau, tau_prev, n, qs, m,
+                                   inv_t, ids, ids_row, vals_row, xm_row, cblk_row, cand_row,
+                                   B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
+                                   NBLK_P2, GR, DB, GCAP, DENSE_DIV, BAND_CH)  # fmt: skip
                 tau_prev = tau
-                holds = (
-                    ((top_k > 0) & (n >= top_k))
-                    | ((top_k == 0) & (top_p < 1.0) & (qs.to(tl.float64) >= p_total))
-                    | (use_m & (tau <= tau_m))
-                    | (tau == float("-inf"))
-                )  # fmt: skip
-                done = holds.to(tl.int32)
+                done = _holds(top_k, top_p, use_m, tau, tau_m, n, qs, p_total)
                 step = step * 2.0
                 # a first guess-led round past the limit starts over once at guess - 1: a
                 # row whose set fits there is still served
@@ -268,7 +261,7 @@ def _filtered_token(
     return tok
 
 
-@triton.jit(do_not_specialize=["B", "NB"])
+@triton.jit(do_not_specialize=["B", "NB", "split_on"])
 def _row_draw_kernel(
     logits_ptr, stride_lb, stride_lv,  # [B, V] f32 / f16, or bf16 as i16 bits
     slot_ptr,  # [B] i64
@@ -281,12 +274,16 @@ def _row_draw_kernel(
     seed_ptr, lp_proc_ptr,  # [S] i64, bool (logprobs of the processed row)
     pos_ptr,  # [B] i64
     xm_ptr, q_ptr,  # [B, NBLK] f32, i64 block stats
+    thr_ptr,  # [B, 4] f32: cert, guess, ... of top-p rows without top-k (`split_gather`)
+    cnt_ptr,  # [B] i32: their first round's candidates (`split_gather`)
     cblk_ptr,  # [B, NBLK_P2] i32 scratch: candidate blocks
-    cand_ptr,  # [B, GCAP + SMALL] i64 scratch: packed candidate keys, then a band's
+    cand_ptr,  # [B, GCAP + SMALL] i64: packed candidate keys (`split_gather`, then more
+    #            rounds), then a band's
     y_ptr,  # [B, V] f32 out: y of rows on the exact path or in processed logprobs mode
     tok_ptr,  # [B] i64 out (-1 where nothing is samplable)
     valid_ptr,  # [B] bool out
     B, V, NB, NBLK,
+    split_on,  # 1: `split_gather` ran (top-p rows without top-k take its first round)
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
     BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
     NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
@@ -339,7 +336,9 @@ def _row_draw_kernel(
         elif FILTERS:  # constexpr: the no-filter variant compiles none of it
             tok = _filtered_token(*args, xm, q, m, has_inf, inv_t, top_k, top_p, min_p, seed, pos,
                                   ids, ids_row, vals_row, xm_ptr + r64 * NBLK,
-                                  cblk_ptr + r64 * NBLK_P2, cand_ptr + r64 * (GCAP + SMALL),
+                                  thr_ptr + 4 * r64, cnt_ptr + row, split_on,
+                                  cblk_ptr + r64 * NBLK_P2,
+                                  cand_ptr + r64 * (GCAP + SMALL),
                                   y_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT,
                                   BF16_BITS, NBLK_P2, GR, DB, CAP, GCAP, SMALL, MID, ROUNDS,
                                   DENSE_DIV, BAND_CH, YB, TOKEN_STREAM, INTERP,
