@@ -66,6 +66,10 @@ class RowKernelSpy:
 
 
 def draw(logits, params, monkeypatch, **kw):
+    """Tokens, table and what the row kernel was handed; the split gather on unless the
+    test set launch.SPLIT_MAX_B itself (it is off by default)."""
+    if "SPLIT_MAX_B" not in kw.pop("keep", ()):
+        monkeypatch.setattr(launch, "SPLIT_MAX_B", 128)
     spy = RowKernelSpy(launch._row_draw_kernel)
     monkeypatch.setattr(launch, "_row_draw_kernel", spy)
     n = logits.shape[0]
@@ -122,7 +126,8 @@ def test_split_changes_no_token(split_blocks, max_b, monkeypatch) -> None:
     """Any split, or none (SPLIT_MAX_B 0: every row gathers in its own program)."""
     monkeypatch.setattr(launch, "SPLIT_MAX_B", max_b)
     logits, params = rows_and_params()
-    tok, table, _ = draw(logits, params, monkeypatch, split_blocks=split_blocks)
+    tok, table, _ = draw(logits, params, monkeypatch, split_blocks=split_blocks,
+                         keep=("SPLIT_MAX_B",))  # fmt: skip
     n = logits.shape[0]
     ref = SamplerOutput.allocate(n, "cpu", None)
     reference.sample(logits, torch.arange(n), torch.arange(n) + 3, table, ref, None,

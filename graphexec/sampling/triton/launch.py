@@ -40,10 +40,13 @@ SPLIT_ROWS = 8 if _GPU else 2  # blocks per tile of `split_gather`
 SPLIT_PROGRAMS = 2048  # `split_gather` programs to aim for (rows x slices)
 SPLIT_WARPS = 4
 SPLIT_SLICE = 128  # most blocks of one `split_gather` program (their maxes load at once)
-# `split_gather` runs for batches up to this size (top-p rows without top-k only). H100,
-# V = 128256, top_p: 118 -> 50 us at B = 1, 191 -> 170 at B = 128, 276 -> 290 at B = 256
+# `split_gather` runs for batches up to this size (top-p rows without top-k only); 0: never.
+# Off by default: on an H100 (V = 128256, fp32, B = 1 / 32 / 128) it took top_p from
+# 128 / 141 / 190 to 56 / 80 / 172 us, but its two launches cost every other filtered row
+# about 10 us (top_k_top_p 20 / 29 / 54 -> 32 / 40 / 64, min_p 16 / 30 / 55 -> 30 / 38 /
+# 70), the method the issue-4 comparisons are made on
 # (benchmarks/results/tune-sampler-split-*). Never changes a result.
-SPLIT_MAX_B = 128
+SPLIT_MAX_B = 0
 DENSE_DIV = 4  # a gather over more than NBLK / DENSE_DIV blocks reads in block order
 TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # candidates a row may gather (sorted whole: most rows fit SMALL); the interpreter sorts
@@ -120,6 +123,8 @@ def draw_large(
     SPLIT_SLICE), `y_block`, `lp_cap` are for tests (`dense_div` 0: gathers always use the
     packed block list)."""
     B, V = logits.shape
+    if split_blocks is not None and not 1 <= split_blocks <= SPLIT_SLICE:
+        raise ValueError(f"split_blocks must lie in [1, {SPLIT_SLICE}], got {split_blocks}")
     for name, width in (("cap", cap), ("small", small), ("mid", mid), ("lp_cap", lp_cap)):
         if width < 1 or width & (width - 1):
             raise ValueError(f"{name} must be a power of two, got {width}")
@@ -167,8 +172,6 @@ def draw_large(
             P_STEP=float(TOP_P_STEP), enable_fp_fusion=False, num_warps=ROW_WARPS,
         )  # fmt: skip
         per_s = split_blocks or _split_blocks(nblk, B)
-        if per_s < 1 or per_s > SPLIT_SLICE:
-            raise ValueError(f"split_blocks must lie in [1, {SPLIT_SLICE}], got {per_s}")
         _split_gather_kernel[(B, triton.cdiv(nblk, per_s))](
             *common, *bias, table.temperature, table.inv_temperature, xm, thr, cnt, cand, B, V,
             nb, nblk, per_s, cand.stride(0), **flags, NBIAS_P2=nbias_p2, GR=SPLIT_ROWS,

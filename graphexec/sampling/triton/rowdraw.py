@@ -205,16 +205,20 @@ def _filtered_token(
         for rnd in range(ROUNDS):
             if (done == 0) & ((n <= lim) | (rnd == 0)):
                 tau = tl.maximum(cert, guess - step)
-                if from_split & (rnd == 0):
+                # the split's round gathers nothing here (threshold +inf) and takes the mass
+                # of the split's keys; the gather itself stays unconditional, as it was
+                # before the split gather existed
+                split_round = from_split & (rnd == 0)
+                n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr, inv_rep_ptr,
+                                freq_ptr, pres_ptr, bitmask_ptr, stride_mb, stride_mw,
+                                counts_ptr, stride_cs, stride_cv, prompt_ptr, stride_ps,
+                                stride_pv, row, yb, tl.where(split_round, float("inf"), tau),
+                                tau_prev, n, qs, m, inv_t, ids, ids_row, vals_row, xm_row,
+                                cblk_row, cand_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS,
+                                HAS_PROMPT, BF16_BITS, NBLK_P2, GR, DB, GCAP, DENSE_DIV,
+                                BAND_CH)  # fmt: skip
+                if split_round:
                     qs = _keys_mass(cand_row, 0, tl.minimum(n, GCAP), BAND_CH)
-                else:
-                    n, qs = gather(logits_ptr, stride_lb, stride_lv, slot_ptr, rep_ptr,
-                                   inv_rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_mb,
-                                   stride_mw, counts_ptr, stride_cs, stride_cv, prompt_ptr,
-                                   stride_ps, stride_pv, row, yb, tau, tau_prev, n, qs, m,
-                                   inv_t, ids, ids_row, vals_row, xm_row, cblk_row, cand_row,
-                                   B, V, NBLK, HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS,
-                                   NBLK_P2, GR, DB, GCAP, DENSE_DIV, BAND_CH)  # fmt: skip
                 tau_prev = tau
                 done = _holds(top_k, top_p, use_m, tau, tau_m, n, qs, p_total)
                 step = step * 2.0
