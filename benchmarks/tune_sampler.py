@@ -81,8 +81,8 @@ def markdown(path: str) -> str:
         data = json.load(f)
     res = data["results"]
     # every key but the measurement's: knobs of older runs (or of patches) keep their rows apart
-    knobs = tuple(k for k in res[0] if k not in ("case", "B", "V", "dtype", "us",
-                                                 "mismatches_vs_torch"))  # fmt: skip
+    skip = ("case", "B", "V", "dtype", "us", "mismatches_vs_torch", "what")
+    knobs = tuple(dict.fromkeys(k for r in res for k in r if k not in skip))
     cols = list(dict.fromkeys((r["case"], r["B"]) for r in res))
     head = "| " + " | ".join(knobs) + " | " + " | ".join(f"{c}@B={b}" for c, b in cols) + " |"
     lines = [f"{data['device']}, V = {res[0]['V']}, {res[0]['dtype']}, CUDA-graph replay, us",
