@@ -7,8 +7,8 @@
 
 Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
 ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG, TOP_P_STEP, SPLIT_ROWS,
-SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_SLICE); each line prints one configuration's times in
-microseconds.
+SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_SLICE, SPLIT_MAX_B, GATHER_MULT); each line prints one
+configuration's times in microseconds.
 Knobs a launcher lacks (an older tree, to time it side by side) are left out.
 """
 
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--split-warps", default=str(getattr(launch, "SPLIT_WARPS", 0)))
     ap.add_argument("--split-slice", default=str(getattr(launch, "SPLIT_SLICE", 0)))
     ap.add_argument("--split-max-b", default=str(getattr(launch, "SPLIT_MAX_B", 0)))
+    ap.add_argument("--gather-mult", default=str(launch.GATHER_MULT))
     ap.add_argument("--tag", default="", help="a label stored with every result")
     ap.add_argument("--scale", default="3", help="logits are randn * scale; a list")
     ap.add_argument("--dtype", default="float32")
@@ -134,15 +135,15 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
-    for rows, pw, rw, tp, gr, dd, mr, ps, sr, sp, sw, sa, smb in itertools.product(
+    for rows, pw, rw, tp, gr, dd, mr, ps, sr, sp, sw, sa, smb, gm in itertools.product(
         ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs),
         ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg), ints(a.top_p_step),
         ints(a.split_rows), ints(a.split_programs), ints(a.split_warps),
-        ints(a.split_slice), ints(a.split_max_b),
+        ints(a.split_slice), ints(a.split_max_b), ints(a.gather_mult),
     ):  # fmt: skip
         launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
         launch.GATHER_ROWS, launch.DENSE_DIV, launch.ROW_MAXNREG = gr, dd, mr
-        launch.TOP_P_STEP = ps
+        launch.TOP_P_STEP, launch.GATHER_MULT = ps, gm
         split = dict(
             SPLIT_ROWS=sr, SPLIT_PROGRAMS=sp, SPLIT_WARPS=sw, SPLIT_SLICE=sa, SPLIT_MAX_B=smb
         )
@@ -158,12 +159,12 @@ def main() -> None:
                 results.append(dict(tag=a.tag, rows=rows, pass_warps=pw, row_warps=rw,
                                     programs=tp, gather_rows=gr, dense_div=dd, row_maxnreg=mr,
                                     top_p_step=ps, split_rows=sr, split_programs=sp,
-                                    split_warps=sw, split_slice=sa, split_max_b=smb, case=case,
+                                    split_warps=sw, split_slice=sa, split_max_b=smb, gather_mult=gm, case=case,
                                     B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
                 line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
         print(f"{a.tag} R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr} ps={ps} "
-              f"sr={sr} sp={sp} sw={sw} ss={sa} smb={smb}: "
+              f"sr={sr} sp={sp} sw={sw} ss={sa} smb={smb} gm={gm}: "
               + " ".join(line), flush=True)  # fmt: skip
     if a.out:
         if a.append and os.path.exists(a.out):
