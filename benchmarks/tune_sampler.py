@@ -159,7 +159,8 @@ def main() -> None:
                 results.append(dict(tag=a.tag, rows=rows, pass_warps=pw, row_warps=rw,
                                     programs=tp, gather_rows=gr, dense_div=dd, row_maxnreg=mr,
                                     top_p_step=ps, split_rows=sr, split_programs=sp,
-                                    split_warps=sw, split_slice=sa, split_max_b=smb, gather_mult=gm, case=case,
+                                    split_warps=sw, split_slice=sa, split_max_b=smb,
+                                    gather_mult=gm, case=case,
                                     B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
                 line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
