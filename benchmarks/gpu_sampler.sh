@@ -51,13 +51,22 @@ bash .gpu-bundle/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_J
 # cache hit loads is kept (benchmarks/prune_triton_cache.py: binaries and metadata).
 export TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .gpu-bundle/triton-cache.txz ] && tar xJf .gpu-bundle/triton-cache.txz -C "$TRITON_CACHE_DIR"
+if [ -f .gpu-bundle/triton-cache.txz ]; then
+    tar xJf .gpu-bundle/triton-cache.txz -C "$TRITON_CACHE_DIR" 2>/dev/null ||
+        echo "triton-cache.txz unreadable: kernels compile afresh"
+fi
+# Written under a temporary name and renamed when whole: a command cut by its time limit
+# while compressing (2026-11-25: a 275 MB cache, single-threaded xz) left a truncated
+# archive under the final name, which the next command could not read.
 save_cache() {
+    local part="$OUT/triton-cache.part"
     python benchmarks/prune_triton_cache.py "$TRITON_CACHE_DIR"
-    tar cJf "$OUT/triton-cache.txz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-    if [ "$(stat -c %s "$OUT/triton-cache.txz")" -gt 16000000 ]; then
-        rm -f "$OUT/triton-cache.txz"
+    tar cf - -C "$TRITON_CACHE_DIR" . 2>/dev/null | xz -T0 -3 >"$part" || { rm -f "$part"; return; }
+    if [ "$(stat -c %s "$part")" -gt 16000000 ]; then
+        rm -f "$part"
         echo "triton cache over 16 MB after pruning: not saved"
+    else
+        mv "$part" "$OUT/triton-cache.txz"
     fi
 }
 trap save_cache EXIT
