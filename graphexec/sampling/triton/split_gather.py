@@ -5,13 +5,15 @@ first threshold tau. Read by the row's one program, a flat top-p row (candidates
 blocks) took 85-125 us on an H100 whatever the batch: one program leaves its SM idle
 most of the time. Here two launches between the block pass and the row program do it,
 for the rows with top-p and no top-k (top-k and min-p rows have few candidate blocks:
-their own program reads them sooner than two more launches):
+their own program reads them sooner than two more launches), in batches up to
+`launch.SPLIT_MAX_B`: off by default, since the two launches slow every other filtered
+row (about 10 us at B <= 128 on an H100; the numbers are there):
 
 1. `_thresholds_kernel` (one program per row) computes the row's (cert, guess) from its
    block stats (`thresholds`) and stores them with tau = max(cert, guess - P_STEP) and the
    row max m; it sets the row's candidate counter to 0. Other rows (invalid, greedy,
-   +inf, top-k on or top-p off) get tau = NaN:
-   nothing compares true with it, so they read nothing. A row with more candidate blocks
+   +inf, top-k on or top-p off) get tau = NaN: nothing compares true with it, so they
+   read nothing. A row with more candidate blocks
    than GCAP (each holds one at least) counts GCAP + 1 candidates and reads nothing, as
    `gather` does.
 2. `_split_gather_kernel` (B x SPLIT programs, each a slice of the row's blocks) reads
