@@ -20,12 +20,15 @@
 #       Log: $OUT/bench-sampler.log.
 #   bash benchmarks/gpu_sampler.sh tune [tune_sampler args...]
 #       benchmarks/tune_sampler.py --out $OUT/tune.json, then its table. Log: $OUT/tune.log.
+#   bash benchmarks/gpu_sampler.sh prof [kernel_times.py args...]
+#       benchmarks/probes/kernel_times.py: each kernel's time of one step per (case, B)
+#       (torch.profiler); log: $OUT/prof.log.
 #   bash benchmarks/gpu_sampler.sh warm
 #       benchmarks/warm_sampler.py once per argument set of $WARM_SETS ("|" between sets),
 #       side by side: the Triton kernels of the graphexec methods compiled in parallel
 #       before the timed phases. Log: $OUT/warm.log.
 #   bash benchmarks/gpu_sampler.sh all [BUDGET_S] [PREVIOUS_JSON] [...]     # test, then bench
-#   Phases may be chained with commas (test,tune); ARGS go to bench and tune.
+#   Phases may be chained with commas (test,tune); ARGS go to bench, tune and prof.
 #
 # Without .gpu-bundle/aot/ modules the first FlashInfer call in bench builds them inside the
 # timed run (the time budget only stops new blocks from starting): run `jit` first and put
@@ -34,7 +37,7 @@
 # `jit` is not enough; with the modules under aot/ the first cake call took 0.1 s.
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu_sampler.sh PHASE[,PHASE...] [ARGS...] (jit test warm bench tune all)"
+usage="usage: bash benchmarks/gpu_sampler.sh PHASE[,PHASE...] [ARGS...] (jit test warm bench tune prof all)"
 phase=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -105,7 +108,7 @@ run_tests() {
     for ((i = 0; i < jobs; i++)); do
         awk -v n="$jobs" -v i="$i" '(NR - 1) % n == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
-        (xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rfE \
+        (xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
             >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
@@ -159,6 +162,14 @@ warm() {
     grep -E "ERROR|^warmed" "$OUT/warm.log" | cut -c1-240
 }
 
+prof() {
+    python benchmarks/probes/kernel_times.py "$@" >"$OUT/prof.log" 2>&1
+    local rc=$?
+    grep -vi warn "$OUT/prof.log" | grep -E "@|Error" | cut -c1-300
+    echo "prof exit code: $rc (log: prof.log)"
+    return "$rc"
+}
+
 tune() {
     python benchmarks/tune_sampler.py --out "$OUT/tune.json" "$@" >"$OUT/tune.log" 2>&1
     local rc=$?
@@ -177,6 +188,7 @@ for p in "${phases[@]}"; do
     test) run_tests || rc=1 ;;
     bench) bench "$@" || rc=1 ;;
     tune) tune "$@" || rc=1 ;;
+    prof) prof "$@" || rc=1 ;;
     warm) warm ;;
     *)
         echo "$usage"
