@@ -5,11 +5,9 @@
     python benchmarks/tune_sampler.py [--vocab 128256] [--batch 1,32,256] [--out FILE]
     python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
 
-Knobs are module attributes of `graphexec.sampling.triton.launch` (ROWS, PASS_WARPS,
-ROW_WARPS, TARGET_PROGRAMS, GATHER_ROWS, DENSE_DIV, ROW_MAXNREG, TOP_P_STEP, SPLIT_ROWS,
-SPLIT_PROGRAMS, SPLIT_WARPS, SPLIT_SLICE, SPLIT_MAX_B, GATHER_MULT); each line prints one
-configuration's times in microseconds.
-Knobs a launcher lacks (an older tree, to time it side by side) are left out.
+Knobs are module attributes of `graphexec.sampling.triton.launch` (the table KNOBS);
+each line prints one configuration's times in microseconds. Knobs a launcher lacks (an
+older tree, to time it side by side) are left out.
 """
 
 from __future__ import annotations
@@ -25,6 +23,26 @@ import torch
 import graphexec as gx
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import launch
+
+# (result key, `launch` attribute, default list; None: the launcher's own value). Each is
+# a --key option (dashes for underscores) taking a comma-separated list; a launcher
+# without the attribute (an older tree, timed side by side) gets none of it.
+KNOBS = [
+    ("rows", "ROWS", "4,8,16"),
+    ("pass_warps", "PASS_WARPS", "4,8"),
+    ("row_warps", "ROW_WARPS", "8"),
+    ("programs", "TARGET_PROGRAMS", "2048"),
+    ("gather_rows", "GATHER_ROWS", None),
+    ("dense_div", "DENSE_DIV", None),  # 0: packed lists only
+    ("row_maxnreg", "ROW_MAXNREG", None),  # register cap when B exceeds the SMs; 0: never
+    ("top_p_step", "TOP_P_STEP", None),
+    ("split_rows", "SPLIT_ROWS", None),
+    ("split_programs", "SPLIT_PROGRAMS", None),
+    ("split_warps", "SPLIT_WARPS", None),
+    ("split_slice", "SPLIT_SLICE", None),
+    ("split_max_b", "SPLIT_MAX_B", None),
+    ("gather_mult", "GATHER_MULT", None),
+]
 
 CASES = {
     "no_filter": dict(temperature=0.8),
@@ -104,24 +122,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--batch", default="1,32,256")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--rows", default="4,8,16")
-    ap.add_argument("--pass-warps", default="4,8")
-    ap.add_argument("--row-warps", default="8")
-    ap.add_argument("--programs", default="2048")
-    ap.add_argument("--gather-rows", default=str(launch.GATHER_ROWS))
-    ap.add_argument("--dense-div", default=str(launch.DENSE_DIV), help="0: packed lists only")
-    ap.add_argument(
-        "--row-maxnreg",
-        default=str(launch.ROW_MAXNREG),
-        help="register cap of the row programs when B exceeds the SMs; 0: never",
-    )
-    ap.add_argument("--top-p-step", default=str(launch.TOP_P_STEP))
-    ap.add_argument("--split-rows", default=str(getattr(launch, "SPLIT_ROWS", 0)))
-    ap.add_argument("--split-programs", default=str(getattr(launch, "SPLIT_PROGRAMS", 0)))
-    ap.add_argument("--split-warps", default=str(getattr(launch, "SPLIT_WARPS", 0)))
-    ap.add_argument("--split-slice", default=str(getattr(launch, "SPLIT_SLICE", 0)))
-    ap.add_argument("--split-max-b", default=str(getattr(launch, "SPLIT_MAX_B", 0)))
-    ap.add_argument("--gather-mult", default=str(launch.GATHER_MULT))
+    for key, attr, default in KNOBS:
+        own = str(int(getattr(launch, attr, 0)))
+        ap.add_argument("--" + key.replace("_", "-"), default=default or own)
     ap.add_argument("--tag", default="", help="a label stored with every result")
     ap.add_argument("--scale", default="3", help="logits are randn * scale; a list")
     ap.add_argument("--dtype", default="float32")
@@ -135,38 +138,22 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
-    for rows, pw, rw, tp, gr, dd, mr, ps, sr, sp, sw, sa, smb, gm in itertools.product(
-        ints(a.rows), ints(a.pass_warps), ints(a.row_warps), ints(a.programs),
-        ints(a.gather_rows), ints(a.dense_div), ints(a.row_maxnreg), ints(a.top_p_step),
-        ints(a.split_rows), ints(a.split_programs), ints(a.split_warps),
-        ints(a.split_slice), ints(a.split_max_b), ints(a.gather_mult),
-    ):  # fmt: skip
-        launch.ROWS, launch.PASS_WARPS, launch.ROW_WARPS, launch.TARGET_PROGRAMS = rows, pw, rw, tp
-        launch.GATHER_ROWS, launch.DENSE_DIV, launch.ROW_MAXNREG = gr, dd, mr
-        launch.TOP_P_STEP, launch.GATHER_MULT = ps, gm
-        split = dict(
-            SPLIT_ROWS=sr, SPLIT_PROGRAMS=sp, SPLIT_WARPS=sw, SPLIT_SLICE=sa, SPLIT_MAX_B=smb
-        )
-        for k, v in split.items():
-            if hasattr(launch, k):
-                setattr(launch, k, v)
+    for values in itertools.product(*(ints(getattr(a, key)) for key, _, _ in KNOBS)):
+        knobs = {key: v for (key, _, _), v in zip(KNOBS, values, strict=True)}
+        for (_, attr, _), v in zip(KNOBS, values, strict=True):
+            if hasattr(launch, attr):
+                setattr(launch, attr, v)
         line = []
         for name, scale in itertools.product(a.cases.split(","), a.scale.split(",")):
             case = name if scale == "3" else f"{name}*{scale}"
             for B in ints(a.batch):
                 fn, bad = case_fn(name, B, a.vocab, dtype, float(scale))
                 us = replay_us(fn)
-                results.append(dict(tag=a.tag, rows=rows, pass_warps=pw, row_warps=rw,
-                                    programs=tp, gather_rows=gr, dense_div=dd, row_maxnreg=mr,
-                                    top_p_step=ps, split_rows=sr, split_programs=sp,
-                                    split_warps=sw, split_slice=sa, split_max_b=smb,
-                                    gather_mult=gm, case=case,
-                                    B=B, V=a.vocab,
+                results.append(dict(tag=a.tag, **knobs, case=case, B=B, V=a.vocab,
                                     dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
                 line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
-        print(f"{a.tag} R={rows} pw={pw} rw={rw} prog={tp} gr={gr} dd={dd} mr={mr} ps={ps} "
-              f"sr={sr} sp={sp} sw={sw} ss={sa} smb={smb} gm={gm}: "
-              + " ".join(line), flush=True)  # fmt: skip
+        setting = " ".join(f"{k}={v}" for k, v in knobs.items())
+        print(f"{a.tag} {setting}: " + " ".join(line), flush=True)
     if a.out:
         if a.append and os.path.exists(a.out):
             with open(a.out) as f:
