@@ -13,9 +13,8 @@ row (about 10 us at B <= 128 on an H100; the numbers are there):
    block stats (`thresholds`) and stores them with tau = max(cert, guess - P_STEP) and the
    row max m; it sets the row's candidate counter to 0. Other rows (invalid, greedy,
    +inf, top-k on or top-p off) get tau = NaN: nothing compares true with it, so they
-   read nothing. A row with more candidate blocks
-   than GCAP (each holds one at least) counts GCAP + 1 candidates and reads nothing, as
-   `gather` does.
+   read nothing. A row with more candidate blocks than GCAP (each holds one at least)
+   counts GCAP + 1 candidates and reads nothing, as `gather` does.
 2. `_split_gather_kernel` (B x SPLIT programs, each a slice of the row's blocks) reads
    the blocks of its slice with ym_b >= tau, packed GR to a tile, and appends the tokens
    with y >= tau to the row's buffer as packed keys (those past GCAP are counted, not

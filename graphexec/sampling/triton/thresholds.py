@@ -10,8 +10,9 @@ relative to the block max. Two numbers per row:
     guess  top-p without top-k: a point below which the block masses reach p * total;
            checked afterwards against the exact mass of what was gathered (-inf otherwise)
 
-`split_gather` computes them once per row and stores them; the row program reads them, so
-every round of a row uses the same two numbers.
+The row program computes them (`rowdraw`), except for the rows `split_gather` served
+(top-p without top-k, when it runs): it computed them once per row and stored them, and
+the row program reads them, so every round of a row uses the same two numbers.
 """
 
 from __future__ import annotations
