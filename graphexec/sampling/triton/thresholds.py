@@ -11,8 +11,8 @@ relative to the block max. Two numbers per row:
            checked afterwards against the exact mass of what was gathered (-inf otherwise)
 
 The row program computes them (`rowdraw`), except for the rows `split_gather` served
-(top-p without top-k, when it runs): it computed them once per row and stored them, and
-the row program reads them, so every round of a row uses the same two numbers.
+(top-p without top-k, when it runs): for those, `split_gather` computed them once per row
+and stored them, and the row program reads them, so every round uses the same numbers.
 """
 
 from __future__ import annotations
