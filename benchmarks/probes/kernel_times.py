@@ -3,6 +3,8 @@ L2 before each step), to see which launch a change moved. Not part of the librar
 
     python benchmarks/probes/kernel_times.py [TAG] [--batch 1,32,256] [--cases top_p,...]
 
+cases: no_filter top_k_top_p top_p min_p lp20 (top_k_top_p, logprobs 20) bitmask.
+
 Prints one line per (case, B): each kernel's mean microseconds, then their sum.
 """
 
@@ -18,11 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 import graphexec as gx
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
+_KP = dict(temperature=0.8, top_k=50, top_p=0.9)
+# case: (params, top-N width or None, random bitmask)
 CASES = {
-    "no_filter": dict(temperature=0.8),
-    "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.9),
-    "top_p": dict(temperature=0.8, top_p=0.9),
-    "min_p": dict(temperature=0.8, min_p=0.05),
+    "no_filter": (dict(temperature=0.8), None, False),
+    "top_k_top_p": (_KP, None, False),
+    "top_p": (dict(temperature=0.8, top_p=0.9), None, False),
+    "min_p": (dict(temperature=0.8, min_p=0.05), None, False),
+    "lp20": (dict(_KP, logprobs=20), 20, False),
+    "bitmask": (_KP, None, True),
 }
 
 
@@ -33,17 +39,23 @@ def main() -> None:
     ap.add_argument("--cases", default="top_k_top_p,top_p,min_p")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for name in a.cases.split(","):
         for B in (int(b) for b in a.batch.split(",")):
-            params = [gx.SamplingParams(seed=1000 + b, **CASES[name]) for b in range(B)]
+            kw, num_top, with_mask = CASES[name]
+            params = [gx.SamplingParams(seed=1000 + b, **kw) for b in range(B)]
             table = SamplingTensors.from_params(params, a.vocab, "cuda")
-            out = SamplerOutput.allocate(B, "cuda", None)
-            logits = torch.randn(B, a.vocab, device="cuda") * 3.0
+            out = SamplerOutput.allocate(B, "cuda", num_top)
+            bm = None
+            if with_mask:  # each token allowed with probability 1/2, as in bench_sampler
+                words = torch.randint(0, 2**32, (B, (a.vocab + 31) // 32))
+                bm = words.to(torch.int32).cuda()
+            logits = (torch.randn(B, a.vocab, device="cuda") * 3.0).to(getattr(torch, a.dtype))
             slots = torch.arange(B, device="cuda")
             pos = torch.arange(B, device="cuda") + 7
-            args = (logits, slots, pos, table, out, None, gx.choose_variant(params), "triton")
+            args = (logits, slots, pos, table, out, bm, gx.choose_variant(params), "triton")
             step = functools.partial(gx.sample_step, *args)
             step()
             torch.cuda.synchronize()
@@ -59,7 +71,10 @@ def main() -> None:
             parts = [f"{k.replace('_kernel', '')}={v:.1f}" for k, v in us.items()
                      if "elementwise" not in k and "fill" not in k]  # fmt: skip
             total = sum(v for k, v in us.items() if "elementwise" not in k and "fill" not in k)
-            print(f"{a.tag} {name}@{B}: " + " ".join(parts) + f" | sum {total:.1f}", flush=True)
+            print(
+                f"{a.tag} {a.dtype} {name}@{B}: " + " ".join(parts) + f" | sum {total:.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
