@@ -196,3 +196,30 @@ def test_block_stats_logprobs_writer_serves_raw_rows(monkeypatch) -> None:
     ref, tri = run_both(params, logits, None, None, None, SamplerVariant.DEFAULT, "split",
                         num_top=4)  # fmt: skip
     assert_same(ref, tri)
+
+
+def test_rows_past_the_logprobs_cap_go_to_the_general_writer(monkeypatch) -> None:
+    """A row whose top-N blocks outnumber lp_cap is left by `raw_logprobs` (done stays 0)
+    to the general kernel; either way every row gets the reference's values."""
+    B = 8
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(B, V, generator=g) * torch.linspace(0.2, 4.0, B)[:, None]
+    params = [P(seed=i, logprobs=4, top_k=(0, 7)[i % 2]) for i in range(B)]
+    done = []
+    real = launch.write_logprobs
+
+    def spy(*a, **k):
+        done.append(k["done"].clone())
+        return real(*a, **k)
+
+    monkeypatch.setattr(launch, "write_logprobs", spy)
+    table = SamplingTensors.from_params(params, V, "cpu")
+    pos = torch.arange(B) * 5
+    ref = SamplerOutput.allocate(B, "cpu", 4)
+    tri = SamplerOutput.allocate(B, "cpu", 4)
+    reference.sample(logits, torch.arange(B), pos, table, ref, None, SamplerVariant.DEFAULT,
+                     draw_block=16)  # fmt: skip
+    launch.sample(logits, torch.arange(B), pos, table, tri, None, SamplerVariant.DEFAULT,
+                  **ROUTES["split"], lp_cap=4)  # fmt: skip
+    assert_same(ref, tri)
+    assert len(done) == 1 and 0 < int(done[0].sum()) < B  # both writers served rows

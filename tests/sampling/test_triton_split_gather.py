@@ -55,9 +55,9 @@ class RowKernelSpy:
 
     def __getitem__(self, grid):
         def launch_(*args, **kw):
-            # 17 processing args, 4 bias args, 8 per-slot / per-row tables, xm, q, then
+            # 17 processing args, 4 bias args, 7 per-slot / per-row tables, xm, q, then
             # thr, cnt, cblk, cand
-            thr, cnt, cand = args[31], args[32], args[34]
+            thr, cnt, cand = args[30], args[31], args[33]
             assert thr.dtype == torch.float32 and cnt.dtype == torch.int32
             self.seen.append((thr.clone(), cnt.clone(), cand.clone()))
             return self.kernel[grid](*args, **kw)

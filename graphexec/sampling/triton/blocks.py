@@ -35,6 +35,15 @@ def neg_zero(shape: tl.constexpr):
 
 
 @triton.jit
+def row_scale(slot_ptr, temp_ptr, inv_temp_ptr, row):
+    """(slot, greedy, s) of the program's row: its table slot (i64), whether T == 0, and the
+    scale s = 1/T of its y (1 for greedy rows)."""
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    greedy = tl.load(temp_ptr + slot) == 0.0
+    return slot, greedy, tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
+
+
+@triton.jit
 def bias_tile(ids, ids_row_ptr, vals_row_ptr, offs, t_lo, t_hi, bias):
     """`bias` with the slot's logit-bias entries whose id lies in [t_lo, t_hi) put in at
     their token (where offs holds it).
@@ -142,9 +151,7 @@ def _block_pass_kernel(
     [sp * SLICE, (sp + 1) * SLICE), SLICE a multiple of R * DB."""
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    greedy = tl.load(temp_ptr + slot) == 0.0
-    inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
+    slot, greedy, inv_t = row_scale(slot_ptr, temp_ptr, inv_temp_ptr, row)
     j = tl.arange(0, NB_P2)
     ids = tl.load(bias_ids_ptr + slot * stride_is + j, mask=j < NB, other=-1)
     tile = tl.arange(0, R)[:, None] * DB + tl.arange(0, DB)[None, :]

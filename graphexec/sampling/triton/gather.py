@@ -41,6 +41,16 @@ def _load_blocks(
 
 
 @triton.jit
+def tile_slots(sel):
+    """Slots of the selected entries of a [R, N] tile, counted from 0 in row-major order
+    (a per-row count, its exclusive scan, a scan inside each row), and their number. Where
+    the slots start (a running count, an atomic add) is the caller's."""
+    cnt = tl.sum(sel.to(tl.int32), axis=1)
+    slots = (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+    return slots, tl.sum(cnt, axis=0)
+
+
+@triton.jit
 def _append(x, bid, bsel, tau, tau_prev, n, m, inv_t, cand_row, CAP: tl.constexpr,
             DB: tl.constexpr):  # fmt: skip
     """Append the tokens of x (the blocks bid where bsel) with tau <= y < tau_prev to the
@@ -48,10 +58,10 @@ def _append(x, bid, bsel, tau, tau_prev, n, m, inv_t, cand_row, CAP: tl.constexp
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     y = (x - m) * inv_t
     sel = bsel[:, None] & (y >= tau) & (y < tau_prev) & (y > float("-inf"))
-    cnt = tl.sum(sel.to(tl.int32), axis=1)
-    idx = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+    slots, cnt = tile_slots(sel)
+    idx = n + slots
     tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < CAP))
-    return n + tl.sum(cnt, axis=0)
+    return n + cnt
 
 
 @triton.jit

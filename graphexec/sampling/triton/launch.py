@@ -162,9 +162,10 @@ def draw_large(
                        device=dev)  # fmt: skip
     small = min(small, cap)
     cand = torch.empty((B, gcap + small) if filters else (1, 1), dtype=torch.int64, device=dev)
-    thr = torch.empty((B, 4) if filters else (1, 4), dtype=torch.float32, device=dev)
-    cnt = torch.empty(B if filters else 1, dtype=torch.int32, device=dev)
     split_on = filters and B <= SPLIT_MAX_B
+    # read by the row program only where the split ran
+    thr = torch.empty((B if split_on else 1, 4), dtype=torch.float32, device=dev)
+    cnt = torch.empty(B if split_on else 1, dtype=torch.int32, device=dev)
     if split_on:
         _thresholds_kernel[(B,)](
             slot_ids, table.temperature, table.inv_temperature, table.top_k, table.top_p,
@@ -180,13 +181,10 @@ def draw_large(
         )  # fmt: skip
     _row_draw_kernel[(B,)](
         *common, *bias, table.temperature, table.inv_temperature, table.top_k, table.top_p,
-        table.min_p, table.seed, table.logprobs_processed, positions, xm, q, thr, cnt, cblk,
-        cand, y,
-        out.token_ids, out.valid, B, V, nb, nblk, int(split_on), **flags, FILTERS=filters,
-        NEED_Y=need_lp,
-        NBIAS_P2=nbias_p2, NBLK_P2=nblk_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block,
-        CAP=cap, GCAP=gcap, SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH,
-        YB=y_block,
+        table.min_p, table.seed, positions, xm, q, thr, cnt, cblk, cand, y, out.token_ids,
+        out.valid, B, V, nb, nblk, int(split_on), **flags, FILTERS=filters, NBIAS_P2=nbias_p2,
+        NBLK_P2=nblk_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block, CAP=cap, GCAP=gcap,
+        SMALL=small, MID=min(mid, cap), ROUNDS=ROUNDS, BAND_CH=BAND_CH, YB=y_block,
         DENSE_DIV=DENSE_DIV if dense_div is None else dense_div,
         TOKEN_STREAM=int(Stream.TOKEN), BLOCK_STREAM=int(Stream.BLOCK),
         INTERP=interpreter_enabled(), P_STEP=float(TOP_P_STEP), enable_fp_fusion=False,
@@ -200,11 +198,12 @@ def draw_large(
         top_lp = out.top_logprobs if n else out.logprobs
         top_id = out.top_token_ids if n else out.ranks
         _raw_logprobs_kernel[(B,)](
-            common[0], common[1], common[2], slot_ids, table.logprobs_processed, out.token_ids,
-            raw[0], raw[1], cblk, lp_cand, out.logprobs, out.ranks, top_lp, top_id, done, V,
-            nblk, BF16_BITS=flags["BF16_BITS"], N=n, N_POW2=max(1, triton.next_power_of_2(n)),
-            NBLK_P2=nblk_p2, R=rows, DB=draw_block, CAP=lp_cap, INTERP=interpreter_enabled(),
-            num_warps=ROW_WARPS,
+            *common, *bias, table.temperature, table.inv_temperature, table.logprobs_processed,
+            out.token_ids, xm, raw[0], raw[1], y, cblk, lp_cand, out.logprobs, out.ranks, top_lp,
+            top_id, done, B, V, nb, nblk, **flags, N=n, N_POW2=max(1, triton.next_power_of_2(n)),
+            NBLK_P2=nblk_p2, NBIAS_P2=nbias_p2, GR=gather_rows or GATHER_ROWS, DB=draw_block,
+            CAP=lp_cap, YB=y_block,
+            INTERP=interpreter_enabled(), enable_fp_fusion=False, num_warps=ROW_WARPS,
         )  # fmt: skip
         write_logprobs(logits, y, slot_ids, table, out, done=done)
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton.band import band_draw
-from graphexec.sampling.triton.blocks import bias_tile, neg_zero, tile_x
+from graphexec.sampling.triton.blocks import bias_tile, neg_zero, row_scale, tile_x
 from graphexec.sampling.triton.gather import _keys_mass, gather
 from graphexec.sampling.triton.philox import block_bits, group_bits, gumbel
 from graphexec.sampling.triton.sample import _exact_prefix_draw, _sorted_draw
@@ -217,8 +217,8 @@ def _filtered_token(
                                 cblk_row, cand_row, B, V, NBLK, HAS_BITMASK, HAS_COUNTS,
                                 HAS_PROMPT, BF16_BITS, NBLK_P2, GR, DB, GCAP, DENSE_DIV,
                                 BAND_CH)  # fmt: skip
-                if split_round:
-                    qs = _keys_mass(cand_row, 0, tl.minimum(n, GCAP), BAND_CH)
+                if split_round & (n <= lim):  # past lim the row is not served: no mass
+                    qs = _keys_mass(cand_row, 0, n, BAND_CH)
                 tau_prev = tau
                 done = _holds(top_k, top_p, use_m, tau, tau_m, n, qs, p_total)
                 step = step * 2.0
@@ -275,7 +275,7 @@ def _row_draw_kernel(
     prompt_ptr, stride_ps, stride_pv,  # [S, V] u8
     bias_ids_ptr, bias_val_ptr, stride_is, stride_vs,  # [S, NB] i32 (sorted, -1 pads), f32
     temp_ptr, inv_temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # [S] f32, f32, i32, f32, f32
-    seed_ptr, lp_proc_ptr,  # [S] i64, bool (logprobs of the processed row)
+    seed_ptr,  # [S] i64
     pos_ptr,  # [B] i64
     xm_ptr, q_ptr,  # [B, NBLK] f32, i64 block stats
     thr_ptr,  # [B, 4] f32: cert, guess, ... of top-p rows without top-k (`split_gather`)
@@ -283,13 +283,13 @@ def _row_draw_kernel(
     cblk_ptr,  # [B, NBLK_P2] i32 scratch: candidate blocks
     cand_ptr,  # [B, GCAP + SMALL] i64: packed candidate keys (`split_gather`, then more
     #            rounds), then a band's
-    y_ptr,  # [B, V] f32 out: y of rows on the exact path or in processed logprobs mode
+    y_ptr,  # [B, V] f32 out: y of rows on the exact path
     tok_ptr,  # [B] i64 out (-1 where nothing is samplable)
     valid_ptr,  # [B] bool out
     B, V, NB, NBLK,
     split_on,  # 1: `split_gather` ran (top-p rows without top-k take its first round)
     HAS_BITMASK: tl.constexpr, HAS_COUNTS: tl.constexpr, HAS_PROMPT: tl.constexpr,
-    BF16_BITS: tl.constexpr, FILTERS: tl.constexpr, NEED_Y: tl.constexpr,
+    BF16_BITS: tl.constexpr, FILTERS: tl.constexpr,
     NBIAS_P2: tl.constexpr, NBLK_P2: tl.constexpr, GR: tl.constexpr, DB: tl.constexpr,
     CAP: tl.constexpr, GCAP: tl.constexpr, SMALL: tl.constexpr, MID: tl.constexpr,
     ROUNDS: tl.constexpr,
@@ -299,11 +299,9 @@ def _row_draw_kernel(
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    slot, greedy, inv_t = row_scale(slot_ptr, temp_ptr, inv_temp_ptr, row)
     seed = tl.load(seed_ptr + slot)
     pos = tl.load(pos_ptr + row)
-    greedy = tl.load(temp_ptr + slot) == 0.0
-    inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
     b = tl.arange(0, NBLK_P2)
     xm = tl.load(xm_ptr + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
     q = tl.load(q_ptr + r64 * NBLK + b, mask=b < NBLK, other=0)
@@ -349,7 +347,3 @@ def _row_draw_kernel(
                                   P_STEP)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)
-    if NEED_Y:
-        if tl.load(lp_proc_ptr + slot).to(tl.int32) != 0:
-            materialize_y(*args, m, has_inf, inv_t, 0.0, ids, ids_row, vals_row, y_row, B, V,
-                          HAS_BITMASK, HAS_COUNTS, HAS_PROMPT, BF16_BITS, YB)  # fmt: skip

@@ -32,7 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.gather import _load_blocks
+from graphexec.sampling.triton.blocks import row_scale
+from graphexec.sampling.triton.gather import _load_blocks, tile_slots
 from graphexec.sampling.triton.select import pack
 from graphexec.sampling.triton.thresholds import block_y, candidate_thresholds
 
@@ -49,9 +50,7 @@ def _thresholds_kernel(
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    greedy = tl.load(temp_ptr + slot) == 0.0
-    inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
+    slot, greedy, inv_t = row_scale(slot_ptr, temp_ptr, inv_temp_ptr, row)
     b = tl.arange(0, NBLK_P2)
     xm = tl.load(xm_ptr + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
     q = tl.load(q_ptr + r64 * NBLK + b, mask=b < NBLK, other=0)
@@ -88,12 +87,9 @@ def _append(cand_row, cnt_ptr, x, offs, bsel, m, inv_t, tau, GCAP: tl.constexpr)
     y >= tau to the row's keys: one atomic add for the tile's slots, a scan inside it."""
     y = (x - m) * inv_t
     sel = bsel & (y >= tau) & (y > float("-inf"))
-    cnt = tl.sum(sel.to(tl.int32), axis=1)
-    tot = tl.sum(cnt, axis=0)
+    slots, tot = tile_slots(sel)
     if tot > 0:
-        base = tl.atomic_add(cnt_ptr, tot)
-        idx = (base + (tl.cumsum(cnt, axis=0) - cnt)[:, None]
-               + tl.cumsum(sel.to(tl.int32), axis=1) - 1)  # fmt: skip
+        idx = tl.atomic_add(cnt_ptr, tot) + slots
         tl.store(cand_row + idx, pack(y, offs), mask=sel & (idx < GCAP))
 
 
@@ -126,9 +122,7 @@ def _split_gather_kernel(
     tau = tl.load(thr_ptr + 4 * r64 + 2)
     if tau == tau:  # not NaN
         m = tl.load(thr_ptr + 4 * r64 + 3)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        greedy = tl.load(temp_ptr + slot) == 0.0
-        inv_t = tl.where(greedy, 1.0, tl.load(inv_temp_ptr + slot))
+        slot, greedy, inv_t = row_scale(slot_ptr, temp_ptr, inv_temp_ptr, row)
         cand_row = cand_ptr + r64 * CAND_W
         ids_row = bias_ids_ptr + slot * stride_is
         vals_row = bias_val_ptr + slot * stride_vs
