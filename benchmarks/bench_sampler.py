@@ -22,9 +22,13 @@ slot_ids = arange(B)), exactly what the executor captures; backend "triton" on C
 
 Timing (CUDA): median over reps of CUDA-event time per call, a 256 MiB buffer written
 before every call so the logits are never served from L2 (the floor assumes a read from
-HBM). eager_us: the GPU is idle when the call starts, so it includes the host's launch
-overhead. graph_us: the call is one CUDAGraph.replay() enqueued behind the L2 flush, so it
-is the GPU time of the captured kernels (no graph-launch latency). On the CPU only eager
+HBM), then a code-heavy kernel on every SM (`icache_evict.py`) so each call starts with
+cold instruction caches, as it does after a model forward (`--warm-icache`: without it,
+as runs before the last of 2026-11-25 were made; a large kernel timed back to back then
+keeps its code warm and looks faster than it is in an engine). eager_us: the GPU is idle
+when the call starts, so it includes the host's launch overhead. graph_us: the call is one
+CUDAGraph.replay() enqueued behind the flush, so it is the GPU time of the captured
+kernels (no graph-launch latency). On the CPU only eager
 times are taken (perf_counter, no flush) and graph_us is null.
 
 Splitting a sweep (each GPU command has a time limit): `--time-budget S` starts no new
@@ -171,7 +175,8 @@ def load_previous(path: str) -> dict | None:
 
 
 def run_summary(r: dict) -> dict:
-    keys = ("argv", "date", "bandwidth_TBps", "torch", "triton", "flashinfer", "gx_backend")
+    keys = ("argv", "date", "bandwidth_TBps", "torch", "triton", "flashinfer", "gx_backend",
+            "icache")  # fmt: skip
     return {k: r.get(k) for k in keys}
 
 
@@ -217,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         "selected method (failed rows count: rerun them without --resume)",
     )
     ap.add_argument(
+        "--warm-icache",
+        action="store_true",
+        help="do not evict the instruction caches before each timed call (runs before "
+        "2026-11-25's last one did not)",
+    )
+    ap.add_argument(
         "--time-budget",
         type=float,
         default=None,
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jit_only:
         args.batch, args.vocab, dtypes, args.quick = [1], args.vocab[:1], dtypes[:1], True
         args.append = args.resume = False
-    timer = Timer(device, args.quick)
+    timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw = measure_bandwidth(device)
     print(f"{name}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
@@ -248,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         "date": today,
         "bandwidth_TBps": round(bw / 1e12, 4),
         "cuda": torch.version.cuda,
-        "timing": "median us per call; CUDA: events, 256 MiB L2 flush before each call; eager "
-        "from an idle GPU (includes launch overhead); graph = GPU time of one replay; CPU: "
-        "perf_counter, eager only",
+        "timing": "median us per call; CUDA: events, 256 MiB L2 flush before each call"
+        + ("" if args.warm_icache else " and the SMs' instruction caches evicted")
+        + "; eager from an idle GPU (includes launch overhead); graph = GPU time of one "
+        "replay; CPU: perf_counter, eager only",
+        "icache": None if device.type != "cuda" else "warm" if args.warm_icache else "evicted",
         "params": dict(
             temperature=TEMPERATURE,
             top_k=TOP_K,

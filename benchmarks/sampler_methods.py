@@ -202,13 +202,21 @@ def select_methods(spec: str | None) -> list[str]:
 
 
 class Timer:
-    def __init__(self, device: torch.device, quick: bool):
+    """Median times per call; on CUDA the L2 is flushed before each call and, with
+    evict_icache, the SMs' instruction caches too (`icache_evict`)."""
+
+    def __init__(self, device: torch.device, quick: bool, evict_icache: bool = False):
         self.device = device
         self.cuda = device.type == "cuda"
         self.budget_s, self.min_reps, self.max_reps = (0.03, 3, 20) if quick else (0.15, 10, 200)
         self.flush = None
+        self.evict = None
         if self.cuda:
             self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+            if evict_icache:
+                from icache_evict import ICacheEvictor
+
+                self.evict = ICacheEvictor(device)
 
     def _reps(self, est_us: float) -> int:
         n = int(self.budget_s * 1e6 / max(est_us + (80.0 if self.cuda else 0.0), 1.0))
@@ -222,6 +230,8 @@ class Timer:
         torch.cuda.synchronize(self.device)
         for start, end in ev:
             self.flush.zero_()
+            if self.evict is not None:
+                self.evict()
             if sync_each:
                 torch.cuda.synchronize(self.device)
             start.record()

@@ -66,8 +66,8 @@ class RowKernelSpy:
 
 
 def draw(logits, params, monkeypatch, **kw):
-    """Tokens, table and what the row kernel was handed; the split gather on unless the
-    test set launch.SPLIT_MAX_B itself (it is off by default)."""
+    """Tokens, table and what the row kernel was handed; the split gather on (whatever
+    the default) unless the test set launch.SPLIT_MAX_B itself."""
     if "SPLIT_MAX_B" not in kw.pop("keep", ()):
         monkeypatch.setattr(launch, "SPLIT_MAX_B", 128)
     spy = RowKernelSpy(launch._row_draw_kernel)

@@ -41,12 +41,11 @@ SPLIT_PROGRAMS = 2048  # `split_gather` programs to aim for (rows x slices)
 SPLIT_WARPS = 4
 SPLIT_SLICE = 128  # most blocks of one `split_gather` program (their maxes load at once)
 # `split_gather` runs for batches up to this size (top-p rows without top-k only); 0: never.
-# Off by default: on an H100 (V = 128256, fp32, B = 1 / 32 / 128) it took top_p from
-# 128 / 141 / 190 to 56 / 80 / 172 us, but its two launches cost every other filtered row
-# about 10 us (top_k_top_p 20 / 29 / 54 -> 32 / 40 / 64, min_p 16 / 30 / 55 -> 30 / 38 /
-# 70), the method the issue-4 comparisons are made on
-# (benchmarks/results/tune-sampler-split-*). Never changes a result.
-SPLIT_MAX_B = 0
+# H100, V = 128256 fp32, each step after a kernel that evicts the instruction caches (as a
+# model forward does): top_p 134 / 140 / 190 -> 50 / 77 / 168 us at B = 1 / 32 / 128, and
+# its two launches add 3-5 us to every other filtered batch (top_k_top_p 27 / 33 / 57 ->
+# 30 / 38 / 62, min_p likewise; benchmarks/sampler_notes.md). Never changes a result.
+SPLIT_MAX_B = 128
 DENSE_DIV = 4  # a gather over more than NBLK / DENSE_DIV blocks reads in block order
 TARGET_PROGRAMS = 2048  # block-pass programs to aim for (rows x slices)
 # candidates a row may gather (sorted whole: most rows fit SMALL); the interpreter sorts

@@ -13,14 +13,17 @@ logits, NaN -> -inf). One program per row then computes, as in
            first N kept
 
 Both sets of blocks are read again in one pass over their union, GR blocks a tile (two
-passes, 8 blocks a tile, took 12 us of an H100 at B = 1: a chain of dependent loads), and
-the row is marked done. Rows it does not serve (a raw +inf, fewer live blocks than N,
+passes of 8 blocks a tile took 12.1 us of an H100 at B = 1, this 11.4), and the row is
+marked done. Rows it does not serve (a raw +inf, fewer live blocks than N,
 more candidates than CAP, processed mode) are left to `logprobs._logprobs_kernel`, which
 handles every case in passes over the row.
 
 Rows in the processed mode get their y written here (`rowdraw.materialize_y`), for that
-writer to read. It was the row program's tail; there, the row program of top_k_top_p
-with logprobs on took 22 us of an H100 instead of 16 without, whatever the row's mode.
+writer to read; the row program is then one kernel with logprobs on or off (fewer
+compiles). It was moved for a slowdown it did not cause: with logprobs on, the row
+program of top_k_top_p took 23 us of an H100 at B = 1 instead of 16, and still does. The
+cause is the instruction cache (`benchmarks/icache_evict.py`): without logprobs the row
+program ran back to back with its code warm; in an engine it is always cold.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ blocks) took 85-125 us on an H100 whatever the batch: one program leaves its SM 
 most of the time. Here two launches between the block pass and the row program do it,
 for the rows with top-p and no top-k (top-k and min-p rows have few candidate blocks:
 their own program reads them sooner than two more launches), in batches up to
-`launch.SPLIT_MAX_B`: off by default, since the two launches slow every other filtered
-row (about 10 us at B <= 128 on an H100; the numbers are there):
+`launch.SPLIT_MAX_B` (128): their two launches add 3-5 us to a batch without such rows,
+and save 20-85 us where one has them (H100; the numbers are there):
 
 1. `_thresholds_kernel` (one program per row) computes the row's (cert, guess) from its
    block stats (`thresholds`) and stores them with tau = max(cert, guess - P_STEP) and the
