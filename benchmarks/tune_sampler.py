@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Tune the Triton sampler's launch knobs on a GPU: CUDA-graph replay time of
-`sample_step` per (knobs, variant, B), logits flushed from L2 before each replay.
+`sample_step` per (knobs, variant, B), logits flushed from L2 and the SMs' instruction
+caches evicted (`icache_evict.py`) before each replay, as in bench_sampler (results made
+before 2026-11-25's last runs kept the instruction caches warm: `--warm-icache`).
 
     python benchmarks/tune_sampler.py [--vocab 128256] [--batch 1,32,256] [--out FILE]
     python benchmarks/tune_sampler.py --markdown FILE   # a table of a saved run
@@ -52,7 +54,7 @@ CASES = {
 }
 
 
-def replay_us(fn, reps: int = 30) -> float:
+def replay_us(fn, evict=None, reps: int = 30) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -66,6 +68,8 @@ def replay_us(fn, reps: int = 30) -> float:
     t = []
     for _ in range(reps):
         flush.zero_()
+        if evict is not None:
+            evict()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
@@ -131,10 +135,18 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--append", action="store_true", help="add to the results in --out")
     ap.add_argument("--markdown", default=None, help="print the table of a saved run and exit")
+    ap.add_argument("--warm-icache", action="store_true", help="do not evict the instruction "
+                    "caches before each replay")  # fmt: skip
     a = ap.parse_args()
     if a.markdown:
         print(markdown(a.markdown))
         return
+    evict = None
+    if not a.warm_icache:
+        from icache_evict import ICacheEvictor
+
+        evict = ICacheEvictor(torch.device("cuda"))
+    icache = "warm" if a.warm_icache else "evicted"
     dtype = getattr(torch, a.dtype)
     ints = lambda s: [int(v) for v in s.split(",")]
     results = []
@@ -148,9 +160,10 @@ def main() -> None:
             case = name if scale == "3" else f"{name}*{scale}"
             for B in ints(a.batch):
                 fn, bad = case_fn(name, B, a.vocab, dtype, float(scale))
-                us = replay_us(fn)
+                us = replay_us(fn, evict)
                 results.append(dict(tag=a.tag, **knobs, case=case, B=B, V=a.vocab,
-                                    dtype=a.dtype, us=us, mismatches_vs_torch=bad))  # fmt: skip
+                                    dtype=a.dtype, us=us, mismatches_vs_torch=bad,
+                                    icache=icache))  # fmt: skip
                 line.append(f"{case}@{B}={us:.1f}" + (f"(!{bad})" if bad else ""))
         setting = " ".join(f"{k}={v}" for k, v in knobs.items())
         print(f"{a.tag} {setting}: " + " ".join(line), flush=True)
