@@ -7,7 +7,7 @@ cases: no_filter top_k_top_p top_p min_p lp20 (top_k_top_p, logprobs 20) bitmask
 
 Prints one line per (case, B): each kernel's mean microseconds, then their sum. The SMs'
 instruction caches stay warm from step to step here, unlike in an engine: a large kernel
-reads faster than it runs there (`probes/icache.py` evicts them).
+looks faster here than it runs there (`probes/icache.py` evicts them).
 """
 
 from __future__ import annotations
