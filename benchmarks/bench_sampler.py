@@ -260,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_TBps": round(bw / 1e12, 4),
         "cuda": torch.version.cuda,
         "timing": "median us per call; CUDA: events, 256 MiB L2 flush before each call"
-        + ("" if args.warm_icache else " and the SMs' instruction caches evicted")
+        + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
         + "; eager from an idle GPU (includes launch overhead); graph = GPU time of one "
         "replay; CPU: perf_counter, eager only",
-        "icache": None if device.type != "cuda" else "warm" if args.warm_icache else "evicted",
+        "icache": None if not timer.cuda else "evicted" if timer.evict is not None else "warm",
         "params": dict(
             temperature=TEMPERATURE,
             top_k=TOP_K,

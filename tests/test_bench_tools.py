@@ -38,6 +38,9 @@ def test_cpu_run_writes_one_row_per_method_dtype_and_batch(tmp_path):
     for r in rows.values():
         assert "error" not in r and "warning" not in r
         assert r["eager_us"] > 0 and r["graph_us"] is None and r["floor_us"] > 0
+    # no instruction caches evicted off the GPU, and the file says so (run by run too)
+    assert result["icache"] is None and result["runs"][-1]["icache"] is None
+    assert "instruction caches" not in result["timing"]
     f32 = rows[("torch.no_filter", 2, 600, "float32")]["floor_us"]
     assert rows[("torch.no_filter", 2, 600, "bfloat16")]["floor_us"] == pytest.approx(
         f32 / 2, abs=1.5e-3
