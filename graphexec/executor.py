@@ -32,7 +32,7 @@ from graphexec.request import Request, RequestOutput, chunk_key
 from graphexec.sampling.pipeline import default_backend
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.state import SlotTable
-from graphexec.step import StepBuffers, decode_step, first_token
+from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class DecodeExecutor:
         buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
             max_batch_size. Larger batches run as several chunks.
         backend: the sampler backend; None = "triton" on CUDA, "torch" elsewhere.
+        sampler_config: the Triton sampler's `SamplerConfig` (None: its device preset).
         max_logit_bias: the most logit_bias entries a request may carry.
         seed: seeds the generator of seeds for unseeded requests; None = OS entropy.
     """
@@ -95,6 +96,7 @@ class DecodeExecutor:
         backend: str | None = None,
         max_logit_bias: int = 16,
         seed: int | None = None,
+        sampler_config=None,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -119,6 +121,8 @@ class DecodeExecutor:
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
         largest = self.buckets[-1]
         self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
+        self.sampler = StepSampler.build(self.backend, self.device, largest, self.vocab_size,
+                                         sampler_config)  # fmt: skip
         self._first = {lp: SamplerOutput.allocate(1, self.device, MAX_TOP_LOGPROBS if lp else None)
                        for lp in (False, True)}  # fmt: skip
         pin = self.device.type == "cuda"
@@ -197,8 +201,8 @@ class DecodeExecutor:
         )  # fmt: skip
 
     def _step_fn(self, key: GraphKey, slot_ids: torch.Tensor, out: SamplerOutput):
-        model, slots, backend = self.model, self.slots, self.backend
-        return lambda: decode_step(model, slots, slot_ids, out, key, backend)
+        model, slots, sampler = self.model, self.slots, self.sampler
+        return lambda: decode_step(model, slots, slot_ids, out, key, sampler)
 
     # ---- admission -------------------------------------------------------------------
     def add_request(
@@ -241,7 +245,7 @@ class DecodeExecutor:
                 self._upload_grammar([slot])
             out = self._first[req.wants_logprobs]
             key = chunk_key([req], 1)
-            first_token(logits.to(self.device), self.slots, slot, out, key, self.backend)
+            first_token(logits.to(self.device), self.slots, slot, out, key, self.sampler)
             self._copy_out(out, key, 0, 1)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()

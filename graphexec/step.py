@@ -17,6 +17,7 @@ real requests and the rest are *padding rows* pointing at the table's padding sl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,33 @@ from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.sampling.pipeline import sample_step
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.state import SlotTable
+
+if TYPE_CHECKING:
+    from graphexec.sampling.triton.config import SamplerConfig, Workspace
+
+
+@dataclass(frozen=True)
+class StepSampler:
+    """How every step samples: the backend and, for "triton", its config and a workspace
+    allocated once for the largest bucket (so a step allocates and zeroes nothing)."""
+
+    backend: str
+    config: SamplerConfig | None = None
+    workspace: Workspace | None = None
+
+    @classmethod
+    def build(cls, backend: str, device: torch.device, rows: int, vocab_size: int,
+              config: SamplerConfig | None = None) -> StepSampler:  # fmt: skip
+        if backend != "triton":
+            return cls(backend, config)
+        from graphexec.sampling.triton.config import SamplerConfig, Workspace
+
+        cfg = config or SamplerConfig.default()
+        return cls(backend, cfg, Workspace.allocate(rows, vocab_size, device, cfg, logprobs=True))
+
+    def __call__(self, logits, slot_ids, positions, table, out, bitmask, variant) -> None:
+        sample_step(logits, slot_ids, positions, table, out, bitmask, variant, self.backend,
+                    config=self.config, workspace=self.workspace)  # fmt: skip
 
 
 @dataclass
@@ -71,14 +99,14 @@ def decode_step(
     slot_ids: torch.Tensor,
     out: SamplerOutput,
     key: GraphKey,
-    backend: str | None = None,
+    sampler: StepSampler,
 ) -> None:
     """One decode step for the rows `slot_ids` [b] into `out` (see the module docstring)."""
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
     logits = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
     bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
-    sample_step(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant, backend)
+    sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
     advance(slots, slot_ids, out)
 
 
@@ -88,12 +116,12 @@ def first_token(
     slot: int,
     out: SamplerOutput,
     key: GraphKey,
-    backend: str | None = None,
+    sampler: StepSampler,
 ) -> None:
     """Sample a request's first token (position 0) from its prefill logits [V], with the
     same sampler and state update as a decode step (eager: prefill is not captured)."""
     slot_ids = torch.tensor([slot], dtype=torch.int64, device=logits.device)
     pos = slots.positions[slot_ids]
     bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
-    sample_step(logits[None], slot_ids, pos, slots.tensors, out, bitmask, key.variant, backend)
+    sampler(logits[None], slot_ids, pos, slots.tensors, out, bitmask, key.variant)
     advance(slots, slot_ids, out)

@@ -42,6 +42,9 @@ def sample_step(
     bitmask: torch.Tensor | None = None,
     variant: SamplerVariant = SamplerVariant.DEFAULT,
     backend: str | None = None,
+    *,
+    config=None,
+    workspace=None,
 ) -> SamplerOutput:
     """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
 
@@ -56,6 +59,11 @@ def sample_step(
         variant: which kernels run; every row must be servable by it (the caller's job:
             `choose_variant`); an unservable row would be sampled without its filters.
         backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
+        config: the Triton backend's `SamplerConfig` (None: its preset for the device);
+            `config.draw_block` is part of the definition, so the torch backend takes it too.
+        workspace: the Triton backend's scratch (`triton.config.Workspace`, allocated once
+            for the largest batch and reused: no allocation or zeroing per call); None
+            allocates one per call.
 
     CUDA graphs: with backend="triton" this issues only kernel launches on fixed buffers;
     capture it with static `logits`, `slot_ids`, `positions`, `bitmask` and `out`, and
@@ -65,11 +73,15 @@ def sample_step(
     if backend == "torch":
         from graphexec.sampling import reference
 
-        return reference.sample(logits, slot_ids, positions, table, out, bitmask, variant)
+        db = reference.DRAW_BLOCK if config is None else config.draw_block
+        return reference.sample(
+            logits, slot_ids, positions, table, out, bitmask, variant, draw_block=db
+        )
     if backend == "triton":
         from graphexec.sampling.triton import launch
 
-        return launch.sample(logits, slot_ids, positions, table, out, bitmask, variant)
+        return launch.sample(logits, slot_ids, positions, table, out, bitmask, variant,
+                             config=config, workspace=workspace)  # fmt: skip
     if backend == "flashinfer":
         from graphexec.sampling import flashinfer
 

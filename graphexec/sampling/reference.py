@@ -14,31 +14,33 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
    exactly 0, so no temperature overflows and tied maxima stay exact ties for the noise.
 5. **Filter.** Order the row by (y descending, token id ascending). The kept set is a
    prefix of that order: top-k keeps the first k; top-p then keeps the shortest prefix of
-   those whose mass reaches p times their total mass; min-p keeps tokens with
-   exp(y) >= min_p. Mass is exact integer fixed point, q = trunc(exp(y) * 2**32)
-   (int64, summed exactly, so no split of the row changes a decision), compared in
-   float64: keep position j iff sum(q before j) < p * total. With top-k on, total is the
-   exact sum of q over the top-k prefix; with top-k off it is the row's mass from its
-   block stats (step 6), summed in float64 in block order, a sum fixed by V alone:
+   those whose mass reaches p times their total mass; min-p keeps y >= log_min_p (the
+   table's fp32 ln(min_p), so every backend compares the same bits). Mass is exact
+   integer fixed point, q = trunc(exp(y) * 2**32) (int64, summed exactly, so no split of
+   the row changes a decision), compared in float64: keep position j iff
+   sum(q before j) < p * total. With top-k on, total is the exact sum of q over the top-k
+   prefix; with top-k off it is the row's mass from its block stats (step 6), summed in
+   float64 in block order, a sum fixed by V alone:
        total = sum over blocks b of float64(Q_b) * exp(float64(ym_b))
    with ym_b = (xm_b - m) * s the block's max of y, so the sampler gets it from one
    read of the row without knowing m in advance.
 6. **Draw.** Greedy rows take the argmax of x. A row whose maximum is -inf has nothing
-   to sample: valid = False, token -1. Otherwise, with g(seed, pos, i, stream) the
-   Gumbel noise of `graphexec.rng` and ties always to the lower index:
-   - a row with an active filter: Gumbel-max over the kept set, argmax of
-     y + g(seed, pos, token, TOKEN);
-   - a row with no active filter (top-k off, top-p 1, min-p 0): the **two-level draw**,
-     which reads the row once and draws noise for one block only. Cut the row into
-     blocks of DRAW_BLOCK consecutive token ids; per block b, with xm_b its max (of the
-     collapsed x) and s = fp32(1/T):
-         Q_b = sum over finite x_i of trunc(exp((x_i - xm_b) * s) * 2**32)   (int64)
-         L_b = (xm_b - m) * s + log(fp32(Q_b))                               (fp32)
-     pick b* = argmax of L_b + g(seed, pos, b, BLOCK), then the token is the argmax of
-     y + g(seed, pos, token, TOKEN) over block b*. P(b) is the block's share of the mass
-     and P(token | b) its share within the block, so the draw is exact; Q_b is an exact
-     integer sum (no summation order to depend on) that loses at most 2**-32 of the
-     block max per token, below float32 rounding.
+   to sample: valid = False, token -1. Every other row takes the **two-level draw**,
+   which reads the row once and draws token noise for one block only. Cut the row into
+   blocks of DRAW_BLOCK consecutive token ids; with g(seed, pos, i, stream) the Gumbel
+   noise of `graphexec.rng` and ties always to the lower index:
+       L_b = ym_b + log(fp32(K_b))         (-inf where K_b = 0)
+       b*  = argmax of L_b + g(seed, pos, b, BLOCK)
+       token = argmax of y + g(seed, pos, token, TOKEN) over the kept tokens of block b*
+   K_b is the block's mass relative to its max, an exact int64 sum:
+   - rows with no active filter (top-k off, top-p 1, min-p 0):
+         K_b = Q_b = sum over finite x_i of trunc(exp((x_i - xm_b) * s) * 2**32)
+     with xm_b the block max of the collapsed x, so the first read of the row gives it
+     without knowing m;
+   - filtered rows: K_b = sum over the kept i of trunc(exp(y_i - ym_b) * 2**32).
+   P(b) is the block's share of the kept mass and P(token | b) its share within the
+   block, so the draw is exact up to the 2**-32 fixed point (per token, relative to its
+   block max); every block holding a kept token holds one of mass 2**32 (its kept max).
 7. **Logprobs** of the raw row (default) or of the processed row y before the filters
    (`logprobs_mode="processed"`), both +inf-collapsed: lp = (v - m) - log(sum
    exp(v - m)); rank = 1 + #(v_j > v_token); the top-N by (v desc, id asc).
@@ -181,7 +183,7 @@ def filter_mask(
         tot = torch.where(k == 0, total.to(torch.float64).unsqueeze(1), tot)
     p = table.top_p[slot_ids].to(torch.float64).unsqueeze(1)
     kept &= (p >= 1.0) | (before.to(torch.float64) < p * tot)
-    kept &= rel >= table.min_p[slot_ids].unsqueeze(1)
+    kept &= sv >= table.log_min_p[slot_ids].unsqueeze(1)
     out = torch.zeros_like(kept)
     return out.scatter(1, si, kept)
 
@@ -241,6 +243,18 @@ def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Ten
     return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
+def kept_block_mass(y: torch.Tensor, kept: torch.Tensor, ym: torch.Tensor, draw_block: int):
+    """[B, nblocks] int64 K_b of filtered rows: sum over kept i of trunc(exp(y_i - ym_b) 2**32)."""
+    B, V = y.shape
+    nb = ym.shape[1]
+    pad = nb * draw_block - V
+    yb = torch.cat([y, y.new_full((B, pad), -torch.inf)], 1).view(B, nb, draw_block)
+    kb = torch.cat([kept, kept.new_zeros((B, pad))], 1).view(B, nb, draw_block)
+    fin = torch.isfinite(ym).unsqueeze(-1)
+    z = torch.where(kb & fin, yb - torch.where(fin, ym.unsqueeze(-1), 0.0), -torch.inf)
+    return (torch.exp(z) * MASS_SCALE).to(torch.int64).sum(-1)
+
+
 def draw(
     xc: torch.Tensor,
     y: torch.Tensor,
@@ -252,25 +266,27 @@ def draw(
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (xc: collapsed y's
-    source, for greedy rows and the block masses; stats: its `block_stats`, if known)."""
+    source, for greedy rows and the block masses; stats: its `block_stats`, if known;
+    kept: the filters' mask, None when no row has an active filter)."""
     B, V = y.shape
     seed = table.seed[slot_ids]
-    g = row_gumbel(seed, positions, V)
-    score = y + g
-    if kept is not None:
-        score = torch.where(kept, score, -torch.inf)
-    # two-level draw for rows without an active filter
+    inv_t = effective_inv_t(slot_ids, table)
+    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
+    ym = torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
+    live = y > -torch.inf
     if kept is None:
         plain = torch.ones_like(slot_ids, dtype=torch.bool)
+        kept = live
     else:
         plain = plain_rows(slot_ids, table)
-    greedy = table.temperature[slot_ids] == 0
-    lm = block_logmass(xc, effective_inv_t(slot_ids, table), draw_block, stats)
+        kept = torch.where(plain.unsqueeze(1), live, kept)
+    mass = torch.where(plain.unsqueeze(1), q, kept_block_mass(y, kept, ym, draw_block))
+    lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -torch.inf)
     bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
     chosen = first_argmax(lm + bg)
     in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
-    two_level = torch.where(in_block, y + g, -torch.inf)
-    score = torch.where(plain.unsqueeze(1), two_level, score)
+    score = torch.where(in_block & kept, y + row_gumbel(seed, positions, V), -torch.inf)
+    greedy = table.temperature[slot_ids] == 0
     score = torch.where(greedy.unsqueeze(1), xc, score)
     valid = xc.max(dim=-1).values > -torch.inf
     tok = first_argmax(score)

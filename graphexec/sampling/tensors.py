@@ -9,6 +9,8 @@ Normalised encodings (so kernels test one thing):
     temperature    0 = greedy; inv_temperature = fp32(1 / T) (1 for greedy rows)
     top_k          0 = off (top_k <= 0 or >= V)
     top_p          1 = off;  min_p  0 = off
+    log_min_p      fp32(ln(min_p)) computed in float64 on the host (-inf = off): min-p keeps
+                   y >= log_min_p, a compare every backend makes on the same bits
     logprobs       -1 = off; else the top-N asked (0..20)
     bias_ids       -1 pads a slot's sparse logit-bias list (bias_values 0 there)
 """
@@ -32,6 +34,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # i32 [S]
     top_p: torch.Tensor  # f32 [S]
     min_p: torch.Tensor  # f32 [S]
+    log_min_p: torch.Tensor  # f32 [S]
     seed: torch.Tensor  # i64 [S]
     repetition_penalty: torch.Tensor  # f32 [S]
     inv_repetition_penalty: torch.Tensor  # f32 [S]
@@ -71,6 +74,7 @@ class SamplingTensors:
             top_k=torch.zeros(num_slots, dtype=torch.int32, device=d),
             top_p=torch.ones(num_slots, **f32),
             min_p=torch.zeros(num_slots, **f32),
+            log_min_p=torch.full((num_slots,), -torch.inf, **f32),
             seed=torch.zeros(num_slots, dtype=torch.int64, device=d),
             repetition_penalty=torch.ones(num_slots, **f32),
             inv_repetition_penalty=torch.ones(num_slots, **f32),
@@ -117,6 +121,7 @@ class SamplingTensors:
             ),
             top_p=torch.tensor([p.top_p for p in params], dtype=f32),
             min_p=torch.tensor([p.min_p for p in params], dtype=f32),
+            log_min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64).log().to(f32),
             seed=torch.tensor([p.seed for p in params], dtype=torch.int64),
             repetition_penalty=rep,
             inv_repetition_penalty=(1.0 / rep).clamp(max=big),

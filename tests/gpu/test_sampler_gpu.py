@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,7 +62,10 @@ def make_inputs(B: int, V: int, dtype: torch.dtype, seed: int = 0):
 
 
 def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_tri) -> bool:
-    """True when the two tokens' reference scores x + g are within NEAR_TIE relative."""
+    """Whether two backends' tokens for a row may differ by rounding alone (exp and log
+    differ in their last bits between torch and Triton): the reference scores of the two
+    blocks (two-level draw) or tokens lie within NEAR_TIE relative, or the row's top-p cut
+    lies within NEAR_TIE of a token's boundary (the kept sets may differ by that token)."""
     V = logits.shape[1]
     table = SamplingTensors.from_params(
         [params[row]], V, "cuda", counts[row : row + 1], prompt[row : row + 1]
@@ -68,22 +74,36 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
     x = reference.collapse_inf(
         reference.process_logits(logits[row : row + 1], slots, table, bitmask[row : row + 1])
     )
-    p = params[row]
     posr = torch.tensor([pos[row]], device="cuda")
-    if p.temperature == 0:
-        s = x[0]
-    else:
-        y = reference.scale(x, slots, table)
-        s = y[0] + reference.row_gumbel(table.seed, posr, V)[0]
-        db = reference.DRAW_BLOCK
-        plain = bool(reference.plain_rows(slots, table)[0])
-        if plain and tok_ref // db != tok_tri // db:
-            # two-level draw: the blocks differ, so compare the block scores
-            lm = reference.block_logmass(x, table.inv_temperature, db)
-            g = reference.row_gumbel_stream(table.seed, posr, lm.shape[1], Stream.BLOCK)
-            s = torch.repeat_interleave((lm + g)[0], db)[:V]
-    a, b = s[tok_ref].item(), s[tok_tri].item()
-    return abs(a - b) <= NEAR_TIE * max(1.0, abs(a))
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= NEAR_TIE * max(1.0, abs(a))
+
+    if params[row].temperature == 0:
+        return close(x[0, tok_ref].item(), x[0, tok_tri].item())
+    y = reference.scale(x, slots, table)
+    s = reference.effective_inv_t(slots, table)
+    kept = reference.filter_mask(y, slots, table, reference.row_mass(x, s, reference.DRAW_BLOCK))
+    p = float(table.top_p[0])
+    if p < 1.0:  # the boundary of the top-p cut: the mass before some token near p * total
+        sv = torch.sort(y[0], descending=True, stable=True).values
+        q = (torch.exp(sv) * 2.0**32).to(torch.int64).double()
+        before = torch.cumsum(q, 0) - q
+        k = int(table.top_k[0])
+        total = q[:k].sum() if k > 0 else reference.row_mass(x, s, reference.DRAW_BLOCK)[0]
+        if ((before - p * total).abs() <= NEAR_TIE * p * total).any():
+            return True
+    db = reference.DRAW_BLOCK
+    xm, qb = reference.block_stats(x, s, db)
+    ym = torch.where(xm > -torch.inf, (xm - reference.row_max(x)) * s, -torch.inf)
+    plain = bool(reference.plain_rows(slots, table)[0])
+    mass = qb if plain else reference.kept_block_mass(y, kept, ym, db)
+    lb = ym + torch.log(mass.float()) + reference.row_gumbel_stream(
+        table.seed, posr, ym.shape[1], Stream.BLOCK)  # fmt: skip
+    if tok_ref // db != tok_tri // db:
+        return close(lb[0, tok_ref // db].item(), lb[0, tok_tri // db].item())
+    sc = y[0] + reference.row_gumbel(table.seed, posr, V)[0]
+    return close(sc[tok_ref].item(), sc[tok_tri].item())
 
 
 def assert_equal_up_to_near_ties(logits, params, pos, ref, got) -> None:
@@ -191,100 +211,62 @@ def test_batch_invariance_on_gpu():
         assert alone.token_ids.item() == full.token_ids[r].item()
 
 
-def test_register_cap_changes_no_token():
-    """Row programs get a register cap only when rows outnumber the SMs (launch.py): the
-    same rows in batches of 64 (no cap) give the same tokens as one large batch."""
+def shape_logits(shape: str, B: int, V: int, seed: int) -> torch.Tensor:
+    """The benchmark's shapes (`benchmarks/bench_sampler.py`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sampler_methods import make_logits
+
+    return make_logits(shape, B, V, torch.float32, torch.device("cuda"), seed)
+
+
+BENCH_PARAMS = [dict(), dict(top_k=50, top_p=0.9), dict(top_p=0.9), dict(min_p=0.05)]
+
+
+@pytest.mark.parametrize("shape", ["peaked", "randn3", "flat", "ties"])
+def test_bench_shapes_take_the_fast_routes(shape):
+    """Every row of the benchmark's methods on every shape is served without the exact
+    search, and equals the reference (up to near ties)."""
     from graphexec.sampling.triton import launch
+    from graphexec.sampling.triton.config import R_EXACT, SamplerConfig, Workspace
 
-    V = 128256
-    B = launch._sm_count(torch.device("cuda")) + 8
-    assert launch.ROW_MAXNREG > 0
-    logits, counts, prompt, bitmask = make_inputs(B, V, torch.float32, seed=3)
-    params = mixed_params(B, V, seed=3)
-    pos = [5 * i for i in range(B)]
-    full = gx.sample_logits(logits, params, pos, backend="triton")
-    for lo in range(0, B, 64):
-        hi = min(B, lo + 64)
-        part = gx.sample_logits(logits[lo:hi], params[lo:hi], pos[lo:hi], backend="triton")
-        assert torch.equal(part.token_ids, full.token_ids[lo:hi])
-        assert torch.allclose(
-            part.logprobs, full.logprobs[lo:hi], rtol=1e-6, atol=0, equal_nan=True
-        )
+    V, B = 128256, 64
+    logits = shape_logits(shape, B, V, seed=21)
+    params = [P(seed=i, temperature=0.8, **BENCH_PARAMS[i % 4]) for i in range(B)]
+    pos = list(range(B))
+    table = SamplingTensors.from_params(params, V, "cuda")
+    out = SamplerOutput.allocate(B, "cuda", None)
+    cfg = SamplerConfig.gpu()
+    ws = Workspace.allocate(B, V, "cuda", cfg)
+    launch.sample(logits, torch.arange(B, device="cuda"), torch.tensor(pos, device="cuda"), table,
+                  out, config=cfg, workspace=ws)  # fmt: skip
+    routes = ws.rowi[:, 0].tolist()
+    assert int(R_EXACT) not in routes, f"{shape}: rows {routes}"
+    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    assert_equal_up_to_near_ties(logits, params, pos, ref, out.token_ids)
 
 
-def test_top_p_first_step_changes_no_token(monkeypatch):
-    """How far below its guess top-p's first gather reads (launch.TOP_P_STEP) changes the
-    rounds and the candidates, never a token: flat rows (most need a second round at 1)
-    and peaked ones, top-p alone and with min-p, against the torch reference."""
-    from graphexec.sampling.triton import launch
+@pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16), dict(bins=128),
+                                   dict(num_warps=4, kept_warps=8)])  # fmt: skip
+def test_config_changes_no_token(knobs):
+    """Another split, a gather cap that sends rows to the exact search, other bins or warps:
+    the same tokens as the GPU preset, on every shape and filter."""
+    from graphexec.sampling.triton.config import SamplerConfig
 
     V, B = 128256, 48
-    g = torch.Generator(device="cuda").manual_seed(11)
-    scale = torch.tensor([3.0, 1.0, 8.0], device="cuda").repeat(B // 3)[:, None]
-    logits = torch.randn(B, V, device="cuda", generator=g) * scale
-    params = [P(seed=40 + i, top_p=(0.9, 0.5, 0.99)[i % 3], temperature=0.8,
-                min_p=0.02 if i % 4 == 0 else 0.0) for i in range(B)]  # fmt: skip
-    pos = [3 * i for i in range(B)]
-    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    logits = torch.cat([shape_logits(s, B // 4, V, seed=22) for s in
+                        ("peaked", "randn3", "flat", "ties")])  # fmt: skip
+    params = [P(seed=i, temperature=0.8, **[*BENCH_PARAMS, dict(top_k=1000, top_p=0.95)][i % 5])
+              for i in range(B)]  # fmt: skip
+    pos = list(range(B))
+    table = SamplingTensors.from_params(params, V, "cuda")
+    slots = torch.arange(B, device="cuda")
+    posd = torch.tensor(pos, device="cuda")
     outs = []
-    for step in (1, 2, 4):
-        monkeypatch.setattr(launch, "TOP_P_STEP", step)
-        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[1])
-
-
-def test_gather_limit_changes_no_token(monkeypatch):
-    """Rows without top-k may gather CAP x GATHER_MULT candidates (band) where the others
-    stop at CAP (exact path): randn * 2.5 rows at p = 0.9, whose kept sets pass CAP, and
-    min-p rows give the same tokens at GATHER_MULT 1 and 4, as the torch reference's."""
-    from graphexec.sampling.triton import launch
-
-    V, B = 128256, 16
-    g = torch.Generator(device="cuda").manual_seed(12)
-    logits = torch.randn(B, V, device="cuda", generator=g) * 2.5
-    params = [P(seed=60 + i, temperature=0.8, top_p=0.9 if i % 2 else 1.0,
-                min_p=0.0 if i % 2 else 0.01) for i in range(B)]  # fmt: skip
-    pos = [7 * i for i in range(B)]
-    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
-    outs = []
-    for mult in (1, 4):
-        monkeypatch.setattr(launch, "GATHER_MULT", mult)
-        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
+    for cfg in (SamplerConfig.gpu(), SamplerConfig.gpu().replace(**knobs)):
+        out = SamplerOutput.allocate(B, "cuda", None)
+        gx.sample_step(logits, slots, posd, table, out, backend="triton", config=cfg)
+        outs.append(out.token_ids)
     assert torch.equal(outs[0], outs[1])
-    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[1])
-
-
-def test_split_gather_changes_no_token(monkeypatch):
-    """Top-p rows without top-k take their first gather from `split_gather` (B x SPLIT
-    programs, slots by atomic adds) in batches up to SPLIT_MAX_B, from their own program
-    above it: flat and peaked rows, top-p with and without min-p, beside top-k and min-p
-    rows, give the same tokens with the split gather on (two splits) and off, as the torch
-    reference's (up to near ties)."""
-    from graphexec.sampling.triton import launch
-
-    V, B = 128256, 48
-    g = torch.Generator(device="cuda").manual_seed(13)
-    scale = torch.tensor([3.0, 1.0, 8.0, 2.5], device="cuda").repeat(B // 4)[:, None]
-    logits = torch.randn(B, V, device="cuda", generator=g) * scale
-    kinds = [
-        lambda i: P(seed=i, temperature=0.8, top_p=0.9),
-        lambda i: P(seed=i, top_p=0.5, min_p=0.02),
-        lambda i: P(seed=i, temperature=0.8, top_k=50, top_p=0.9),
-        lambda i: P(seed=i, temperature=1.2, top_p=0.99),
-        lambda i: P(seed=i, min_p=0.05),
-        lambda i: P(seed=i, temperature=0.7, top_p=0.7, logit_bias={5: 12.0, 77000: 9.0}),
-    ]
-    params = [kinds[i % len(kinds)](90 + i) for i in range(B)]
-    pos = [5 * i + 1 for i in range(B)]
-    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
-    outs = []
-    for max_b, programs in ((B, 2048), (B, 64), (0, 2048)):
-        monkeypatch.setattr(launch, "SPLIT_MAX_B", max_b)
-        monkeypatch.setattr(launch, "SPLIT_PROGRAMS", programs)
-        outs.append(gx.sample_logits(logits, params, pos, backend="triton").token_ids)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[0])
 
 
 def test_bad_rows_on_gpu():
@@ -304,31 +286,61 @@ def test_bad_rows_on_gpu():
     assert alone.token_ids.item() == out.token_ids[0].item()
 
 
-def test_two_level_draw_is_exact_on_gpu():
-    """Chi-square (alpha 1e-6) of the Triton two-level draw at the library's DRAW_BLOCK:
-    100,000 draws of one row of 8 blocks, against float64 softmax probabilities."""
+def chi_square_gpu(row: torch.Tensor, params: gx.SamplingParams, probs, n: int) -> None:
     import numpy as np
     import scipy.stats
 
-    V, N, chunk = 8 * reference.DRAW_BLOCK, 100_000, 20_000
-    g = torch.Generator().manual_seed(11)
-    row = torch.randn(V, generator=g) * 2.5
-    row[: reference.DRAW_BLOCK] -= 4.0  # blocks of unequal mass
-    row[5 * reference.DRAW_BLOCK + 7] = float("inf") * 0  # a NaN, never drawn
-    probs = torch.softmax(torch.nan_to_num(row.double(), nan=-torch.inf) / 0.9, 0).numpy()
-    p = gx.SamplingParams(temperature=0.9, seed=123)
+    V, chunk = row.shape[0], 25_000
     toks = []
-    for start in range(0, N, chunk):
+    for start in range(0, n, chunk):
         logits = row.cuda().expand(chunk, -1).contiguous()
-        out = gx.sample_logits(logits, [p] * chunk, torch.arange(start, start + chunk))
+        out = gx.sample_logits(logits, [params] * chunk, torch.arange(start, start + chunk))
         assert out.valid.all()
         toks.append(out.token_ids.cpu().numpy())
     counts = np.bincount(np.concatenate(toks), minlength=V)
-    assert counts[5 * reference.DRAW_BLOCK + 7] == 0
-    exp = probs * N
+    assert not (counts * (probs == 0)).any(), "a token outside the support"
+    exp = probs * n
     big = exp >= 5
-    obs_b, exp_b = counts[big], exp[big]
-    obs = np.append(obs_b, counts[~big].sum())
-    ex = np.append(exp_b, exp[~big].sum())
-    pval = scipy.stats.chisquare(obs, ex * obs.sum() / ex.sum()).pvalue
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    pval = scipy.stats.chisquare(obs[keep], ex[keep] * obs.sum() / ex[keep].sum()).pvalue
     assert pval > 1e-6, f"chi-square p = {pval:.3g}"
+
+
+def test_two_level_draw_is_exact_on_gpu():
+    """Chi-square (alpha 1e-6) of the Triton two-level draw at the library's DRAW_BLOCK:
+    100,000 draws of one row of 8 blocks, against float64 softmax probabilities."""
+    V = 8 * reference.DRAW_BLOCK
+    g = torch.Generator().manual_seed(11)
+    row = torch.randn(V, generator=g) * 2.5
+    row[: reference.DRAW_BLOCK] -= 4.0  # blocks of unequal mass
+    row[5 * reference.DRAW_BLOCK + 7] = float("nan")  # never drawn
+    probs = torch.softmax(torch.nan_to_num(row.double(), nan=-torch.inf) / 0.9, 0).numpy()
+    chi_square_gpu(row, gx.SamplingParams(temperature=0.9, seed=123), probs, 100_000)
+
+
+@pytest.mark.parametrize("filt", [dict(top_p=0.9), dict(min_p=0.05)])
+def test_flat_rows_top_p_and_min_p_are_exact_on_gpu(filt):
+    """Chi-square of top-p 0.9 and min-p 0.05 on a flat row of 12 blocks (they keep most
+    of it: the selection's histogram, bracket and gather at work), 200,000 draws, against
+    float64 probabilities of the kept set (its boundary kept 1e-4 away from p)."""
+    V = 12 * reference.DRAW_BLOCK
+    g = torch.Generator().manual_seed(12)
+    row = torch.randn(V, generator=g) * 0.4
+    y = row.double() / 0.8
+    w = torch.exp(y - y.max())
+    order = torch.argsort(-y, stable=True)
+    keep = torch.zeros(V, dtype=torch.bool)
+    if "top_p" in filt:
+        cum = torch.cumsum(w[order], 0) - w[order]
+        gap = ((cum - filt["top_p"] * w.sum()).abs() / w.sum()).min().item()
+        assert gap > 1e-4, "top-p boundary too close to a token"
+        keep[order[cum < filt["top_p"] * w.sum()]] = True
+    else:
+        assert ((w - filt["min_p"]).abs() > 1e-4).all()
+        keep = w >= filt["min_p"]
+    assert keep.sum() > V // 2
+    probs = torch.where(keep, w, 0.0)
+    probs = (probs / probs.sum()).numpy()
+    chi_square_gpu(row, gx.SamplingParams(temperature=0.8, seed=77, **filt), probs, 200_000)

@@ -10,13 +10,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from graphexec.rng import Stream, gumbel, random_bits, uniform  # noqa: E402
-from graphexec.sampling.triton.philox import (  # noqa: E402
-    OUT_GUMBEL,
-    OUT_UNIFORM,
-    gather_bits,
-    philox_bits,
-    philox_gather,
-)
+from graphexec.sampling.triton.philox import block_bits  # noqa: E402
 from graphexec.sampling.triton.philox import gumbel as tl_gumbel  # noqa: E402
 from graphexec.sampling.triton.philox import to_uniform as tl_to_uniform  # noqa: E402
 
@@ -24,6 +18,31 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SEEDS = [0, 1, 2**32 - 1, 2**32, 2**63 - 1, 0x0123456789ABCDEF]
 POSITIONS = [0, 1, 2**31, 2**32 - 1, 977]
 STREAMS = [int(s) for s in Stream]
+
+
+@triton.jit
+def _rows_kernel(seed_ptr, pos_ptr, out_ptr, V, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+                 OUT: tl.constexpr):  # fmt: skip
+    """Row r's words (OUT 0), uniforms (1) or Gumbel noise (2) of tokens 0..V-1, a block of
+    BLOCK tokens per program: grid (rows, cdiv(V, BLOCK))."""
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
+    bits = block_bits(tl.load(seed_ptr + row), tl.load(pos_ptr + row), start, BLOCK, STREAM)
+    if OUT == 1:
+        v = tl_to_uniform(bits)
+    elif OUT == 2:
+        v = tl_gumbel(bits)
+    else:
+        v = bits.to(tl.int64)
+    cols = start + tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * V + cols, v, mask=cols < V)
+
+
+def rows(seed, pos, V, stream=0, block=64, out=0) -> torch.Tensor:
+    res = torch.empty((len(seed), V), dtype=torch.int64 if out == 0 else torch.float32,
+                      device=DEV)  # fmt: skip
+    _rows_kernel[(len(seed), triton.cdiv(V, block))](seed, pos, res, V, block, stream, out)
+    return res
 
 
 def _grid_rows() -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,77 +58,34 @@ def _ref(seed: torch.Tensor, pos: torch.Tensor, vocab: int, stream: int) -> torc
 
 
 @pytest.mark.parametrize("stream", STREAMS)
-def test_tile_bits_equal_reference(stream: int) -> None:
-    # 30 rows in [32, 64] tiles: a padded last row block, two token blocks, V % 4 != 0
+def test_block_bits_equal_reference(stream: int) -> None:
+    # two blocks of 64 tokens, V % 4 != 0, every seed and position edge case
     seed, pos = _grid_rows()
     V = 101
-    got = philox_bits(seed, pos, V, stream, block_r=32, block=64)
-    assert got.dtype == torch.int64 and got.shape == (len(seed), V)
-    assert torch.equal(got, _ref(seed, pos, V, stream))
-
-
-@pytest.mark.parametrize("block_r", [1, 4, 8])
-def test_tile_bits_row_blocks(block_r: int) -> None:
-    # R = 6 is not a multiple of 4: the padding rows must not leak into the result
-    seed = torch.tensor([3, 0, 2**63 - 1, 5, 9, 1], device=DEV)
-    pos = torch.tensor([0, 2**32 - 1, 7, 7, 1, 2**20], device=DEV)
-    got = philox_bits(seed, pos, 22, 1, block_r=block_r, block=16)
-    assert torch.equal(got, _ref(seed, pos, 22, 1))
-
-
-@pytest.mark.parametrize("stream", STREAMS)
-def test_block_bits_equal_reference(stream: int) -> None:
-    # one row per program (block_bits); a few rows only, the interpreter is slow per program
-    seed = torch.tensor([0, 2**63 - 1, 12345, 2**32], device=DEV)
-    pos = torch.tensor([2**32 - 1, 0, 3, 2**31], device=DEV)
-    V = 37  # not a multiple of 4, last block partial
-    got = philox_bits(seed, pos, V, stream, block=32)
+    got = rows(seed, pos, V, stream)
+    assert got.shape == (len(seed), V)
     assert torch.equal(got, _ref(seed, pos, V, stream))
 
 
 def test_block_bits_token_order() -> None:
-    # tokens 4g..4g+3 come from one Philox call, lanes 0..3 in token order
-    seed = torch.tensor([42], device=DEV)
-    pos = torch.tensor([5], device=DEV)
-    got = philox_bits(seed, pos, 16, block=16)[0]
-    for t in range(16):
-        one = random_bits(seed, pos, torch.tensor([t], device=DEV))
-        assert int(got[t]) == int(one[0]), t
-
-
-def test_gather_bits_equal_reference() -> None:
-    g = torch.Generator().manual_seed(0)
-    seed, pos = _grid_rows()
-    ids = torch.randint(0, 2**24, (len(seed), 13), generator=g).to(DEV)
-    ids[:, :4] = torch.tensor([0, 1, 2, 3])  # every lane
-    ids[:, 4] = 2**21 - 1
-    for stream in STREAMS:
-        got = philox_gather(seed, pos, ids, stream)
-        assert torch.equal(got, random_bits(seed[:, None], pos[:, None], ids, stream))
-
-
-def test_gather_matches_row_bits() -> None:
-    # gather_bits and tile_bits give one token the same word
-    seed = torch.tensor([7, 2**63 - 1], device=DEV)
-    pos = torch.tensor([0, 2**32 - 1], device=DEV)
-    ids = torch.tensor([[0, 5, 50, 63], [63, 1, 2, 33]], device=DEV)
-    rows = philox_bits(seed, pos, 64, block_r=2, block=64)
-    assert torch.equal(philox_gather(seed, pos, ids), rows.gather(1, ids))
+    # the 4 words of a Philox call belong to 4 consecutive tokens, in order
+    seed = torch.tensor([7], device=DEV)
+    pos = torch.tensor([3], device=DEV)
+    got = rows(seed, pos, 16, block=16)[0]
+    assert torch.equal(got, _ref(seed, pos, 16, 0)[0])
+    assert len(set(got.tolist())) == 16
 
 
 def test_uniform_and_gumbel_from_kernels() -> None:
     seed, pos = _grid_rows()
     V = 45
     tok = torch.arange(V, device=DEV)
-    u = philox_bits(seed, pos, V, block_r=32, block=64, out=OUT_UNIFORM)
-    assert u.dtype == torch.float32
+    u = rows(seed, pos, V, out=1)
     assert torch.equal(u, uniform(seed[:, None], pos[:, None], tok[None, :]))
-    g = philox_bits(seed, pos, V, block_r=32, block=64, out=OUT_GUMBEL)
+    g = rows(seed, pos, V, out=2)
     ref = gumbel(seed[:, None], pos[:, None], tok[None, :])
     # log may differ in the last ulp between backends (DESIGN.md); the uniforms may not
     torch.testing.assert_close(g, ref, rtol=2e-6, atol=1e-6)
-    ids = tok[None, :].expand(len(seed), V)
-    assert torch.equal(philox_gather(seed, pos, ids, out=OUT_UNIFORM), u)
 
 
 @triton.jit
@@ -132,24 +108,3 @@ def test_uniform_extremes_are_exact_and_gumbel_finite() -> None:
     assert float(u.min()) == 2.0**-24 and float(u.max()) == 1 - 2.0**-24
     assert bool(torch.isfinite(g).all())
     torch.testing.assert_close(g, -torch.log(-torch.log(u)), rtol=2e-6, atol=1e-6)
-
-
-@triton.jit
-def _gather_shared_ids_kernel(seed_ptr, pos_ptr, out_ptr, R, N, BR: tl.constexpr, BN: tl.constexpr):
-    # ids [BN] shared by all rows, seed / pos [BR, 1]: gather_bits broadcasts them
-    r = tl.arange(0, BR)
-    c = tl.arange(0, BN)
-    seed = tl.load(seed_ptr + r, mask=r < R, other=0)[:, None]
-    pos = tl.load(pos_ptr + r, mask=r < R, other=0)[:, None]
-    bits = gather_bits(seed, pos, c * 3, 2)
-    m = (r < R)[:, None] & (c < N)[None, :]
-    tl.store(out_ptr + r[:, None] * N + c[None, :], bits.to(tl.int64), mask=m)
-
-
-def test_gather_bits_broadcasts_shared_ids() -> None:
-    seed = torch.tensor([1, 2**63 - 1, 0], device=DEV)
-    pos = torch.tensor([2**32 - 1, 0, 8], device=DEV)
-    out = torch.empty(3, 10, dtype=torch.int64, device=DEV)
-    _gather_shared_ids_kernel[(1,)](seed, pos, out, 3, 10, 4, 16)
-    ids = torch.arange(10, device=DEV) * 3
-    assert torch.equal(out, random_bits(seed[:, None], pos[:, None], ids[None, :], 2))

@@ -1,4 +1,5 @@
-"""The Triton processing stage equals reference.process_logits bit for bit."""
+"""The Triton processing (`process.tile_x`, which every pass runs) equals
+reference.process_logits bit for bit."""
 
 from tests.triton_env import ensure_interpreter
 
@@ -6,13 +7,43 @@ ensure_interpreter()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from graphexec.params import SamplingParams  # noqa: E402
 from graphexec.sampling.reference import process_logits  # noqa: E402
 from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
-from graphexec.sampling.triton.process import process  # noqa: E402
+from graphexec.sampling.triton.process import SLOTS as P_SLOTS  # noqa: E402
+from graphexec.sampling.triton.process import VOCAB as P_VOCAB  # noqa: E402
+from graphexec.sampling.triton.process import bias_ids, proc_args, tile_x  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@triton.jit
+def _process_kernel(P, x_ptr, BF16: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+    """x [B, V] f32 of `tile_x`, a [BLOCK] tile per program: grid (B, cdiv(V, BLOCK))."""
+    row = tl.program_id(0)
+    slot = tl.load(P[P_SLOTS] + row).to(tl.int64)
+    lo = tl.program_id(1) * BLOCK
+    offs = lo + tl.arange(0, BLOCK)
+    x = tile_x(P, row, slot, bias_ids(P, slot, NB_P2), offs, lo, lo + BLOCK, BF16)
+    tl.store(x_ptr + row.to(tl.int64) * P[P_VOCAB] + offs, x, mask=offs < P[P_VOCAB])
+
+
+def process(logits, slot_ids, table, bitmask=None, *, block: int = 1024) -> torch.Tensor:
+    """[B, V] processed logits, as every pass computes them."""
+    B, V = logits.shape
+    x = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    if B == 0:
+        return x
+    pos = torch.zeros(B, dtype=torch.int64, device=logits.device)
+    P, bf16 = proc_args(logits, slot_ids, pos, table, bitmask)
+    _process_kernel[(B, triton.cdiv(V, block))](
+        P, x, BF16=bf16, NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
+        BLOCK=block, enable_fp_fusion=False,
+    )  # fmt: skip
+    return x
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
 V = 77  # not a multiple of 32 (last bitmask word partial) nor of the tile width
@@ -122,18 +153,18 @@ def test_equals_reference(dtype: torch.dtype, penalties: str, with_bitmask: bool
     assert_same_bits(process(logits, slots, table, bitmask), ref)
 
 
-@pytest.mark.parametrize("block_r, block", [(1, 32), (4, 16), (16, 128)])
-def test_tilings(block_r: int, block: int) -> None:
-    # one row per program (the GPU tiling), and partial row / token blocks
+@pytest.mark.parametrize("block", [16, 32, 128])
+def test_tilings(block: int) -> None:
+    # tiles that cut the row, its bitmask words and its bias ids anywhere
     table = _table("both")
     logits = _logits(torch.float32)
     slots = torch.tensor(SLOTS, device=DEV)
     ref = process_logits(logits, slots, table, _bitmask())
-    got = process(logits, slots, table, _bitmask(), block_r=block_r, block=block)
+    got = process(logits, slots, table, _bitmask(), block=block)
     assert_same_bits(got, ref)
 
 
-def test_strided_inputs_int32_slots_and_out_x() -> None:
+def test_strided_inputs_and_int32_slots() -> None:
     table = _table("both")
     # logits: a column slice of a wider tensor (row stride != V); bitmask likewise
     wide = _logits(torch.bfloat16, vocab=V + 19)
@@ -143,10 +174,7 @@ def test_strided_inputs_int32_slots_and_out_x() -> None:
     bitmask = bitmask[:, :words]
     slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEV)
     ref = process_logits(logits, slots.long(), table, bitmask)
-    out = torch.full((B, V), 123.0, device=DEV)
-    got = process(logits, slots, table, bitmask, out_x=out)
-    assert got.data_ptr() == out.data_ptr()
-    assert_same_bits(got, ref)
+    assert_same_bits(process(logits, slots, table, bitmask), ref)
 
 
 def test_column_strided_logits() -> None:
@@ -175,7 +203,9 @@ def test_random_large_table() -> None:
         v[torch.rand(Sb, generator=g) < 0.4] = 0.0
         col.copy_(v)
     ids = torch.stack([torch.randperm(Vb, generator=g)[:nb] for _ in range(Sb)]).int()
-    ids[torch.rand(Sb, nb, generator=g) < 0.5] = -1
+    ids[torch.rand(Sb, nb, generator=g) < 0.5] = Vb
+    ids = ids.sort(dim=1).values  # a table's ids are ascending, -1 pads last
+    ids[ids == Vb] = -1
     t.bias_ids.copy_(ids)
     t.bias_values.copy_(torch.where(ids >= 0, torch.randn(Sb, nb, generator=g) * 5, 0.0))
     t.token_counts.copy_(torch.randint(0, 3, (Sb, Vb), generator=g, dtype=torch.int32))

@@ -8,10 +8,9 @@ both NaN-free and +inf-collapsed as in `graphexec.sampling.reference.write_logpr
     rank  = 1 + #(v_j > v_token)
     top-N = the first N of the row's (value desc, id asc) order
 
-One program per row, in passes: (1) max and +inf count; (2) the sum, the rank;
-(3) top-N: a threshold tau = m - delta with N <= #(v >= tau) <= CAP (delta bisected),
-gather, sort, keep N; rows where no tau serves (ties wider than CAP) locate the N-th
-element by bisection over order keys and gather exactly N.
+One program per row, in passes: max and +inf count; the sum, the rank; top-N over
+candidates v >= m - delta (N <= their count <= CAP, delta bisected), or where ties make
+that impossible, exactly N located by bisection over the order keys.
 """
 
 from __future__ import annotations
@@ -22,9 +21,7 @@ import triton.language as tl
 
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
-from graphexec.sampling.triton.select import collapse_inf, okey, pack, sort_desc, unpack
-
-CAP = 256 if not interpreter_enabled() else 64  # the interpreter sorts in O(CAP^2)
+from graphexec.sampling.triton.keys import collapse_inf, okey, pack, sort_desc, unpack
 
 
 @triton.jit
@@ -189,7 +186,7 @@ def write_logprobs(
     table: SamplingTensors,
     out: SamplerOutput,
     *,
-    cap: int = CAP,
+    cap: int,
     block: int | None = None,
     done: torch.Tensor | None = None,
 ) -> None:
@@ -207,27 +204,10 @@ def write_logprobs(
     if bf16:
         logits = logits.view(torch.int16)  # same bytes; widened exactly in the kernel
     _logprobs_kernel[(B,)](
-        logits,
-        logits.stride(0),
-        y,
-        y.stride(0),
-        slot_ids,
-        table.logprobs_processed,
-        out.token_ids,
-        cand,
-        out.logprobs,
-        out.ranks,
-        top_lp,
-        top_id,
-        done if done is not None else out.ranks,
-        V,
-        BF16_BITS=bf16,
-        N=n,
-        N_POW2=max(1, triton.next_power_of_2(n)),
-        CAP=cap,
-        BLOCK=blk,
-        ROUNDS=16,
-        INTERP=interpreter_enabled(),
-        SKIP_DONE=done is not None,
+        logits, logits.stride(0), y, y.stride(0), slot_ids, table.logprobs_processed,
+        out.token_ids, cand, out.logprobs, out.ranks, top_lp, top_id,
+        done if done is not None else out.ranks, V, BF16_BITS=bf16, N=n,
+        N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap, BLOCK=blk, ROUNDS=16,
+        INTERP=interpreter_enabled(), SKIP_DONE=done is not None,
         num_warps=8 if not interpreter_enabled() else 4,
-    )
+    )  # fmt: skip

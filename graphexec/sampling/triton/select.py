@@ -1,12 +1,17 @@
-"""Order keys and the filter over a sorted prefix, shared by the sampler's kernels.
+"""Selection, pass 2 of a filtered row (top-k / top-p): a histogram of its values, then a
+bracket of bins that holds the cut.
 
-A row's "sorted order" is (value descending, token id ascending). Kernels find the part of
-that order they need (a whole small row, or the candidates above a threshold of a large
-one), sort it as packed int64 keys, and apply top-k / top-p / min-p on the sorted tile
-exactly as `graphexec.sampling.reference.filter_mask` does:
+Programs (row, slice) read the row's listed blocks (ym_b >= lo, `stats`) and count the
+live tokens with y >= lo into NBINS bins floor(-y * inv_w) over [lo, 0] (`draw.bin_of`),
+added atomically to the row's histogram. Counts are exact, masses estimated from the
+bins' edges and middles: the kept pass (`kept`) measures them exactly and checks.
 
-    okey(x)  int32 whose signed order is the float order (-0.0 folded into +0.0)
-    pack     (okey << 32) | (0xFFFFFFFF - id): one descending sort gives the row's order
+The row's last program places the bracket: bin J_k where the counts reach k; around
+top-p's crossing, the bins between those where the masses' upper and lower bounds reach
+p * total, or for dense bins, eighths either side of an interpolated crossing. With both
+cuts: one bracket when they touch, else bracket 1 for top-p and bracket 2 at J_k, the
+middle between them summed, not gathered. A bracket estimated past the gather cap sends
+the row to the exact search (`R_EXACT`).
 """
 
 from __future__ import annotations
@@ -14,101 +19,172 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.philox import gather_bits, gumbel
-
-MASS_SCALE = 4294967296.0  # 2**32, fixed-point probability mass relative to the max
-PAD_KEY = -(2**63)  # sorts last; unpacks to -inf, never kept
-
-
-@triton.jit
-def okey(x):
-    """fp32 -> int32 with the same order (as signed ints); -0.0 and +0.0 share a key."""
-    x = tl.where(x == 0.0, 0.0, x)
-    b = x.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
-
-
-@triton.jit
-def okey_to_float(k):
-    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
-    return b.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def pack(x, ids):
-    """int64 sort key of (value desc, id asc) for fp32 values x and int32 ids."""
-    hi = okey(x).to(tl.int64) << 32
-    lo = 0xFFFFFFFF - ids.to(tl.int64)
-    return hi | lo
+from graphexec.sampling.triton.config import (
+    F_INVW,
+    F_LO,
+    F_M,
+    F_S,
+    I_J1,
+    I_J2,
+    I_JHI,
+    I_JLO,
+    I_NLIST,
+    I_ROUTE,
+    NUM_I,
+    R_EXACT,
+    R_SELECT,
+)  # fmt: skip
+from graphexec.sampling.triton.draw import bin_of
+from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, row_params, tile_x
+from graphexec.sampling.triton.stats import BLOCKS, HIST, ROWF, ROWI, TOTAL, arrive
 
 
 @triton.jit
-def unpack(key):
-    """(values fp32, ids int32) of packed keys; PAD_KEY gives -inf."""
-    vals = okey_to_float((key >> 32).to(tl.int32))
-    ids = (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32)
-    return tl.where(key == -9223372036854775808, float("-inf"), vals), ids
+def load_plan(W, row):
+    """(m, s, lo, inv_w, jhi, j1, j2, jlo): the row's max, scale, lower bound, bin scale
+    and bracket bounds (`stats._plan`, then `_bracket`)."""
+    fr = W[ROWF] + row * 8
+    ri = W[ROWI] + row * NUM_I
+    return (tl.load(fr + F_M), tl.load(fr + F_S), tl.load(fr + F_LO), tl.load(fr + F_INVW),
+            tl.load(ri + I_JHI), tl.load(ri + I_J1), tl.load(ri + I_J2), tl.load(ri + I_JLO))
 
 
 @triton.jit
-def sort_desc(keys, INTERP: tl.constexpr):
-    """Sort each row of [R, C] int64 keys in descending order.
-
-    Compiled: tl.sort. Under the CPU interpreter, whose tl.sort runs element by element in
-    Python, the same order by ranks (keys are distinct but for the padding): O(C^2) work
-    in a few vectorised numpy operations."""
-    if INTERP:
-        C: tl.constexpr = keys.shape[1]
-        idx = tl.arange(0, C)
-        ki = keys[:, :, None]
-        kj = keys[:, None, :]
-        ahead = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=2)
-        onehot = rank[:, :, None] == idx[None, None, :]
-        return tl.sum(tl.where(onehot, ki, 0), axis=1)
-    else:
-        return tl.sort(keys, dim=1, descending=True)
+def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
+              BF16: tl.constexpr):  # fmt: skip
+    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
+    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
+    e = e0 + tl.arange(0, R)
+    bid = tl.load(W[BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
+    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+    lo = tl.min(bid, axis=0) * DB
+    hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
+    return tile_x(P, row, slot, ids, offs, lo, hi, BF16), offs, bid
 
 
 @triton.jit
-def collapse_inf(x, has_inf):
-    """Rows holding +inf sample uniformly among their +inf entries (has_inf broadcasts)."""
-    return tl.where(has_inf, tl.where(x == float("inf"), 0.0, float("-inf")), x)
+def _first_reaching(cum, target, j, NBINS: tl.constexpr):
+    return tl.min(tl.where(cum >= target, j, NBINS), axis=0)
 
 
 @triton.jit
-def mass(x, m):
-    """int64 fixed-point mass trunc(exp(x - m) * 2**32); 0 for -inf."""
-    rel = tl.exp(x - m)
-    return (rel * 4294967296.0).to(tl.int64)
+def _at(v, j, i):
+    """v[i] of a vector (0 where i is outside it)."""
+    return tl.sum(tl.where(j == i, v, 0), axis=0)
 
 
 @triton.jit
-def filter_sorted_draw(vals, ids, m, top_k, top_p, min_p, qtot, seed, pos, STREAM: tl.constexpr):
-    """Filter a sorted tile and draw from what survives.
+def _top_k_mass(mass, cnt, e, j, jk, k):
+    """top-k's mass estimated with per-token masses e: the bins above jk, then k minus
+    their count at jk's."""
+    return _at(mass, j, jk - 1) + (k - _at(cnt, j, jk - 1)).to(tl.float32) * _at(e, j, jk)
 
-    vals: [R, C] f32, each row sorted by (value desc, id asc) and holding a prefix of its
-        row's order (-inf pads the tail).   ids: [R, C] int32 token ids of vals.
-    m: [R, 1] row max. top_k: [R, 1] int32 (0 off). top_p, min_p: [R, 1] f32.
-    qtot: [R, 1] float64 total mass for top-p when top_k is off (the whole row's), else
-        ignored (the top-k prefix's own mass is used).
-    seed, pos: [R, 1] int64 noise keys.
-    Returns (token [R] int32, -1 where nothing is kept; best score [R] f32).
-    """
-    C: tl.constexpr = vals.shape[1]
-    rank = tl.arange(0, C)[None, :]
-    finite = vals > float("-inf")
-    kept = finite & ((top_k == 0) | (rank < top_k))
-    rel = tl.exp(vals - m)
-    q = tl.where(kept, (rel * 4294967296.0).to(tl.int64), 0)
-    before = tl.cumsum(q, axis=1) - q
-    total = tl.where(top_k == 0, qtot, tl.sum(q, axis=1)[:, None].to(tl.float64))
-    thresh = top_p.to(tl.float64) * total
-    kept = kept & ((top_p >= 1.0) | (before.to(tl.float64) < thresh))
-    kept = kept & (rel >= min_p)
-    g = gumbel(gather_bits(seed, pos, ids, STREAM))
-    score = tl.where(kept, vals + g, float("-inf"))
-    best = tl.max(score, axis=1)
-    tok = tl.min(tl.where(score == best[:, None], ids, 2147483647), axis=1)
-    tok = tl.where(best > float("-inf"), tok, -1)
-    return tok, best
+
+@triton.jit
+def _in_eighths(h, j, a, b):
+    """Tokens estimated in eighths a..b of the bins (a bin's count spread evenly)."""
+    over = tl.minimum(b, 8 * j + 7) - tl.maximum(a, 8 * j) + 1
+    return tl.sum(h.to(tl.float32) * tl.maximum(over, 0).to(tl.float32), axis=0) / 8.0
+
+
+@triton.jit
+def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
+    """Place the row's bracket from its histogram (module docstring); its bounds are in
+    eighths of a bin (`draw.bin_of`)."""
+    j = tl.arange(0, NBINS)
+    h = tl.load(W[HIST] + row * NBINS + j, cache_modifier=".cg")
+    cnt = tl.cumsum(h, axis=0)
+    inv_w = tl.load(W[ROWF] + row * 8 + F_INVW)
+    w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
+    jf = j.to(tl.float32)
+    # a token of bin j weighs (relative to the max) between e_lo and e_hi, about e_mid
+    e_mid = tl.exp(-(jf + 0.5) * w)
+    e_lo = tl.exp(-(jf + 1.01) * w)
+    e_hi = tl.exp(-(jf - 0.01) * w)
+    mass = tl.cumsum(h.to(tl.float32) * e_mid, axis=0)
+    m_lo = tl.cumsum(h.to(tl.float32) * e_lo, axis=0)
+    m_hi = tl.cumsum(h.to(tl.float32) * e_hi, axis=0)
+    last = tl.max(tl.where(h > 0, j, 0), axis=0)
+    top_k = tl.load(P[TOP_K] + slot)
+    top_p = tl.load(P[TOP_P] + slot)
+    # top-k's cut: in bin jk, exactly (the counts are exact); all eighths of it
+    jk = tl.minimum(_first_reaching(cnt, top_k, j, NBINS), last)
+    jhi = 8 * jk
+    j1 = 8 * jk + 7
+    if top_p < 1.0:
+        t_row = (tl.load(W[TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
+        on_k = top_k > 0
+        k = tl.minimum(top_k, _at(cnt, j, NBINS - 1))  # fewer live tokens than k: all
+        t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k), t_row)
+        t_lo = tl.where(on_k, _top_k_mass(m_lo, cnt, e_lo, j, jk, k), t_row)
+        t_hi = tl.where(on_k, _top_k_mass(m_hi, cnt, e_hi, j, jk, k), t_row)
+        # the crossing lies between the bins where the highest and the lowest masses reach
+        # p * total; where that span is small it is the bracket
+        ja = tl.minimum(_first_reaching(m_hi, top_p * t_lo, j, NBINS), last)
+        jb = tl.minimum(_first_reaching(m_lo, top_p * t_hi, j, NBINS), last)
+        span = _at(cnt, j, jb) - _at(cnt, j, ja - 1)
+        # else (dense bins, whose middles average out) eighths either side of the crossing
+        # interpolated in the estimate's bin, as many as half the gather cap holds
+        target = top_p * t_mid
+        jp = tl.minimum(_first_reaching(mass, target, j, NBINS), last)
+        f = (target - _at(mass, j, jp - 1)) / tl.maximum(_at(h.to(tl.float32) * e_mid, j, jp),
+                                                         1e-30)  # fmt: skip
+        at = 8 * jp + tl.minimum(tl.maximum(f * 8.0, 0.0), 7.0).to(tl.int32)
+        d = tl.full([], 3, tl.int32)
+        for _grow in tl.static_range(6):
+            wider = tl.minimum(2 * d, 8 * NBINS)
+            if _in_eighths(h, j, tl.maximum(at - wider, 8 * ja), at + wider) <= WCAP // 2:
+                d = wider
+        narrow = span <= WCAP // 2
+        jhi = tl.where(narrow, 8 * ja, tl.maximum(at - d, 8 * ja))
+        j1 = tl.where(narrow, 8 * jb + 7, tl.minimum(at + d, 8 * jb + 7))
+        if top_k == 0:
+            jk = j1 // 8
+    # bracket 2 is bin jk when it does not touch bracket 1; else one bracket
+    apart = 8 * jk > j1 + 1
+    j1 = tl.where(apart, j1, tl.maximum(j1, 8 * jk + 7))
+    j2 = tl.where(apart, 8 * jk, j1 + 1)
+    jlo = tl.where(apart, 8 * jk + 7, j1)
+    n_est = _in_eighths(h, j, jhi, j1) + _in_eighths(h, j, j2, jlo)
+    ri = W[ROWI] + row * NUM_I
+    tl.store(ri + I_JHI, jhi.to(tl.int64))
+    tl.store(ri + I_J1, j1.to(tl.int64))
+    tl.store(ri + I_J2, j2.to(tl.int64))
+    tl.store(ri + I_JLO, jlo.to(tl.int64))
+    if n_est > WCAP:
+        tl.store(ri + I_ROUTE, tl.full([], R_EXACT, tl.int64))
+
+
+@triton.jit(do_not_specialize=["B", "S", "NBLK"])
+def _select_kernel(
+    P, W,
+    B, S,  # rows, programs per row
+    NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+    WCAP: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid (B * S,), rows in reverse order (the first rows' logits, read last by the stats
+    pass, are still in L2 when this pass starts)."""
+    row = B - 1 - tl.program_id(0) // S
+    sp = tl.program_id(0) % S
+    route = tl.load(W[ROWI] + row * NUM_I + I_ROUTE)
+    if route == R_SELECT:
+        slot, greedy, s_unused, seed, pos = row_params(P, row)
+        ids = bias_ids(P, slot, NB_P2)
+        n_list = tl.load(W[ROWI] + row * NUM_I + I_NLIST).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(n_list, R), S) * R
+        m, s, lo, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
+        h = tl.zeros([NBINS], dtype=tl.int32)
+        for e0 in range(sp * per, tl.minimum(sp * per + per, n_list), R):
+            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, BF16)
+            y = (x - m) * s
+            sel = (y > float("-inf")) & (y >= lo)
+            jb = tl.where(sel, bin_of(y, inv_w, NBINS) >> 3, 0)  # eighths -> bins
+            # a masked histogram by its bin 0, which every dropped token went to
+            h += tl.histogram(tl.reshape(jb, [R * DB]), NBINS)
+            dropped = tl.sum(tl.sum((sel == 0).to(tl.int32), 1), 0)
+            h -= tl.where(tl.arange(0, NBINS) == 0, dropped, 0)
+        tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0, sem="relaxed")
+    if arrive(W, row, 1, S):
+        if route == R_SELECT:
+            slot = tl.load(P[SLOTS] + row).to(tl.int64)
+            _bracket(P, W, row, slot, WCAP, NBINS)

@@ -1,0 +1,161 @@
+"""The Triton sampler's knobs (`SamplerConfig`) and its per-call scratch (`Workspace`).
+
+Knobs change how the work is cut, never a token: tests run the same rows under both
+presets and compare them with the torch reference. The one exception is `draw_block`,
+which is part of the definition (`reference`, step 6) and must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphexec.sampling.reference import DRAW_BLOCK
+from graphexec.sampling.triton import interpreter_enabled
+
+# Row routes (`Workspace.rowi[:, I_ROUTE]`), decided by the stats pass's row tail.
+R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter, all ties
+R_CUT = tl.constexpr(1)  # min-p only: the kept set is y >= log_min_p, masses in one pass
+R_SELECT = tl.constexpr(2)  # top-k / top-p: histogram, then a bracket gathered, resolved
+R_EXACT = tl.constexpr(3)  # the bracket did not resolve: the serial exact search served it
+ROUTE_NAMES = {0: "done", 1: "cut", 2: "select", 3: "exact"}
+
+# Columns of Workspace.rowf (f32)
+F_M, F_S, F_LO, F_INVW, F_KLO = (tl.constexpr(i) for i in range(5))
+# Columns of Workspace.rowi (i64): the route, the block list's length, the bracket's bin
+# bounds (above: j < J_HI; bracket 1: J_HI..J_1; middle: J_1 < j < J_2; bracket 2:
+# J_2..J_LO), whether no live token lies below lo; then what the kept pass sums: numbers
+# of tokens above / above with y >= log_min_p, their exact mass, the same for the middle,
+# numbers below the brackets (with y >= log_min_p / all), and the gathered tokens
+I_ROUTE, I_NLIST, I_JHI, I_J1, I_J2, I_JLO, I_LOMIN = (tl.constexpr(i) for i in range(7))
+I_NAB, I_NABM, I_MAB, I_NMID, I_NMIDM, I_MMID, I_NBELM, I_NBEL, I_NG = (
+    tl.constexpr(i) for i in range(8, 17)
+)
+NUM_I = tl.constexpr(24)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How the Triton sampler cuts its work. Pass one explicitly (`sample_step(config=)`)
+    or take `SamplerConfig.default()`: the GPU preset, or the interpreter preset under
+    TRITON_INTERPRET=1.
+
+    draw_block: tokens per block of the two-level draw (part of the definition).
+    tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
+    programs: programs per pass to aim for over the batch (rows x slices).
+    bins: histogram bins of the selection pass (a power of two).
+    gather_cap: most bracket tokens a row resolves by comparing all pairs; a row past it
+        takes the serial exact search.
+    search_ways: candidates per pass of the exact search (a power of two).
+    search_blocks: blocks per step of the exact search's passes (a power of two; one
+        keeps its registers, shared with the kept pass, low).
+    logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
+        row past it goes to the general writer.
+    num_warps: warps of the stats and select programs (their row tails included).
+    kept_warps: warps of the kept programs, whose row tail (the bracket's pairwise
+        compares, the exact search) is the widest: 16 on an H100 keeps it at 128 registers.
+    """
+
+    draw_block: int = DRAW_BLOCK
+    tile_blocks: int = 8
+    programs: int = 2048
+    bins: int = 512
+    gather_cap: int = 1024
+    search_ways: int = 16
+    search_blocks: int = 1
+    logprobs_cap: int = 256
+    num_warps: int = 8
+    kept_warps: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",
+                     "search_blocks", "logprobs_cap"):  # fmt: skip
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"SamplerConfig.{name} must be a power of two, got {v}")
+        if self.draw_block < 4:
+            raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
+        for name in ("programs", "num_warps", "kept_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SamplerConfig.{name} must be positive")
+
+    @classmethod
+    def gpu(cls) -> SamplerConfig:
+        return cls()
+
+    @classmethod
+    def interpreter(cls) -> SamplerConfig:
+        """Fewer programs and a narrower gather: the CPU interpreter pays per program and
+        per element, never per thread."""
+        return cls(programs=16, gather_cap=256, bins=128, search_blocks=4, logprobs_cap=64,
+                   num_warps=4, kept_warps=4)
+
+    @classmethod
+    def default(cls) -> SamplerConfig:
+        return cls.interpreter() if interpreter_enabled() else cls.gpu()
+
+    def replace(self, **kw) -> SamplerConfig:
+        return dataclasses.replace(self, **kw)
+
+
+def split(config: SamplerConfig, B: int, nblk: int) -> int:
+    """Programs per row: about config.programs over the batch, at least a tile each. A
+    block never straddles two programs, so no split changes a result."""
+    tiles = triton.cdiv(nblk, config.tile_blocks)
+    return max(1, min(tiles, triton.cdiv(config.programs, max(B, 1))))
+
+
+@dataclass
+class Workspace:
+    """Scratch of one sampler call, B rows of NBLK blocks. `arrive` must start at zero:
+    each pass's last program of a row resets its counter, so a persistent workspace
+    (the executor's) stays valid across calls and graph replays."""
+
+    xm: torch.Tensor  # f32 [B, NBLK]: block max of x (+inf: holds +inf; -inf: none live)
+    xn: torch.Tensor  # f32 [B, NBLK]: block min of the finite x (+inf: none)
+    q: torch.Tensor  # i64 [B, NBLK]: Q_b (+inf blocks: 2**32 per +inf entry)
+    kept: torch.Tensor  # i64 [B, NBLK]: K_b of the kept tokens above the bracket
+    kept_mid: torch.Tensor  # i64 [B, NBLK]: K_b of the kept tokens between brackets
+    blocks: torch.Tensor  # i32 [B, NBLK]: the blocks a filtered row reads again
+    hist: torch.Tensor  # i32 [B, bins]
+    gath: torch.Tensor  # i64 [B, 3, gather_cap]: bracket tokens' packs, ranks, masses before
+    rowf: torch.Tensor  # f32 [B, 8]: F_* columns
+    rowi: torch.Tensor  # i64 [B, NUM_I]: I_* columns
+    total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
+    arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass
+    raw: torch.Tensor  # f32 [2, B, NBLK] (logprobs on) raw block max and sum exp
+
+    @classmethod
+    def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
+        d = torch.device(device)
+        nblk = triton.cdiv(V, config.draw_block)
+
+        def e(*shape, dtype=torch.float32):
+            return torch.empty(shape, dtype=dtype, device=d)
+
+        i64 = torch.int64
+        return cls(
+            xm=e(B, nblk), xn=e(B, nblk), q=e(B, nblk, dtype=i64), kept=e(B, nblk, dtype=i64),
+            kept_mid=e(B, nblk, dtype=i64), blocks=e(B, nblk, dtype=torch.int32),
+            hist=e(B, config.bins, dtype=torch.int32), gath=e(B, 3, config.gather_cap, dtype=i64),
+            rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
+            arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
+            raw=e(2, B, nblk) if logprobs else e(2, 1, 1),
+        )  # fmt: skip
+
+    def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:
+        nblk = triton.cdiv(V, config.draw_block)
+        return (
+            self.xm.shape[0] >= B and self.xm.shape[1] == nblk
+            and self.hist.shape[1] == config.bins and self.gath.shape[2] == config.gather_cap
+            and (not logprobs or self.raw.shape[1] >= B)
+        )  # fmt: skip
+
+    def rows(self, B: int) -> Workspace:
+        """The first B rows (views: a persistent workspace serves every bucket)."""
+        cut = {f.name: getattr(self, f.name)[:B] for f in dataclasses.fields(self)}
+        return Workspace(**{**cut, "raw": self.raw[:, :B]})

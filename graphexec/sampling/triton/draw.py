@@ -1,0 +1,95 @@
+"""The draw itself, shared by every route's last step (`reference`, step 6).
+
+Terms: y = (x - m) * s is the scaled row (m its max, s = 1/T); ym_b the block maxes of
+y; K_b a block's kept mass relative to its max (int64, exact). A row's kept set is a few
+scalars, evaluated per token by `kept_mask`:
+
+    bins      j(y) = min(floor(-y * inv_w * FINE), NBINS * FINE - 1): eighths of the
+              selection histogram's bins (`select`; its bin is j >> 3, exactly, since the
+              scaling by 8 is exact); inv_w = 0 puts every token in bin 0
+    regions   of the live tokens with y >= lo: above (j < jhi), bracket 1 (jhi..j1),
+              middle (j1 < j < j2), bracket 2 (j2..jlo), in eighths of a bin; tokens
+              below are never kept
+    kept      y >= log_min_p and: above, or middle where midk, or a bracket token whose
+              pack is >= cut (cut: the pack of the last kept bracket token)
+
+Every route's kept set takes this form: no filter (all above), min-p alone (above, y >=
+log_min_p), ties and the exact search (all bracket 1), the selection (`kept`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.rng import Stream
+from graphexec.sampling.triton.keys import INT32_MAX, collapse_inf, first_argmax, pack
+from graphexec.sampling.triton.philox import block_bits, gumbel
+from graphexec.sampling.triton.process import tile_x
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+FINE = tl.constexpr(8)  # eighths of a histogram bin: the kept pass's classes
+TOKEN = tl.constexpr(int(Stream.TOKEN))
+BLOCK = tl.constexpr(int(Stream.BLOCK))
+
+
+@triton.jit
+def block_y(xm, m, s, has_inf):
+    """ym: the block maxes of y (-inf for dead blocks); +inf rows: 0 where a block holds
+    +inf (the collapsed row), -inf elsewhere."""
+    fin = tl.where(xm > float("-inf"), (xm - m) * s, float("-inf"))
+    return tl.where(has_inf, tl.where(xm == float("inf"), 0.0, float("-inf")), fin)
+
+
+@triton.jit
+def bin_of(y, inv_w, NBINS: tl.constexpr):
+    """j(y) for y <= 0, in eighths of a histogram bin: monotone (non-increasing) in y, so
+    {j < J} is a prefix of the row's order; dead tokens land in the last (callers mask
+    them)."""
+    top: tl.constexpr = NBINS * FINE - 1.0
+    f = tl.where(y > float("-inf"), (-y * inv_w) * FINE, top)
+    return tl.minimum(f, top).to(tl.int32)
+
+
+@triton.jit
+def kept_mask(y, pk, lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: tl.constexpr):
+    """Whether each token (values y, packs pk) is in the row's kept set (module docstring)."""
+    j = bin_of(y, inv_w, NBINS)
+    inr = (y > float("-inf")) & (y >= lo)
+    above = inr & (j < jhi)
+    mid = inr & (j > j1) & (j < j2)
+    brk = inr & (((j >= jhi) & (j <= j1)) | ((j >= j2) & (j <= jlo)))
+    return (y >= lnmp) & (above | (mid & (midk != 0)) | (brk & (pk >= cut)))
+
+
+@triton.jit
+def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_w, jhi, j1, j2,
+                   jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+                   NBINS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise, then the kept
+    token of that block with the largest y plus token noise (ties to the lower id).
+    ym, kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept)."""
+    b = tl.arange(0, NBLK_P2)
+    lm = tl.where(kv > 0, ym + tl.log(kv.to(tl.float32)), float("-inf"))
+    key = tl.where(b < NBLK, lm + gumbel(block_bits(seed, pos, 0, NBLK_P2, BLOCK)), float("-inf"))
+    top, bstar = first_argmax(key, b, NBLK_P2)
+    start = bstar * DB
+    offs = start + tl.arange(0, DB)
+    x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, BF16), has_inf)
+    y = (x - m) * s
+    kept = kept_mask(y, pack(y, offs), lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
+    sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TOKEN)), float("-inf"))
+    best, tok = first_argmax(sc, offs, INT32_MAX)
+    return tok
+
+
+@triton.jit
+def greedy_token(P, row, slot, ids, xm, mx, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+                 BF16: tl.constexpr):  # fmt: skip
+    """The first token with x == mx (the row max): the first block whose max it is,
+    read again (+inf rows: the first +inf)."""
+    b = tl.arange(0, NBLK_P2)
+    gb = tl.min(tl.where(xm == mx, b, NBLK_P2), axis=0)
+    offs = gb * DB + tl.arange(0, DB)
+    x = tile_x(P, row, slot, ids, offs, gb * DB, gb * DB + DB, BF16)
+    return tl.min(tl.where(x == mx, offs, INT32_MAX), axis=0)

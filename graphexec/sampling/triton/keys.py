@@ -1,0 +1,97 @@
+"""Order keys and fixed-point masses. A row's order is (value desc, token id asc):
+
+    okey(y)   int32 whose signed order is the float order (-0.0 folded into +0.0)
+    pack      (okey << 32) | (0xFFFFFFFF - id): distinct, larger where a token comes
+              earlier; a kept set is {pack >= C}, C its last element's pack
+    mass      trunc(exp(z) * 2**32), z <= 0, as int32 halves (exact 32-bit block sums)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+PAD_KEY = tl.constexpr(-9223372036854775808)  # below every pack; unpacks to -inf
+INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def okey(x):
+    """fp32 -> int32 with the same order (as signed ints); -0.0 and +0.0 share a key."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def okey_to_float(k):
+    b = tl.where(k >= 0, k, k ^ 0x7FFFFFFF)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack(x, ids):
+    """int64 sort key of (value desc, id asc) for fp32 values x and int32 ids."""
+    return (okey(x).to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))
+
+
+@triton.jit
+def unpack(key):
+    """(values fp32, ids int32) of packed keys; PAD_KEY gives -inf."""
+    vals = okey_to_float((key >> 32).to(tl.int32))
+    ids = (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32)
+    return tl.where(key == PAD_KEY, float("-inf"), vals), ids
+
+
+@triton.jit
+def mass_hi_lo(z):
+    """int32 (hi, lo) with trunc(exp(z) * 2**32) = hi * 2**16 + lo exactly, for z <= 0
+    (-inf gives 0): e * 2**16 and its fraction are exact in fp32."""
+    e16 = tl.exp(z) * 65536.0
+    hi = tl.floor(e16)
+    return hi.to(tl.int32), ((e16 - hi) * 65536.0).to(tl.int32)
+
+
+@triton.jit
+def mass(z):
+    """int64 trunc(exp(z) * 2**32), z <= 0 (-inf gives 0)."""
+    hi, lo = mass_hi_lo(z)
+    return hi.to(tl.int64) * 65536 + lo.to(tl.int64)
+
+
+@triton.jit
+def sum_mass(sel, z, axis: tl.constexpr):
+    """Exact int64 sum of trunc(exp(z) * 2**32) where sel, along axis (at most 2**15
+    terms: the halves sum in int32)."""
+    hi, lo = mass_hi_lo(tl.where(sel, z, float("-inf")))
+    return tl.sum(hi, axis=axis).to(tl.int64) * 65536 + tl.sum(lo, axis=axis).to(tl.int64)
+
+
+@triton.jit
+def first_argmax(v, idx, N: tl.constexpr):
+    """(max, the smallest idx holding it) of a vector (N where v is empty)."""
+    top = tl.max(v, axis=0)
+    return top, tl.min(tl.where(v == top, idx, N), axis=0)
+
+
+@triton.jit
+def sort_desc(keys, INTERP: tl.constexpr):
+    """Sort each row of [R, C] int64 keys in descending order (the interpreter, whose
+    tl.sort runs element by element, ranks the keys instead: distinct but for padding)."""
+    if INTERP:
+        C: tl.constexpr = keys.shape[1]
+        idx = tl.arange(0, C)
+        ki = keys[:, :, None]
+        kj = keys[:, None, :]
+        ahead = (kj > ki) | ((kj == ki) & (idx[None, None, :] < idx[None, :, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=2)
+        onehot = rank[:, :, None] == idx[None, None, :]
+        return tl.sum(tl.where(onehot, ki, 0), axis=1)
+    else:
+        return tl.sort(keys, dim=1, descending=True)
+
+
+@triton.jit
+def collapse_inf(x, has_inf):
+    """Rows holding +inf sample uniformly among their +inf entries (has_inf broadcasts)."""
+    return tl.where(has_inf, tl.where(x == float("inf"), 0.0, float("-inf")), x)

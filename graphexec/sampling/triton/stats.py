@@ -1,0 +1,280 @@
+"""The one full read of the logits: per-block stats of every row, then its plan.
+
+Programs (row, slice) read their slice as [R, DB] tiles, one block per tile row, and
+store per block b (processed x: bitmask, bias, penalties, `process.tile_x`):
+
+    xm_b   max of x (+inf where the block holds +inf, -inf where nothing is live)
+    xn_b   min of the finite x (+inf where none)
+    Q_b    sum of trunc(exp((x_i - xm_b) * s) * 2**32) over its finite x_i (int64, exact;
+           a block holding +inf: 2**32 per +inf entry, the collapsed row's mass)
+
+and, with logprobs on, the raw logits' block max and sum of exp. A block never straddles
+two programs and Q_b is an integer sum, so no split of the row changes a stat.
+
+The row's last program to finish (an acq_rel counter per row) serves the row
+(`_row_tail`): invalid, greedy, no active filter, all live tokens tied; or plans its next
+passes (`_plan`): min-p alone (`R_CUT`) or a selection (`R_SELECT`), with a lower bound lo
+of its kept values and the list of the blocks that reach it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.sampling.triton.config import (
+    F_INVW,
+    F_KLO,
+    F_LO,
+    F_M,
+    F_S,
+    I_J2,
+    I_JHI,
+    I_LOMIN,
+    I_NLIST,
+    I_ROUTE,
+    NUM_I,
+    R_CUT,
+    R_DONE,
+    R_SELECT,
+)  # fmt: skip
+from graphexec.sampling.triton.draw import (
+    FLT_MAX,
+    block_y,
+    greedy_token,
+    two_level_draw,
+)  # fmt: skip
+from graphexec.sampling.triton.keys import mass_hi_lo, pack
+from graphexec.sampling.triton.process import (
+    LOG_MIN_P,
+    LP_PROC,
+    TOP_K,
+    TOP_P,
+    VOCAB,
+    bias_ids,
+    raw_x,
+    row_params,
+    tile_x,
+)  # fmt: skip
+
+# W (the workspace tuple, `launch`): per-block stats, the plan, scratch, counters
+XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1 = (
+    tl.constexpr(i) for i in range(14)
+)
+I_COUNTERS = tl.constexpr(8)  # rowi[:, 8:24]: what the kept pass sums
+
+
+@triton.jit
+def arrive(W, row, k: tl.constexpr, n):
+    """True in the last of the row's n programs to finish pass k; it resets the counter
+    for the next call. The barrier and the acq_rel add publish this program's stores and
+    make the others' visible to the last one."""
+    tl.debug_barrier()
+    done = tl.atomic_add(W[ARRIVE] + row * 4 + k, 1, sem="acq_rel")
+    last = done == n - 1
+    if last:
+        tl.store(W[ARRIVE] + row * 4 + k, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def grid_delta(ym, w, target, c, MODE: tl.constexpr):
+    """The smallest delta on a grid (4x steps from 1/8 to 2048, refined twice in eighths)
+    with f(delta) >= target; +inf when none reaches it. MODE 0: f = sum of w over blocks
+    with ym >= -delta; MODE 1: f = sum of max(0, w - c * exp(-delta)) over them (a lower
+    bound of the mass at y >= -delta when w is a block's mass and c its most tokens)."""
+    d = tl.arange(0, 8)
+    deltas = 0.125 * tl.exp2(2.0 * d.to(tl.float32))
+    lo = tl.zeros([], dtype=tl.float32)
+    hi = tl.full([], float("inf"), tl.float32)
+    for _level in tl.static_range(3):
+        inside = ym[:, None] >= -deltas[None, :]
+        if MODE == 0:
+            terms = tl.where(inside, w[:, None], 0.0)
+        else:
+            terms = tl.where(inside, tl.maximum(w[:, None] - c * tl.exp(-deltas[None, :]), 0.0),
+                             0.0)  # fmt: skip
+        j = tl.min(tl.where(tl.sum(terms, axis=0) >= target, d, 8), axis=0)
+        lo = tl.where((j > 0) & (j < 8), tl.sum(tl.where(d == j - 1, deltas, 0.0), axis=0), lo)
+        hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
+        deltas = lo + (hi - lo) * (d + 1).to(tl.float32) / 8.0
+    return hi
+
+
+@triton.jit
+def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
+               NBLK_P2: tl.constexpr, DB: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """A filtered row whose live tokens all share one value (+inf rows included): each
+    weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
+    (`reference`, step 5, with every q equal); then the two-level draw over it."""
+    b = tl.arange(0, NBLK_P2)
+    n_b = q >> 32
+    n_live = tl.sum(n_b, axis=0)
+    L = tl.where((top_k > 0) & (top_k < n_live), top_k.to(tl.int64), n_live)
+    if top_p < 1.0:
+        t = tl.where(top_k > 0, L.to(tl.float64) * 4294967296.0, total)
+        L = tl.minimum(L, tl.math.ceil(top_p.to(tl.float64) * t / 4294967296.0).to(tl.int64))
+    cum = tl.cumsum(n_b, axis=0)
+    bl = tl.min(tl.where(cum >= L, b, NBLK_P2), axis=0)
+    need = L - tl.sum(tl.where(b == bl - 1, cum, 0), axis=0)
+    offs = bl * DB + tl.arange(0, DB)
+    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, BF16) == mx
+    rank = tl.cumsum(live.to(tl.int64), axis=0)
+    last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
+    kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
+    cut = pack(tl.zeros([], dtype=tl.float32), last)
+    return two_level_draw(P, row, slot, ids, ym, kv, tl.where(mx == float("inf"), 0.0, mx), 1.0,
+                          mx == float("inf"), seed, pos, -FLT_MAX, 0.0, 0, 1 << 30, (1 << 30) + 1,
+                          1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, BF16)  # fmt: skip
+
+
+@triton.jit
+def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
+          NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
+    """The next passes' plan of a filtered row (module docstring): route, lo, bins, the
+    list of blocks with ym_b >= lo; zeroes what those passes sum into."""
+    b = tl.arange(0, NBLK_P2)
+    live_b = ym > float("-inf")
+    route = tl.where((top_k == 0) & (top_p >= 1.0), R_CUT, R_SELECT).to(tl.int32)
+    lo = lnmp
+    inv_w = tl.zeros([], dtype=tl.float32)
+    if route == R_SELECT:
+        # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
+        # above it); top-p's point where a lower bound of the mass above it passes p; min-p
+        if top_k > 0:
+            lo = -grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32), 0.0,
+                             0)  # fmt: skip
+            if top_p >= 1.0:
+                lo = tl.maximum(lo, lnmp)
+        else:
+            mb = (q.to(tl.float32) * 2.3283064365386963e-10) * tl.exp(ym)  # Q_b e^ym / 2**32
+            t_p = (top_p.to(tl.float64) * total * 2.3283064365386963e-10).to(tl.float32) * 1.001
+            lo = tl.maximum(-grid_delta(ym, mb, t_p, DB * 1.0, 1), lnmp)
+        ymin = tl.min(tl.where(live_b, yn, float("inf")), axis=0)
+        lo = tl.maximum(tl.maximum(lo, ymin), -FLT_MAX)
+        inv_w = tl.where(lo < 0.0, NBINS / -lo, 0.0)
+        tl.store(W[HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+    lomin = tl.zeros([], dtype=tl.int64)
+    if route == R_SELECT:
+        lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
+    sel = live_b & (ym >= lo) & (b < NBLK)
+    tl.store(W[BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    fr = W[ROWF] + row * 8
+    tl.store(fr + F_M, m)
+    tl.store(fr + F_S, s)
+    tl.store(fr + F_LO, lo)
+    tl.store(fr + F_INVW, inv_w)
+    tl.store(fr + F_KLO, lo)
+    ri = W[ROWI] + row * NUM_I
+    c = tl.arange(0, 8)
+    # min-p alone: every token is "above" (bin 0 < jhi = 1); the selection overwrites these
+    vals = tl.where(c == I_ROUTE, route.to(tl.int64), tl.where((c == I_JHI) | (c == I_J2), 1, 0))
+    vals = tl.where(c == I_NLIST, tl.sum(sel.to(tl.int64), axis=0), vals)
+    tl.store(ri + c, tl.where(c == I_LOMIN, lomin, vals))
+    c16 = tl.arange(0, 16)
+    tl.store(ri + I_COUNTERS + c16, tl.zeros([16], dtype=tl.int64))
+    return route
+
+
+@triton.jit
+def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
+              NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+              BF16: tl.constexpr):  # fmt: skip
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    b = tl.arange(0, NBLK_P2)
+    bm = b < NBLK
+    base = row * NBLK
+    xm = tl.load(W[XM] + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(xm, axis=0)
+    has_inf = mx == float("inf")
+    valid = mx > float("-inf")
+    m = tl.where(valid & (has_inf == 0), mx, 0.0)
+    ym = block_y(xm, m, s, has_inf)
+    q = tl.load(W[Q] + base + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.where(ym > float("-inf"), q, 0)
+    tok = tl.full([], -1, tl.int32)
+    route = tl.zeros([], dtype=tl.int32)
+    if valid:
+        if greedy:
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, BF16)
+        else:
+            filt = tl.zeros([], dtype=tl.int1)
+            top_k = tl.load(P[TOP_K] + slot)
+            top_p = tl.load(P[TOP_P] + slot)
+            lnmp = tl.load(P[LOG_MIN_P] + slot)
+            if FILTERS:
+                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
+            if filt:
+                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
+                e = tl.exp(ym.to(tl.float64))
+                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                tl.store(W[TOTAL] + row, total)
+                xn = tl.load(W[XN] + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+                if ties:
+                    tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
+                                     seed, pos, NBLK, NBLK_P2, DB, BF16)  # fmt: skip
+                else:
+                    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+                    route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total,
+                                  NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+            else:
+                # every live token kept ("above": bin 0 < 1), K_b = Q_b
+                tok = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
+                                     -FLT_MAX, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"), NBLK,
+                                     NBLK_P2, DB, 1, BF16)  # fmt: skip
+    if route == R_DONE:
+        tl.store(W[ROWI] + row * NUM_I + I_ROUTE, tl.zeros([], dtype=tl.int64))
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(valid_ptr + row, valid)
+
+
+@triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
+def _stats_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
+    B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
+    NBLK, FILTERS: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr,
+    NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+    BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...)."""
+    row = tl.program_id(0) // S
+    sp = tl.program_id(0) % S
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    cols = tl.arange(0, DB)[None, :]
+    raw_mode = tl.zeros([], dtype=tl.int1)
+    if RAW_LP:
+        raw_mode = tl.load(P[LP_PROC] + slot) == 0
+    for t in range(sp * PER, sp * PER + PER, R):
+        bid = t + tl.arange(0, R)
+        offs = bid[:, None] * DB + cols
+        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, BF16)
+        xm = tl.max(x, axis=1)
+        fin = (x > float("-inf")) & (x < float("inf"))
+        xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
+        xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
+        hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
+        q = tl.sum(hi, axis=1).to(tl.int64) * 65536 + tl.sum(lo, axis=1).to(tl.int64)
+        n_inf = tl.sum((x == float("inf")).to(tl.int64), axis=1)
+        q = tl.where(xm == float("inf"), n_inf << 32, q)
+        ok = bid < NBLK
+        dst = row * NBLK + bid
+        tl.store(W[XM] + dst, xm, mask=ok)
+        tl.store(W[XN] + dst, xn, mask=ok)
+        tl.store(W[Q] + dst, q, mask=ok)
+        if RAW_LP:
+            if raw_mode:
+                v = raw_x(P, row, offs, BF16)
+                v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
+                vm = tl.max(v, axis=1)
+                vf = (vm > float("-inf")) & (vm < float("inf"))
+                e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
+                                    v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
+                tl.store(W[RAW0] + dst, vm, mask=ok)
+                tl.store(W[RAW1] + dst, tl.sum(e, axis=1), mask=ok)
+    if arrive(W, row, 0, S):
+        _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, NBLK_P2, NB_P2, DB, NBINS, BF16)

@@ -1,0 +1,85 @@
+"""The stats pass (`triton.stats`): its per-block stats against the reference's
+`block_stats`, bit for bit, in any split; and its row tail's routes and tokens."""
+
+from __future__ import annotations
+
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from graphexec.params import SamplerVariant  # noqa: E402
+from graphexec.sampling import reference  # noqa: E402
+from graphexec.sampling.triton.config import R_CUT, R_DONE, R_SELECT  # noqa: E402
+from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_block_stats_equal_the_reference(programs: int) -> None:
+    B, V, cfg = 6, 700, CONFIGS["interp16"]
+    logits = logits_of("mixed", B, V, seed=1)
+    params = [P(seed=i, temperature=0.4 + 0.3 * i) for i in range(B)]
+    both = run_both(params, logits, cfg.replace(programs=programs),
+                    variant=SamplerVariant.NO_FILTER)  # fmt: skip
+    x = reference.collapse_inf(reference.process_logits(logits, torch.arange(B), both.table))
+    s = reference.effective_inv_t(torch.arange(B), both.table)
+    xm, q = reference.block_stats(x, s, cfg.draw_block)
+    plain = ~torch.isinf(logits).any(1) | torch.isneginf(logits).all(1)
+    assert torch.equal(both.ws.xm[plain], xm[plain])
+    # exp may differ in its last bit between backends (numpy's here, torch's there)
+    torch.testing.assert_close(both.ws.q[plain].double(), q[plain].double(), rtol=1e-6, atol=0)
+    # +inf rows: their +inf blocks are marked +inf and weigh 2**32 per +inf entry
+    r = 3
+    blk = torch.isinf(logits[r]).nonzero().flatten() // cfg.draw_block
+    assert (both.ws.xm[r, blk] == float("inf")).all()
+    n_inf = (logits[r, blk[0] * cfg.draw_block:][: cfg.draw_block] == float("inf")).sum()
+    assert both.ws.q[r, blk[0]] == n_inf << 32
+    # the block minimum of the finite values
+    fin = torch.where(torch.isfinite(x), x, float("inf"))
+    xn = torch.nn.functional.pad(fin, (0, -V % cfg.draw_block), value=float("inf"))
+    xn = xn.view(B, -1, cfg.draw_block).min(-1).values
+    assert torch.equal(both.ws.xn[plain], xn[plain])
+    assert_same(both.ref, both.tri)
+
+
+def test_row_tail_routes() -> None:
+    """Invalid, greedy, no-filter and tied rows (+inf rows too) are drawn by the stats
+    pass; min-p alone is a cut; top-k / top-p a selection."""
+    B, V = 12, 500
+    logits = logits_of("randn3", B, V, seed=2)
+    logits[0] = float("-inf")
+    logits[3] = 1.25  # every token tied
+    logits[4] = 1.25
+    logits[4, ::3] = float("-inf")  # tied, some masked
+    logits[5, [7, 300]] = float("inf")
+    logits[6] = 0.5
+    params = [P(seed=1), P(seed=2, temperature=0.0), P(seed=3), P(seed=4, top_k=7, top_p=0.5),
+              P(seed=5, top_p=0.3), P(seed=6, top_k=1), P(seed=7, min_p=0.5, top_p=0.9),
+              P(seed=8, min_p=0.1), P(seed=9, top_k=10), P(seed=10, top_p=0.8),
+              P(seed=11, top_k=40, top_p=0.9, min_p=0.01), P(seed=12, temperature=0.0, top_k=3)]
+    both = run_both(params, logits, CONFIGS["interp16"])
+    assert_same(both.ref, both.tri)
+    done, cut, sel = int(R_DONE), int(R_CUT), int(R_SELECT)
+    assert both.routes == [done] * 7 + [cut, sel, sel, sel, done]
+    assert both.ref.token_ids[5].item() in (7, 300) and both.ref.token_ids[3] < 4
+
+
+@pytest.mark.parametrize("params", [
+    dict(top_k=13), dict(top_p=0.41), dict(top_k=40, top_p=0.5), dict(min_p=0.9),
+    dict(top_k=590, top_p=0.999),
+])  # fmt: skip
+def test_tied_rows_keep_the_first_ids(params: dict) -> None:
+    """A row of equal values keeps the first L live ids, L from integer arithmetic."""
+    B, V = 6, 600
+    logits = torch.full((B, V), -0.75)
+    logits[1:, ::5] = float("-inf")
+    logits[2, :200] = float("-inf")
+    logits[4, 300:] = float("-inf")
+    both = run_both([P(seed=20 + i, temperature=0.3 + 0.4 * i, **params) for i in range(B)],
+                    logits, CONFIGS["interp16"], positions=torch.arange(B) * 11)  # fmt: skip
+    assert_same(both.ref, both.tri)
+    assert set(both.routes) == {int(R_DONE)}
