@@ -1,11 +1,17 @@
 #!/usr/bin/env python
 """Sampler benchmark: graphexec vs FlashInfer vs torch-native samplers, against the memory floor.
 
-For every dtype x V x B it times each method of `sampler_methods.py` eagerly and as a
-CUDA-graph replay and writes `<out>/sampler-<gpu-slug>-<YYYY-MM-DD>.json`:
+For every dtype x V x B x logits shape it times each method of `sampler_methods.py`
+eagerly and as a CUDA-graph replay and writes `<out>/sampler-<gpu-slug>-<YYYY-MM-DD>.json`:
 
     {"device", "torch", "triton", "flashinfer", "date", "bandwidth_TBps", "runs",
-     "rows": [{"method", "B", "V", "dtype", "eager_us", "graph_us", "floor_us"}, ...], ...}
+     "rows": [{"method", "B", "V", "dtype", "shape", "eager_us", "graph_us", "floor_us"},
+              ...], ...}
+
+Shapes (`--shapes`, `sampler_methods.SHAPES`): "peaked" (-2 ln rank, as a real model's),
+"randn3" (randn * 3), "flat" (randn * 0.25: top-p 0.9 and min-p 0.05 keep more than half
+the vocabulary), "ties" (all equal). A sampler's time may depend on the shape; the
+README's tables report each method's worst.
 
 A row whose method failed has an "error" key and null timings; one method failing never
 stops the run, and the JSON is rewritten after every (dtype, V, B) block, so an interrupted
@@ -13,12 +19,11 @@ run keeps what it measured. floor_us = B * V * bytes_per_element / copy bandwidt
 to read the logits once (bf16 logits: 2 bytes per element), with the bandwidth (bytes read +
 written) of a 2 GiB device-to-device copy measured in the same run.
 
-Every row uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9 (min-p 0.05
-for graphexec.min_p), a seed per row; logits are randn * 3 in the row's dtype. The graphexec
-methods call `graphexec.sample_step` on preallocated static buffers (one table slot per row,
-slot_ids = arange(B)), exactly what the executor captures; backend "triton" on CUDA,
-"torch" on CPU. FlashInfer's logits entry points cast bf16 logits to fp32 inside the call
-(the cast is timed).
+Every row uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p
+0.05, a seed per row. The graphexec methods call `graphexec.sample_step` on preallocated
+static buffers and a persistent workspace (one table slot per row, slot_ids = arange(B)),
+exactly what the executor captures; backend "triton" on CUDA, "torch" on CPU.
+FlashInfer's logits entry points cast bf16 logits to fp32 inside the call (timed).
 
 Timing (CUDA): median over reps of CUDA-event time per call, a 256 MiB buffer written
 before every call so the logits are never served from L2 (the floor assumes a read from
@@ -44,7 +49,7 @@ FlashInfer JIT: the first call of a FlashInfer method builds its module (samplin
 modules). That time is not in any row; it is recorded in "first_call_s". `--jit-only`
 builds them and exits, so the timed run can go in a separate command.
 
-    python benchmarks/bench_sampler.py                       # default sweep (fp32 and bf16)
+    python benchmarks/bench_sampler.py                       # default sweep (fp32)
     python benchmarks/bench_sampler.py --time-budget 420 --resume   # continue a sweep
     python benchmarks/bench_sampler.py --dtypes bfloat16 --methods flashinfer,torch
     python benchmarks/bench_sampler.py --device cpu --batch 1,8 --vocab 1000 --quick \\
@@ -67,6 +72,7 @@ from sampler_methods import (
     METHODS,
     MIN_P,
     NUM_LOGPROBS,
+    SHAPES,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -74,11 +80,11 @@ from sampler_methods import (
     Timer,
     blank_row,
     error_text,
+    make_logits,
     run_method,
     select_methods,
 )
 
-LOGIT_SCALE = 3.0
 COPY_BYTES = 1 << 30  # each way: a 2 GiB (read + write) copy
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,9 +138,10 @@ def ints(s: str) -> list[int]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'method':36} {'dtype':8} {'V':>7} {'B':>4} {'eager_us':>10} {'graph_us':>10}"
-    print("\n" + head + f" {'floor_us':>9} {'graph/floor':>11}  error")
-    for r in sorted(rows, key=lambda r: (r["dtype"], r["V"], r["method"], r["B"])):
+    head = f"{'method':36} {'dtype':8} {'shape':7} {'V':>7} {'B':>4} {'eager_us':>10}"
+    print("\n" + head + f" {'graph_us':>10} {'floor_us':>9} {'graph/floor':>11}  error")
+    for r in sorted(rows, key=lambda r: (r["dtype"], r["V"], r["method"], r.get("shape", ""),
+                                         r["B"])):  # fmt: skip
 
         def f(v, w):
             return f"{v:>{w}.1f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
@@ -143,8 +150,9 @@ def print_table(rows: list[dict]) -> None:
         ratio = t / r["floor_us"] if t is not None and r["floor_us"] else None
         err = (r.get("error") or r.get("warning") or "")[:60]
         print(
-            f"{r['method']:36} {r['dtype']:8} {r['V']:>7} {r['B']:>4} {f(r['eager_us'], 10)} "
-            f"{f(r['graph_us'], 10)} {f(r['floor_us'], 9)} {f(ratio, 11)}  {err}"
+            f"{r['method']:36} {r['dtype']:8} {r.get('shape', '-'):7} {r['V']:>7} {r['B']:>4} "
+            f"{f(r['eager_us'], 10)} {f(r['graph_us'], 10)} {f(r['floor_us'], 9)} "
+            f"{f(ratio, 11)}  {err}"
         )
 
 
@@ -153,7 +161,7 @@ def results_path(out: str, device_name: str, date: str) -> str:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["method"], r["B"], r["V"], r["dtype"])
+    return (r["method"], r["B"], r["V"], r["dtype"], r.get("shape"))
 
 
 def load_previous(path: str) -> dict | None:
@@ -184,8 +192,33 @@ def describe_blocks(blocks: list[tuple[str, int, int]]) -> str:
     """(dtype, V, B) blocks as "float32 V=151936 B=128,256; ..."."""
     by: dict[tuple[str, int], list[int]] = {}
     for d, V, B in blocks:
-        by.setdefault((d, V), []).append(B)
+        by.setdefault((d, V), [])
+        if B not in by[(d, V)]:
+            by[(d, V)].append(B)
     return "; ".join(f"{d} V={V} B={','.join(map(str, bs))}" for (d, V), bs in by.items())
+
+
+def time_block(methods, dname, shape, B, V, device, bw, timer, first_call, backend) -> list:
+    """One row per method on [B, V] logits of one shape and dtype."""
+    try:
+        logits = make_logits(shape, B, V, DTYPES[dname], device, seed=B * 7 + V)
+    except Exception as e:  # out of memory: record and go on
+        return [dict(blank_row(m, B, V, dname), shape=shape, error=error_text(e)) for m in methods]
+    case = Case(logits, B, V, device, backend)
+    floor = round(B * V * logits.element_size() / bw * 1e6, 3)
+    block = []
+    for m in methods:
+        row = run_method(m, case, timer, first_call)
+        row["shape"] = shape
+        row["floor_us"] = floor
+        block.append(row)
+        print(
+            f"{m:36} {dname:8} {shape:7} V={V:<7} B={B:<4} eager {row['eager_us']} us  "
+            f"graph {row['graph_us']} us  floor {row['floor_us']} us"
+            + (f"  ERROR {row['error']}" if "error" in row else ""),
+            flush=True,
+        )
+    return block
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--batch", type=ints, default=[1, 8, 32, 128, 256])
-    ap.add_argument("--vocab", type=ints, default=[32000, 128256, 151936])
+    ap.add_argument("--vocab", type=ints, default=[128256, 151936])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--methods", default=None, help="comma list of names or substrings")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma list of {list(DTYPES)}")
+    ap.add_argument("--dtypes", default="float32", help=f"comma list of {list(DTYPES)}")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
@@ -245,8 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     for d in dtypes:
         if d not in DTYPES:
             raise SystemExit(f"--dtypes: {d!r} is not one of {list(DTYPES)}")
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
     if args.jit_only:
         args.batch, args.vocab, dtypes, args.quick = [1], args.vocab[:1], dtypes[:1], True
+        shapes = shapes[:1]
         args.append = args.resume = False
     timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -270,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             top_p=TOP_P,
             min_p=MIN_P,
             logprobs=NUM_LOGPROBS,
-            logits="randn * 3",
+            shapes={s: SHAPES[s] for s in shapes},
         ),
         "methods": {m: METHODS[m] for m in methods},
         "first_call_s": {},
@@ -298,38 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    gen = torch.Generator(device).manual_seed(0)
     new_rows, done = [], []
     for dname in dtypes:
         for V in args.vocab:
             for B in args.batch:
-                if args.resume and all((m, B, V, dname) in rows for m in methods):
+                if args.resume and all((m, B, V, dname, s) in rows for m in methods
+                                       for s in shapes):  # fmt: skip
                     done.append((dname, V, B))
                     continue
                 if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
                     skipped.append((dname, V, B))
                     continue
-                try:
-                    logits = (torch.randn(B, V, device=device, generator=gen) * LOGIT_SCALE).to(
-                        DTYPES[dname]
-                    )
-                except Exception as e:  # out of memory: record and go on
-                    block = [dict(blank_row(m, B, V, dname), error=error_text(e)) for m in methods]
-                else:
-                    case = Case(logits, B, V, device, result["gx_backend"])
-                    floor = round(B * V * logits.element_size() / bw * 1e6, 3)
-                    block = []
-                    for m in methods:
-                        row = run_method(m, case, timer, first_call)
-                        row["floor_us"] = floor
-                        block.append(row)
-                        print(
-                            f"{m:36} {dname:8} V={V:<7} B={B:<4} eager {row['eager_us']} us  "
-                            f"graph {row['graph_us']} us  floor {row['floor_us']} us"
-                            + (f"  ERROR {row['error']}" if "error" in row else ""),
-                            flush=True,
-                        )
-                    del case, logits
+                block = []
+                for shape in shapes:
+                    block += time_block(methods, dname, shape, B, V, device, bw, timer,
+                                        first_call, result["gx_backend"])  # fmt: skip
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 new_rows += block

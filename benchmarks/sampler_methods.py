@@ -1,11 +1,13 @@
-"""The methods `bench_sampler.py` times (graphexec, FlashInfer, torch-native) and how one is timed.
+"""The methods `bench_sampler.py` times (graphexec, FlashInfer, torch-native), the logits
+shapes it times them on, and how one is timed.
 
 METHODS names and describes each method; BUILDERS[name](case) prepares one on a Case (static
 [B, V] logits on a device) and returns a Bench whose fn() is one sampler call. Every method
-uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9 (min-p 0.05 for
-graphexec.min_p), a seed per row. graphexec and FlashInfer are imported on first use, so
-this module imports with torch alone. run_method(name, case, Timer(...), first_call) times
-one method on one case and returns its results row (see bench_sampler.py for the timing).
+uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p 0.05, a seed
+per row. graphexec and FlashInfer are imported on first use, so this module imports with
+torch alone. SHAPES / make_logits: the logits each case is timed on. run_method(name,
+case, Timer(...), first_call) times one method on one case and returns its results row
+(see bench_sampler.py for the timing).
 """
 
 from __future__ import annotations
@@ -21,6 +23,32 @@ import torch
 TEMPERATURE, TOP_K, TOP_P, MIN_P, NUM_LOGPROBS = 0.8, 50, 0.9, 0.05, 20
 FLUSH_BYTES = 256 << 20
 
+SHAPES = {
+    "peaked": "logit_i = -2 ln(rank_i), ranks permuted per row (Zipf-like, as a real model's)",
+    "randn3": "randn * 3",
+    "flat": "randn * 0.25: top-p 0.9 and min-p 0.05 keep more than half of the vocabulary",
+    "ties": "every logit equal",
+}
+
+
+def make_logits(shape: str, B: int, V: int, dtype: torch.dtype, device: torch.device,
+                seed: int = 0) -> torch.Tensor:  # fmt: skip
+    """[B, V] logits of one of SHAPES, generated on the device."""
+    g = torch.Generator(device).manual_seed(seed)
+    if shape == "peaked":
+        ranks = torch.argsort(torch.rand(B, V, device=device, generator=g), dim=1) + 1
+        x = -2.0 * torch.log(ranks.float())
+    elif shape == "randn3":
+        x = torch.randn(B, V, device=device, generator=g) * 3
+    elif shape == "flat":
+        x = torch.randn(B, V, device=device, generator=g) * 0.25
+    elif shape == "ties":
+        x = torch.full((B, V), 1.0, device=device)
+    else:
+        raise ValueError(f"shape must be one of {list(SHAPES)}, got {shape!r}")
+    return x.to(dtype)
+
+
 METHODS = {
     "graphexec.no_filter": "sample_step, temperature only (variant no_filter)",
     "graphexec.top_k_top_p": "sample_step, temperature + top-k + top-p (variant top_k_top_p)",
@@ -34,6 +62,8 @@ METHODS = {
     "per-row k/p tensors, top_k_first (no temperature)",
     "flashinfer.cake": "flashinfer.sampling.softmax(temperature) + flashinfer.cake_sampling."
     "top_k_top_p_sampling_from_probs (top_k_max=50); 'note' gives its route",
+    "flashinfer.top_p": "flashinfer.sampling.softmax(temperature) + top_p_sampling_from_probs",
+    "flashinfer.min_p": "flashinfer.sampling.softmax(temperature) + min_p_sampling_from_probs",
     "torch.sort_top_k_top_p": "temperature, sort, top-k then top-p mask, scatter back, softmax, "
     "exponential race argmax(probs / Exp(1)) (vLLM forward_native)",
     "torch.no_filter": "softmax(logits / T), exponential race argmax(probs / Exp(1))",
@@ -66,6 +96,12 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         params = [gx.SamplingParams(seed=1000 + b, **variant_params) for b in range(c.B)]
         table = SamplingTensors.from_params(params, c.V, c.device)
         out = SamplerOutput.allocate(c.B, c.device, num_top)
+        ws = cfg = None
+        if c.gx_backend == "triton":  # persistent scratch, as the executor's
+            from graphexec.sampling.triton.config import SamplerConfig, Workspace
+
+            cfg = SamplerConfig.default()
+            ws = Workspace.allocate(c.B, c.V, c.device, cfg, num_top is not None)
         slot_ids = torch.arange(c.B, device=c.device)
         positions = torch.arange(c.B, device=c.device) + 7
         bm = None
@@ -76,7 +112,8 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         variant = gx.choose_variant(params)
 
         def fn() -> torch.Tensor:
-            gx.sample_step(c.logits, slot_ids, positions, table, out, bm, variant, c.gx_backend)
+            gx.sample_step(c.logits, slot_ids, positions, table, out, bm, variant, c.gx_backend,
+                           config=cfg, workspace=ws)  # fmt: skip
             return out.token_ids
 
         return Bench(fn, note=None)
@@ -132,6 +169,25 @@ def _fi_cake(c: Case) -> Bench:
     return Bench(fn, note=f"cake route: {route}")
 
 
+def _fi_from_probs(kind: str):
+    def build(c: Case) -> Bench:
+        fs = _flashinfer("sampling")
+        seed, offset = _fi_rng(c)
+        t = torch.full((c.B,), TEMPERATURE, dtype=torch.float32, device=c.device)
+        if kind == "top_p":
+            arg, sample = torch.full((c.B,), TOP_P, device=c.device), fs.top_p_sampling_from_probs
+        else:
+            arg, sample = torch.full((c.B,), MIN_P, device=c.device), fs.min_p_sampling_from_probs
+
+        def fn() -> torch.Tensor:
+            probs = fs.softmax(c.logits, temperature=t)
+            return sample(probs, arg, seed=seed, offset=offset)
+
+        return Bench(fn)
+
+    return build
+
+
 def _torch_sort_top_k_top_p(c: Case) -> Bench:
     inv_t = torch.full((c.B, 1), 1.0 / TEMPERATURE, device=c.device)
     k = torch.full((c.B, 1), TOP_K, dtype=torch.int64, device=c.device)
@@ -177,6 +233,8 @@ BUILDERS: dict[str, Callable[[Case], Bench]] = {
     "flashinfer.sampling_from_logits": _fi_sampling_from_logits,
     "flashinfer.top_k_top_p_from_logits": _fi_top_k_top_p,
     "flashinfer.cake": _fi_cake,
+    "flashinfer.top_p": _fi_from_probs("top_p"),
+    "flashinfer.min_p": _fi_from_probs("min_p"),
     "torch.sort_top_k_top_p": _torch_sort_top_k_top_p,
     "torch.no_filter": _torch_no_filter,
 }
