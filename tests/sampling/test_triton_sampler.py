@@ -188,3 +188,16 @@ def test_workspace_is_reused_and_checked() -> None:
     ref = SamplerOutput.allocate(B, "cpu", None)
     reference.sample(logits, torch.arange(B), torch.arange(B), table, ref, draw_block=16)
     assert_same(ref, first)
+
+
+def test_tied_rows_get_their_top_n_from_the_raw_writer(monkeypatch) -> None:
+    """Rows whose max is held by N blocks or more (all ties) take their top-N from the
+    first N such blocks: served without the general writer, as the reference."""
+    B, V = 3, 600
+    logits = torch.full((B, V), 0.5)
+    logits[1, ::7] = float("-inf")
+    logits[2, 100:] = -1.0  # the max held by the first blocks only
+    params = [P(seed=i, logprobs=5, top_k=(0, 9)[i % 2]) for i in range(B)]
+    monkeypatch.setattr(launch, "write_logprobs", lambda *a, **k: None)
+    both = run_both(params, logits, CONFIGS["interp16"], num_top=5)
+    assert_same(both.ref, both.tri)

@@ -46,7 +46,9 @@ class SamplerConfig:
 
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
-    programs: programs per pass to aim for over the batch (rows x slices).
+    programs: stats-pass programs to aim for over the batch (rows x slices).
+    late_programs: the same for the select and kept passes, which read fewer blocks
+        (about two per SM: one row per program at large B, many at B = 1).
     bins: histogram bins of the selection pass (a power of two).
     gather_cap: most bracket tokens a row resolves by comparing all pairs; a row past it
         takes the serial exact search.
@@ -63,6 +65,7 @@ class SamplerConfig:
     draw_block: int = DRAW_BLOCK
     tile_blocks: int = 8
     programs: int = 2048
+    late_programs: int = 264
     bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
@@ -79,7 +82,7 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be a power of two, got {v}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "num_warps", "kept_warps"):
+        for name in ("programs", "late_programs", "num_warps", "kept_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -91,8 +94,8 @@ class SamplerConfig:
     def interpreter(cls) -> SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
-        return cls(programs=16, gather_cap=256, bins=128, search_blocks=4, logprobs_cap=64,
-                   num_warps=4, kept_warps=4)
+        return cls(programs=16, late_programs=16, gather_cap=256, bins=128, search_blocks=4,
+                   logprobs_cap=64, num_warps=4, kept_warps=4)
 
     @classmethod
     def default(cls) -> SamplerConfig:
@@ -102,11 +105,11 @@ class SamplerConfig:
         return dataclasses.replace(self, **kw)
 
 
-def split(config: SamplerConfig, B: int, nblk: int) -> int:
-    """Programs per row: about config.programs over the batch, at least a tile each. A
-    block never straddles two programs, so no split changes a result."""
-    tiles = triton.cdiv(nblk, config.tile_blocks)
-    return max(1, min(tiles, triton.cdiv(config.programs, max(B, 1))))
+def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
+    """Programs per row: about `programs` over the batch, at least a tile each. A block
+    never straddles two programs, so no split changes a result."""
+    tiles = triton.cdiv(nblk, tile_blocks)
+    return max(1, min(tiles, triton.cdiv(programs, max(B, 1))))
 
 
 @dataclass

@@ -42,8 +42,15 @@ from graphexec.sampling.triton.config import (
 )  # fmt: skip
 from graphexec.sampling.triton.draw import FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import PAD_KEY, mass, pack, sum_mass, unpack
-from graphexec.sampling.triton.process import LOG_MIN_P, TOP_K, TOP_P, bias_ids, row_params
+from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, pack, sum_mass, unpack
+from graphexec.sampling.triton.process import (
+    LOG_MIN_P,
+    SLOTS,
+    TOP_K,
+    TOP_P,
+    bias_ids,
+    row_params,
+)
 from graphexec.sampling.triton.select import list_tile, load_plan
 from graphexec.sampling.triton.stats import GATH, KEPT, KMID, ROWF, ROWI, TOTAL, XM, XN, arrive
 
@@ -64,9 +71,11 @@ def _ranks(W, row, n_g, WCAP: tl.constexpr, GI: tl.constexpr, CH: tl.constexpr):
             cj = j0 + tl.arange(0, CH)
             kj = tl.load(base + cj, mask=cj < n_g, other=PAD_KEY)
             yj, idj = unpack(kj)
+            hj, lj = mass_hi_lo(yj)  # once per key, then summed where above
             gt = kj[None, :] > ki[:, None]
             rank += tl.sum(gt.to(tl.int64), axis=1)
-            bef += sum_mass(gt, tl.broadcast_to(yj[None, :], [GI, CH]), 1)
+            bef += (tl.sum(tl.where(gt, hj[None, :], 0), axis=1).to(tl.int64) * 65536
+                    + tl.sum(tl.where(gt, lj[None, :], 0), axis=1).to(tl.int64))  # fmt: skip
         tl.store(base + WCAP + ci, rank, mask=ci < n_g)
         tl.store(base + 2 * WCAP + ci, bef, mask=ci < n_g)
     tl.debug_barrier()
@@ -209,6 +218,58 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
     tl.store(valid_ptr + row, tok >= 0)
 
 
+@triton.jit
+def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
+                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, BF16: tl.constexpr,
+                BIAS: tl.constexpr):  # fmt: skip
+    """List entries e0 .. e1 - 1: store the kept blocks' masses, gather the bracket, and
+    return the I_NAB .. I_NBEL sums ([8] i64). Per-token accumulators, reduced once."""
+    m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
+    zero = tl.zeros([R, DB], dtype=tl.int32)
+    n_ab, n_abm, hi_ab, lo_ab, n_mid, n_midm, hi_mid, lo_mid, n_belm, n_bel = (
+        zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
+    ng_ptr = W[ROWI] + row * NUM_I + I_NG + zero
+    for e in range(e0, e1, R):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, BF16, BIAS)
+        y = (x - m) * s
+        xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        zr = y - tl.where(xmb > float("-inf"), (xmb - m) * s, 0.0)[:, None]
+        inr = (y > float("-inf")) & (y >= lo)
+        j = bin_of(y, inv_w, NBINS)
+        above = inr & (j < jhi)
+        mid = inr & (j > j1) & (j < j2)
+        brk = inr & (((j >= jhi) & (j <= j1)) | ((j >= j2) & (j <= jlo)))
+        below = inr & (j > jlo)
+        okm = y >= lnmp
+        tl.store(W[KEPT] + row * NBLK + bid, sum_mass(above & okm, zr, 1), mask=bid < NBLK)
+        tl.store(W[KMID] + row * NBLK + bid, sum_mass(mid & okm, zr, 1), mask=bid < NBLK)
+        h_ab, l_ab = mass_hi_lo(tl.where(above, y, float("-inf")))
+        h_mid, l_mid = mass_hi_lo(tl.where(mid, y, float("-inf")))
+        n_ab += above.to(tl.int32)
+        n_abm += (above & okm).to(tl.int32)
+        hi_ab += h_ab
+        lo_ab += l_ab
+        n_mid += mid.to(tl.int32)
+        n_midm += (mid & okm).to(tl.int32)
+        hi_mid += h_mid
+        lo_mid += l_mid
+        n_belm += (below & okm).to(tl.int32)
+        n_bel += below.to(tl.int32)
+        slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
+        tl.store(W[GATH] + row * 3 * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
+    k = tl.arange(0, 8)
+    n = tl.where(k == 0, _total(n_ab), tl.where(k == 1, _total(n_abm), 0))
+    n += tl.where(k == 2, _total(hi_ab) * 65536 + _total(lo_ab), 0)
+    n += tl.where(k == 3, _total(n_mid), tl.where(k == 4, _total(n_midm), 0))
+    n += tl.where(k == 5, _total(hi_mid) * 65536 + _total(lo_mid), 0)
+    return n + tl.where(k == 6, _total(n_belm), tl.where(k == 7, _total(n_bel), 0))
+
+
+@triton.jit
+def _total(acc):
+    return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
+
+
 @triton.jit(do_not_specialize=["B", "S", "NBLK"])
 def _kept_kernel(
     P, W,
@@ -224,41 +285,22 @@ def _kept_kernel(
     ri = W[ROWI] + row * NUM_I
     route = tl.load(ri + I_ROUTE)
     if (route == R_SELECT) | (route == R_CUT):
-        slot, greedy, s_unused, seed, pos = row_params(P, row)
-        ids = bias_ids(P, slot, NB_P2)
+        slot = tl.load(P[SLOTS] + row).to(tl.int64)
         n_list = tl.load(ri + I_NLIST).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
-        m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
-        lnmp = tl.load(P[LOG_MIN_P] + slot)
-        n = tl.zeros([8], dtype=tl.int64)  # the I_NAB .. I_NBEL sums, in order
-        k = tl.arange(0, 8)
-        for e0 in range(sp * per, tl.minimum(sp * per + per, n_list), R):
-            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, BF16)
-            y = (x - m) * s
-            xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
-            zr = y - tl.where(xmb > float("-inf"), (xmb - m) * s, 0.0)[:, None]
-            inr = (y > float("-inf")) & (y >= lo)
-            j = bin_of(y, inv_w, NBINS)
-            above = inr & (j < jhi)
-            mid = inr & (j > j1) & (j < j2)
-            brk = inr & (((j >= jhi) & (j <= j1)) | ((j >= j2) & (j <= jlo)))
-            okm = y >= lnmp
-            tl.store(W[KEPT] + row * NBLK + bid, sum_mass(above & okm, zr, 1), mask=bid < NBLK)
-            tl.store(W[KMID] + row * NBLK + bid, sum_mass(mid & okm, zr, 1), mask=bid < NBLK)
-            part = tl.where(k == 0, tl.sum(tl.sum(above.to(tl.int64), 1), 0), 0)
-            part += tl.where(k == 1, tl.sum(tl.sum((above & okm).to(tl.int64), 1), 0), 0)
-            part += tl.where(k == 2, tl.sum(sum_mass(above, y, 1), 0), 0)
-            part += tl.where(k == 3, tl.sum(tl.sum(mid.to(tl.int64), 1), 0), 0)
-            part += tl.where(k == 4, tl.sum(tl.sum((mid & okm).to(tl.int64), 1), 0), 0)
-            part += tl.where(k == 5, tl.sum(sum_mass(mid, y, 1), 0), 0)
-            below = inr & (j > jlo)
-            part += tl.where(k == 6, tl.sum(tl.sum((below & okm).to(tl.int64), 1), 0), 0)
-            part += tl.where(k == 7, tl.sum(tl.sum(below.to(tl.int64), 1), 0), 0)
-            n += part
-            slots = tl.atomic_add(ri + I_NG + tl.zeros([R, DB], dtype=tl.int32), 1, mask=brk,
-                                  sem="relaxed")  # fmt: skip
-            tl.store(W[GATH] + row * 3 * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
-        tl.atomic_add(ri + I_NAB + k, n, mask=n != 0, sem="relaxed")
+        e0 = sp * per
+        e1 = tl.minimum(e0 + per, n_list)
+        if e0 < e1:
+            ids = bias_ids(P, slot, NB_P2)
+            lnmp = tl.load(P[LOG_MIN_P] + slot)
+            if tl.max(ids, axis=0) >= 0:
+                n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
+                                WCAP, BF16, True)  # fmt: skip
+            else:
+                n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
+                                WCAP, BF16, False)  # fmt: skip
+            k = tl.arange(0, 8)
+            tl.atomic_add(ri + I_NAB + k, n, mask=n != 0, sem="relaxed")
     if arrive(W, row, 2, S):
         if route != R_DONE:
             _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,

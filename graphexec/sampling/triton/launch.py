@@ -57,7 +57,8 @@ def sample(
     P, bf16 = proc_args(logits, slot_ids, positions, table, bitmask)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
-    S = split(cfg, B, nblk)
+    S = split(cfg.programs, r, B, nblk)
+    S2 = split(cfg.late_programs, r, B, nblk)
     per = triton.cdiv(triton.cdiv(nblk, r), S) * r
     filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
@@ -71,9 +72,9 @@ def sample(
     if filters:
         ways = cfg.search_ways
         bits = int(math.log2(ways))
-        _select_kernel[(B * S,)](P, W, B, S, nblk, WCAP=cfg.gather_cap, **common)
-        _kept_kernel[(B * S,)](
-            P, W, out.token_ids, out.valid, B, S, nblk, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap,
+        _select_kernel[(B * S2,)](P, W, B, S2, nblk, WCAP=cfg.gather_cap, **common)
+        _kept_kernel[(B * S2,)](
+            P, W, out.token_ids, out.valid, B, S2, nblk, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap,
             WAYS=ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
             ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
             **{**common, "num_warps": cfg.kept_warps},

@@ -37,9 +37,7 @@ TEMP, INV_TEMP, TOP_K, TOP_P, LOG_MIN_P, SEED, LP_PROC = (tl.constexpr(i) for i 
 FLAGS = tl.constexpr(31)
 
 
-@triton.jit
-def has_input(P, bit: tl.constexpr):
-    return (((P[FLAGS] - 3) // 2) & bit) != 0
+
 
 
 @triton.jit
@@ -90,49 +88,41 @@ def raw_x(P, row, offs, BF16: tl.constexpr):
 
 
 @triton.jit
-def tile_x(P, row, slot, ids, offs, lo, hi, BF16: tl.constexpr):
+def tile_x(P, row, slot, ids, offs, lo, hi, BF16: tl.constexpr, BIAS: tl.constexpr = True):
     """Processed x at token ids offs (any shape) of one row, -inf past V. ids: the slot's
     bias ids (`bias_ids`); [lo, hi): a range holding offs, where bias entries are looked
-    for (a tile of consecutive ids finds its few with two counts)."""
+    for (BIAS False: a row without any). No branch on the inputs present: absent ones are
+    masked-off loads, so a loop over tiles keeps its loads pipelined."""
     ok = offs < P[VOCAB]
     raw = raw_x(P, row, offs, BF16)
     c64 = offs.to(tl.int64)
-    if has_input(P, 1):
-        word = tl.load(P[MASK] + row.to(tl.int64) * P[S_MB] + (c64 // 32) * P[S_MW], mask=ok,
-                       other=-1)  # fmt: skip
-        allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
-    else:
-        allowed = tl.full(offs.shape, 1, tl.int1)
+    flags = (P[FLAGS] - 3) // 2
+    # masks are vectors: the interpreter turns (vector & scalar) bools into int32
+    word = tl.load(P[MASK] + row.to(tl.int64) * P[S_MB] + (c64 // 32) * P[S_MW],
+                   mask=tl.where((flags & 1) != 0, ok, False), other=-1)  # fmt: skip
+    allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
     bias = neg_zero(offs.shape)
-    first = tl.sum(((ids >= 0) & (ids < lo)).to(tl.int32), axis=0)
-    n = tl.sum(((ids >= lo) & (ids < hi)).to(tl.int32), axis=0)
-    for e in range(first, first + n):
-        b_id = tl.load(P[BIAS_IDS] + slot * P[S_IS] + e)
-        bias = tl.where(offs == b_id, tl.load(P[BIAS_VALS] + slot * P[S_VS] + e), bias)
-    if has_input(P, 6):
-        rep = tl.load(P[REP] + slot)
-        freq = tl.load(P[FREQ] + slot)
-        pres = tl.load(P[PRES] + slot)
-        # rows with every penalty off read nothing (presence -0.0 is not off: its bits decide)
-        need_rep = rep != 1.0
-        need = need_rep | (freq != 0.0) | (pres.to(tl.int32, bitcast=True) != 0)
-        count = tl.zeros(offs.shape, tl.int32)
-        in_prompt = offs < 0
-        # masks as vectors: the interpreter turns (vector & scalar) bools into int32
-        if has_input(P, 2):
-            cm = tl.where(need, ok, False)
-            count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV], mask=cm, other=0)
-        if has_input(P, 4):
-            pm = tl.where(need_rep, ok, False)
-            bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV], mask=pm, other=0)
-            in_prompt = bits != 0
-        x = process_value(raw, allowed, bias, count, in_prompt, rep, tl.load(P[INV_REP] + slot),
-                          freq, pres)  # fmt: skip
-    else:
-        # no counts or prompt mask: the reference skips its penalty block, and with count 0
-        # and freq = pres = +0.0 process_value leaves x bit-identical
-        zero = tl.zeros(offs.shape, tl.int32)
-        x = process_value(raw, allowed, bias, zero, zero != 0, 1.0, 1.0, 0.0, 0.0)
+    if BIAS:
+        first = tl.sum(((ids >= 0) & (ids < lo)).to(tl.int32), axis=0)
+        n = tl.sum(((ids >= lo) & (ids < hi)).to(tl.int32), axis=0)
+        for e in range(first, first + n):
+            b_id = tl.load(P[BIAS_IDS] + slot * P[S_IS] + e)
+            bias = tl.where(offs == b_id, tl.load(P[BIAS_VALS] + slot * P[S_VS] + e), bias)
+    # without counts or prompt the reference skips its penalties: rep 1, freq and pres +0.0
+    # leave x bit-identical; rows with every penalty off read nothing (presence -0.0 is
+    # not off: its bits decide)
+    pen = (flags & 6) != 0
+    rep = tl.where(pen, tl.load(P[REP] + slot), 1.0)
+    inv_rep = tl.where(pen, tl.load(P[INV_REP] + slot), 1.0)
+    freq = tl.where(pen, tl.load(P[FREQ] + slot), 0.0)
+    pres = tl.where(pen, tl.load(P[PRES] + slot), 0.0)
+    need_rep = rep != 1.0
+    need = need_rep | (freq != 0.0) | (pres.to(tl.int32, bitcast=True) != 0)
+    count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV],
+                    mask=tl.where(need & ((flags & 2) != 0), ok, False), other=0)  # fmt: skip
+    bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV],
+                   mask=tl.where(need_rep & ((flags & 4) != 0), ok, False), other=0)  # fmt: skip
+    x = process_value(raw, allowed, bias, count, bits != 0, rep, inv_rep, freq, pres)
     return tl.where(ok, x, float("-inf"))
 
 

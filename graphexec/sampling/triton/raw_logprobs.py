@@ -99,9 +99,15 @@ def _raw_logprobs_kernel(  # one program per row
             ym = tl.where(live, rxm - m, float("-inf"))
             delta = grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), N * 1.0, 0.0, 0)
             top_b = (ym >= -delta) & (ym > float("-inf"))
+            # N blocks or more hold the max: the top N are its first N tokens by id, in
+            # the first N of those blocks (rows of ties)
+            at_max = live & (rxm == mr)
+            tied = (tl.sum(at_max.to(tl.int32), axis=0) >= N) & (mr > float("-inf"))
+            top_b = tl.where(tied, at_max & (tl.cumsum(at_max.to(tl.int32), axis=0) <= N), top_b)
+            delta = tl.where(tied, 0.0, delta)
             top_ok = tl.sum(top_b.to(tl.int32), axis=0) <= CAP
             d_sel = tl.where(top_ok, delta, float("-inf"))
-            sel_b = sel_b | ((ym >= -d_sel) & (ym > float("-inf")))
+            sel_b = sel_b | tl.where(top_ok, top_b, False)
         # one pass over both sets of blocks: a block of one set only adds nothing to the
         # other's count or candidates
         cblk_row = cblk_ptr + r64 * NBLK
@@ -127,7 +133,8 @@ def _raw_logprobs_kernel(  # one program per row
         tl.store(rank_ptr + row, tl.where(valid, above + 1, 0).to(tl.int64))
         served = 1
         if N > 0:
-            if top_ok & (n <= CAP) & (delta < float("inf")):
+            # tied rows store their first CAP candidates by id: the top N among them
+            if top_ok & ((n <= CAP) | tied) & (delta < float("inf")):
                 tl.debug_barrier()
                 c = tl.arange(0, CAP)
                 keys = tl.load(crow + c, mask=c < n, other=-9223372036854775808)

@@ -35,7 +35,7 @@ from graphexec.sampling.triton.config import (
     R_SELECT,
 )  # fmt: skip
 from graphexec.sampling.triton.draw import bin_of
-from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, row_params, tile_x
+from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
 from graphexec.sampling.triton.stats import BLOCKS, HIST, ROWF, ROWI, TOTAL, arrive
 
 
@@ -51,7 +51,7 @@ def load_plan(W, row):
 
 @triton.jit
 def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-              BF16: tl.constexpr):  # fmt: skip
+              BF16: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
     row's block list (entries past n_list read block NBLK: past V, all -inf)."""
     e = e0 + tl.arange(0, R)
@@ -59,7 +59,7 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
-    return tile_x(P, row, slot, ids, offs, lo, hi, BF16), offs, bid
+    return tile_x(P, row, slot, ids, offs, lo, hi, BF16, BIAS), offs, bid
 
 
 @triton.jit
@@ -155,6 +155,24 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
         tl.store(ri + I_ROUTE, tl.full([], R_EXACT, tl.int64))
 
 
+@triton.jit
+def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
+                NBINS: tl.constexpr, BF16: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """The histogram of list entries e0 .. e1 - 1 (no branch in the loop body)."""
+    m, s, lo, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
+    h = tl.zeros([NBINS], dtype=tl.int32)
+    dropped = tl.zeros([R, DB], dtype=tl.int32)
+    for e in range(e0, e1, R):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, BF16, BIAS)
+        y = (x - m) * s
+        sel = (y > float("-inf")) & (y >= lo)
+        # a masked histogram: every dropped token goes to bin 0, counted off at the end
+        h += tl.histogram(tl.reshape(tl.where(sel, bin_of(y, inv_w, NBINS) >> 3, 0), [R * DB]),
+                          NBINS)  # fmt: skip
+        dropped += (sel == 0).to(tl.int32)
+    return h - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.sum(dropped, 1), 0), 0)
+
+
 @triton.jit(do_not_specialize=["B", "S", "NBLK"])
 def _select_kernel(
     P, W,
@@ -167,24 +185,22 @@ def _select_kernel(
     row = B - 1 - tl.program_id(0) // S
     sp = tl.program_id(0) % S
     route = tl.load(W[ROWI] + row * NUM_I + I_ROUTE)
+    slot = tl.load(P[SLOTS] + row).to(tl.int64)
     if route == R_SELECT:
-        slot, greedy, s_unused, seed, pos = row_params(P, row)
         ids = bias_ids(P, slot, NB_P2)
         n_list = tl.load(W[ROWI] + row * NUM_I + I_NLIST).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
-        m, s, lo, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
-        h = tl.zeros([NBINS], dtype=tl.int32)
-        for e0 in range(sp * per, tl.minimum(sp * per + per, n_list), R):
-            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, BF16)
-            y = (x - m) * s
-            sel = (y > float("-inf")) & (y >= lo)
-            jb = tl.where(sel, bin_of(y, inv_w, NBINS) >> 3, 0)  # eighths -> bins
-            # a masked histogram by its bin 0, which every dropped token went to
-            h += tl.histogram(tl.reshape(jb, [R * DB]), NBINS)
-            dropped = tl.sum(tl.sum((sel == 0).to(tl.int32), 1), 0)
-            h -= tl.where(tl.arange(0, NBINS) == 0, dropped, 0)
-        tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0, sem="relaxed")
+        e0 = sp * per
+        e1 = tl.minimum(e0 + per, n_list)
+        if e0 < e1:
+            if tl.max(ids, axis=0) >= 0:
+                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, BF16,
+                                True)  # fmt: skip
+            else:
+                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, BF16,
+                                False)  # fmt: skip
+            tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
+                          sem="relaxed")  # fmt: skip
     if arrive(W, row, 1, S):
         if route == R_SELECT:
-            slot = tl.load(P[SLOTS] + row).to(tl.int64)
             _bracket(P, W, row, slot, WCAP, NBINS)

@@ -231,6 +231,42 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
         tl.store(valid_ptr + row, valid)
 
 
+@triton.jit
+def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
+                 DB: tl.constexpr, RAW_LP: tl.constexpr, BF16: tl.constexpr,
+                 BIAS: tl.constexpr):  # fmt: skip
+    """The stats of blocks t0 .. t1 - 1, R a tile; the loop body has no branch, so its
+    loads stay pipelined."""
+    cols = tl.arange(0, DB)[None, :]
+    for t in range(t0, t1, R):
+        bid = t + tl.arange(0, R)
+        offs = bid[:, None] * DB + cols
+        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, BF16, BIAS)
+        xm = tl.max(x, axis=1)
+        fin = (x > float("-inf")) & (x < float("inf"))
+        xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
+        xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
+        hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
+        q = tl.sum(hi, axis=1).to(tl.int64) * 65536 + tl.sum(lo, axis=1).to(tl.int64)
+        n_inf = tl.sum((x == float("inf")).to(tl.int64), axis=1)
+        q = tl.where(xm == float("inf"), n_inf << 32, q)
+        ok = bid < NBLK
+        dst = row * NBLK + bid
+        tl.store(W[XM] + dst, xm, mask=ok)
+        tl.store(W[XN] + dst, xn, mask=ok)
+        tl.store(W[Q] + dst, q, mask=ok)
+        if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
+            v = raw_x(P, row, offs, BF16)
+            v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
+            vm = tl.max(v, axis=1)
+            vf = (vm > float("-inf")) & (vm < float("inf"))
+            e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
+                                v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
+            okr = tl.where(raw_mode, ok, False)
+            tl.store(W[RAW0] + dst, vm, mask=okr)
+            tl.store(W[RAW1] + dst, tl.sum(e, axis=1), mask=okr)
+
+
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
 def _stats_kernel(
     P, W,
@@ -245,36 +281,15 @@ def _stats_kernel(
     sp = tl.program_id(0) % S
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
-    cols = tl.arange(0, DB)[None, :]
     raw_mode = tl.zeros([], dtype=tl.int1)
     if RAW_LP:
         raw_mode = tl.load(P[LP_PROC] + slot) == 0
-    for t in range(sp * PER, sp * PER + PER, R):
-        bid = t + tl.arange(0, R)
-        offs = bid[:, None] * DB + cols
-        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, BF16)
-        xm = tl.max(x, axis=1)
-        fin = (x > float("-inf")) & (x < float("inf"))
-        xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
-        xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
-        hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
-        q = tl.sum(hi, axis=1).to(tl.int64) * 65536 + tl.sum(lo, axis=1).to(tl.int64)
-        n_inf = tl.sum((x == float("inf")).to(tl.int64), axis=1)
-        q = tl.where(xm == float("inf"), n_inf << 32, q)
-        ok = bid < NBLK
-        dst = row * NBLK + bid
-        tl.store(W[XM] + dst, xm, mask=ok)
-        tl.store(W[XN] + dst, xn, mask=ok)
-        tl.store(W[Q] + dst, q, mask=ok)
-        if RAW_LP:
-            if raw_mode:
-                v = raw_x(P, row, offs, BF16)
-                v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
-                vm = tl.max(v, axis=1)
-                vf = (vm > float("-inf")) & (vm < float("inf"))
-                e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
-                                    v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
-                tl.store(W[RAW0] + dst, vm, mask=ok)
-                tl.store(W[RAW1] + dst, tl.sum(e, axis=1), mask=ok)
+    # a row with a logit bias looks its entries up per tile; the others never do
+    if tl.max(ids, axis=0) >= 0:
+        _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
+                     RAW_LP, BF16, True)  # fmt: skip
+    else:
+        _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
+                     RAW_LP, BF16, False)  # fmt: skip
     if arrive(W, row, 0, S):
         _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, NBLK_P2, NB_P2, DB, NBINS, BF16)
