@@ -21,13 +21,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 
 
 @triton.jit
-def _process_kernel(P, x_ptr, BF16: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
+def _process_kernel(P, x_ptr, FL: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
     """x [B, V] f32 of `tile_x`, a [BLOCK] tile per program: grid (B, cdiv(V, BLOCK))."""
     row = tl.program_id(0)
     slot = tl.load(P[P_SLOTS] + row).to(tl.int64)
     lo = tl.program_id(1) * BLOCK
     offs = lo + tl.arange(0, BLOCK)
-    x = tile_x(P, row, slot, bias_ids(P, slot, NB_P2), offs, lo, lo + BLOCK, BF16)
+    x = tile_x(P, row, slot, bias_ids(P, slot, NB_P2), offs, lo, lo + BLOCK, FL)
     tl.store(x_ptr + row.to(tl.int64) * P[P_VOCAB] + offs, x, mask=offs < P[P_VOCAB])
 
 
@@ -38,9 +38,9 @@ def process(logits, slot_ids, table, bitmask=None, *, block: int = 1024) -> torc
     if B == 0:
         return x
     pos = torch.zeros(B, dtype=torch.int64, device=logits.device)
-    P, bf16 = proc_args(logits, slot_ids, pos, table, bitmask)
+    P, fl = proc_args(logits, slot_ids, pos, table, bitmask)
     _process_kernel[(B, triton.cdiv(V, block))](
-        P, x, BF16=bf16, NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
+        P, x, FL=fl, NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
         BLOCK=block, enable_fp_fusion=False,
     )  # fmt: skip
     return x

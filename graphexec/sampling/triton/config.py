@@ -125,7 +125,7 @@ class Workspace:
     kept_mid: torch.Tensor  # i64 [B, NBLK]: K_b of the kept tokens between brackets
     blocks: torch.Tensor  # i32 [B, NBLK]: the blocks a filtered row reads again
     hist: torch.Tensor  # i32 [B, bins]
-    gath: torch.Tensor  # i64 [B, 3, gather_cap]: bracket tokens' packs, ranks, masses before
+    gath: torch.Tensor  # i64 [B, gather_cap]: packs of the bracket tokens
     rowf: torch.Tensor  # f32 [B, 8]: F_* columns
     rowi: torch.Tensor  # i64 [B, NUM_I]: I_* columns
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
@@ -144,7 +144,7 @@ class Workspace:
         return cls(
             xm=e(B, nblk), xn=e(B, nblk), q=e(B, nblk, dtype=i64), kept=e(B, nblk, dtype=i64),
             kept_mid=e(B, nblk, dtype=i64), blocks=e(B, nblk, dtype=torch.int32),
-            hist=e(B, config.bins, dtype=torch.int32), gath=e(B, 3, config.gather_cap, dtype=i64),
+            hist=e(B, config.bins, dtype=torch.int32), gath=e(B, config.gather_cap, dtype=i64),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
             raw=e(2, B, nblk) if logprobs else e(2, 1, 1),
@@ -154,7 +154,7 @@ class Workspace:
         nblk = triton.cdiv(V, config.draw_block)
         return (
             self.xm.shape[0] >= B and self.xm.shape[1] == nblk
-            and self.hist.shape[1] == config.bins and self.gath.shape[2] == config.gather_cap
+            and self.hist.shape[1] == config.bins and self.gath.shape[1] == config.gather_cap
             and (not logprobs or self.raw.shape[1] >= B)
         )  # fmt: skip
 

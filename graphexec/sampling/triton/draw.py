@@ -65,7 +65,7 @@ def kept_mask(y, pk, lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: tl.con
 @triton.jit
 def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_w, jhi, j1, j2,
                    jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
-                   NBINS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+                   NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise, then the kept
     token of that block with the largest y plus token noise (ties to the lower id).
     ym, kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept)."""
@@ -75,7 +75,7 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_
     top, bstar = first_argmax(key, b, NBLK_P2)
     start = bstar * DB
     offs = start + tl.arange(0, DB)
-    x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, BF16), has_inf)
+    x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, FL), has_inf)
     y = (x - m) * s
     kept = kept_mask(y, pack(y, offs), lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
     sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TOKEN)), float("-inf"))
@@ -85,11 +85,11 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_
 
 @triton.jit
 def greedy_token(P, row, slot, ids, xm, mx, NBLK_P2: tl.constexpr, DB: tl.constexpr,
-                 BF16: tl.constexpr):  # fmt: skip
+                 FL: tl.constexpr):  # fmt: skip
     """The first token with x == mx (the row max): the first block whose max it is,
     read again (+inf rows: the first +inf)."""
     b = tl.arange(0, NBLK_P2)
     gb = tl.min(tl.where(xm == mx, b, NBLK_P2), axis=0)
     offs = gb * DB + tl.arange(0, DB)
-    x = tile_x(P, row, slot, ids, offs, gb * DB, gb * DB + DB, BF16)
+    x = tile_x(P, row, slot, ids, offs, gb * DB, gb * DB + DB, FL)
     return tl.min(tl.where(x == mx, offs, INT32_MAX), axis=0)

@@ -27,7 +27,7 @@ from graphexec.sampling.triton.stats import KEPT, XM
 
 @triton.jit
 def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl.constexpr,
-             SB: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+             SB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """One pass: (#(pack >= c_j), exact mass of pack >= c_j) [WAYS] for ascending cands,
     SB blocks a step (a [SB * DB, WAYS] compare)."""
     cnt = tl.zeros([WAYS], dtype=tl.int64)
@@ -41,7 +41,7 @@ def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl
         if tl.max(need.to(tl.int32), axis=0) > 0:
             offs = tl.reshape(tl.where(need, bid, NBLK)[:, None] * DB + tl.arange(0, DB)[None, :],
                               [SB * DB])  # fmt: skip
-            y = (tile_x(P, row, slot, ids, offs, t * DB, (t + SB) * DB, BF16) - m) * s
+            y = (tile_x(P, row, slot, ids, offs, t * DB, (t + SB) * DB, FL) - m) * s
             pk = tl.where(y > float("-inf"), pack(y, offs), PAD_KEY)
             ge = pk[:, None] >= cands[None, :]
             cnt += tl.sum(ge.to(tl.int64), axis=0)
@@ -53,7 +53,7 @@ def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl
 @triton.jit
 def _search(P, W, row, slot, ids, m, s, lo, hi, on_keys, target, use_mass, NBLK,
             ITERS: tl.constexpr, SB: tl.constexpr, DB: tl.constexpr, WAYS: tl.constexpr,
-            BF16: tl.constexpr):  # fmt: skip
+            FL: tl.constexpr):  # fmt: skip
     """The largest v in [lo, hi] with F(v) >= target (F(lo) >= target on entry): F the
     count, or the mass, of pack >= v << 32 (on_keys) or of pack >= v."""
     w = tl.arange(0, WAYS).to(tl.int64)
@@ -62,7 +62,7 @@ def _search(P, W, row, slot, ids, m, s, lo, hi, on_keys, target, use_mass, NBLK,
             step = (hi - lo) // WAYS + 1
             c = tl.minimum(lo + w * step, hi)
             cands = tl.where(on_keys != 0, c << 32, c)
-            cnt, tot = _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB, WAYS, SB, BF16)
+            cnt, tot = _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB, WAYS, SB, FL)
             f = tl.where(use_mass != 0, tot.to(tl.float64), cnt.to(tl.float64))
             jb = tl.max(tl.where(f >= target, w, 0), axis=0)
             new_lo = tl.sum(tl.where(w == jb, c, 0), axis=0)
@@ -74,25 +74,25 @@ def _search(P, W, row, slot, ids, m, s, lo, hi, on_keys, target, use_mass, NBLK,
 @triton.jit
 def _largest_pack(P, W, row, slot, ids, m, s, key_lo, target, use_mass, NBLK,
                   ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, DB: tl.constexpr,
-                  WAYS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+                  WAYS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """The largest pack v with F(v) >= target: its key bits, then its id bits (ids < V,
     so the low word of a live pack is at least 2**32 - V)."""
     key = _search(P, W, row, slot, ids, m, s, key_lo, tl.zeros([], tl.int64), 1, target,
-                  use_mass, NBLK, ITA, SB, DB, WAYS, BF16)  # fmt: skip
+                  use_mass, NBLK, ITA, SB, DB, WAYS, FL)  # fmt: skip
     lo = (key << 32) | (tl.full([], 4294967296, tl.int64) - P[VOCAB])
     return _search(P, W, row, slot, ids, m, s, lo, (key << 32) | 4294967295, 0, target,
-                   use_mass, NBLK, ITB, SB, DB, WAYS, BF16)  # fmt: skip
+                   use_mass, NBLK, ITB, SB, DB, WAYS, FL)  # fmt: skip
 
 
 @triton.jit
 def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
               ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, DB: tl.constexpr,
-              WAYS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+              WAYS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """C of the module docstring for a filtered row without +inf (y_lo <= every live y);
     writes the kept blocks' masses K_b of every block."""
     key_lo = okey(y_lo).to(tl.int64)
     lowest = tl.zeros([WAYS], tl.int64) + (key_lo << 32)
-    cnt, tot = _pass_ge(P, W, row, slot, ids, m, s, lowest, NBLK, DB, WAYS, SB, BF16)
+    cnt, tot = _pass_ge(P, W, row, slot, ids, m, s, lowest, NBLK, DB, WAYS, SB, FL)
     n_live = tl.max(cnt, axis=0)
     all_mass = tl.max(tot, axis=0).to(tl.float64)
     cut = key_lo << 32
@@ -100,15 +100,15 @@ def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
     if top_k > 0:
         k = tl.minimum(top_k.to(tl.int64), n_live).to(tl.float64)
         cut = _largest_pack(P, W, row, slot, ids, m, s, key_lo, k, 0, NBLK, ITA, ITB, SB, DB,
-                            WAYS, BF16)  # fmt: skip
+                            WAYS, FL)  # fmt: skip
         cnt, tot = _pass_ge(P, W, row, slot, ids, m, s, tl.zeros([WAYS], tl.int64) + cut, NBLK,
-                            DB, WAYS, SB, BF16)  # fmt: skip
+                            DB, WAYS, SB, FL)  # fmt: skip
         t_p = tl.max(tot, axis=0).to(tl.float64)
     if top_p < 1.0:
         target = top_p.to(tl.float64) * t_p
         if all_mass >= target:
             cut_p = _largest_pack(P, W, row, slot, ids, m, s, key_lo, target, 1, NBLK, ITA,
-                                  ITB, SB, DB, WAYS, BF16)  # fmt: skip
+                                  ITB, SB, DB, WAYS, FL)  # fmt: skip
             cut = tl.maximum(cut, cut_p)
     if lnmp > float("-inf"):
         cut = tl.maximum(cut, okey(lnmp).to(tl.int64) << 32)
@@ -120,7 +120,7 @@ def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
         kb = tl.zeros([], dtype=tl.int64)
         if ymb >= y_cut:
             offs = b * DB + tl.arange(0, DB)
-            y = (tile_x(P, row, slot, ids, offs, b * DB, b * DB + DB, BF16) - m) * s
+            y = (tile_x(P, row, slot, ids, offs, b * DB, b * DB + DB, FL) - m) * s
             kept = (y > float("-inf")) & (pack(y, offs) >= cut) & (y >= lnmp)
             kb = sum_mass(kept, y - ymb, 0)
         tl.store(W[KEPT] + row * NBLK + b, kb)

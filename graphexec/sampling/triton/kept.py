@@ -32,7 +32,6 @@ from graphexec.sampling.triton.config import (
     I_NG,
     I_NLIST,
     I_NMID,
-    I_NMIDM,
     I_ROUTE,
     NUM_I,
     R_CUT,
@@ -42,7 +41,7 @@ from graphexec.sampling.triton.config import (
 )  # fmt: skip
 from graphexec.sampling.triton.draw import FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, pack, sum_mass, unpack
+from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, okey, pack, unpack
 from graphexec.sampling.triton.process import (
     LOG_MIN_P,
     SLOTS,
@@ -54,121 +53,136 @@ from graphexec.sampling.triton.process import (
 from graphexec.sampling.triton.select import list_tile, load_plan
 from graphexec.sampling.triton.stats import GATH, KEPT, KMID, ROWF, ROWI, TOTAL, XM, XN, arrive
 
-BIG = tl.constexpr(1 << 62)
+BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 
 
 @triton.jit
-def _ranks(W, row, n_g, WCAP: tl.constexpr, GI: tl.constexpr, CH: tl.constexpr):
-    """Per gathered key: the number of gathered keys above it and their exact mass, into
-    the gather buffer's second and third rows (GI keys against CH at a time)."""
-    base = W[GATH] + row * 3 * WCAP
-    for i0 in range(0, n_g, GI):
-        ci = i0 + tl.arange(0, GI)
-        ki = tl.load(base + ci, mask=ci < n_g, other=PAD_KEY)
-        rank = tl.zeros([GI], dtype=tl.int64)
-        bef = tl.zeros([GI], dtype=tl.int64)
-        for j0 in range(0, n_g, CH):
-            cj = j0 + tl.arange(0, CH)
-            kj = tl.load(base + cj, mask=cj < n_g, other=PAD_KEY)
-            yj, idj = unpack(kj)
-            hj, lj = mass_hi_lo(yj)  # once per key, then summed where above
-            gt = kj[None, :] > ki[:, None]
-            rank += tl.sum(gt.to(tl.int64), axis=1)
-            bef += (tl.sum(tl.where(gt, hj[None, :], 0), axis=1).to(tl.int64) * 65536
-                    + tl.sum(tl.where(gt, lj[None, :], 0), axis=1).to(tl.int64))  # fmt: skip
-        tl.store(base + WCAP + ci, rank, mask=ci < n_g)
-        tl.store(base + 2 * WCAP + ci, bef, mask=ci < n_g)
-    tl.debug_barrier()
+def _f(keys, w, c, base, mid, max2):
+    """F(c_j) = base + sum of w over the keys >= c_j + mid where c_j <= max2 ([WAYS]): the
+    count (w = 1) or mass (w = q) of the row's tokens with pack >= c_j, the middle's
+    (whose packs lie between the brackets) put just above bracket 2's largest."""
+    ge = keys[:, None] >= c[None, :]
+    return base + tl.sum(tl.where(ge, w[:, None], 0), axis=0) + tl.where(c <= max2, mid, 0)
+
+
+@triton.jit
+def _search(keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexpr,
+            ITERS: tl.constexpr):
+    """The largest v in [lo, hi] with F(v) >= target (F(lo) >= target on entry): v a key
+    (the high 32 bits of a pack, on_keys) or a pack."""
+    j = tl.arange(0, WAYS).to(tl.int64)
+    for _it in range(ITERS):  # 32 bits, WAYS-fold a step
+        if lo < hi:
+            step = (hi - lo) // WAYS + 1
+            c = tl.minimum(lo + j * step, hi)
+            f = _f(keys, w, tl.where(on_keys != 0, c << 32, c), base, mid, max2)
+            jb = tl.max(tl.where(f.to(tl.float64) >= target, j, 0), axis=0)
+            new_lo = tl.sum(tl.where(j == jb, c, 0), axis=0)
+            hi = tl.where(jb < WAYS - 1, tl.sum(tl.where(j == jb + 1, c, 0), axis=0) - 1, hi)
+            lo = new_lo
+    return lo
+
+
+@triton.jit
+def _cut(keys, w, lowest, target, base, mid, max2, WAYS: tl.constexpr, ITERS: tl.constexpr):
+    """The largest pack P with F(P) >= target, its key bits then its low bits (the packs
+    of ids < V have low words >= 2**32 - V; a gathered pack's is one of them)."""
+    key = _search(keys, w, lowest >> 32, tl.zeros([], tl.int64), 1, target, base, mid, max2,
+                  WAYS, ITERS)  # fmt: skip
+    lo = tl.maximum(key << 32, lowest)
+    return _search(keys, w, lo, (key << 32) | 4294967295, 0, target, base, mid, max2, WAYS,
+                   ITERS)  # fmt: skip
 
 
 @triton.jit
 def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-             WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr, NBLK):  # fmt: skip
-    """(ok, cut, midk) of a selected row from its gathered tokens and its region sums;
-    adds the kept gathered tokens' masses to their blocks."""
+             WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr, WAYS: tl.constexpr,
+             ITERS: tl.constexpr, NBLK):  # fmt: skip
+    """(ok, cut, midk): the cut C of a selected row's kept set {pack >= C} (with y >=
+    log_min_p), found among its gathered packs by counting (`_cut`: no sort), and whether
+    its middle is kept; adds the kept gathered tokens' masses to their blocks. A cut that
+    falls inside the above region or the middle, or below the brackets with tokens there
+    left uncounted, is not resolved here (ok False)."""
     ri = W[ROWI] + row * NUM_I
     nab = tl.load(ri + I_NAB)
     nabm = tl.load(ri + I_NABM)
     mab = tl.load(ri + I_MAB)
     nmid = tl.load(ri + I_NMID)
-    nmidm = tl.load(ri + I_NMIDM)
     mmid = tl.load(ri + I_MMID)
     nbelm = tl.load(ri + I_NBELM)
-    # every live token counted: none below lo, none below the brackets
-    all_in = (tl.load(ri + I_LOMIN) != 0) & (tl.load(ri + I_NBEL) == 0)
-    n_g = tl.minimum(n_g, WCAP)
-    _ranks(W, row, n_g, WCAP, 64, 64)
+    all_in = (tl.load(ri + I_LOMIN) != 0) & (tl.load(ri + I_NBEL) == 0)  # every live token
     c = tl.arange(0, WCAP)
     ok_g = c < n_g
-    base = W[GATH] + row * 3 * WCAP
-    keys = tl.load(base + c, mask=ok_g, other=PAD_KEY)
+    keys = tl.load(W[GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
     yg, idg = unpack(keys)
     qg = mass(yg)
     in2 = ok_g & (bin_of(yg, inv_w, NBINS) >= j2)
     in1 = ok_g & (in2 == 0)
-    pos = nab + tl.load(base + WCAP + c, mask=ok_g, other=0) + tl.where(in2, nmid, 0)
-    bef = mab + tl.load(base + 2 * WCAP + c, mask=ok_g, other=0) + tl.where(in2, mmid, 0)
     n1 = tl.sum(in1.to(tl.int64), axis=0)
-    n2 = tl.sum(in2.to(tl.int64), axis=0)
-    end1 = nab + n1
-    end_mid = end1 + nmid
-    end2 = end_mid + n2
-    bad = tl.zeros([], dtype=tl.int1)
-    # top-k: the k-th token, and the mass of the top k (top-p's total) where it is known:
-    # a gathered token, or the last of the above, bracket 1 or the middle
     m1 = tl.sum(tl.where(in1, qg, 0), axis=0)
-    m2 = tl.sum(tl.where(in2, qg, 0), axis=0)
-    lk = tl.full([], BIG, tl.int64)
-    t_k = tl.zeros([], dtype=tl.int64)
+    max2 = tl.max(tl.where(in2, keys, PAD_KEY), axis=0)
+    min1 = tl.min(tl.where(in1, keys, BIG_KEY), axis=0)
+    lowest = tl.min(tl.where(ok_g, keys, BIG_KEY), axis=0)
+    highest = tl.max(keys, axis=0)
+    n_known = nab + n_g + nmid
+    m_known = mab + tl.sum(qg, axis=0) + mmid
+    none = tl.full([], PAD_KEY, tl.int64)
+    bad = tl.zeros([], dtype=tl.int1)
+    # top-k: its k-th token's pack, and the top k's mass (top-p's total)
+    c_k = none
+    t_k = m_known
+    k = top_k.to(tl.int64)
     if top_k > 0:
-        lk = tl.where(all_in, tl.minimum(top_k.to(tl.int64), end2), top_k.to(tl.int64))
-        is_k = ok_g & (pos == lk - 1)
-        t_k = tl.sum(tl.where(is_k, bef + qg, 0), axis=0)
-        t_k = tl.where(lk == nab, mab, tl.where(lk == end1, mab + m1, t_k))
-        t_k = tl.where((lk == end_mid) & (nmid > 0), mab + m1 + mmid, t_k)
-        k_known = (tl.sum(is_k.to(tl.int32), axis=0) > 0) | (lk == nab) | (lk == end1)
-        k_known = k_known | (lk == end_mid) | (lk == end2)
-        t_k = tl.where(lk == end2, mab + m1 + mmid + m2, t_k)
-        bad = (top_p < 1.0) & (k_known == 0)
-    # top-p: a token is kept while the mass before it is below p * total
-    lp = tl.full([], BIG, tl.int64)
+        every = all_in & (k >= n_known)  # fewer live tokens than k: all of them
+        found = (k > nab) & (k <= n_known) & ((k <= nab + n1) | (k > nab + n1 + nmid))
+        if found & (every == 0):
+            c_k = _cut(keys, ok_g.to(tl.int64), lowest, k.to(tl.float64), nab, nmid, max2, WAYS,
+                       ITERS)  # fmt: skip
+            w = tl.zeros([WAYS], tl.int64)
+            t_k = tl.max(_f(keys, qg, w + c_k, mab, mmid, max2), axis=0)
+        # exactly the above tokens: a cut just above every gathered one
+        c_k = tl.where(k == nab, highest + 1, c_k)
+        # inside the above region: only a min-p cut at or above it (and no top-p) resolves
+        inside = (k < nab) & (every == 0)
+        bad = bad | (inside & ((lnmp == float("-inf")) | (nabm > k) | (top_p < 1.0)))
+        c_k = tl.where(inside, none, c_k)
+        # inside the middle, or past the brackets with top-p needing its mass
+        past = (k > n_known) & (every == 0)
+        bad = bad | ((k > nab + n1) & (k <= nab + n1 + nmid)) | (past & (top_p < 1.0))
+    # top-p: kept while the mass before a token is below p * total, i.e. pack >= the
+    # largest P with mass(pack >= P) >= p * total
+    c_p = none
     if top_p < 1.0:
         pt = top_p.to(tl.float64) * tl.where(top_k > 0, t_k.to(tl.float64), tl.load(W[TOTAL] + row))
-        kp = ok_g & (bef.to(tl.float64) < pt)
-        c1 = tl.sum((kp & in1).to(tl.int64), axis=0)
-        c2 = tl.sum((kp & in2).to(tl.int64), axis=0)
-        mid_lo = (mab + m1).to(tl.float64)
         bad = bad | (mab.to(tl.float64) >= pt)
-        mid_hi = (mab + m1 + mmid).to(tl.float64)
-        bad = bad | ((c1 == n1) & (nmid > 0) & (mid_lo < pt) & (mid_hi >= pt))
-        # past the last gathered token, the mass before the next one decides
-        past = (mab + m1 + mmid + m2).to(tl.float64) >= pt
-        lp = tl.where(c1 < n1, nab + c1, tl.where((nmid > 0) & (mid_lo >= pt), end1, tl.where(
-            c2 < n2, end_mid + c2, tl.where(past, end2, BIG))))  # fmt: skip
-    # min-p: y >= log_min_p, a value cut (fine wherever it falls)
-    lm = tl.full([], BIG, tl.int64)
+        mid_lo = (mab + m1).to(tl.float64)
+        bad = bad | ((nmid > 0) & (mid_lo < pt) & ((mab + m1 + mmid).to(tl.float64) >= pt))
+        if m_known.to(tl.float64) >= pt:
+            c_p = _cut(keys, qg, lowest, pt, mab, mmid, max2, WAYS, ITERS)
+    # min-p: y >= log_min_p, a value cut
+    c_m = none
     if lnmp > float("-inf"):
-        cm1 = tl.sum((in1 & (yg >= lnmp)).to(tl.int64), axis=0)
-        cm2 = tl.sum((in2 & (yg >= lnmp)).to(tl.int64), axis=0)
-        lm = tl.where(nabm < nab, nabm, tl.where(cm1 < n1, nab + cm1, tl.where(
-            nmidm < nmid, end1 + nmidm, tl.where(cm2 < n2, end_mid + cm2, tl.where(
-                (nbelm == 0) & (lnmp >= lo), end2, BIG)))))  # fmt: skip
-    L = tl.minimum(tl.minimum(lk, lp), lm)
-    known = (L >= nab) & ((L <= end1) | (L >= end_mid)) & (L <= end2)
-    ok = (bad == 0) & (L < BIG) & ((L == lm) | known)
-    kept = ok_g & (pos < L) & (pos * 0 + ok.to(tl.int64) != 0)  # vector & scalar: see tile_x
-    cut = tl.min(tl.where(kept, keys, 9223372036854775807), axis=0)
+        c_m = okey(lnmp).to(tl.int64) << 32
+    cut = tl.maximum(tl.maximum(c_k, c_p), c_m)
+    # the kept set must end where every token was counted: at or above the lowest gathered
+    # one; or a min-p cut with no token of y >= log_min_p uncounted below the brackets; or
+    # no cut at all with every live token counted
+    counted = (n_g > 0) & (cut >= lowest)
+    counted = counted | ((cut == c_m) & (c_m > PAD_KEY) & (nbelm == 0) & (lnmp >= lo))
+    counted = counted | ((cut == PAD_KEY) & all_in) | (cut > highest)
+    ok = (bad == 0) & counted
+    kept = ok_g & (keys >= cut) & ((keys * 0 + ok.to(tl.int64)) != 0)  # (vector & scalar)
     bg = idg // DB
     xmg = tl.load(W[XM] + row * NBLK + bg, mask=kept, other=0.0)
     tl.atomic_add(W[KEPT] + row * NBLK + bg, mass(yg - (xmg - m) * s), mask=kept)
-    return ok, cut, (L > end1) & (nmid > 0)
+    return ok, cut, (nmid > 0) & (cut < min1)
 
 
 @triton.jit
 def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             NB_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, NBINS: tl.constexpr,
             WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr,
-            SB: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+            SB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     ri = W[ROWI] + row * NUM_I
@@ -188,7 +202,7 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         ok = n_g <= WCAP
         if ok:
             ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-                                     WCAP, NBINS, DB, NBLK)  # fmt: skip
+                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         if ok == 0:
             route = tl.full([], R_EXACT, tl.int64)
     if route == R_EXACT:
@@ -196,7 +210,7 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
         y_lo = tl.maximum(y_lo, -FLT_MAX)
         cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
-                        tl.load(W[TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS, BF16)  # fmt: skip
+                        tl.load(W[TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS, FL)  # fmt: skip
         # the kept set is pack >= cut: every live token in "bracket 1"
         lo = tl.full([], -FLT_MAX, tl.float32)
         klo = lo
@@ -213,14 +227,14 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         kv += tl.load(W[KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                       cache_modifier=".cg")  # fmt: skip
     tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, inv_w, jhi, j1,
-                         j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, BF16)  # fmt: skip
+                         j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, FL)  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, tok >= 0)
 
 
 @triton.jit
 def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
-                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, BF16: tl.constexpr,
+                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 BIAS: tl.constexpr):  # fmt: skip
     """List entries e0 .. e1 - 1: store the kept blocks' masses, gather the bracket, and
     return the I_NAB .. I_NBEL sums ([8] i64). Per-token accumulators, reduced once."""
@@ -230,7 +244,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
     ng_ptr = W[ROWI] + row * NUM_I + I_NG + zero
     for e in range(e0, e1, R):
-        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, BF16, BIAS)
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
         xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         zr = y - tl.where(xmb > float("-inf"), (xmb - m) * s, 0.0)[:, None]
@@ -241,22 +255,27 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         brk = inr & (((j >= jhi) & (j <= j1)) | ((j >= j2) & (j <= jlo)))
         below = inr & (j > jlo)
         okm = y >= lnmp
-        tl.store(W[KEPT] + row * NBLK + bid, sum_mass(above & okm, zr, 1), mask=bid < NBLK)
-        tl.store(W[KMID] + row * NBLK + bid, sum_mass(mid & okm, zr, 1), mask=bid < NBLK)
-        h_ab, l_ab = mass_hi_lo(tl.where(above, y, float("-inf")))
-        h_mid, l_mid = mass_hi_lo(tl.where(mid, y, float("-inf")))
+        # one exp of the block-relative z and one of y a token, shared by both regions
+        hz, lz = mass_hi_lo(tl.where((above | mid) & okm, zr, float("-inf")))
+        ka = tl.sum(tl.where(above, hz, 0), 1).to(tl.int64) * 65536 + tl.sum(
+            tl.where(above, lz, 0), 1).to(tl.int64)  # fmt: skip
+        km = tl.sum(tl.where(mid, hz, 0), 1).to(tl.int64) * 65536 + tl.sum(
+            tl.where(mid, lz, 0), 1).to(tl.int64)  # fmt: skip
+        tl.store(W[KEPT] + row * NBLK + bid, ka, mask=bid < NBLK)
+        tl.store(W[KMID] + row * NBLK + bid, km, mask=bid < NBLK)
+        hy, ly = mass_hi_lo(tl.where(above | mid, y, float("-inf")))
         n_ab += above.to(tl.int32)
         n_abm += (above & okm).to(tl.int32)
-        hi_ab += h_ab
-        lo_ab += l_ab
+        hi_ab += tl.where(above, hy, 0)
+        lo_ab += tl.where(above, ly, 0)
         n_mid += mid.to(tl.int32)
         n_midm += (mid & okm).to(tl.int32)
-        hi_mid += h_mid
-        lo_mid += l_mid
+        hi_mid += tl.where(mid, hy, 0)
+        lo_mid += tl.where(mid, ly, 0)
         n_belm += (below & okm).to(tl.int32)
         n_bel += below.to(tl.int32)
         slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
-        tl.store(W[GATH] + row * 3 * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
+        tl.store(W[GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
     n = tl.where(k == 0, _total(n_ab), tl.where(k == 1, _total(n_abm), 0))
     n += tl.where(k == 2, _total(hi_ab) * 65536 + _total(lo_ab), 0)
@@ -277,7 +296,7 @@ def _kept_kernel(
     B, S,  # rows, programs per row
     NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
-    ITB: tl.constexpr, SB: tl.constexpr, BF16: tl.constexpr,
+    ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * S,), rows in order."""
     row = tl.program_id(0) // S
@@ -295,13 +314,13 @@ def _kept_kernel(
             lnmp = tl.load(P[LOG_MIN_P] + slot)
             if tl.max(ids, axis=0) >= 0:
                 n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
-                                WCAP, BF16, True)  # fmt: skip
+                                WCAP, FL, True)  # fmt: skip
             else:
                 n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
-                                WCAP, BF16, False)  # fmt: skip
+                                WCAP, FL, False)  # fmt: skip
             k = tl.arange(0, 8)
             tl.atomic_add(ri + I_NAB + k, n, mask=n != 0, sem="relaxed")
     if arrive(W, row, 2, S):
         if route != R_DONE:
             _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, BF16)  # fmt: skip
+                    WCAP, WAYS, ITA, ITB, SB, FL)  # fmt: skip

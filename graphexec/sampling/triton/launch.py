@@ -54,7 +54,7 @@ def sample(
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
     ws = workspace.rows(B)
     W = _w(ws)
-    P, bf16 = proc_args(logits, slot_ids, positions, table, bitmask)
+    P, fl = proc_args(logits, slot_ids, positions, table, bitmask)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
     S = split(cfg.programs, r, B, nblk)
@@ -62,7 +62,7 @@ def sample(
     per = triton.cdiv(triton.cdiv(nblk, r), S) * r
     filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
-    common = dict(NB_P2=nb_p2, R=r, DB=db, BF16=bf16, NBINS=cfg.bins, enable_fp_fusion=False,
+    common = dict(NB_P2=nb_p2, R=r, DB=db, FL=fl, NBINS=cfg.bins, enable_fp_fusion=False,
                   num_warps=cfg.num_warps)  # fmt: skip
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     _stats_kernel[(B * S,)](
@@ -80,11 +80,11 @@ def sample(
             **{**common, "num_warps": cfg.kept_warps},
         )  # fmt: skip
     if need_lp:
-        _write_logprobs(logits, slot_ids, table, out, ws, P, bf16, nblk, nblk_p2, cfg)
+        _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)
     return out
 
 
-def _write_logprobs(logits, slot_ids, table, out, ws, P, bf16, nblk, nblk_p2, cfg) -> None:
+def _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg) -> None:
     """The raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
     (and processed-mode rows, over their y written here) go to the general writer."""
     B, V = logits.shape
@@ -102,6 +102,6 @@ def _write_logprobs(logits, slot_ids, table, out, ws, P, bf16, nblk, nblk_p2, cf
         NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
         GR=2 if interpreter_enabled() else 32,
         DB=cfg.draw_block, CAP=lp_cap, YB=256 if interpreter_enabled() else 2048,
-        INTERP=interpreter_enabled(), BF16=bf16, enable_fp_fusion=False, num_warps=8,
+        INTERP=interpreter_enabled(), FL=fl, enable_fp_fusion=False, num_warps=8,
     )  # fmt: skip
     write_logprobs(logits, y, slot_ids, table, out, cap=cfg.logprobs_cap, done=done)

@@ -13,7 +13,9 @@ to `reference.process_logits`:
   (`SamplingTensors`): the entries inside the tile's id range are found with two counts.
 
 Every kernel takes one flat tuple P of the batch's inputs (`proc_args`; the indices
-below) and a constexpr BF16; which optional inputs exist is a runtime value in P.
+below) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3:
+absent inputs cost nothing in the tile loops (a masked-off load still costs its address
+arithmetic per token: twice the stats pass's time on an H100).
 """
 
 from __future__ import annotations
@@ -32,9 +34,6 @@ COUNTS, S_CS, S_CV = (tl.constexpr(i) for i in range(13, 16))  # [S, V] i32
 PROMPT, S_PS, S_PV = (tl.constexpr(i) for i in range(16, 19))  # [S, V] u8
 BIAS_IDS, BIAS_VALS, S_IS, S_VS, NBIAS = (tl.constexpr(i) for i in range(19, 24))  # [S, NB]
 TEMP, INV_TEMP, TOP_K, TOP_P, LOG_MIN_P, SEED, LP_PROC = (tl.constexpr(i) for i in range(24, 31))
-# has-bitmask | has-counts << 1 | has-prompt << 2, stored as 2 * flags + 3: odd and never 1,
-# so Triton does not specialise the kernels on it
-FLAGS = tl.constexpr(31)
 
 
 
@@ -78,29 +77,29 @@ def bias_ids(P, slot, NB_P2: tl.constexpr):
 
 
 @triton.jit
-def raw_x(P, row, offs, BF16: tl.constexpr):
+def raw_x(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32 (bf16 widened exactly from its bits), 0 past V."""
     ok = offs < P[VOCAB]
     ptrs = P[LOGITS] + row.to(tl.int64) * P[S_LB] + offs.to(tl.int64) * P[S_LV]
-    if BF16:
+    if (FL & 1) != 0:  # bf16 held as its int16 bits: the exact widening
         return (tl.load(ptrs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=ok, other=0).to(tl.float32)
 
 
 @triton.jit
-def tile_x(P, row, slot, ids, offs, lo, hi, BF16: tl.constexpr, BIAS: tl.constexpr = True):
+def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr = True):
     """Processed x at token ids offs (any shape) of one row, -inf past V. ids: the slot's
     bias ids (`bias_ids`); [lo, hi): a range holding offs, where bias entries are looked
-    for (BIAS False: a row without any). No branch on the inputs present: absent ones are
-    masked-off loads, so a loop over tiles keeps its loads pipelined."""
+    for (BIAS False: a row without any, so a tile loop has no data-dependent branch)."""
     ok = offs < P[VOCAB]
-    raw = raw_x(P, row, offs, BF16)
+    raw = raw_x(P, row, offs, FL)
     c64 = offs.to(tl.int64)
-    flags = (P[FLAGS] - 3) // 2
-    # masks are vectors: the interpreter turns (vector & scalar) bools into int32
-    word = tl.load(P[MASK] + row.to(tl.int64) * P[S_MB] + (c64 // 32) * P[S_MW],
-                   mask=tl.where((flags & 1) != 0, ok, False), other=-1)  # fmt: skip
-    allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
+    if (FL & 2) != 0:
+        word = tl.load(P[MASK] + row.to(tl.int64) * P[S_MB] + (c64 // 32) * P[S_MW], mask=ok,
+                       other=-1)  # fmt: skip
+        allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
+    else:
+        allowed = tl.full(offs.shape, 1, tl.int1)
     bias = neg_zero(offs.shape)
     if BIAS:
         first = tl.sum(((ids >= 0) & (ids < lo)).to(tl.int32), axis=0)
@@ -108,21 +107,30 @@ def tile_x(P, row, slot, ids, offs, lo, hi, BF16: tl.constexpr, BIAS: tl.constex
         for e in range(first, first + n):
             b_id = tl.load(P[BIAS_IDS] + slot * P[S_IS] + e)
             bias = tl.where(offs == b_id, tl.load(P[BIAS_VALS] + slot * P[S_VS] + e), bias)
-    # without counts or prompt the reference skips its penalties: rep 1, freq and pres +0.0
-    # leave x bit-identical; rows with every penalty off read nothing (presence -0.0 is
-    # not off: its bits decide)
-    pen = (flags & 6) != 0
-    rep = tl.where(pen, tl.load(P[REP] + slot), 1.0)
-    inv_rep = tl.where(pen, tl.load(P[INV_REP] + slot), 1.0)
-    freq = tl.where(pen, tl.load(P[FREQ] + slot), 0.0)
-    pres = tl.where(pen, tl.load(P[PRES] + slot), 0.0)
-    need_rep = rep != 1.0
-    need = need_rep | (freq != 0.0) | (pres.to(tl.int32, bitcast=True) != 0)
-    count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV],
-                    mask=tl.where(need & ((flags & 2) != 0), ok, False), other=0)  # fmt: skip
-    bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV],
-                   mask=tl.where(need_rep & ((flags & 4) != 0), ok, False), other=0)  # fmt: skip
-    x = process_value(raw, allowed, bias, count, bits != 0, rep, inv_rep, freq, pres)
+    if (FL & 12) != 0:
+        rep = tl.load(P[REP] + slot)
+        freq = tl.load(P[FREQ] + slot)
+        pres = tl.load(P[PRES] + slot)
+        # rows with every penalty off read nothing (presence -0.0 is not off: its bits decide)
+        need_rep = rep != 1.0
+        need = need_rep | (freq != 0.0) | (pres.to(tl.int32, bitcast=True) != 0)
+        count = tl.zeros(offs.shape, tl.int32)
+        in_prompt = offs < 0
+        # masks as vectors: the interpreter turns (vector & scalar) bools into int32
+        if (FL & 4) != 0:
+            count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV],
+                            mask=tl.where(need, ok, False), other=0)  # fmt: skip
+        if (FL & 8) != 0:
+            bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV],
+                           mask=tl.where(need_rep, ok, False), other=0)  # fmt: skip
+            in_prompt = bits != 0
+        x = process_value(raw, allowed, bias, count, in_prompt, rep, tl.load(P[INV_REP] + slot),
+                          freq, pres)  # fmt: skip
+    else:
+        # no counts or prompt: the reference skips its penalties; with count 0 and
+        # freq = pres = +0.0 process_value leaves x bit-identical
+        zero = tl.zeros(offs.shape, tl.int32)
+        x = process_value(raw, allowed, bias, zero, zero != 0, 1.0, 1.0, 0.0, 0.0)
     return tl.where(ok, x, float("-inf"))
 
 
@@ -133,9 +141,8 @@ def proc_args(
     table: SamplingTensors,
     bitmask: torch.Tensor | None,
 ) -> tuple[tuple, int]:
-    """(P, bf16) for `logits` [B, V]: the tuple every kernel takes, and whether the logits
-    are bf16. Absent optional tensors are stood in for by table columns of their dtype
-    (never read, but compiled: the flags are runtime values)."""
+    """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. Absent
+    optional tensors are stood in for by table columns (never read)."""
     mask = table.top_k if bitmask is None else bitmask
     if bitmask is not None and bitmask.dtype != torch.int32:
         mask = bitmask.view(torch.int32) if bitmask.element_size() == 4 else bitmask.to(torch.int32)
@@ -145,8 +152,8 @@ def proc_args(
         prompt = prompt.view(torch.uint8)
     bf16 = logits.dtype == torch.bfloat16
     lg = logits.view(torch.int16) if bf16 else logits  # widened exactly in the kernel
-    flags = (int(bitmask is not None) | int(table.token_counts is not None) << 1
-             | int(table.prompt_mask is not None) << 2)  # fmt: skip
+    fl = (int(bf16) | int(bitmask is not None) << 1 | int(table.token_counts is not None) << 2
+          | int(table.prompt_mask is not None) << 3)  # fmt: skip
     P = (
         lg, lg.stride(0), lg.stride(1), logits.shape[1], slot_ids, positions,
         table.repetition_penalty, table.inv_repetition_penalty, table.frequency_penalty,
@@ -155,6 +162,5 @@ def proc_args(
         table.bias_ids, table.bias_values, table.bias_ids.stride(0), table.bias_values.stride(0),
         table.bias_ids.shape[1], table.temperature, table.inv_temperature, table.top_k,
         table.top_p, table.log_min_p, table.seed, table.logprobs_processed.view(torch.uint8),
-        2 * flags + 3,
     )  # fmt: skip
-    return P, bf16
+    return P, fl

@@ -43,11 +43,11 @@ def _block_list(sel_b, cblk_row, NBLK_P2: tl.constexpr):
 
 
 @triton.jit
-def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, BF16: tl.constexpr):
+def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, FL: tl.constexpr):
     """The row's y = (collapsed x - m) * s, for the general writer's processed rows."""
     for start in range(0, P[VOCAB], YB):
         offs = start + tl.arange(0, YB)
-        x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, BF16), has_inf)
+        x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, FL), has_inf)
         tl.store(y_row + offs, (x - m) * s, mask=offs < P[VOCAB])
 
 
@@ -67,7 +67,7 @@ def _raw_logprobs_kernel(  # one program per row
     NBLK,
     N: tl.constexpr, N_POW2: tl.constexpr, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr,
     GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr, YB: tl.constexpr,
-    INTERP: tl.constexpr, BF16: tl.constexpr,
+    INTERP: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
@@ -85,7 +85,7 @@ def _raw_logprobs_kernel(  # one program per row
         lse = tl.log(total)
         tok = tl.load(tok_ptr + row)
         t_col = tl.maximum(tok, 0) + tl.arange(0, 1)[None, :]
-        v_tok = tl.sum(tl.sum(_raw(P, row, t_col, BF16), axis=1), axis=0)
+        v_tok = tl.sum(tl.sum(_raw(P, row, t_col, FL), axis=1), axis=0)
         live = b < NBLK
         # rank: a v above v_tok lies in a block whose max is above it
         sel_b = live & (rxm > v_tok)
@@ -120,7 +120,7 @@ def _raw_logprobs_kernel(  # one program per row
             jj = i + tl.arange(0, GR)
             bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)
             offs = bid[:, None] * DB + cols
-            v = _raw(P, row, offs, BF16)
+            v = _raw(P, row, offs, FL)
             above += tl.sum(tl.sum((v > v_tok).to(tl.int32), axis=1), axis=0)
             if N > 0:
                 sel = (v - m >= -d_sel) & (v > float("-inf"))
@@ -154,11 +154,11 @@ def _raw_logprobs_kernel(  # one program per row
         has_inf = mx == float("inf")
         m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
         _write_y(P, row, slot, bias_ids(P, slot, NB_P2), m, has_inf, inv_t, y_ptr + r64 * P[VOCAB],
-                 YB, BF16)  # fmt: skip
+                 YB, FL)  # fmt: skip
 
 
 @triton.jit
-def _raw(P, row, offs, BF16: tl.constexpr):
+def _raw(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32, NaN -> -inf, -inf past V."""
-    v = raw_x(P, row, offs, BF16)
+    v = raw_x(P, row, offs, FL)
     return tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))

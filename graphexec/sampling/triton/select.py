@@ -51,7 +51,7 @@ def load_plan(W, row):
 
 @triton.jit
 def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-              BF16: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
     row's block list (entries past n_list read block NBLK: past V, all -inf)."""
     e = e0 + tl.arange(0, R)
@@ -59,7 +59,7 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
-    return tile_x(P, row, slot, ids, offs, lo, hi, BF16, BIAS), offs, bid
+    return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
 
 
 @triton.jit
@@ -157,13 +157,13 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
 
 @triton.jit
 def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-                NBINS: tl.constexpr, BF16: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+                NBINS: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """The histogram of list entries e0 .. e1 - 1 (no branch in the loop body)."""
     m, s, lo, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
     h = tl.zeros([NBINS], dtype=tl.int32)
     dropped = tl.zeros([R, DB], dtype=tl.int32)
     for e in range(e0, e1, R):
-        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, BF16, BIAS)
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
         sel = (y > float("-inf")) & (y >= lo)
         # a masked histogram: every dropped token goes to bin 0, counted off at the end
@@ -178,7 +178,7 @@ def _select_kernel(
     P, W,
     B, S,  # rows, programs per row
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, BF16: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * S,), rows in reverse order (the first rows' logits, read last by the stats
     pass, are still in L2 when this pass starts)."""
@@ -194,10 +194,10 @@ def _select_kernel(
         e1 = tl.minimum(e0 + per, n_list)
         if e0 < e1:
             if tl.max(ids, axis=0) >= 0:
-                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, BF16,
+                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
                                 True)  # fmt: skip
             else:
-                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, BF16,
+                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
                                 False)  # fmt: skip
             tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
                           sem="relaxed")  # fmt: skip

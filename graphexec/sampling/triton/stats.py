@@ -104,7 +104,7 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
 
 @triton.jit
 def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
-               NBLK_P2: tl.constexpr, DB: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+               NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """A filtered row whose live tokens all share one value (+inf rows included): each
     weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
     (`reference`, step 5, with every q equal); then the two-level draw over it."""
@@ -119,14 +119,14 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
     bl = tl.min(tl.where(cum >= L, b, NBLK_P2), axis=0)
     need = L - tl.sum(tl.where(b == bl - 1, cum, 0), axis=0)
     offs = bl * DB + tl.arange(0, DB)
-    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, BF16) == mx
+    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, FL) == mx
     rank = tl.cumsum(live.to(tl.int64), axis=0)
     last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
     kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
     cut = pack(tl.zeros([], dtype=tl.float32), last)
     return two_level_draw(P, row, slot, ids, ym, kv, tl.where(mx == float("inf"), 0.0, mx), 1.0,
                           mx == float("inf"), seed, pos, -FLT_MAX, 0.0, 0, 1 << 30, (1 << 30) + 1,
-                          1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, BF16)  # fmt: skip
+                          1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
 @triton.jit
 def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
               NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-              BF16: tl.constexpr):  # fmt: skip
+              FL: tl.constexpr):  # fmt: skip
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     b = tl.arange(0, NBLK_P2)
@@ -198,7 +198,7 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
     route = tl.zeros([], dtype=tl.int32)
     if valid:
         if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, BF16)
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
         else:
             filt = tl.zeros([], dtype=tl.int1)
             top_k = tl.load(P[TOP_K] + slot)
@@ -215,7 +215,7 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 if ties:
                     tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
-                                     seed, pos, NBLK, NBLK_P2, DB, BF16)  # fmt: skip
+                                     seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
                     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
                     route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total,
@@ -224,7 +224,7 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                 # every live token kept ("above": bin 0 < 1), K_b = Q_b
                 tok = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
                                      -FLT_MAX, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"), NBLK,
-                                     NBLK_P2, DB, 1, BF16)  # fmt: skip
+                                     NBLK_P2, DB, 1, FL)  # fmt: skip
     if route == R_DONE:
         tl.store(W[ROWI] + row * NUM_I + I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
@@ -233,7 +233,7 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
 
 @triton.jit
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
-                 DB: tl.constexpr, RAW_LP: tl.constexpr, BF16: tl.constexpr,
+                 DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
                  BIAS: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile; the loop body has no branch, so its
     loads stay pipelined."""
@@ -241,7 +241,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
     for t in range(t0, t1, R):
         bid = t + tl.arange(0, R)
         offs = bid[:, None] * DB + cols
-        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, BF16, BIAS)
+        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, FL, BIAS)
         xm = tl.max(x, axis=1)
         fin = (x > float("-inf")) & (x < float("inf"))
         xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
@@ -256,7 +256,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         tl.store(W[XN] + dst, xn, mask=ok)
         tl.store(W[Q] + dst, q, mask=ok)
         if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
-            v = raw_x(P, row, offs, BF16)
+            v = raw_x(P, row, offs, FL)
             v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
             vm = tl.max(v, axis=1)
             vf = (vm > float("-inf")) & (vm < float("inf"))
@@ -274,7 +274,7 @@ def _stats_kernel(
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
     NBLK, FILTERS: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr,
     NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    BF16: tl.constexpr,
+    FL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...)."""
     row = tl.program_id(0) // S
@@ -287,9 +287,9 @@ def _stats_kernel(
     # a row with a logit bias looks its entries up per tile; the others never do
     if tl.max(ids, axis=0) >= 0:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, BF16, True)  # fmt: skip
+                     RAW_LP, FL, True)  # fmt: skip
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, BF16, False)  # fmt: skip
+                     RAW_LP, FL, False)  # fmt: skip
     if arrive(W, row, 0, S):
-        _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, NBLK_P2, NB_P2, DB, NBINS, BF16)
+        _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, NBLK_P2, NB_P2, DB, NBINS, FL)
