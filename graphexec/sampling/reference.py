@@ -32,12 +32,12 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
        L_b = ym_b + log(fp32(K_b))         (-inf where K_b = 0)
        b*  = argmax of L_b + g(seed, pos, b, BLOCK)
        token = argmax of y + g(seed, pos, token, TOKEN) over the kept tokens of block b*
-   K_b is the block's mass relative to its max, an exact int64 sum:
-   - rows with no active filter (top-k off, top-p 1, min-p 0):
-         K_b = Q_b = sum over finite x_i of trunc(exp((x_i - xm_b) * s) * 2**32)
-     with xm_b the block max of the collapsed x, so the first read of the row gives it
-     without knowing m;
-   - filtered rows: K_b = sum over the kept i of trunc(exp(y_i - ym_b) * 2**32).
+   K_b is the block's kept mass relative to its max, an exact int64 sum
+       K_b = sum over the kept i of trunc(exp((x_i - xm_b) * s) * 2**32)
+   with xm_b the block max of the collapsed x, so the first read of the row gives it
+   without knowing m. Rows with no active filter (top-k off, top-p 1, min-p 0) keep
+   every finite x_i: K_b = Q_b, the same sum over the whole block; so does a filtered
+   row's block whose every live token is kept.
    P(b) is the block's share of the kept mass and P(token | b) its share within the
    block, so the draw is exact up to the 2**-32 fixed point (per token, relative to its
    block max); every block holding a kept token holds one of mass 2**32 (its kept max).
@@ -243,16 +243,19 @@ def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Ten
     return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
-def kept_block_mass(y: torch.Tensor, kept: torch.Tensor, ym: torch.Tensor, draw_block: int):
-    """[B, nblocks] int64 K_b of filtered rows: sum over kept i of trunc(exp(y_i - ym_b) 2**32)."""
-    B, V = y.shape
-    nb = ym.shape[1]
+def kept_block_mass(xc: torch.Tensor, kept: torch.Tensor, inv_t: torch.Tensor, draw_block: int):
+    """[B, nblocks] int64 K_b of filtered rows: sum over kept i of trunc(exp((x_i - xm_b)
+    * s) 2**32), xc the collapsed rows (the terms of `block_stats`' Q_b)."""
+    B, V = xc.shape
+    nb = -(-V // draw_block)
     pad = nb * draw_block - V
-    yb = torch.cat([y, y.new_full((B, pad), -torch.inf)], 1).view(B, nb, draw_block)
+    xb = torch.cat([xc, xc.new_full((B, pad), -torch.inf)], 1).view(B, nb, draw_block)
     kb = torch.cat([kept, kept.new_zeros((B, pad))], 1).view(B, nb, draw_block)
-    fin = torch.isfinite(ym).unsqueeze(-1)
-    z = torch.where(kb & fin, yb - torch.where(fin, ym.unsqueeze(-1), 0.0), -torch.inf)
-    return (torch.exp(z) * MASS_SCALE).to(torch.int64).sum(-1)
+    xm = xb.max(dim=-1).values
+    fin = torch.isfinite(xb) & torch.isfinite(xm).unsqueeze(-1) & kb
+    xs = torch.where(torch.isfinite(xm), xm, 0.0).unsqueeze(-1)
+    z = torch.where(fin, (xb - xs) * inv_t.view(B, 1, 1), -torch.inf)
+    return torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0).sum(-1)
 
 
 def draw(
@@ -280,7 +283,7 @@ def draw(
     else:
         plain = plain_rows(slot_ids, table)
         kept = torch.where(plain.unsqueeze(1), live, kept)
-    mass = torch.where(plain.unsqueeze(1), q, kept_block_mass(y, kept, ym, draw_block))
+    mass = torch.where(plain.unsqueeze(1), q, kept_block_mass(xc, kept, inv_t, draw_block))
     lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -torch.inf)
     bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
     chosen = first_argmax(lm + bg)

@@ -97,7 +97,7 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
     xm, qb = reference.block_stats(x, s, db)
     ym = torch.where(xm > -torch.inf, (xm - reference.row_max(x)) * s, -torch.inf)
     plain = bool(reference.plain_rows(slots, table)[0])
-    mass = qb if plain else reference.kept_block_mass(y, kept, ym, db)
+    mass = qb if plain else reference.kept_block_mass(x, kept, s, db)
     lb = ym + torch.log(mass.float()) + reference.row_gumbel_stream(
         table.seed, posr, ym.shape[1], Stream.BLOCK)  # fmt: skip
     if tok_ref // db != tok_tri // db:
@@ -246,7 +246,7 @@ def test_bench_shapes_take_the_fast_routes(shape):
 
 
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16), dict(bins=128),
-                                   dict(num_warps=4, kept_warps=8)])  # fmt: skip
+                                   dict(num_warps=8, tail_warps=4)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps:
     the same tokens as the GPU preset, on every shape and filter."""

@@ -19,10 +19,12 @@ from graphexec.sampling.triton.config import (  # noqa: E402
     I_JHI,
     I_MAB,
     I_NAB,
+    I_NG,
     I_NMID,
     R_CUT,
     R_SELECT,
 )  # fmt: skip
+from graphexec.sampling.triton.kept import FEW  # noqa: E402
 from tests.sampling.test_triton_select import bins  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
@@ -39,7 +41,7 @@ def reference_rows(logits, both, cfg):
     xm, q = reference.block_stats(x, s, cfg.draw_block)
     kept = reference.filter_mask(y, slots, both.table, reference.row_mass(x, s, cfg.draw_block))
     ym = torch.where(xm > -torch.inf, (xm - reference.row_max(x)) * s[:, None], -torch.inf)
-    return y, kept, ym, reference.kept_block_mass(y, kept, ym, cfg.draw_block)
+    return y, kept, ym, reference.kept_block_mass(x, kept, s, cfg.draw_block)
 
 
 @pytest.mark.parametrize("shape", ["randn3", "flat", "peaked"])
@@ -94,3 +96,18 @@ def test_cut_rows_and_variants() -> None:
     tk = run_both([P(seed=i, top_k=3 + i) for i in range(B)], logits, CONFIGS["interp16"],
                   variant=SamplerVariant.TOP_K_TOP_P)  # fmt: skip
     assert_same(tk.ref, tk.tri)
+
+
+def test_brackets_resolved_pairwise_and_by_search() -> None:
+    """Wide bins gather brackets of a few and of hundreds of tokens: the cut is found from
+    every pair up to FEW gathered, by the 16-way search past it; both equal the reference."""
+    B, V = 12, 3000
+    cfg = CONFIGS["gpu_preset"].replace(bins=16)
+    logits = torch.cat([logits_of("flat", B // 2, V, seed=5), logits_of("randn3", B // 2, V, 5)])
+    filters = [dict(top_p=0.9), dict(top_k=50), dict(top_k=300, top_p=0.9),
+               dict(top_p=0.7, min_p=0.02), dict(top_k=20, top_p=0.8), dict(top_p=0.5)]
+    both = run_both([P(seed=i, temperature=0.8, **filters[i % 6]) for i in range(B)], logits, cfg)
+    assert_same(both.ref, both.tri)
+    assert both.routes == [int(R_SELECT)] * B
+    n_g = both.ws.rowi[:, int(I_NG)]
+    assert (n_g <= int(FEW)).any() and (n_g > int(FEW)).any(), n_g.tolist()

@@ -20,16 +20,17 @@ from graphexec.sampling.triton.config import (  # noqa: E402
     I_JLO,
     R_SELECT,
 )  # fmt: skip
+from graphexec.sampling.triton.draw import FINE  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 def bins(y: torch.Tensor, inv_w: float, nbins: int) -> torch.Tensor:
-    """`draw.bin_of` in torch: min(floor(-y * inv_w * 8), nbins * 8 - 1), fp32, in eighths
-    of the histogram's bins."""
-    f = ((-y) * torch.tensor(inv_w, dtype=torch.float32)) * 8
-    return torch.clamp(f, max=nbins * 8 - 1.0).to(torch.int64)
+    """`draw.bin_of` in torch: min(floor(-y * inv_w * FINE), nbins * FINE - 1), fp32, in
+    fine bins (FINE to a histogram bin)."""
+    f = ((-y) * torch.tensor(inv_w, dtype=torch.float32)) * int(FINE)
+    return torch.clamp(f, max=nbins * int(FINE) - 1.0).to(torch.int64)
 
 
 @pytest.mark.parametrize("shape", ["randn3", "peaked", "flat"])
@@ -47,10 +48,10 @@ def test_histogram_counts_every_token_above_lo(shape: str) -> None:
         assert both.routes[r] == int(R_SELECT)
         lo, inv_w = both.ws.rowf[r, int(F_LO)].item(), both.ws.rowf[r, int(F_INVW)].item()
         live = (y[r] > float("-inf")) & (y[r] >= lo)
-        want = torch.bincount(bins(y[r][live], inv_w, cfg.bins) >> 3, minlength=cfg.bins)
+        want = torch.bincount(bins(y[r][live], inv_w, cfg.bins) // int(FINE), minlength=cfg.bins)
         assert torch.equal(both.ws.hist[r].long(), want)
         jhi, j1, j2, jlo = (both.ws.rowi[r, c].item() for c in map(int, (I_JHI, I_J1, I_J2, I_JLO)))
-        assert 0 <= jhi <= j1 < j2 and j2 - 1 <= jlo < 8 * cfg.bins
+        assert 0 <= jhi <= j1 < j2 and j2 - 1 <= jlo < int(FINE) * cfg.bins
 
 
 def test_far_apart_cuts_get_two_brackets() -> None:

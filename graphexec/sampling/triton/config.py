@@ -57,22 +57,23 @@ class SamplerConfig:
         keeps its registers, shared with the kept pass, low).
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
         row past it goes to the general writer.
-    num_warps: warps of the stats and select programs (their row tails included).
-    kept_warps: warps of the kept programs, whose row tail (the bracket's pairwise
-        compares, the exact search) is the widest: 16 on an H100 keeps it at 128 registers.
+    num_warps: warps of the passes' programs (stats, select, kept): a small program
+        keeps more of them resident, hiding the loads' latency.
+    tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
+        vectors span a row's blocks and gathered tokens.
     """
 
     draw_block: int = DRAW_BLOCK
     tile_blocks: int = 8
-    programs: int = 2048
+    programs: int = 4096
     late_programs: int = 264
-    bins: int = 512
+    bins: int = 256
     gather_cap: int = 1024
     search_ways: int = 16
-    search_blocks: int = 1
+    search_blocks: int = 4
     logprobs_cap: int = 256
-    num_warps: int = 8
-    kept_warps: int = 16
+    num_warps: int = 4
+    tail_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",
@@ -82,7 +83,7 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be a power of two, got {v}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "late_programs", "num_warps", "kept_warps"):
+        for name in ("programs", "late_programs", "num_warps", "tail_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -95,7 +96,7 @@ class SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
         return cls(programs=16, late_programs=16, gather_cap=256, bins=128, search_blocks=4,
-                   logprobs_cap=64, num_warps=4, kept_warps=4)
+                   logprobs_cap=64, num_warps=4, tail_warps=4)
 
     @classmethod
     def default(cls) -> SamplerConfig:
@@ -126,6 +127,7 @@ class Workspace:
     blocks: torch.Tensor  # i32 [B, NBLK]: the blocks a filtered row reads again
     hist: torch.Tensor  # i32 [B, bins]
     gath: torch.Tensor  # i64 [B, gather_cap]: packs of the bracket tokens
+    gath_x: torch.Tensor  # f32 [B, gather_cap]: their x (for their blocks' kept masses)
     rowf: torch.Tensor  # f32 [B, 8]: F_* columns
     rowi: torch.Tensor  # i64 [B, NUM_I]: I_* columns
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
@@ -145,6 +147,7 @@ class Workspace:
             xm=e(B, nblk), xn=e(B, nblk), q=e(B, nblk, dtype=i64), kept=e(B, nblk, dtype=i64),
             kept_mid=e(B, nblk, dtype=i64), blocks=e(B, nblk, dtype=torch.int32),
             hist=e(B, config.bins, dtype=torch.int32), gath=e(B, config.gather_cap, dtype=i64),
+            gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
             raw=e(2, B, nblk) if logprobs else e(2, 1, 1),

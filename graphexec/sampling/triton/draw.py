@@ -4,11 +4,12 @@ Terms: y = (x - m) * s is the scaled row (m its max, s = 1/T); ym_b the block ma
 y; K_b a block's kept mass relative to its max (int64, exact). A row's kept set is a few
 scalars, evaluated per token by `kept_mask`:
 
-    bins      j(y) = min(floor(-y * inv_w * FINE), NBINS * FINE - 1): eighths of the
-              selection histogram's bins (`select`; its bin is j >> 3, exactly, since the
-              scaling by 8 is exact); inv_w = 0 puts every token in bin 0
+    bins      j(y) = min(floor(-y * inv_w * FINE), NBINS * FINE - 1): fine bins, FINE
+              to a bin of the selection histogram (`select`; its bin is j // FINE,
+              exactly, since scaling by a power of two is exact); inv_w = 0 puts every
+              token in bin 0
     regions   of the live tokens with y >= lo: above (j < jhi), bracket 1 (jhi..j1),
-              middle (j1 < j < j2), bracket 2 (j2..jlo), in eighths of a bin; tokens
+              middle (j1 < j < j2), bracket 2 (j2..jlo), in fine bins; tokens
               below are never kept
     kept      y >= log_min_p and: above, or middle where midk, or a bracket token whose
               pack is >= cut (cut: the pack of the last kept bracket token)
@@ -28,7 +29,7 @@ from graphexec.sampling.triton.philox import block_bits, gumbel
 from graphexec.sampling.triton.process import tile_x
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-FINE = tl.constexpr(8)  # eighths of a histogram bin: the kept pass's classes
+FINE = tl.constexpr(32)  # fine bins to a histogram bin: where the bracket's bounds lie
 TOKEN = tl.constexpr(int(Stream.TOKEN))
 BLOCK = tl.constexpr(int(Stream.BLOCK))
 
@@ -43,7 +44,7 @@ def block_y(xm, m, s, has_inf):
 
 @triton.jit
 def bin_of(y, inv_w, NBINS: tl.constexpr):
-    """j(y) for y <= 0, in eighths of a histogram bin: monotone (non-increasing) in y, so
+    """j(y) for y <= 0, in fine bins (FINE to a histogram bin): monotone (non-increasing) in y, so
     {j < J} is a prefix of the row's order; dead tokens land in the last (callers mask
     them)."""
     top: tl.constexpr = NBINS * FINE - 1.0

@@ -45,8 +45,9 @@ def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl
             pk = tl.where(y > float("-inf"), pack(y, offs), PAD_KEY)
             ge = pk[:, None] >= cands[None, :]
             cnt += tl.sum(ge.to(tl.int64), axis=0)
-            hi, lo = mass_hi_lo(tl.where(ge, y[:, None], float("-inf")))
-            tot += tl.sum(hi, axis=0).to(tl.int64) * 65536 + tl.sum(lo, axis=0).to(tl.int64)
+            hi, lo = mass_hi_lo(y)  # one exp a token, summed per candidate
+            tot += (tl.sum(tl.where(ge, hi[:, None], 0), axis=0).to(tl.int64) * 65536
+                    + tl.sum(tl.where(ge, lo[:, None], 0), axis=0).to(tl.int64))  # fmt: skip
     return cnt, tot
 
 
@@ -120,8 +121,9 @@ def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
         kb = tl.zeros([], dtype=tl.int64)
         if ymb >= y_cut:
             offs = b * DB + tl.arange(0, DB)
-            y = (tile_x(P, row, slot, ids, offs, b * DB, b * DB + DB, FL) - m) * s
+            x = tile_x(P, row, slot, ids, offs, b * DB, b * DB + DB, FL)
+            y = (x - m) * s
             kept = (y > float("-inf")) & (pack(y, offs) >= cut) & (y >= lnmp)
-            kb = sum_mass(kept, y - ymb, 0)
+            kb = sum_mass(kept, (x - xmb) * s, 0)
         tl.store(W[KEPT] + row * NBLK + b, kb)
     return cut

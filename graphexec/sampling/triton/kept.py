@@ -39,9 +39,9 @@ from graphexec.sampling.triton.config import (
     R_EXACT,
     R_SELECT,
 )  # fmt: skip
-from graphexec.sampling.triton.draw import FLT_MAX, bin_of, block_y, two_level_draw
+from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, okey, pack, unpack
+from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, okey, pack, sum_mass, unpack
 from graphexec.sampling.triton.process import (
     LOG_MIN_P,
     SLOTS,
@@ -51,9 +51,20 @@ from graphexec.sampling.triton.process import (
     row_params,
 )
 from graphexec.sampling.triton.select import list_tile, load_plan
-from graphexec.sampling.triton.stats import GATH, KEPT, KMID, ROWF, ROWI, TOTAL, XM, XN, arrive
+from graphexec.sampling.triton.stats import (
+    GATH,
+    GATHX,
+    KEPT,
+    KMID,
+    ROWF,
+    ROWI,
+    TOTAL,
+    XM,
+    XN,
+)  # fmt: skip
 
 BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
+FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
 
 
 @triton.jit
@@ -84,25 +95,35 @@ def _search(keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexp
 
 
 @triton.jit
-def _cut(keys, w, lowest, target, base, mid, max2, WAYS: tl.constexpr, ITERS: tl.constexpr):
-    """The largest pack P with F(P) >= target, its key bits then its low bits (the packs
-    of ids < V have low words >= 2**32 - V; a gathered pack's is one of them)."""
-    key = _search(keys, w, lowest >> 32, tl.zeros([], tl.int64), 1, target, base, mid, max2,
-                  WAYS, ITERS)  # fmt: skip
-    lo = tl.maximum(key << 32, lowest)
-    return _search(keys, w, lo, (key << 32) | 4294967295, 0, target, base, mid, max2, WAYS,
-                   ITERS)  # fmt: skip
+def _cut(keys, w, ok_g, lowest, highest, target, base, mid, max2, CAP: tl.constexpr,
+         WAYS: tl.constexpr, ITERS: tl.constexpr):  # fmt: skip
+    """The largest pack P with F(P) >= target, a gathered one (F steps only there). Up to
+    FEW gathered (CAP == FEW): F of each from every pair at once. Else by searching: its
+    key bits between the lowest and highest gathered keys, then its low bits between the
+    packs gathered with that key (a bracket spans a few thousand keys: a few steps each)."""
+    if CAP == FEW:
+        f = base + tl.sum(tl.where(keys[None, :] >= keys[:, None], w[None, :], 0), axis=1)
+        f += tl.where(keys <= max2, mid, 0)
+        cut = tl.max(tl.where(ok_g & (f.to(tl.float64) >= target), keys, PAD_KEY), axis=0)
+    else:
+        key = _search(keys, w, lowest >> 32, highest >> 32, 1, target, base, mid, max2, WAYS,
+                      ITERS)  # fmt: skip
+        same = ok_g & ((keys >> 32) == key)
+        lo = tl.min(tl.where(same, keys, BIG_KEY), axis=0)
+        hi = tl.max(tl.where(same, keys, PAD_KEY), axis=0)
+        cut = _search(keys, w, lo, hi, 0, target, base, mid, max2, WAYS, ITERS)
+    return cut
 
 
 @triton.jit
 def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-             WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr, WAYS: tl.constexpr,
-             ITERS: tl.constexpr, NBLK):  # fmt: skip
+             CAP: tl.constexpr, WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr,
+             WAYS: tl.constexpr, ITERS: tl.constexpr, NBLK):  # fmt: skip
     """(ok, cut, midk): the cut C of a selected row's kept set {pack >= C} (with y >=
     log_min_p), found among its gathered packs by counting (`_cut`: no sort), and whether
     its middle is kept; adds the kept gathered tokens' masses to their blocks. A cut that
     falls inside the above region or the middle, or below the brackets with tokens there
-    left uncounted, is not resolved here (ok False)."""
+    left uncounted, is not resolved here (ok False). CAP >= n_g: the vectors' width."""
     ri = W[ROWI] + row * NUM_I
     nab = tl.load(ri + I_NAB)
     nabm = tl.load(ri + I_NABM)
@@ -111,7 +132,7 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     mmid = tl.load(ri + I_MMID)
     nbelm = tl.load(ri + I_NBELM)
     all_in = (tl.load(ri + I_LOMIN) != 0) & (tl.load(ri + I_NBEL) == 0)  # every live token
-    c = tl.arange(0, WCAP)
+    c = tl.arange(0, CAP)
     ok_g = c < n_g
     keys = tl.load(W[GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
     yg, idg = unpack(keys)
@@ -136,8 +157,8 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
         every = all_in & (k >= n_known)  # fewer live tokens than k: all of them
         found = (k > nab) & (k <= n_known) & ((k <= nab + n1) | (k > nab + n1 + nmid))
         if found & (every == 0):
-            c_k = _cut(keys, ok_g.to(tl.int64), lowest, k.to(tl.float64), nab, nmid, max2, WAYS,
-                       ITERS)  # fmt: skip
+            c_k = _cut(keys, ok_g.to(tl.int64), ok_g, lowest, highest, k.to(tl.float64), nab,
+                       nmid, max2, CAP, WAYS, ITERS)  # fmt: skip
             w = tl.zeros([WAYS], tl.int64)
             t_k = tl.max(_f(keys, qg, w + c_k, mab, mmid, max2), axis=0)
         # exactly the above tokens: a cut just above every gathered one
@@ -158,7 +179,7 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
         mid_lo = (mab + m1).to(tl.float64)
         bad = bad | ((nmid > 0) & (mid_lo < pt) & ((mab + m1 + mmid).to(tl.float64) >= pt))
         if m_known.to(tl.float64) >= pt:
-            c_p = _cut(keys, qg, lowest, pt, mab, mmid, max2, WAYS, ITERS)
+            c_p = _cut(keys, qg, ok_g, lowest, highest, pt, mab, mmid, max2, CAP, WAYS, ITERS)
     # min-p: y >= log_min_p, a value cut
     c_m = none
     if lnmp > float("-inf"):
@@ -174,7 +195,8 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     kept = ok_g & (keys >= cut) & ((keys * 0 + ok.to(tl.int64)) != 0)  # (vector & scalar)
     bg = idg // DB
     xmg = tl.load(W[XM] + row * NBLK + bg, mask=kept, other=0.0)
-    tl.atomic_add(W[KEPT] + row * NBLK + bg, mass(yg - (xmg - m) * s), mask=kept)
+    xg = tl.load(W[GATHX] + row * WCAP + c, mask=kept, other=0.0)
+    tl.atomic_add(W[KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     return ok, cut, (nmid > 0) & (cut < min1)
 
 
@@ -200,9 +222,12 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
     if route == R_SELECT:
         n_g = tl.load(ri + I_NG)
         ok = n_g <= WCAP
-        if ok:
+        if ok & (n_g <= FEW):  # narrow vectors: the tail's latency
             ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
+                                     FEW, WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
+        elif ok:
+            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
+                                     WCAP, WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         if ok == 0:
             route = tl.full([], R_EXACT, tl.int64)
     if route == R_EXACT:
@@ -216,7 +241,7 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         klo = lo
         inv_w = tl.zeros([], dtype=tl.float32)
         jhi = tl.zeros([], dtype=tl.int64)
-        j1 = tl.full([], NBINS * 8, tl.int64)
+        j1 = tl.full([], NBINS * FINE, tl.int64)
         j2 = j1 + 1
         jlo = j1
         midk = tl.zeros([], dtype=tl.int1)
@@ -247,7 +272,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
         xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
-        zr = y - tl.where(xmb > float("-inf"), (xmb - m) * s, 0.0)[:, None]
+        zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s  # Q_b's terms
         inr = (y > float("-inf")) & (y >= lo)
         j = bin_of(y, inv_w, NBINS)
         above = inr & (j < jhi)
@@ -276,6 +301,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         n_bel += below.to(tl.int32)
         slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
         tl.store(W[GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
+        tl.store(W[GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
     n = tl.where(k == 0, _total(n_ab), tl.where(k == 1, _total(n_abm), 0))
     n += tl.where(k == 2, _total(hi_ab) * 65536 + _total(lo_ab), 0)
@@ -285,18 +311,30 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
 
 
 @triton.jit
+def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
+               DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """Min-p alone: the kept masses of list entries e0 .. e1 - 1 (the blocks it cuts)."""
+    m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
+    for e in range(e0, e1, R):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
+        y = (x - m) * s
+        xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
+        kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
+        tl.store(W[KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
+
+
+@triton.jit
 def _total(acc):
     return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
 
 
-@triton.jit(do_not_specialize=["B", "S", "NBLK"])
+@triton.jit(do_not_specialize=["S", "NBLK"])
 def _kept_kernel(
     P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: the filtered rows' tokens
-    B, S,  # rows, programs per row
-    NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
-    ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
+    S,  # programs per row
+    NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B * S,), rows in order."""
     row = tl.program_id(0) // S
@@ -309,9 +347,14 @@ def _kept_kernel(
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
         e0 = sp * per
         e1 = tl.minimum(e0 + per, n_list)
-        if e0 < e1:
-            ids = bias_ids(P, slot, NB_P2)
-            lnmp = tl.load(P[LOG_MIN_P] + slot)
+        ids = bias_ids(P, slot, NB_P2)
+        lnmp = tl.load(P[LOG_MIN_P] + slot)
+        if (e0 < e1) & (route == R_CUT):
+            if tl.max(ids, axis=0) >= 0:
+                _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
+            else:
+                _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
+        if (e0 < e1) & (route == R_SELECT):
             if tl.max(ids, axis=0) >= 0:
                 n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
                                 WCAP, FL, True)  # fmt: skip
@@ -320,7 +363,20 @@ def _kept_kernel(
                                 WCAP, FL, False)  # fmt: skip
             k = tl.arange(0, 8)
             tl.atomic_add(ri + I_NAB + k, n, mask=n != 0, sem="relaxed")
-    if arrive(W, row, 2, S):
-        if route != R_DONE:
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, FL)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _finish_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: the filtered rows' tokens
+    NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
+    ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
+):  # fmt: skip
+    """Grid (B,): the rows the kept pass summed, resolved and drawn (a launch of its own:
+    the kept pass keeps the registers of a streaming loop)."""
+    row = tl.program_id(0)
+    route = tl.load(W[ROWI] + row * NUM_I + I_ROUTE)
+    if route != R_DONE:
+        _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS, WCAP,
+                WAYS, ITA, ITB, SB, FL)  # fmt: skip

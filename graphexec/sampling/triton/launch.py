@@ -14,18 +14,18 @@ from graphexec.params import SamplerVariant
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.config import SamplerConfig, Workspace, split
-from graphexec.sampling.triton.kept import _kept_kernel
+from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import write_logprobs
 from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
 from graphexec.sampling.triton.select import _select_kernel
-from graphexec.sampling.triton.stats import _stats_kernel
+from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
 def _w(ws: Workspace) -> tuple:
-    """The workspace as the kernels' W tuple (`stats.XM` ... `stats.RAW1`)."""
+    """The workspace as the kernels' W tuple (`stats.XM` ... `stats.GATHX`)."""
     return (ws.xm, ws.xn, ws.q, ws.kept, ws.kept_mid, ws.blocks, ws.hist, ws.gath, ws.rowf,
-            ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1])  # fmt: skip
+            ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1], ws.gath_x)  # fmt: skip
 
 
 def sample(
@@ -66,18 +66,23 @@ def sample(
                   num_warps=cfg.num_warps)  # fmt: skip
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     _stats_kernel[(B * S,)](
-        P, W, out.token_ids, out.valid, B, S, per, nblk, FILTERS=filters, RAW_LP=need_lp,
+        P, W, out.token_ids, out.valid, B, S, per, nblk, TAIL=not filters, RAW_LP=need_lp,
         NBLK_P2=nblk_p2, **common,
     )  # fmt: skip
     if filters:
+        _tail_kernel[(B,)](
+            P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db, FL=fl,
+            NBINS=cfg.bins, enable_fp_fusion=False, num_warps=cfg.tail_warps,
+        )  # fmt: skip
         ways = cfg.search_ways
         bits = int(math.log2(ways))
         _select_kernel[(B * S2,)](P, W, B, S2, nblk, WCAP=cfg.gather_cap, **common)
-        _kept_kernel[(B * S2,)](
-            P, W, out.token_ids, out.valid, B, S2, nblk, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap,
+        _kept_kernel[(B * S2,)](P, W, S2, nblk, WCAP=cfg.gather_cap, **common)
+        _finish_kernel[(B,)](
+            P, W, out.token_ids, out.valid, nblk, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap,
             WAYS=ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
             ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
-            **{**common, "num_warps": cfg.kept_warps},
+            **{**common, "num_warps": cfg.tail_warps},
         )  # fmt: skip
     if need_lp:
         _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)

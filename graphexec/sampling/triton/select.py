@@ -8,7 +8,7 @@ bins' edges and middles: the kept pass (`kept`) measures them exactly and checks
 
 The row's last program places the bracket: bin J_k where the counts reach k; around
 top-p's crossing, the bins between those where the masses' upper and lower bounds reach
-p * total, or for dense bins, eighths either side of an interpolated crossing. With both
+p * total, or for dense bins, fine bins either side of an interpolated crossing. With both
 cuts: one bracket when they touch, else bracket 1 for top-p and bracket 2 at J_k, the
 middle between them summed, not gathered. A bracket estimated past the gather cap sends
 the row to the exact search (`R_EXACT`).
@@ -34,7 +34,7 @@ from graphexec.sampling.triton.config import (
     R_EXACT,
     R_SELECT,
 )  # fmt: skip
-from graphexec.sampling.triton.draw import bin_of
+from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
 from graphexec.sampling.triton.stats import BLOCKS, HIST, ROWF, ROWI, TOTAL, arrive
 
@@ -81,16 +81,16 @@ def _top_k_mass(mass, cnt, e, j, jk, k):
 
 
 @triton.jit
-def _in_eighths(h, j, a, b):
-    """Tokens estimated in eighths a..b of the bins (a bin's count spread evenly)."""
-    over = tl.minimum(b, 8 * j + 7) - tl.maximum(a, 8 * j) + 1
-    return tl.sum(h.to(tl.float32) * tl.maximum(over, 0).to(tl.float32), axis=0) / 8.0
+def _in_fine(h, j, a, b):
+    """Tokens estimated in fine bins a..b (a bin's count spread evenly over its FINE)."""
+    over = tl.minimum(b, FINE * j + FINE - 1) - tl.maximum(a, FINE * j) + 1
+    return tl.sum(h.to(tl.float32) * tl.maximum(over, 0).to(tl.float32), axis=0) / FINE
 
 
 @triton.jit
 def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     """Place the row's bracket from its histogram (module docstring); its bounds are in
-    eighths of a bin (`draw.bin_of`)."""
+    fine bins (`draw.bin_of`)."""
     j = tl.arange(0, NBINS)
     h = tl.load(W[HIST] + row * NBINS + j, cache_modifier=".cg")
     cnt = tl.cumsum(h, axis=0)
@@ -107,10 +107,10 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     last = tl.max(tl.where(h > 0, j, 0), axis=0)
     top_k = tl.load(P[TOP_K] + slot)
     top_p = tl.load(P[TOP_P] + slot)
-    # top-k's cut: in bin jk, exactly (the counts are exact); all eighths of it
+    # top-k's cut: in bin jk, exactly (the counts are exact); all of its fine bins
     jk = tl.minimum(_first_reaching(cnt, top_k, j, NBINS), last)
-    jhi = 8 * jk
-    j1 = 8 * jk + 7
+    jhi = FINE * jk
+    j1 = FINE * jk + FINE - 1
     if top_p < 1.0:
         t_row = (tl.load(W[TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
         on_k = top_k > 0
@@ -119,33 +119,36 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
         t_lo = tl.where(on_k, _top_k_mass(m_lo, cnt, e_lo, j, jk, k), t_row)
         t_hi = tl.where(on_k, _top_k_mass(m_hi, cnt, e_hi, j, jk, k), t_row)
         # the crossing lies between the bins where the highest and the lowest masses reach
-        # p * total; where that span is small it is the bracket
+        # p * total
         ja = tl.minimum(_first_reaching(m_hi, top_p * t_lo, j, NBINS), last)
         jb = tl.minimum(_first_reaching(m_lo, top_p * t_hi, j, NBINS), last)
         span = _at(cnt, j, jb) - _at(cnt, j, ja - 1)
-        # else (dense bins, whose middles average out) eighths either side of the crossing
+        # else (dense bins, whose middles average out) fine bins either side of the crossing
         # interpolated in the estimate's bin, as many as half the gather cap holds
         target = top_p * t_mid
         jp = tl.minimum(_first_reaching(mass, target, j, NBINS), last)
         f = (target - _at(mass, j, jp - 1)) / tl.maximum(_at(h.to(tl.float32) * e_mid, j, jp),
                                                          1e-30)  # fmt: skip
-        at = 8 * jp + tl.minimum(tl.maximum(f * 8.0, 0.0), 7.0).to(tl.int32)
+        at = FINE * jp + tl.minimum(tl.maximum(f * FINE, 0.0), FINE - 1.0).to(tl.int32)
         d = tl.full([], 3, tl.int32)
-        for _grow in tl.static_range(6):
-            wider = tl.minimum(2 * d, 8 * NBINS)
-            if _in_eighths(h, j, tl.maximum(at - wider, 8 * ja), at + wider) <= WCAP // 2:
+        for _grow in tl.static_range(8):
+            wider = tl.minimum(2 * d, FINE * NBINS)
+            if _in_fine(h, j, tl.maximum(at - wider, FINE * ja), at + wider) <= WCAP // 2:
                 d = wider
-        narrow = span <= WCAP // 2
-        jhi = tl.where(narrow, 8 * ja, tl.maximum(at - d, 8 * ja))
-        j1 = tl.where(narrow, 8 * jb + 7, tl.minimum(at + d, 8 * jb + 7))
+        # the span holds the crossing for sure: taken whenever it fits the cap beside
+        # top-k's bin
+        narrow = span + tl.where(on_k, _at(h, j, jk), 0) <= WCAP
+        jhi = tl.where(narrow, FINE * ja, tl.maximum(at - d, FINE * ja))
+        j1 = tl.where(narrow, FINE * jb + FINE - 1, tl.minimum(at + d, FINE * jb + FINE - 1))
         if top_k == 0:
-            jk = j1 // 8
-    # bracket 2 is bin jk when it does not touch bracket 1; else one bracket
-    apart = 8 * jk > j1 + 1
-    j1 = tl.where(apart, j1, tl.maximum(j1, 8 * jk + 7))
-    j2 = tl.where(apart, 8 * jk, j1 + 1)
-    jlo = tl.where(apart, 8 * jk + 7, j1)
-    n_est = _in_eighths(h, j, jhi, j1) + _in_eighths(h, j, j2, jlo)
+            jk = j1 // FINE
+    # bracket 2 is bin jk when it does not touch bracket 1; else one bracket (top-k off:
+    # bracket 1 alone)
+    apart = FINE * jk > j1 + 1
+    j1 = tl.where(apart | (top_k == 0), j1, tl.maximum(j1, FINE * jk + FINE - 1))
+    j2 = tl.where(apart, FINE * jk, j1 + 1)
+    jlo = tl.where(apart, FINE * jk + FINE - 1, j1)
+    n_est = _in_fine(h, j, jhi, j1) + _in_fine(h, j, j2, jlo)
     ri = W[ROWI] + row * NUM_I
     tl.store(ri + I_JHI, jhi.to(tl.int64))
     tl.store(ri + I_J1, j1.to(tl.int64))
@@ -167,7 +170,7 @@ def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB:
         y = (x - m) * s
         sel = (y > float("-inf")) & (y >= lo)
         # a masked histogram: every dropped token goes to bin 0, counted off at the end
-        h += tl.histogram(tl.reshape(tl.where(sel, bin_of(y, inv_w, NBINS) >> 3, 0), [R * DB]),
+        h += tl.histogram(tl.reshape(tl.where(sel, bin_of(y, inv_w, NBINS) // FINE, 0), [R * DB]),
                           NBINS)  # fmt: skip
         dropped += (sel == 0).to(tl.int32)
     return h - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.sum(dropped, 1), 0), 0)
@@ -192,7 +195,7 @@ def _select_kernel(
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
         e0 = sp * per
         e1 = tl.minimum(e0 + per, n_list)
-        if e0 < e1:
+        if e0 < e1:  # the programs with blocks to read; the last of them places the bracket
             if tl.max(ids, axis=0) >= 0:
                 h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
                                 True)  # fmt: skip
@@ -201,6 +204,5 @@ def _select_kernel(
                                 False)  # fmt: skip
             tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
                           sem="relaxed")  # fmt: skip
-    if arrive(W, row, 1, S):
-        if route == R_SELECT:
-            _bracket(P, W, row, slot, WCAP, NBINS)
+            if arrive(W, row, 1, tl.cdiv(n_list, per)):
+                _bracket(P, W, row, slot, WCAP, NBINS)

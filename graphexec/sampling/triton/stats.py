@@ -58,8 +58,8 @@ from graphexec.sampling.triton.process import (
 )  # fmt: skip
 
 # W (the workspace tuple, `launch`): per-block stats, the plan, scratch, counters
-XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1 = (
-    tl.constexpr(i) for i in range(14)
+XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX = (
+    tl.constexpr(i) for i in range(15)
 )
 I_COUNTERS = tl.constexpr(8)  # rowi[:, 8:24]: what the kept pass sums
 
@@ -159,6 +159,12 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
     if route == R_SELECT:
         lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
     sel = live_b & (ym >= lo) & (b < NBLK)
+    if route == R_CUT:
+        # min-p alone reads again only the blocks it cuts: one whose every live token has
+        # y >= log_min_p keeps its whole mass Q_b
+        full = live_b & (yn >= lnmp)
+        sel = sel & (full == 0)
+        tl.store(W[KEPT] + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
     tl.store(W[BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
     fr = W[ROWF] + row * 8
     tl.store(fr + F_M, m)
@@ -272,11 +278,12 @@ def _stats_kernel(
     P, W,
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
-    NBLK, FILTERS: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr,
+    NBLK, TAIL: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr,
     NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     FL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...)."""
+    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...).
+    TAIL (no filters): the row's last program serves it; else `_tail_kernel` does."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     slot, greedy, s, seed, pos = row_params(P, row)
@@ -291,5 +298,19 @@ def _stats_kernel(
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
                      RAW_LP, FL, False)  # fmt: skip
-    if arrive(W, row, 0, S):
-        _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, NBLK_P2, NB_P2, DB, NBINS, FL)
+    if TAIL:
+        if arrive(W, row, 0, S):
+            _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, False, NBLK_P2, NB_P2, DB, NBINS, FL)
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _tail_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+    FL: tl.constexpr,
+):  # fmt: skip
+    """Grid (B,): the row tail of the filtered variants, a launch of its own so that the
+    stats pass keeps the registers of a streaming loop (its occupancy)."""
+    _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, NBLK_P2, NB_P2, DB, NBINS,
+              FL)  # fmt: skip
