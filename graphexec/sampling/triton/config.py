@@ -50,8 +50,8 @@ class SamplerConfig:
     late_programs: the same for the select and kept passes, which read fewer blocks
         (about two per SM: one row per program at large B, many at B = 1).
     bins: histogram bins of the selection pass (a power of two).
-    gather_cap: most bracket tokens a row resolves by comparing all pairs; a row past it
-        takes the serial exact search.
+    gather_cap: most bracket tokens a row gathers and resolves by counting; a row past
+        it takes the serial exact search.
     search_ways: candidates per pass of the exact search (a power of two).
     search_blocks: blocks per step of the exact search's passes (a power of two; one
         keeps its registers, shared with the kept pass, low).
@@ -67,7 +67,7 @@ class SamplerConfig:
     tile_blocks: int = 8
     programs: int = 4096
     late_programs: int = 264
-    bins: int = 256
+    bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
     search_blocks: int = 4
