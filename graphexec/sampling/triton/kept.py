@@ -267,7 +267,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
     zero = tl.zeros([R, DB], dtype=tl.int32)
     n_ab, n_abm, hi_ab, lo_ab, n_mid, n_midm, hi_mid, lo_mid, n_belm, n_bel = (
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
-    ng_ptr = W[ROWI] + row * NUM_I + I_NG
+    ng_ptr = W[ROWI] + row * NUM_I + I_NG + zero
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
@@ -299,13 +299,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         lo_mid += tl.where(mid, ly, 0)
         n_belm += (below & okm).to(tl.int32)
         n_bel += below.to(tl.int32)
-        # one atomic a tile reserves its bracket tokens' slots; a scan places them (a
-        # per-token atomic put every gathered value through a layout change)
-        b1 = brk.to(tl.int32)
-        in_row = tl.cumsum(b1, axis=1) - b1
-        per_row = tl.sum(b1, axis=1)
-        base = tl.atomic_add(ng_ptr, tl.sum(per_row, axis=0).to(tl.int64), sem="relaxed")
-        slots = base + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + in_row
+        slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
         tl.store(W[GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
         tl.store(W[GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
