@@ -36,6 +36,10 @@ I_NAB, I_NABM, I_MAB, I_NMID, I_NMIDM, I_MMID, I_NBELM, I_NBEL, I_NG = (
     tl.constexpr(i) for i in range(8, 17)
 )
 NUM_I = tl.constexpr(24)
+# Entries of the kernels' W tuple (`launch._w`: the Workspace's tensors)
+XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX = (
+    tl.constexpr(i) for i in range(15)
+)
 
 
 @dataclass(frozen=True)

@@ -20,25 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.config import (
-    F_KLO,
-    I_LOMIN,
-    I_MAB,
-    I_MMID,
-    I_NAB,
-    I_NABM,
-    I_NBEL,
-    I_NBELM,
-    I_NG,
-    I_NLIST,
-    I_NMID,
-    I_ROUTE,
-    NUM_I,
-    R_CUT,
-    R_DONE,
-    R_EXACT,
-    R_SELECT,
-)  # fmt: skip
+from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, okey, pack, sum_mass, unpack
@@ -51,17 +33,6 @@ from graphexec.sampling.triton.process import (
     row_params,
 )
 from graphexec.sampling.triton.select import list_tile, load_plan
-from graphexec.sampling.triton.stats import (
-    GATH,
-    GATHX,
-    KEPT,
-    KMID,
-    ROWF,
-    ROWI,
-    TOTAL,
-    XM,
-    XN,
-)  # fmt: skip
 
 BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
@@ -124,17 +95,17 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     its middle is kept; adds the kept gathered tokens' masses to their blocks. A cut that
     falls inside the above region or the middle, or below the brackets with tokens there
     left uncounted, is not resolved here (ok False). CAP >= n_g: the vectors' width."""
-    ri = W[ROWI] + row * NUM_I
-    nab = tl.load(ri + I_NAB)
-    nabm = tl.load(ri + I_NABM)
-    mab = tl.load(ri + I_MAB)
-    nmid = tl.load(ri + I_NMID)
-    mmid = tl.load(ri + I_MMID)
-    nbelm = tl.load(ri + I_NBELM)
-    all_in = (tl.load(ri + I_LOMIN) != 0) & (tl.load(ri + I_NBEL) == 0)  # every live token
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    nab = tl.load(ri + cf.I_NAB)
+    nabm = tl.load(ri + cf.I_NABM)
+    mab = tl.load(ri + cf.I_MAB)
+    nmid = tl.load(ri + cf.I_NMID)
+    mmid = tl.load(ri + cf.I_MMID)
+    nbelm = tl.load(ri + cf.I_NBELM)
+    all_in = (tl.load(ri + cf.I_LOMIN) != 0) & (tl.load(ri + cf.I_NBEL) == 0)  # every live token
     c = tl.arange(0, CAP)
     ok_g = c < n_g
-    keys = tl.load(W[GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
+    keys = tl.load(W[cf.GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
     yg, idg = unpack(keys)
     qg = mass(yg)
     in2 = ok_g & (bin_of(yg, inv_w, NBINS) >= j2)
@@ -174,7 +145,8 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     # largest P with mass(pack >= P) >= p * total
     c_p = none
     if top_p < 1.0:
-        pt = top_p.to(tl.float64) * tl.where(top_k > 0, t_k.to(tl.float64), tl.load(W[TOTAL] + row))
+        t_row = tl.load(W[cf.TOTAL] + row)
+        pt = top_p.to(tl.float64) * tl.where(top_k > 0, t_k.to(tl.float64), t_row)
         bad = bad | (mab.to(tl.float64) >= pt)
         mid_lo = (mab + m1).to(tl.float64)
         bad = bad | ((nmid > 0) & (mid_lo < pt) & ((mab + m1 + mmid).to(tl.float64) >= pt))
@@ -194,9 +166,9 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     ok = (bad == 0) & counted
     kept = ok_g & (keys >= cut) & ((keys * 0 + ok.to(tl.int64)) != 0)  # (vector & scalar)
     bg = idg // DB
-    xmg = tl.load(W[XM] + row * NBLK + bg, mask=kept, other=0.0)
-    xg = tl.load(W[GATHX] + row * WCAP + c, mask=kept, other=0.0)
-    tl.atomic_add(W[KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+    xmg = tl.load(W[cf.XM] + row * NBLK + bg, mask=kept, other=0.0)
+    xg = tl.load(W[cf.GATHX] + row * WCAP + c, mask=kept, other=0.0)
+    tl.atomic_add(W[cf.KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     return ok, cut, (nmid > 0) & (cut < min1)
 
 
@@ -207,20 +179,20 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             SB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
-    ri = W[ROWI] + row * NUM_I
+    ri = W[cf.ROWI] + row * cf.NUM_I
     m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
-    klo = tl.load(W[ROWF] + row * 8 + F_KLO)
+    klo = tl.load(W[cf.ROWF] + row * 8 + cf.F_KLO)
     top_k = tl.load(P[TOP_K] + slot)
     top_p = tl.load(P[TOP_P] + slot)
     lnmp = tl.load(P[LOG_MIN_P] + slot)
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
-    xm = tl.load(W[XM] + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    xm = tl.load(W[cf.XM] + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
     ym = block_y(xm, m, s, False)
     cut = tl.zeros([], dtype=tl.int64)
     midk = tl.zeros([], dtype=tl.int1)
-    if route == R_SELECT:
-        n_g = tl.load(ri + I_NG)
+    if route == cf.R_SELECT:
+        n_g = tl.load(ri + cf.I_NG)
         ok = n_g <= WCAP
         if ok & (n_g <= FEW):  # narrow vectors: the tail's latency
             ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
@@ -229,13 +201,13 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
                                      WCAP, WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         if ok == 0:
-            route = tl.full([], R_EXACT, tl.int64)
-    if route == R_EXACT:
-        xn = tl.load(W[XN] + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+            route = tl.full([], cf.R_EXACT, tl.int64)
+    if route == cf.R_EXACT:
+        xn = tl.load(W[cf.XN] + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
         y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
         y_lo = tl.maximum(y_lo, -FLT_MAX)
         cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
-                        tl.load(W[TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS, FL)  # fmt: skip
+                        tl.load(W[cf.TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS, FL)  # fmt: skip
         # the kept set is pack >= cut: every live token in "bracket 1"
         lo = tl.full([], -FLT_MAX, tl.float32)
         klo = lo
@@ -245,11 +217,11 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         j2 = j1 + 1
         jlo = j1
         midk = tl.zeros([], dtype=tl.int1)
-        tl.store(ri + I_ROUTE, tl.full([], R_EXACT, tl.int64))
+        tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
     tl.debug_barrier()
-    kv = tl.load(W[KEPT] + row * NBLK + b, mask=bm & (ym >= klo), other=0, cache_modifier=".cg")
+    kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=bm & (ym >= klo), other=0, cache_modifier=".cg")
     if midk:
-        kv += tl.load(W[KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
+        kv += tl.load(W[cf.KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                       cache_modifier=".cg")  # fmt: skip
     tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, inv_w, jhi, j1,
                          j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, FL)  # fmt: skip
@@ -262,16 +234,16 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
                 DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 BIAS: tl.constexpr):  # fmt: skip
     """List entries e0 .. e1 - 1: store the kept blocks' masses, gather the bracket, and
-    return the I_NAB .. I_NBEL sums ([8] i64). Per-token accumulators, reduced once."""
+    return the cf.I_NAB .. cf.I_NBEL sums ([8] i64). Per-token accumulators, reduced once."""
     m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
     zero = tl.zeros([R, DB], dtype=tl.int32)
     n_ab, n_abm, hi_ab, lo_ab, n_mid, n_midm, hi_mid, lo_mid, n_belm, n_bel = (
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
-    ng_ptr = W[ROWI] + row * NUM_I + I_NG + zero
+    ng_ptr = W[cf.ROWI] + row * cf.NUM_I + cf.I_NG + zero
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
-        xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s  # Q_b's terms
         inr = (y > float("-inf")) & (y >= lo)
         j = bin_of(y, inv_w, NBINS)
@@ -286,8 +258,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
             tl.where(above, lz, 0), 1).to(tl.int64)  # fmt: skip
         km = tl.sum(tl.where(mid, hz, 0), 1).to(tl.int64) * 65536 + tl.sum(
             tl.where(mid, lz, 0), 1).to(tl.int64)  # fmt: skip
-        tl.store(W[KEPT] + row * NBLK + bid, ka, mask=bid < NBLK)
-        tl.store(W[KMID] + row * NBLK + bid, km, mask=bid < NBLK)
+        tl.store(W[cf.KEPT] + row * NBLK + bid, ka, mask=bid < NBLK)
+        tl.store(W[cf.KMID] + row * NBLK + bid, km, mask=bid < NBLK)
         hy, ly = mass_hi_lo(tl.where(above | mid, y, float("-inf")))
         n_ab += above.to(tl.int32)
         n_abm += (above & okm).to(tl.int32)
@@ -300,8 +272,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         n_belm += (below & okm).to(tl.int32)
         n_bel += below.to(tl.int32)
         slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
-        tl.store(W[GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
-        tl.store(W[GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
+        tl.store(W[cf.GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
+        tl.store(W[cf.GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
     n = tl.where(k == 0, _total(n_ab), tl.where(k == 1, _total(n_abm), 0))
     n += tl.where(k == 2, _total(hi_ab) * 65536 + _total(lo_ab), 0)
@@ -318,10 +290,10 @@ def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
-        xmb = tl.load(W[XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
         kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
-        tl.store(W[KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
+        tl.store(W[cf.KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
 
 
 @triton.jit
@@ -339,22 +311,22 @@ def _kept_kernel(
     """Grid (B * S,), rows in order."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
-    ri = W[ROWI] + row * NUM_I
-    route = tl.load(ri + I_ROUTE)
-    if (route == R_SELECT) | (route == R_CUT):
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    route = tl.load(ri + cf.I_ROUTE)
+    if (route == cf.R_SELECT) | (route == cf.R_CUT):
         slot = tl.load(P[SLOTS] + row).to(tl.int64)
-        n_list = tl.load(ri + I_NLIST).to(tl.int32)
+        n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
         e0 = sp * per
         e1 = tl.minimum(e0 + per, n_list)
         ids = bias_ids(P, slot, NB_P2)
         lnmp = tl.load(P[LOG_MIN_P] + slot)
-        if (e0 < e1) & (route == R_CUT):
+        if (e0 < e1) & (route == cf.R_CUT):
             if tl.max(ids, axis=0) >= 0:
                 _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
             else:
                 _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
-        if (e0 < e1) & (route == R_SELECT):
+        if (e0 < e1) & (route == cf.R_SELECT):
             if tl.max(ids, axis=0) >= 0:
                 n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
                                 WCAP, FL, True)  # fmt: skip
@@ -362,7 +334,7 @@ def _kept_kernel(
                 n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
                                 WCAP, FL, False)  # fmt: skip
             k = tl.arange(0, 8)
-            tl.atomic_add(ri + I_NAB + k, n, mask=n != 0, sem="relaxed")
+            tl.atomic_add(ri + cf.I_NAB + k, n, mask=n != 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -376,7 +348,7 @@ def _finish_kernel(
     """Grid (B,): the rows the kept pass summed, resolved and drawn (a launch of its own:
     the kept pass keeps the registers of a streaming loop)."""
     row = tl.program_id(0)
-    route = tl.load(W[ROWI] + row * NUM_I + I_ROUTE)
-    if route != R_DONE:
+    route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+    if route != cf.R_DONE:
         _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS, WCAP,
                 WAYS, ITA, ITB, SB, FL)  # fmt: skip

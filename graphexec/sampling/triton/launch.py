@@ -23,7 +23,7 @@ from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
 def _w(ws: Workspace) -> tuple:
-    """The workspace as the kernels' W tuple (`stats.XM` ... `stats.GATHX`)."""
+    """The workspace as the kernels' W tuple (`config.XM` ... `config.GATHX`)."""
     return (ws.xm, ws.xn, ws.q, ws.kept, ws.kept_mid, ws.blocks, ws.hist, ws.gath, ws.rowf,
             ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1], ws.gath_x)  # fmt: skip
 

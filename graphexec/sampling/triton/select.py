@@ -19,34 +19,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.config import (
-    F_INVW,
-    F_LO,
-    F_M,
-    F_S,
-    I_J1,
-    I_J2,
-    I_JHI,
-    I_JLO,
-    I_NLIST,
-    I_ROUTE,
-    NUM_I,
-    R_EXACT,
-    R_SELECT,
-)  # fmt: skip
+from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
-from graphexec.sampling.triton.stats import BLOCKS, HIST, ROWF, ROWI, TOTAL, arrive
+from graphexec.sampling.triton.stats import arrive
 
 
 @triton.jit
 def load_plan(W, row):
     """(m, s, lo, inv_w, jhi, j1, j2, jlo): the row's max, scale, lower bound, bin scale
     and bracket bounds (`stats._plan`, then `_bracket`)."""
-    fr = W[ROWF] + row * 8
-    ri = W[ROWI] + row * NUM_I
-    return (tl.load(fr + F_M), tl.load(fr + F_S), tl.load(fr + F_LO), tl.load(fr + F_INVW),
-            tl.load(ri + I_JHI), tl.load(ri + I_J1), tl.load(ri + I_J2), tl.load(ri + I_JLO))
+    fr = W[cf.ROWF] + row * 8
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    return (tl.load(fr + cf.F_M), tl.load(fr + cf.F_S), tl.load(fr + cf.F_LO),
+            tl.load(fr + cf.F_INVW), tl.load(ri + cf.I_JHI), tl.load(ri + cf.I_J1),
+            tl.load(ri + cf.I_J2), tl.load(ri + cf.I_JLO))
 
 
 @triton.jit
@@ -55,7 +42,7 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
     row's block list (entries past n_list read block NBLK: past V, all -inf)."""
     e = e0 + tl.arange(0, R)
-    bid = tl.load(W[BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
+    bid = tl.load(W[cf.BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
@@ -92,9 +79,9 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     """Place the row's bracket from its histogram (module docstring); its bounds are in
     fine bins (`draw.bin_of`)."""
     j = tl.arange(0, NBINS)
-    h = tl.load(W[HIST] + row * NBINS + j, cache_modifier=".cg")
+    h = tl.load(W[cf.HIST] + row * NBINS + j, cache_modifier=".cg")
     cnt = tl.cumsum(h, axis=0)
-    inv_w = tl.load(W[ROWF] + row * 8 + F_INVW)
+    inv_w = tl.load(W[cf.ROWF] + row * 8 + cf.F_INVW)
     w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
     jf = j.to(tl.float32)
     # a token of bin j weighs (relative to the max) between e_lo and e_hi, about e_mid
@@ -112,7 +99,7 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     jhi = FINE * jk
     j1 = FINE * jk + FINE - 1
     if top_p < 1.0:
-        t_row = (tl.load(W[TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
+        t_row = (tl.load(W[cf.TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
         on_k = top_k > 0
         k = tl.minimum(top_k, _at(cnt, j, NBINS - 1))  # fewer live tokens than k: all
         t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k), t_row)
@@ -149,13 +136,13 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     j2 = tl.where(apart, FINE * jk, j1 + 1)
     jlo = tl.where(apart, FINE * jk + FINE - 1, j1)
     n_est = _in_fine(h, j, jhi, j1) + _in_fine(h, j, j2, jlo)
-    ri = W[ROWI] + row * NUM_I
-    tl.store(ri + I_JHI, jhi.to(tl.int64))
-    tl.store(ri + I_J1, j1.to(tl.int64))
-    tl.store(ri + I_J2, j2.to(tl.int64))
-    tl.store(ri + I_JLO, jlo.to(tl.int64))
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    tl.store(ri + cf.I_JHI, jhi.to(tl.int64))
+    tl.store(ri + cf.I_J1, j1.to(tl.int64))
+    tl.store(ri + cf.I_J2, j2.to(tl.int64))
+    tl.store(ri + cf.I_JLO, jlo.to(tl.int64))
     if n_est > WCAP:
-        tl.store(ri + I_ROUTE, tl.full([], R_EXACT, tl.int64))
+        tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
 
 
 @triton.jit
@@ -187,11 +174,11 @@ def _select_kernel(
     pass, are still in L2 when this pass starts)."""
     row = B - 1 - tl.program_id(0) // S
     sp = tl.program_id(0) % S
-    route = tl.load(W[ROWI] + row * NUM_I + I_ROUTE)
+    route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
     slot = tl.load(P[SLOTS] + row).to(tl.int64)
-    if route == R_SELECT:
+    if route == cf.R_SELECT:
         ids = bias_ids(P, slot, NB_P2)
-        n_list = tl.load(W[ROWI] + row * NUM_I + I_NLIST).to(tl.int32)
+        n_list = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_NLIST).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
         e0 = sp * per
         e1 = tl.minimum(e0 + per, n_list)
@@ -202,7 +189,7 @@ def _select_kernel(
             else:
                 h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
                                 False)  # fmt: skip
-            tl.atomic_add(W[HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
+            tl.atomic_add(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
                           sem="relaxed")  # fmt: skip
             if arrive(W, row, 1, tl.cdiv(n_list, per)):
                 _bracket(P, W, row, slot, WCAP, NBINS)

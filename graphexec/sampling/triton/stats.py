@@ -22,22 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton.config import (
-    F_INVW,
-    F_KLO,
-    F_LO,
-    F_M,
-    F_S,
-    I_J2,
-    I_JHI,
-    I_LOMIN,
-    I_NLIST,
-    I_ROUTE,
-    NUM_I,
-    R_CUT,
-    R_DONE,
-    R_SELECT,
-)  # fmt: skip
+from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import (
     FLT_MAX,
     block_y,
@@ -57,12 +42,6 @@ from graphexec.sampling.triton.process import (
     tile_x,
 )  # fmt: skip
 
-# W (the workspace tuple, `launch`): per-block stats, the plan, scratch, counters
-XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX = (
-    tl.constexpr(i) for i in range(15)
-)
-I_COUNTERS = tl.constexpr(8)  # rowi[:, 8:24]: what the kept pass sums
-
 
 @triton.jit
 def arrive(W, row, k: tl.constexpr, n):
@@ -70,10 +49,10 @@ def arrive(W, row, k: tl.constexpr, n):
     for the next call. The barrier and the acq_rel add publish this program's stores and
     make the others' visible to the last one."""
     tl.debug_barrier()
-    done = tl.atomic_add(W[ARRIVE] + row * 4 + k, 1, sem="acq_rel")
+    done = tl.atomic_add(W[cf.ARRIVE] + row * 4 + k, 1, sem="acq_rel")
     last = done == n - 1
     if last:
-        tl.store(W[ARRIVE] + row * 4 + k, 0)
+        tl.store(W[cf.ARRIVE] + row * 4 + k, 0)
     tl.debug_barrier()
     return last
 
@@ -136,10 +115,10 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
     list of blocks with ym_b >= lo; zeroes what those passes sum into."""
     b = tl.arange(0, NBLK_P2)
     live_b = ym > float("-inf")
-    route = tl.where((top_k == 0) & (top_p >= 1.0), R_CUT, R_SELECT).to(tl.int32)
+    route = tl.where((top_k == 0) & (top_p >= 1.0), cf.R_CUT, cf.R_SELECT).to(tl.int32)
     lo = lnmp
     inv_w = tl.zeros([], dtype=tl.float32)
-    if route == R_SELECT:
+    if route == cf.R_SELECT:
         # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
         # above it); top-p's point where a lower bound of the mass above it passes p; min-p
         if top_k > 0:
@@ -154,32 +133,33 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         ymin = tl.min(tl.where(live_b, yn, float("inf")), axis=0)
         lo = tl.maximum(tl.maximum(lo, ymin), -FLT_MAX)
         inv_w = tl.where(lo < 0.0, NBINS / -lo, 0.0)
-        tl.store(W[HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+        tl.store(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
     lomin = tl.zeros([], dtype=tl.int64)
-    if route == R_SELECT:
+    if route == cf.R_SELECT:
         lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
     sel = live_b & (ym >= lo) & (b < NBLK)
-    if route == R_CUT:
+    if route == cf.R_CUT:
         # min-p alone reads again only the blocks it cuts: one whose every live token has
         # y >= log_min_p keeps its whole mass Q_b
         full = live_b & (yn >= lnmp)
         sel = sel & (full == 0)
-        tl.store(W[KEPT] + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
-    tl.store(W[BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
-    fr = W[ROWF] + row * 8
-    tl.store(fr + F_M, m)
-    tl.store(fr + F_S, s)
-    tl.store(fr + F_LO, lo)
-    tl.store(fr + F_INVW, inv_w)
-    tl.store(fr + F_KLO, lo)
-    ri = W[ROWI] + row * NUM_I
+        tl.store(W[cf.KEPT] + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
+    tl.store(W[cf.BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    fr = W[cf.ROWF] + row * 8
+    tl.store(fr + cf.F_M, m)
+    tl.store(fr + cf.F_S, s)
+    tl.store(fr + cf.F_LO, lo)
+    tl.store(fr + cf.F_INVW, inv_w)
+    tl.store(fr + cf.F_KLO, lo)
+    ri = W[cf.ROWI] + row * cf.NUM_I
     c = tl.arange(0, 8)
     # min-p alone: every token is "above" (bin 0 < jhi = 1); the selection overwrites these
-    vals = tl.where(c == I_ROUTE, route.to(tl.int64), tl.where((c == I_JHI) | (c == I_J2), 1, 0))
-    vals = tl.where(c == I_NLIST, tl.sum(sel.to(tl.int64), axis=0), vals)
-    tl.store(ri + c, tl.where(c == I_LOMIN, lomin, vals))
+    vals = tl.where((c == cf.I_JHI) | (c == cf.I_J2), 1, 0)
+    vals = tl.where(c == cf.I_ROUTE, route.to(tl.int64), vals)
+    vals = tl.where(c == cf.I_NLIST, tl.sum(sel.to(tl.int64), axis=0), vals)
+    tl.store(ri + c, tl.where(c == cf.I_LOMIN, lomin, vals))
     c16 = tl.arange(0, 16)
-    tl.store(ri + I_COUNTERS + c16, tl.zeros([16], dtype=tl.int64))
+    tl.store(ri + cf.I_NAB + c16, tl.zeros([16], dtype=tl.int64))
     return route
 
 
@@ -192,13 +172,13 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
     base = row * NBLK
-    xm = tl.load(W[XM] + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    xm = tl.load(W[cf.XM] + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
     mx = tl.max(xm, axis=0)
     has_inf = mx == float("inf")
     valid = mx > float("-inf")
     m = tl.where(valid & (has_inf == 0), mx, 0.0)
     ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W[Q] + base + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.load(W[cf.Q] + base + b, mask=bm, other=0, cache_modifier=".cg")
     q = tl.where(ym > float("-inf"), q, 0)
     tok = tl.full([], -1, tl.int32)
     route = tl.zeros([], dtype=tl.int32)
@@ -216,8 +196,8 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                 # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
                 e = tl.exp(ym.to(tl.float64))
                 total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-                tl.store(W[TOTAL] + row, total)
-                xn = tl.load(W[XN] + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                tl.store(W[cf.TOTAL] + row, total)
+                xn = tl.load(W[cf.XN] + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 if ties:
                     tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
@@ -231,8 +211,8 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                 tok = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
                                      -FLT_MAX, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"), NBLK,
                                      NBLK_P2, DB, 1, FL)  # fmt: skip
-    if route == R_DONE:
-        tl.store(W[ROWI] + row * NUM_I + I_ROUTE, tl.zeros([], dtype=tl.int64))
+    if route == cf.R_DONE:
+        tl.store(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
 
@@ -258,9 +238,9 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         q = tl.where(xm == float("inf"), n_inf << 32, q)
         ok = bid < NBLK
         dst = row * NBLK + bid
-        tl.store(W[XM] + dst, xm, mask=ok)
-        tl.store(W[XN] + dst, xn, mask=ok)
-        tl.store(W[Q] + dst, q, mask=ok)
+        tl.store(W[cf.XM] + dst, xm, mask=ok)
+        tl.store(W[cf.XN] + dst, xn, mask=ok)
+        tl.store(W[cf.Q] + dst, q, mask=ok)
         if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
             v = raw_x(P, row, offs, FL)
             v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
@@ -269,8 +249,8 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
             e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
                                 v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
             okr = tl.where(raw_mode, ok, False)
-            tl.store(W[RAW0] + dst, vm, mask=okr)
-            tl.store(W[RAW1] + dst, tl.sum(e, axis=1), mask=okr)
+            tl.store(W[cf.RAW0] + dst, vm, mask=okr)
+            tl.store(W[cf.RAW1] + dst, tl.sum(e, axis=1), mask=okr)
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
