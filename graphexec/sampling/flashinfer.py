@@ -32,8 +32,8 @@ What it lacks compared with `graphexec.sampling.reference` (where it is approxim
   sampling with pivots / float renormalisation), so a token whose cumulative mass lies
   within float rounding of p may be kept or dropped differently than the reference's
   exact integer fixed-point rule.
-- min-p compares float32 probabilities against `min_p * max_prob`; the reference compares
-  `exp(x - max) >= min_p`. Tokens at the boundary may differ by rounding.
+- min-p compares float32 probabilities against `min_p * max_prob`; the reference keeps
+  y >= log_min_p (y = (x - max) / T). Tokens at the boundary may differ by rounding.
 - Draw semantics: top-k/top-p and min-p draws are inverse-CDF / rejection sampling from
   float32 probabilities, which is the right distribution up to float rounding, not an
   exact Gumbel-max over the filtered logits.
