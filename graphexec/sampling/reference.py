@@ -198,29 +198,29 @@ def block_stats(
     xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, nblocks] f32 block max xm_b, [B, nblocks] int64 Q_b) of collapsed rows xc."""
+    return _block_sums(xc, None, inv_t, draw_block)
+
+
+def kept_block_mass(xc: torch.Tensor, kept: torch.Tensor, inv_t: torch.Tensor, draw_block: int):
+    """[B, nblocks] int64 K_b of filtered rows: Q_b's terms over the kept tokens only."""
+    return _block_sums(xc, kept, inv_t, draw_block)[1]
+
+
+def _block_sums(xc: torch.Tensor, kept: torch.Tensor | None, inv_t: torch.Tensor,
+                draw_block: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(xm_b, sum of trunc(exp((x_i - xm_b) * s) * 2**32) over the finite x_i of each
+    block, only the kept ones when a mask is given)."""
     B, V = xc.shape
     nb = -(-V // draw_block)
-    pad = torch.full((B, nb * draw_block - V), -torch.inf, dtype=xc.dtype, device=xc.device)
-    xb = torch.cat([xc, pad], dim=1).view(B, nb, draw_block)
+    pad = nb * draw_block - V
+    xb = torch.cat([xc, xc.new_full((B, pad), -torch.inf)], 1).view(B, nb, draw_block)
     xm = xb.max(dim=-1).values
-    s = inv_t.view(B, 1, 1)
     fin = torch.isfinite(xb) & torch.isfinite(xm).unsqueeze(-1)
+    if kept is not None:
+        fin &= torch.cat([kept, kept.new_zeros((B, pad))], 1).view(B, nb, draw_block)
     xs = torch.where(torch.isfinite(xm), xm, 0.0).unsqueeze(-1)
-    z = torch.where(fin, (xb - xs) * s, -torch.inf)
-    q = torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0)
-    return xm, q.sum(dim=-1)
-
-
-def block_logmass(
-    xc: torch.Tensor,
-    inv_t: torch.Tensor,
-    draw_block: int,
-    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """[B, nblocks] fp32 L_b of the two-level draw (step 6) for collapsed rows xc
-    (stats: their `block_stats`, when already computed)."""
-    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
-    return (xm - row_max(xc)) * inv_t.view(-1, 1) + torch.log(q.to(torch.float32))
+    z = torch.where(fin, (xb - xs) * inv_t.view(B, 1, 1), -torch.inf)
+    return xm, torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0).sum(-1)
 
 
 def row_mass(
@@ -243,21 +243,6 @@ def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Ten
     return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
-def kept_block_mass(xc: torch.Tensor, kept: torch.Tensor, inv_t: torch.Tensor, draw_block: int):
-    """[B, nblocks] int64 K_b of filtered rows: sum over kept i of trunc(exp((x_i - xm_b)
-    * s) 2**32), xc the collapsed rows (the terms of `block_stats`' Q_b)."""
-    B, V = xc.shape
-    nb = -(-V // draw_block)
-    pad = nb * draw_block - V
-    xb = torch.cat([xc, xc.new_full((B, pad), -torch.inf)], 1).view(B, nb, draw_block)
-    kb = torch.cat([kept, kept.new_zeros((B, pad))], 1).view(B, nb, draw_block)
-    xm = xb.max(dim=-1).values
-    fin = torch.isfinite(xb) & torch.isfinite(xm).unsqueeze(-1) & kb
-    xs = torch.where(torch.isfinite(xm), xm, 0.0).unsqueeze(-1)
-    z = torch.where(fin, (xb - xs) * inv_t.view(B, 1, 1), -torch.inf)
-    return torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0).sum(-1)
-
-
 def draw(
     xc: torch.Tensor,
     y: torch.Tensor,
@@ -277,13 +262,12 @@ def draw(
     xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
     ym = torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
     live = y > -torch.inf
-    if kept is None:
-        plain = torch.ones_like(slot_ids, dtype=torch.bool)
-        kept = live
+    if kept is None:  # no row filters: every block keeps its Q_b
+        kept, mass = live, q
     else:
-        plain = plain_rows(slot_ids, table)
-        kept = torch.where(plain.unsqueeze(1), live, kept)
-    mass = torch.where(plain.unsqueeze(1), q, kept_block_mass(xc, kept, inv_t, draw_block))
+        plain = plain_rows(slot_ids, table).unsqueeze(1)
+        kept = torch.where(plain, live, kept)
+        mass = torch.where(plain, q, kept_block_mass(xc, kept, inv_t, draw_block))
     lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -torch.inf)
     bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
     chosen = first_argmax(lm + bg)
