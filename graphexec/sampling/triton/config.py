@@ -22,7 +22,6 @@ R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter,
 R_CUT = tl.constexpr(1)  # min-p only: the kept set is y >= log_min_p, masses in one pass
 R_SELECT = tl.constexpr(2)  # top-k / top-p: histogram, then a bracket gathered, resolved
 R_EXACT = tl.constexpr(3)  # the bracket did not resolve: the serial exact search served it
-ROUTE_NAMES = {0: "done", 1: "cut", 2: "select", 3: "exact"}
 
 # Columns of Workspace.rowf (f32)
 F_M, F_S, F_LO, F_INVW, F_KLO = (tl.constexpr(i) for i in range(5))

@@ -21,7 +21,15 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import config as cf
-from graphexec.sampling.triton.keys import PAD_KEY, mass_hi_lo, okey, okey_to_float, pack, sum_mass
+from graphexec.sampling.triton.keys import (
+    PAD_KEY,
+    mass_hi_lo,
+    okey,
+    okey_to_float,
+    pack,
+    sum_halves,
+    sum_mass,
+)
 from graphexec.sampling.triton.process import VOCAB, tile_x
 
 
@@ -46,8 +54,7 @@ def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl
             ge = pk[:, None] >= cands[None, :]
             cnt += tl.sum(ge.to(tl.int64), axis=0)
             hi, lo = mass_hi_lo(y)  # one exp a token, summed per candidate
-            tot += (tl.sum(tl.where(ge, hi[:, None], 0), axis=0).to(tl.int64) * 65536
-                    + tl.sum(tl.where(ge, lo[:, None], 0), axis=0).to(tl.int64))  # fmt: skip
+            tot += sum_halves(tl.where(ge, hi[:, None], 0), tl.where(ge, lo[:, None], 0), 0)
     return cnt, tot
 
 

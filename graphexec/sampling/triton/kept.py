@@ -23,7 +23,16 @@ import triton.language as tl
 from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import PAD_KEY, mass, mass_hi_lo, okey, pack, sum_mass, unpack
+from graphexec.sampling.triton.keys import (
+    PAD_KEY,
+    mass,
+    mass_hi_lo,
+    okey,
+    pack,
+    sum_halves,
+    sum_mass,
+    unpack,
+)
 from graphexec.sampling.triton.process import (
     LOG_MIN_P,
     SLOTS,
@@ -254,10 +263,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         okm = y >= lnmp
         # one exp of the block-relative z and one of y a token, shared by both regions
         hz, lz = mass_hi_lo(tl.where((above | mid) & okm, zr, float("-inf")))
-        ka = tl.sum(tl.where(above, hz, 0), 1).to(tl.int64) * 65536 + tl.sum(
-            tl.where(above, lz, 0), 1).to(tl.int64)  # fmt: skip
-        km = tl.sum(tl.where(mid, hz, 0), 1).to(tl.int64) * 65536 + tl.sum(
-            tl.where(mid, lz, 0), 1).to(tl.int64)  # fmt: skip
+        ka = sum_halves(tl.where(above, hz, 0), tl.where(above, lz, 0), 1)
+        km = sum_halves(tl.where(mid, hz, 0), tl.where(mid, lz, 0), 1)
         tl.store(W[cf.KEPT] + row * NBLK + bid, ka, mask=bid < NBLK)
         tl.store(W[cf.KMID] + row * NBLK + bid, km, mask=bid < NBLK)
         hy, ly = mass_hi_lo(tl.where(above | mid, y, float("-inf")))

@@ -64,6 +64,13 @@ def sum_mass(sel, z, axis: tl.constexpr):
     """Exact int64 sum of trunc(exp(z) * 2**32) where sel, along axis (at most 2**15
     terms: the halves sum in int32)."""
     hi, lo = mass_hi_lo(tl.where(sel, z, float("-inf")))
+    return sum_halves(hi, lo, axis)
+
+
+@triton.jit
+def sum_halves(hi, lo, axis: tl.constexpr):
+    """Exact int64 sum of masses given as `mass_hi_lo` halves, along axis (at most 2**15
+    terms)."""
     return tl.sum(hi, axis=axis).to(tl.int64) * 65536 + tl.sum(lo, axis=axis).to(tl.int64)
 
 

@@ -29,7 +29,7 @@ from graphexec.sampling.triton.draw import (
     greedy_token,
     two_level_draw,
 )  # fmt: skip
-from graphexec.sampling.triton.keys import mass_hi_lo, pack
+from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
 from graphexec.sampling.triton.process import (
     LOG_MIN_P,
     LP_PROC,
@@ -233,7 +233,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
         xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
         hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
-        q = tl.sum(hi, axis=1).to(tl.int64) * 65536 + tl.sum(lo, axis=1).to(tl.int64)
+        q = sum_halves(hi, lo, 1)
         n_inf = tl.sum((x == float("inf")).to(tl.int64), axis=1)
         q = tl.where(xm == float("inf"), n_inf << 32, q)
         ok = bid < NBLK
