@@ -9,7 +9,7 @@ frozen `config.SamplerConfig`, passed explicitly; none changes a token.
 Launches per variant (grids of B x S programs, S programs per row, or B row programs; a
 row's last program of a pass serves what follows it, through an acq_rel counter per row):
 
-    no_filter           stats (its last program per row draws)
+    no_filter           stats (the row tail runs in its last program per row)
     default, top_k_top_p  stats, tail, select, kept, finish
     + logprobs          raw_logprobs, logprobs
 
