@@ -16,7 +16,7 @@ constants 0xD2511F53 and 0xCD9E8D57 and Weyl key increments 0x9E3779B9, 0xBB67AE
 
 `stream` separates independent uses of the same (seed, pos, token): token noise, the
 block noise of the two-level draw (keyed on the block index), speculative acceptance
-coins, recovered-token noise. Nothing here holds state: there is
+coins, recovered-token noise, a rejection-mode draft model's draw. Nothing here holds state: there is
 no generator object, no global RNG and no per-batch offset, which is what makes a
 request's draws independent of batch, bucket, row, variant and eager-vs-replay.
 
@@ -49,6 +49,7 @@ class Stream(enum.IntEnum):
     SPEC_RECOVER = 2  # speculative decoding: noise of the recovered-token draw
     BLOCK = 3  # the block choice of the two-level draw ("token_id" = block index)
     MODEL = 4  # TableModel's logits (test model; never sampling noise)
+    SPEC_DRAFT = 5  # speculative decoding, rejection mode: a draft model's own draw
 
 
 def _mul32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ def sample_step(
     *,
     config=None,
     workspace=None,
+    count_ids: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
 
@@ -64,6 +65,9 @@ def sample_step(
         workspace: the Triton backend's scratch (`triton.config.Workspace`, allocated once
             for the largest batch and reused: no allocation or zeroing per call); None
             allocates one per call.
+        count_ids: optional [B, NE] int64 ids that row b counts once more each on top
+            of its slot's token counts (-1 = none; used only where the table has counts):
+            speculative verification's drafts before an offset.
 
     CUDA graphs: with backend="triton" this issues only kernel launches on fixed buffers;
     capture it with static `logits`, `slot_ids`, `positions`, `bitmask` and `out`, and
@@ -74,17 +78,18 @@ def sample_step(
         from graphexec.sampling import reference
 
         db = reference.DRAW_BLOCK if config is None else config.draw_block
-        return reference.sample(
-            logits, slot_ids, positions, table, out, bitmask, variant, draw_block=db
-        )
+        return reference.sample(logits, slot_ids, positions, table, out, bitmask, variant,
+                                draw_block=db, count_ids=count_ids)  # fmt: skip
     if backend == "triton":
         from graphexec.sampling.triton import launch
 
         return launch.sample(logits, slot_ids, positions, table, out, bitmask, variant,
-                             config=config, workspace=workspace)  # fmt: skip
+                             config=config, workspace=workspace, count_ids=count_ids)  # fmt: skip
     if backend == "flashinfer":
         from graphexec.sampling import flashinfer
 
+        if count_ids is not None:
+            raise ValueError("count_ids is not supported by backend 'flashinfer'")
         return flashinfer.sample(logits, slot_ids, positions, table, out, bitmask, variant)
     raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 
@@ -144,15 +149,44 @@ def sample_logits(
     CUDA graphs: this call allocates its table and outputs; capture `sample_step`
     instead, over static buffers.
     """
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D [B, V], got shape {list(logits.shape)}")
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    check_logits(logits, 2, "[B, V]")
     B, V = logits.shape
-    if not 0 < V <= MAX_VOCAB:
-        raise ValueError(f"logits vocabulary size must be in [1, {MAX_VOCAB}], got {V}")
+    dev = logits.device
+    params, pos, token_counts, variant, backend = check_batch(
+        B, V, dev, params, positions, token_counts, prompt_mask, variant, backend
+    )
+    _check_tensor("bitmask", bitmask, (B, (V + 31) // 32), dev)
+    if bitmask is not None and bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+    if B == 0:
+        return SamplerOutput.allocate(0, dev, None)
+    table = SamplingTensors.from_params(params, V, dev, token_counts, prompt_mask)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    out = SamplerOutput.allocate(B, dev, max(asked) if asked else None)
+    slot_ids = torch.arange(B, device=dev)
+    return sample_step(logits, slot_ids, pos.to(dev), table, out, bitmask, variant, backend)
+
+
+def check_logits(logits, dims: int, shape: str, name: str = "logits") -> None:
+    """ValueError naming `name` unless it is a `dims`-D float32/bf16/fp16 tensor with a
+    vocabulary (last dim) in [1, MAX_VOCAB]."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {shape}, got shape {list(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
+    if not 0 < logits.shape[-1] <= MAX_VOCAB:
+        raise ValueError(
+            f"{name} vocabulary size must be in [1, {MAX_VOCAB}], got {logits.shape[-1]}"
+        )
+
+
+def check_batch(B: int, V: int, dev: torch.device, params, positions, token_counts,
+                prompt_mask, variant, backend):  # fmt: skip
+    """Validate what `sample_logits` and `verify_drafts` share; returns (params as a list,
+    positions [B] int64 on the CPU, token_counts as int32 or None, the variant, the
+    backend). ValueError names the bad argument."""
     params = list(params)
     if len(params) != B:
         raise ValueError(f"params must hold one SamplingParams per row ({B}), got {len(params)}")
@@ -161,7 +195,6 @@ def sample_logits(
             raise ValueError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
         if p.seed is None:
             raise ValueError(f"params[{i}].seed must be set for sample_logits")
-    dev = logits.device
     pos = torch.as_tensor(positions)
     if pos.numel() and (pos.dtype.is_floating_point or pos.dtype in (torch.bool, torch.complex64)):
         raise ValueError(f"positions must be integers, got {pos.dtype}")
@@ -172,9 +205,6 @@ def sample_logits(
         raise ValueError("positions must be in [0, 2**32)")
     _check_tensor("token_counts", token_counts, (B, V), dev)
     _check_tensor("prompt_mask", prompt_mask, (B, V), dev)
-    _check_tensor("bitmask", bitmask, (B, (V + 31) // 32), dev)
-    if bitmask is not None and bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
     if token_counts is not None:
         if token_counts.dtype.is_floating_point or token_counts.dtype == torch.bool:
             raise ValueError(f"token_counts must be an integer tensor, got {token_counts.dtype}")
@@ -203,10 +233,4 @@ def sample_logits(
                 f"backend {backend!r} needs CUDA tensors (triton runs on the CPU only under "
                 "TRITON_INTERPRET=1)"
             )
-    if B == 0:
-        return SamplerOutput.allocate(0, dev, None)
-    table = SamplingTensors.from_params(params, V, dev, token_counts, prompt_mask)
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-    out = SamplerOutput.allocate(B, dev, max(asked) if asked else None)
-    slot_ids = torch.arange(B, device=dev)
-    return sample_step(logits, slot_ids, pos.to(dev), table, out, bitmask, variant, backend)
+    return params, pos, token_counts, variant, backend

@@ -75,8 +75,11 @@ def process_logits(
     slot_ids: torch.Tensor,
     table: SamplingTensors,
     bitmask: torch.Tensor | None = None,
+    count_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Steps 1-2: the processed fp32 logits x [B, V] (before temperature)."""
+    """Steps 1-2: the processed fp32 logits x [B, V] (before temperature). count_ids
+    [B, NE] (-1 = none): ids each row counts once more on top of its slot's counts
+    (speculative drafts before an offset); only where the table has token counts."""
     x = sanitize(logits).clone()
     B, V = x.shape
     neg_inf = torch.tensor(-torch.inf, device=x.device)
@@ -94,6 +97,12 @@ def process_logits(
             if table.token_counts is not None
             else torch.zeros((B, V), dtype=torch.int32, device=x.device)
         )
+        if count_ids is not None and table.token_counts is not None and count_ids.shape[1]:
+            ids = count_ids.to(torch.int64)
+            extra = torch.zeros((B, V + 1), dtype=torch.int32, device=x.device)
+            extra.scatter_add_(1, torch.where((ids >= 0) & (ids < V), ids, V),
+                               torch.ones_like(ids, dtype=torch.int32))  # fmt: skip
+            counts = counts + extra[:, :V]
         seen = counts > 0
         if table.prompt_mask is not None:
             seen = seen | table.prompt_mask[slot_ids]
@@ -317,10 +326,11 @@ def sample(
     variant: SamplerVariant = SamplerVariant.DEFAULT,
     *,
     draw_block: int = DRAW_BLOCK,
+    count_ids: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """The torch backend of `graphexec.sampling.pipeline.sample_step` (`draw_block` is
     for tests only: the library always uses DRAW_BLOCK)."""
-    xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask))
+    xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask, count_ids))
     y = scale(xc, slot_ids, table)
     # block stats serve both the top-p total and the two-level draw: computed once
     inv_t = effective_inv_t(slot_ids, table)

@@ -39,6 +39,7 @@ def sample(
     *,
     config: SamplerConfig | None = None,
     workspace: Workspace | None = None,
+    count_ids: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Sample one token per row into `out` (see `pipeline.sample_step`). `workspace`: a
     persistent `Workspace` for at least B rows of this V and config (the executor's);
@@ -54,7 +55,7 @@ def sample(
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
     ws = workspace.rows(B)
     W = _w(ws)
-    P, fl = proc_args(logits, slot_ids, positions, table, bitmask)
+    P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
     S = split(cfg.programs, r, B, nblk)

@@ -13,7 +13,8 @@ to `reference.process_logits`:
   (`SamplingTensors`): the entries inside the tile's id range are found with two counts.
 
 Every kernel takes one flat tuple P of the batch's inputs (`proc_args`; the indices
-below) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3:
+below) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3 |
+HAS_EXTRA << 4 (per-row ids counted once more each, on top of the slot's counts):
 absent inputs cost nothing in the tile loops (a masked-off load still costs its address
 arithmetic per token: twice the stats pass's time on an H100).
 """
@@ -34,6 +35,8 @@ COUNTS, S_CS, S_CV = (tl.constexpr(i) for i in range(13, 16))  # [S, V] i32
 PROMPT, S_PS, S_PV = (tl.constexpr(i) for i in range(16, 19))  # [S, V] u8
 BIAS_IDS, BIAS_VALS, S_IS, S_VS, NBIAS = (tl.constexpr(i) for i in range(19, 24))  # [S, NB]
 TEMP, INV_TEMP, TOP_K, TOP_P, LOG_MIN_P, SEED, LP_PROC = (tl.constexpr(i) for i in range(24, 31))
+# [B, NE] i64 per-row extra counted ids (-1 = none): speculative drafts before an offset
+EXTRA, S_EB, NEXTRA = (tl.constexpr(i) for i in range(31, 34))
 
 
 
@@ -120,6 +123,11 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
         if (FL & 4) != 0:
             count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV],
                             mask=tl.where(need, ok, False), other=0)  # fmt: skip
+            if (FL & 16) != 0:
+                counted = tl.where(need, ok, False)
+                for e in range(P[NEXTRA]):
+                    d = tl.load(P[EXTRA] + row.to(tl.int64) * P[S_EB] + e)
+                    count += tl.where(counted & (offs == d), 1, 0)
         if (FL & 8) != 0:
             bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV],
                            mask=tl.where(need_rep, ok, False), other=0)  # fmt: skip
@@ -140,9 +148,11 @@ def proc_args(
     positions: torch.Tensor,
     table: SamplingTensors,
     bitmask: torch.Tensor | None,
+    count_ids: torch.Tensor | None = None,
 ) -> tuple[tuple, int]:
     """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. Absent
-    optional tensors are stood in for by table columns (never read)."""
+    optional tensors are stood in for by table columns (never read). count_ids [B, NE]
+    counts for the penalties only where the table has token counts."""
     mask = table.top_k if bitmask is None else bitmask
     if bitmask is not None and bitmask.dtype != torch.int32:
         mask = bitmask.view(torch.int32) if bitmask.element_size() == 4 else bitmask.to(torch.int32)
@@ -154,6 +164,9 @@ def proc_args(
     lg = logits.view(torch.int16) if bf16 else logits  # widened exactly in the kernel
     fl = (int(bf16) | int(bitmask is not None) << 1 | int(table.token_counts is not None) << 2
           | int(table.prompt_mask is not None) << 3)  # fmt: skip
+    extra = count_ids is not None and table.token_counts is not None and count_ids.shape[1] > 0
+    ex = count_ids if extra else slot_ids.view(-1, 1)
+    fl |= int(extra) << 4
     P = (
         lg, lg.stride(0), lg.stride(1), logits.shape[1], slot_ids, positions,
         table.repetition_penalty, table.inv_repetition_penalty, table.frequency_penalty,
@@ -162,5 +175,6 @@ def proc_args(
         table.bias_ids, table.bias_values, table.bias_ids.stride(0), table.bias_values.stride(0),
         table.bias_ids.shape[1], table.temperature, table.inv_temperature, table.top_k,
         table.top_p, table.log_min_p, table.seed, table.logprobs_processed.view(torch.uint8),
+        ex, ex.stride(0), ex.shape[1],
     )  # fmt: skip
     return P, fl

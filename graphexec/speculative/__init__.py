@@ -1,0 +1,12 @@
+"""Speculative decoding: draft verification inside the captured step, and the drafters.
+
+`verify_drafts` / `verify_step` (verify.py) check K drafts per row against the target's
+logits; `SpeculativeConfig` (config.py) turns speculation on in the executor; drafters
+propose the drafts: prompt lookup (ngram.py) on the host, or a draft model (draft.py)
+inside the step.
+"""
+
+from graphexec.speculative.config import SpeculativeConfig
+from graphexec.speculative.verify import VerifyOutput, verify_drafts, verify_step
+
+__all__ = ["SpeculativeConfig", "VerifyOutput", "verify_drafts", "verify_step"]
