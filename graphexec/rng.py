@@ -16,8 +16,8 @@ constants 0xD2511F53 and 0xCD9E8D57 and Weyl key increments 0x9E3779B9, 0xBB67AE
 
 `stream` separates independent uses of the same (seed, pos, token): token noise, the
 block noise of the two-level draw (keyed on the block index), speculative acceptance
-coins, recovered-token noise, a rejection-mode draft model's draw. Nothing here holds state: there is
-no generator object, no global RNG and no per-batch offset, which is what makes a
+coins, recovered-token noise, a rejection-mode draft model's draw. Nothing here holds
+state: there is no generator object, no global RNG and no per-batch offset, which is what makes a
 request's draws independent of batch, bucket, row, variant and eager-vs-replay.
 
 The torch code below works on int64 tensors holding uint32 values and splits each
