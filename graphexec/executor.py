@@ -31,6 +31,8 @@ from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams, variant_rank
 from graphexec.request import Request, RequestOutput, chunk_key
 from graphexec.sampling.pipeline import default_backend
 from graphexec.sampling.tensors import SamplerOutput
+from graphexec.speculative.config import SpeculativeConfig
+from graphexec.speculative.runner import SpecRunner
 from graphexec.state import SlotTable
 from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
 
@@ -66,6 +68,12 @@ class ExecutorStats:
     failed: dict[GraphKey, str] = field(default_factory=dict)
     steps: int = 0
     admitted: int = 0
+    drafted: int = 0  # speculation: drafts verified
+    accepted: int = 0  # speculation: drafts accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
 
 class DecodeExecutor:
@@ -83,6 +91,8 @@ class DecodeExecutor:
         sampler_config: the Triton sampler's `SamplerConfig` (None: its device preset).
         max_logit_bias: the most logit_bias entries a request may carry.
         seed: seeds the generator of seeds for unseeded requests; None = OS entropy.
+        speculative: a `SpeculativeConfig` to verify drafts in every step (each request
+            then emits 1 to K+1 tokens per step); None = one token per step.
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class DecodeExecutor:
         max_logit_bias: int = 16,
         seed: int | None = None,
         sampler_config=None,
+        speculative=None,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -108,21 +119,33 @@ class DecodeExecutor:
         self.cuda_graphs = cuda_graphs
         self.backend = backend or default_backend(self.device)
         self.tokenizer = tokenizer
-        self.slots = SlotTable(
-            max_batch_size, self.vocab_size, self.device, max_logit_bias, grammar=bool(tokenizer)
-        )
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(
+                f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}"
+            )
+        if speculative is not None and not hasattr(model, "verify"):
+            raise ValueError(f"speculative decoding needs {type(model).__name__}.verify")
+        runs = 1 if speculative is None else speculative.num_draft_tokens + 1
+        self.slots = SlotTable(max_batch_size, self.vocab_size, self.device, max_logit_bias,
+                               grammar=bool(tokenizer), offsets=runs)  # fmt: skip
         model.bind(max_batch_size + 1, self.device)
         self.grammar = None
         if tokenizer is not None:
             from graphexec.grammar import GrammarCompiler, GrammarSlots
 
-            self.grammar = GrammarSlots(GrammarCompiler(tokenizer, self.vocab_size), max_batch_size)
+            compiler = GrammarCompiler(tokenizer, self.vocab_size)
+            self.grammar = GrammarSlots(compiler, max_batch_size, runs)
         self._eos = None if tokenizer is None else tokenizer.eos_token_id
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
         largest = self.buckets[-1]
         self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
-        self.sampler = StepSampler.build(self.backend, self.device, largest, self.vocab_size,
-                                         sampler_config)  # fmt: skip
+        self.sampler = StepSampler.build(self.backend, self.device, largest * runs,
+                                         self.vocab_size, sampler_config)  # fmt: skip
+        self.spec = None
+        if speculative is not None:
+            self.spec = SpecRunner(speculative, model, self.slots, self.device, largest,
+                                   max_batch_size)  # fmt: skip
+            self.spec.sampler = self.sampler
         self._first = {lp: SamplerOutput.allocate(1, self.device, MAX_TOP_LOGPROBS if lp else None)
                        for lp in (False, True)}  # fmt: skip
         pin = self.device.type == "cuda"
@@ -170,6 +193,8 @@ class DecodeExecutor:
             failed=dict(g.failed),
             steps=self._steps,
             admitted=self._admitted,
+            drafted=self.spec.drafted if self.spec else 0,
+            accepted=self.spec.accepted if self.spec else 0,
         )
 
     # ---- capture ---------------------------------------------------------------------
@@ -178,7 +203,8 @@ class DecodeExecutor:
         into one shared pool. A key that fails is logged and served eagerly."""
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
-        keys = sorted(keys or all_keys(self.buckets), key=lambda k: -k.bucket)
+        spec_ks = self.spec.spec_ks if self.spec else (0,)
+        keys = sorted(keys or all_keys(self.buckets, spec_ks), key=lambda k: -k.bucket)
         self.slots.flush()
         self._retire_plan()  # the slot ids buffer is about to hold padding
         self.buffers.slot_ids.fill_(self.slots.padding_slot)
@@ -190,8 +216,9 @@ class DecodeExecutor:
                 raise ValueError(f"key {key} has a bucket larger than the largest bucket")
             if key in self.graphs.steps:
                 continue
-            slot_ids, out = self.buffers.view(key)
-            self.graphs.capture(key, self._step_fn(key, slot_ids, out))
+            if key.spec_k not in spec_ks:
+                raise ValueError(f"key {key} has spec_k {key.spec_k}; this executor runs {spec_ks}")
+            self.graphs.capture(key, self._step_fn(key))
         self.slots.reset_padding()
         grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
         log.info(
@@ -200,7 +227,10 @@ class DecodeExecutor:
             grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
         )  # fmt: skip
 
-    def _step_fn(self, key: GraphKey, slot_ids: torch.Tensor, out: SamplerOutput):
+    def _step_fn(self, key: GraphKey):
+        slot_ids, out = self.buffers.view(key)
+        if self.spec is not None:
+            return self.spec.step_fn(key, slot_ids)
         model, slots, sampler = self.model, self.slots, self.sampler
         return lambda: decode_step(model, slots, slot_ids, out, key, sampler)
 
@@ -241,6 +271,8 @@ class DecodeExecutor:
                 self.grammar.add(slot, params.grammar)
             self.slots.flush()
             logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
+            if self.spec is not None:
+                self.spec.admit(req, slot, prompt)
             if params.grammar is not None:
                 self._upload_grammar([slot])
             out = self._first[req.wants_logprobs]
@@ -329,10 +361,14 @@ class DecodeExecutor:
             return outs
         self._steps += 1
         self.slots.flush()
-        if plan.grammar_rows:
+        if plan.grammar_rows and self.spec is None:  # the runner writes masks per offset
             self._upload_grammar([plan.rows[i].slot for i in plan.grammar_rows])
         replay = mode != "eager" and self.cuda_graphs
+        keys = []
         for key, start, n in plan.chunks:
+            if self.spec is not None:
+                key = self.spec.prepare(plan, key, start, n, self.grammar)
+            keys.append((key, start, n))
             if not plan.uploaded:
                 host = self._host_slots[start : start + key.bucket]
                 host.fill_(self.slots.padding_slot)
@@ -341,15 +377,22 @@ class DecodeExecutor:
                 src = self._host_slots[start : start + key.bucket]
                 self.buffers.slot_ids[: key.bucket].copy_(src, non_blocking=True)
             if not (replay and self.graphs.replay(key)):
-                self._step_fn(key, *self.buffers.view(key))()
+                self._step_fn(key)()
                 self._eager[key] += 1
-            self._copy_out(self.buffers.out, key, start, n)
+            if self.spec is not None:
+                self.spec.copy_out(key, start, n)
+            else:
+                self._copy_out(self.buffers.out, key, start, n)
         plan.uploaded = True
         t1 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
-        outs = self._finish(plan)
+        if self.spec is not None:
+            outs = self._finish_runs(plan, keys, ready)
+            ready = outs.ready
+        else:
+            outs = self._finish(plan)
         if plan is not self._plan:
             plan.retire()  # a one-off plan (a request joins next step): keep its counters
         outs.ready = ready
@@ -360,6 +403,17 @@ class DecodeExecutor:
         outs, ended = finish_rows(plan, self._host_out, self._eos, self.grammar)
         for f in ended:
             self._release(plan.rows[f.row])
+        return outs
+
+    def _finish_runs(self, plan: BatchPlan, keys, ready) -> StepOutputs:
+        """Speculative steps report runs: every output goes in `ready`, in row order."""
+        chunks, plan.chunks = plan.chunks, keys
+        runs, ended = self.spec.finish(plan, self._eos, self.grammar)
+        plan.chunks = chunks
+        for f in ended:
+            self._release(plan.rows[f.row])
+        outs = StepOutputs()
+        outs.ready = ready + runs
         return outs
 
     def _has_grammar(self, slot: int) -> bool:
@@ -381,4 +435,5 @@ class DecodeExecutor:
         idx.copy_(torch.tensor(g, dtype=torch.int64))
         dev_idx = idx.to(self.device, non_blocking=True)
         rows_dev = host_rows.to(self.device, non_blocking=True)
-        self.slots.bitmask.index_copy_(0, dev_idx, rows_dev)
+        bm = self.slots.bitmask
+        (bm if bm.dim() == 2 else bm[:, 0]).index_copy_(0, dev_idx, rows_dev)

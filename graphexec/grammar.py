@@ -104,13 +104,17 @@ class GrammarSlots:
     with non_blocking=True. `accept` feeds a sampled token back and reports termination.
     """
 
-    def __init__(self, compiler: GrammarCompiler, max_rows: int) -> None:
+    def __init__(self, compiler: GrammarCompiler, max_rows: int, offsets: int = 1) -> None:
         import torch
 
         self.compiler = compiler
         self.words = (compiler.vocab_size + 31) // 32
         pin = torch.cuda.is_available()
         self.host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
+        self.host_runs = None  # [max_rows, offsets, W]: masks per offset (speculation)
+        if offsets > 1:
+            self.host_runs = torch.full((max_rows, offsets, self.words), -1, dtype=torch.int32,
+                                        pin_memory=pin)  # fmt: skip
         self._matchers: dict[int, Any] = {}
 
     def add(self, slot: int, grammar: Grammar) -> None:
@@ -131,6 +135,34 @@ class GrammarSlots:
             if m is not None:
                 m.fill_next_token_bitmask(self.host, b)
         return rows
+
+    def fill_runs(self, slots: list[int], drafts: list[list[int]]):
+        """Masks per offset for speculative runs: row b, offset j is slot b's mask after
+        its drafts 0..j-1. A draft the grammar refuses (or one after it terminates) ends
+        the row's drafts there. Matchers are rolled back to where they were. Returns
+        ([len(slots), offsets, W] host rows, the number of drafts each row keeps)."""
+        rows = self.host_runs[: len(slots)]
+        rows.fill_(-1)
+        flat = rows.view(-1, self.words)
+        t = rows.shape[1]
+        kept = []
+        for b, s in enumerate(slots):
+            m = self._matchers.get(s)
+            if m is None:
+                kept.append(len(drafts[b]))
+                continue
+            m.fill_next_token_bitmask(flat, b * t)
+            n = 0
+            for d in drafts[b]:
+                if m.is_terminated() or not m.accept_token(int(d)):
+                    break
+                n += 1
+                if not m.is_terminated():
+                    m.fill_next_token_bitmask(flat, b * t + n)
+            if n:
+                m.rollback(n)
+            kept.append(n)
+        return rows, kept
 
     def accept(self, slot: int, token_id: int) -> bool:
         """Feed `token_id` to the slot's matcher; True when the grammar has terminated

@@ -1,6 +1,7 @@
 """Graph keys and batch buckets: which captured CUDA graph a decode step replays.
 
-One graph is captured per `GraphKey` (sampler variant x batch bucket x logprobs on/off).
+One graph is captured per `GraphKey` (sampler variant x batch bucket x logprobs on/off x
+speculative width).
 A step's key comes from host-side copies of its requests' parameters only (no GPU sync):
 the variant from `choose_variant`, the smallest bucket that holds the batch, and logprobs
 on if any row asked for them. A batch larger than the largest bucket is served as several
@@ -36,15 +37,20 @@ class GraphKey:
     variant: SamplerVariant
     bucket: int  # static batch size of the graph; rows past the real batch are padding
     logprobs: bool  # the graph writes logprobs / ranks / top-N
+    spec_k: int = 0  # draft tokens verified per row (0 = ordinary decode)
 
     def __post_init__(self) -> None:
         if not isinstance(self.variant, SamplerVariant):
             raise ValueError(f"variant must be a SamplerVariant, got {self.variant!r}")
         if self.bucket < 1:
             raise ValueError(f"bucket must be >= 1, got {self.bucket}")
+        if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
+            raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
 
     def __str__(self) -> str:
-        return f"{self.variant.value}/b{self.bucket}/{'lp' if self.logprobs else 'nolp'}"
+        lp = "lp" if self.logprobs else "nolp"
+        spec = f"/k{self.spec_k}" if self.spec_k else ""
+        return f"{self.variant.value}/b{self.bucket}/{lp}{spec}"
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -101,11 +107,12 @@ def plan_step(
     return plan
 
 
-def all_keys(buckets: Sequence[int]) -> list[GraphKey]:
+def all_keys(buckets: Sequence[int], spec_ks: Sequence[int] = (0,)) -> list[GraphKey]:
     """Every key to capture, largest bucket first (later, smaller graphs reuse its pool)."""
     return [
-        GraphKey(v, b, lp)
+        GraphKey(v, b, lp, k)
         for b in sorted(buckets, reverse=True)
+        for k in sorted(spec_ks, reverse=True)
         for v in SamplerVariant
         for lp in (False, True)
     ]

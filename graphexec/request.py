@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from graphexec.graphs import GraphKey
 from graphexec.params import VARIANT_ORDER, SamplingParams
@@ -53,6 +54,7 @@ class Request:
     variant_rank: int  # params.variant_rank: a chunk takes the max over its rows
     generated: int = 0
     fresh: bool = True  # admitted since the last step: its first token is not out yet
+    history: Any = None  # n-gram speculation: its prompt and output (a TokenHistory)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -36,6 +36,8 @@ class SlotTable:
         penalties: allocate token counts and prompt masks ([max_slots + 1, V] each).
         grammar: allocate a bitmask row per slot ([max_slots + 1, ceil(V/32)] int32,
             all ones = everything allowed).
+        offsets: grammar masks per slot (K+1 under speculation: [max_slots + 1, K+1,
+            ceil(V/32)], one per offset of a run).
 
     Decode state, advanced inside the step by `graphexec.step.advance`:
         positions   i64 [S]  output position of the next token (the noise counter)
@@ -52,6 +54,7 @@ class SlotTable:
         max_bias: int = 16,
         penalties: bool = True,
         grammar: bool = False,
+        offsets: int = 1,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -65,10 +68,9 @@ class SlotTable:
         self.last_token = torch.zeros(rows, **i64)
         self.prompt_lens = torch.zeros(rows, **i64)
         words = (vocab_size + 31) // 32
+        shape = (rows, words) if offsets == 1 else (rows, offsets, words)
         self.bitmask = (
-            torch.full((rows, words), -1, dtype=torch.int32, device=self.device)
-            if grammar
-            else None
+            torch.full(shape, -1, dtype=torch.int32, device=self.device) if grammar else None
         )
         self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._params: dict[int, SamplingParams] = {}

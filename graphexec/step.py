@@ -50,9 +50,18 @@ class StepSampler:
         cfg = config or SamplerConfig.default()
         return cls(backend, cfg, Workspace.allocate(rows, vocab_size, device, cfg, logprobs=True))
 
-    def __call__(self, logits, slot_ids, positions, table, out, bitmask, variant) -> None:
+    def __call__(self, logits, slot_ids, positions, table, out, bitmask, variant,
+                 count_ids=None) -> None:  # fmt: skip
         sample_step(logits, slot_ids, positions, table, out, bitmask, variant, self.backend,
-                    config=self.config, workspace=self.workspace)  # fmt: skip
+                    config=self.config, workspace=self.workspace, count_ids=count_ids)  # fmt: skip
+
+    def verify(self, logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
+               method, variant) -> None:  # fmt: skip
+        from graphexec.speculative.verify import verify_step
+
+        verify_step(logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
+                    method, variant, self.backend, config=self.config,
+                    workspace=self.workspace)  # fmt: skip
 
 
 @dataclass
@@ -105,9 +114,17 @@ def decode_step(
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
     logits = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
-    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
+    bitmask = offset0_mask(slots, slot_ids)
     sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
     advance(slots, slot_ids, out)
+
+
+def offset0_mask(slots: SlotTable, slot_ids: torch.Tensor) -> torch.Tensor | None:
+    """The rows' grammar masks [b, W] (offset 0 of the per-offset masks under speculation)."""
+    if slots.bitmask is None:
+        return None
+    bitmask = slots.bitmask[slot_ids]
+    return bitmask[:, 0] if bitmask.dim() == 3 else bitmask
 
 
 def first_token(
@@ -122,6 +139,6 @@ def first_token(
     same sampler and state update as a decode step (eager: prefill is not captured)."""
     slot_ids = torch.tensor([slot], dtype=torch.int64, device=logits.device)
     pos = slots.positions[slot_ids]
-    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
+    bitmask = offset0_mask(slots, slot_ids)
     sampler(logits[None], slot_ids, pos, slots.tensors, out, bitmask, key.variant)
     advance(slots, slot_ids, out)

@@ -34,3 +34,12 @@ class DecodeModel(Protocol):
         """One step for B rows: input_ids [B] (the last token of each row), positions [B]
         (that token's index in its sequence), slot_ids [B]; returns logits [B, V]."""
         ...
+
+    def verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """T tokens per row (speculative verification; capturable like `decode`):
+        input_ids [B, T], positions [B] (the index of input_ids[:, 0] in its sequence;
+        token t sits at positions + t), slot_ids [B]; writes their cache entries and
+        returns logits [B, T, V], row t as `decode` would give after tokens 0..t."""
+        ...

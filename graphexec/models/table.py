@@ -71,3 +71,11 @@ class TableModel:
     ) -> torch.Tensor:
         del slot_ids  # the point of this model: rows never depend on their slot
         return self.logits(positions, input_ids)
+
+    def verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        del slot_ids
+        B, T = input_ids.shape
+        pos = positions.unsqueeze(1) + torch.arange(T, device=positions.device)
+        return self.logits(pos.reshape(-1), input_ids.reshape(-1)).view(B, T, -1)

@@ -4,7 +4,10 @@ It exists to give the executor a real decode forward to capture: embeddings, att
 over a per-slot cache, an MLP and an LM head, at the bundled tokenizer's vocabulary.
 Its weights are random (seeded), so its text is noise; what matters is the shape of the
 work. `decode` is graph-capturable: static shapes, cache writes by index, attention over
-the whole cache row with a position mask, no host sync.
+the whole cache row with a position mask, no host sync. `verify` runs its T tokens as T
+decode calls: the same kernels at the same shapes, so its logits are bitwise those of
+decode and speculation never moves a token by a rounding difference (a real model's
+batched verify forward agrees with its decode only to rounding).
 """
 
 from __future__ import annotations
@@ -134,3 +137,10 @@ class TinyLM:
             x = x + a.reshape(-1, self.dim) @ layer["out"]
             x = x + self._mlp(layer, x)
         return self._head(x)
+
+    def verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
+                 for t in range(input_ids.shape[1])]  # fmt: skip
+        return torch.stack(steps, dim=1)

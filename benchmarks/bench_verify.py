@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Verification benchmark: graphexec's strict verify_step vs its own sample_step over the
+same rows, FlashInfer's chain speculative sampling and a torch rejection sampler.
+
+For every V x B x K x parameter table x logits shape it times each method of
+`verify_methods.py` as a CUDA-graph replay and writes
+`<out>/verify-<gpu-slug>-<YYYY-MM-DD>.json`:
+
+    {"device", "torch", "triton", "flashinfer", "date", "bandwidth_TBps", "runs",
+     "rows": [{"method", "variant", "B", "K", "V", "shape", "us", "floor_us", "emitted"},
+              ...], ...}
+
+Every method gets the same fp32 target logits [B, K+1, V] (a `sampler_methods.SHAPES`
+shape over the B*(K+1) rows) and the same drafts: the argmax of the target logits at each
+draft offset (a drafter that is often right; with one-hot q, strict and rejection accept a
+draft with the same probability p(d), so "emitted", the mean tokens per row of the graph's
+output, should agree between the verify methods). Parameter tables (`--variants`,
+`verify_methods.TABLES`): "top_k_top_p" (temperature 0.7..1.0 with top-k 50 / top-p 0.9 /
+both by row) and "no_filter" (temperature only); a seed per row.
+
+    graphexec.verify_strict    verify_step(method="strict"), static buffers, persistent
+                               workspace of B*(K+1) rows (backend triton on CUDA)
+    graphexec.sample_step      sample_step over the same B*(K+1) rows: the target is
+                               verify_strict <= 1.5x this
+    flashinfer.chain           softmax(logits / T) [+ top_k_renorm_probs + top_p_renorm_probs
+                               for top_k_top_p] + chain_speculative_sampling with one-hot
+                               draft_probs [B, K, V] given (as a draft model's; not timed)
+    flashinfer.chain+onehot    the same, the one-hot draft_probs built in the call
+    torch.rejection            vLLM-style torch rejection sampler (one-hot q implicit)
+
+Timing (CUDA): each call is captured once in a CUDA graph over static buffers and replayed;
+us is the median of CUDA-event times per replay, each after a 256 MiB L2 flush and (unless
+--warm-icache) an instruction-cache eviction, as in bench_sampler.py. floor_us = B * (K+1)
+* V * 4 / copy bandwidth measured in the same run: one read of the logits. On the CPU
+(a smoke run) us is the median eager perf_counter time and FlashInfer rows are errors.
+
+A method that fails gets a row with "error" and null us; the run goes on, and the JSON is
+rewritten after every (V, B, K) block. The table printed last gives, per (variant, V, B,
+K), each method's worst-shape time, verify_strict / sample_step (worst shape; target
+<= 1.5) and FlashInfer / graphexec (flashinfer.chain / verify_strict, its worst shape for
+graphexec).
+
+    python benchmarks/bench_verify.py                      # full grid, every shape
+    python benchmarks/bench_verify.py --quick              # B 1,256, K 3, V 151936
+    python benchmarks/bench_verify.py --time-budget 420 --append --batch 128,256
+    python benchmarks/bench_verify.py --device cpu --batch 1,2 --k 1,3 --vocab 1000 \\
+        --shapes randn3 --methods torch,graphexec --out /tmp/benchout   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench_sampler import ints, measure_bandwidth, slug, versions
+from plot_verify import summary_table
+from sampler_methods import SHAPES, Timer, error_text, make_logits
+from verify_methods import (
+    METHODS,
+    TABLES,
+    VerifyCase,
+    blank_row,
+    run_method,
+    select_methods,
+)
+
+FULL = dict(batch=[1, 32, 128, 256], k=[1, 3, 5], vocab=[128256, 151936],
+            shapes=["peaked", "randn3", "flat"])  # fmt: skip
+QUICK = dict(batch=[1, 256], k=[3], vocab=[151936], shapes=["peaked", "randn3"])
+
+
+def row_key(r: dict) -> tuple:
+    return (r["method"], r["variant"], r["B"], r["K"], r["V"], r["shape"])
+
+
+def results_path(out: str, device_name: str, date: str) -> str:
+    return os.path.join(out, f"verify-{slug(device_name)}-{date}.json")
+
+
+def make_case(shape: str, B: int, K: int, V: int, table: str, device, backend) -> VerifyCase:
+    """Static [B, K+1, V] fp32 logits of one shape; drafts = argmax at each draft offset."""
+    T = K + 1
+    logits = make_logits(shape, B * T, V, torch.float32, device, seed=B * 7 + V + K).view(B, T, V)
+    drafts = logits[:, :K].argmax(dim=-1).contiguous()
+    return VerifyCase(logits, drafts, table, device, backend)
+
+
+def time_block(methods, tables, shapes, B, K, V, device, bw, timer, first_call, backend):
+    floor = round(B * (K + 1) * V * 4 / bw * 1e6, 3)
+    block = []
+    for shape in shapes:
+        try:
+            cases = {t: make_case(shape, B, K, V, t, device, backend) for t in tables}
+        except Exception as e:  # out of memory: record and go on
+            block += [dict(blank_row(m, t, B, K, V, shape), error=error_text(e))
+                      for t in tables for m in methods]  # fmt: skip
+            continue
+        for t in tables:
+            for m in methods:
+                row = run_method(m, cases[t], timer, first_call, shape)
+                row["floor_us"] = floor
+                block.append(row)
+                print(
+                    f"{m:26} {t:11} {shape:7} V={V:<7} B={B:<4} K={K}  {row['us']} us  "
+                    f"floor {floor} us  emitted {row['emitted']}"
+                    + (f"  ERROR {row['error']}" if "error" in row else "")
+                    + (f"  WARNING {row['warning']}" if "warning" in row else ""),
+                    flush=True,
+                )
+        del cases
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return block
+
+
+def load_previous(path: str) -> dict | None:
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        print(f"--append: extending {path} ({len(old['rows'])} rows)", flush=True)
+        return old
+    print(f"--append: no {path}; starting a new file", flush=True)
+    return None
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--batch", type=ints, default=None, help=f"default {FULL['batch']}")
+    ap.add_argument("--k", type=ints, default=None, help=f"drafts per row, default {FULL['k']}")
+    ap.add_argument("--vocab", type=ints, default=None, help=f"default {FULL['vocab']}")
+    ap.add_argument("--shapes", default=None,
+                    help=f"comma list of {list(SHAPES)}; default {FULL['shapes']}")  # fmt: skip
+    ap.add_argument("--variants", default=",".join(TABLES), help=f"comma list of {list(TABLES)}")
+    ap.add_argument("--methods", default=None, help="comma list of names or substrings")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a small grid ({QUICK}) and fewer repetitions; explicit --batch / "
+                    "--k / --vocab / --shapes still win")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed replays per row (default: as many as fit 0.15 s, 10..200)")  # fmt: skip
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gx-backend", default=None,
+                    help="graphexec backend (default: triton on CUDA, torch on CPU; triton on "
+                    "CPU needs TRITON_INTERPRET=1)")  # fmt: skip
+    ap.add_argument("--warm-icache", action="store_true",
+                    help="do not evict the instruction caches before each timed call")  # fmt: skip
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of an existing output JSON of the same name; replace "
+                    "those of the same (method, variant, B, K, V, shape)")  # fmt: skip
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="start no new (V, B, K) block after this many seconds")  # fmt: skip
+    ap.add_argument("--no-png", action="store_true", help="do not plot")
+    args = ap.parse_args(argv)
+    grid = QUICK if args.quick else FULL
+    for key in ("batch", "k", "vocab"):
+        if getattr(args, key) is None:
+            setattr(args, key, list(grid[key]))
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.shapes \
+        else list(grid["shapes"])  # fmt: skip
+    for s in args.shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in args.variants:
+        if v not in TABLES:
+            raise SystemExit(f"--variants: {v!r} is not one of {list(TABLES)}")
+    if any(k < 1 for k in args.k):
+        raise SystemExit("--k: every K must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.monotonic()
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())
+    methods = select_methods(args.methods)
+    timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
+    if args.reps is not None:
+        timer.min_reps = timer.max_reps = max(1, args.reps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bw = measure_bandwidth(device)
+    print(f"{name}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    info = versions()
+    if info.get("flashinfer") is None and any(m.startswith("flashinfer.") for m in methods):
+        print("note: FlashInfer is not importable; its rows will record the error", flush=True)
+    today = datetime.date.today().isoformat()
+    backend = args.gx_backend or ("triton" if device.type == "cuda" else "torch")
+    result = {
+        "device": name,
+        **info,
+        "date": today,
+        "bandwidth_TBps": round(bw / 1e12, 4),
+        "cuda": torch.version.cuda,
+        "timing": "CUDA: median us per CUDA-graph replay (events), 256 MiB L2 flush before each"
+        + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
+        + "; CPU: median eager perf_counter us",
+        "metric": "graph_us" if timer.cuda else "eager_us",
+        "logits": "float32 [B, K+1, V]; drafts = argmax at each draft offset",
+        "variants": {t: TABLES[t] for t in args.variants},
+        "shapes": {s: SHAPES[s] for s in args.shapes},
+        "methods": {m: METHODS[m] for m in methods},
+        "first_call_s": {},
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "gx_backend": backend,
+        "runs": [],
+        "rows": [],
+    }
+    path = results_path(args.out, name, today)
+    run = {k: result[k] for k in ("argv", "date", "bandwidth_TBps", "torch", "triton",
+                                  "flashinfer", "gx_backend")}  # fmt: skip
+    run["skipped"] = skipped = []
+    rows: dict[tuple, dict] = {}
+    first_call: dict[str, float] = {}
+    old = load_previous(path) if args.append else None
+    if old is not None:
+        rows = {row_key(r): r for r in old["rows"]}
+        result["methods"] = {**old.get("methods", {}), **result["methods"]}
+        result["runs"] = old.get("runs", [])
+    result["runs"].append(run)
+
+    def write() -> None:
+        result["first_call_s"] = {**(old or {}).get("first_call_s", {}), **first_call}
+        result["rows"] = list(rows.values())
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    new_rows = []
+    for V in args.vocab:
+        for B in args.batch:
+            for K in args.k:
+                if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
+                    skipped.append((V, B, K))
+                    continue
+                block = time_block(methods, args.variants, args.shapes, B, K, V, device, bw,
+                                   timer, first_call, backend)  # fmt: skip
+                new_rows += block
+                rows.update((row_key(r), r) for r in block)
+                write()
+    write()
+    print("\n" + summary_table(dict(result, rows=new_rows)))
+    if skipped:
+        print(f"\ntime budget ({args.time_budget:g} s) spent: skipped {len(skipped)} (V, B, K) "
+              f"blocks: {' '.join(f'{V}/{B}/{K}' for V, B, K in skipped)}")  # fmt: skip
+    print(f"\nwrote {path} ({len(new_rows)} rows measured now, {len(rows)} in the file)")
+    if not args.no_png:
+        try:
+            from plot_verify import plot
+
+            print(f"wrote {plot(result, os.path.splitext(path)[0] + '.png')}")
+        except ImportError as e:
+            print(f"no plot ({e}); plot_verify.py plots a results JSON where matplotlib is")
+        except Exception as e:  # a plot never fails the run
+            print(f"no plot: {error_text(e)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Prompt-lookup drafting (n-gram): drafts copied from the request's own history.
+
+The history is the prompt followed by the output so far. The drafter takes the longest
+suffix of it, from `ngram_max` down to `ngram_min` tokens, that also occurs earlier, and
+proposes the (up to) K tokens that followed its latest earlier occurrence. No draft
+probabilities: the drafts are deterministic, so strict verification accepts each with the
+highest possible probability, p(draft).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class TokenHistory:
+    """A request's prompt and output in one growing int64 array (appends are amortised
+    O(1), lookups see a numpy view)."""
+
+    __slots__ = ("_buf", "_n")
+
+    def __init__(self, prompt: list[int], capacity: int) -> None:
+        self._buf = np.empty(max(capacity, len(prompt), 1), dtype=np.int64)
+        self._buf[: len(prompt)] = prompt
+        self._n = len(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        end = self._n + len(tokens)
+        if end > self._buf.shape[0]:
+            grown = np.empty(max(end, 2 * self._buf.shape[0]), dtype=np.int64)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : end] = tokens
+        self._n = end
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self._n]
+
+
+def ngram_drafts(history: np.ndarray, k: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """Up to k drafts for `history` (1-D int64): the tokens after the latest earlier
+    occurrence of its longest matching suffix of ngram_min..ngram_max tokens; [] if none."""
+    L = history.shape[0]
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        suffix = history[L - n :]
+        # windows start at i <= L-1-n, so each is followed by a token and is not the suffix
+        hits = np.flatnonzero((sliding_window_view(history[: L - 1], n) == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return history[start : start + k].tolist()
+    return []
