@@ -40,7 +40,7 @@ K), each method's worst-shape time, verify_strict / sample_step (worst shape; ta
 <= 1.5) and FlashInfer / graphexec (flashinfer.chain / verify_strict, its worst shape for
 graphexec).
 
-    python benchmarks/bench_verify.py                      # full grid, every shape
+    python benchmarks/bench_verify.py                      # full grid; peaked, randn3, flat
     python benchmarks/bench_verify.py --quick              # B 1,256, K 3, V 151936
     python benchmarks/bench_verify.py --time-budget 420 --append --batch 128,256
     python benchmarks/bench_verify.py --device cpu --batch 1,2 --k 1,3 --vocab 1000 \\
@@ -57,7 +57,6 @@ import sys
 import time
 
 import torch
-
 from bench_sampler import ints, measure_bandwidth, slug, versions
 from plot_verify import summary_table
 from sampler_methods import SHAPES, Timer, error_text, make_logits
@@ -143,7 +142,8 @@ def parse_args(argv):
                     help=f"a small grid ({QUICK}) and fewer repetitions; explicit --batch / "
                     "--k / --vocab / --shapes still win")  # fmt: skip
     ap.add_argument("--reps", type=int, default=None,
-                    help="timed replays per row (default: as many as fit 0.15 s, 10..200)")  # fmt: skip
+                    help="timed replays per row (default: as many as fit in 0.15 s, "
+                    "10..200)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gx-backend", default=None,
                     help="graphexec backend (default: triton on CUDA, torch on CPU; triton on "
@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         "date": today,
         "bandwidth_TBps": round(bw / 1e12, 4),
         "cuda": torch.version.cuda,
-        "timing": "CUDA: median us per CUDA-graph replay (events), 256 MiB L2 flush before each"
-        + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
-        + "; CPU: median eager perf_counter us",
+        "timing": "median us per CUDA-graph replay (CUDA events), a 256 MiB L2 flush before "
+        "each" + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
+        if timer.cuda
+        else "median us per eager call (perf_counter; no graphs on the CPU)",
         "metric": "graph_us" if timer.cuda else "eager_us",
         "logits": "float32 [B, K+1, V]; drafts = argmax at each draft offset",
         "variants": {t: TABLES[t] for t in args.variants},

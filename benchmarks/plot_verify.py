@@ -111,8 +111,9 @@ def verdict(results: dict) -> str:
         return f"verify_strict <= {TARGET:g}x sample_step: not measured"
     worst_r, shape, (v, V, B, K) = max(got)
     met = sum(r <= TARGET for r, _, _ in got)
+    where = f"{v} V={V} B={B} K={K} {shape}"
     return (f"verify_strict <= {TARGET:g}x sample_step (worst shape): met at {met} of "
-            f"{len(got)} points; worst {worst_r:.2f}x at {v} V={V} B={B} K={K} {shape}")  # fmt: skip
+            f"{len(got)} points; worst {worst_r:.2f}x at {where}")  # fmt: skip
 
 
 def summary_table(results: dict, markdown: bool = False) -> str:

@@ -66,10 +66,10 @@ def flat_tensors(params: list[dict], T: int, V: int, device) -> dict:
     def rep(values, dtype):
         return torch.tensor(values, dtype=dtype).repeat_interleave(T).to(device)
 
+    ks = [p["top_k"] if p.get("top_k", 0) > 0 else V for p in params]
     return dict(
         temperature=rep([p["temperature"] for p in params], torch.float32),
-        top_k=rep([p.get("top_k", 0) if p.get("top_k", 0) > 0 else V for p in params],
-                  torch.int32),  # fmt: skip
+        top_k=rep(ks, torch.int32),
         top_p=rep([p.get("top_p", 1.0) for p in params], torch.float32),
     )
 
@@ -128,12 +128,12 @@ def rejection_sample(
     d = drafts.clamp(min=0).unsqueeze(2)
     px = pk.gather(2, d).squeeze(2)
     if draft_probs is None:  # one-hot q: max(0, p - q) is p with the draft's entry zeroed
-        qx = torch.ones_like(px)
-        resid = pk.scatter(2, d, 0.0)
+        qx = torch.ones_like(px)  # (a pad's entry stays: its offset draws from p)
+        resid = pk.scatter(2, d, torch.where(has, 0.0, px).unsqueeze(2))
     else:
         q = draft_probs.float()
         qx = q.gather(2, d).squeeze(2)
-        resid = (pk - q).clamp_(min=0)
+        resid = torch.where(has.unsqueeze(2), (pk - q).clamp_(min=0), pk)
     u = torch.rand(B, K, device=logits.device)
     accepted = has & (u * qx < px)
     n_acc = torch.cumprod(accepted.long(), dim=1).sum(dim=1)

@@ -10,11 +10,14 @@
 #   bash benchmarks/gpu/run.sh bench [BUDGET_S] [bench_sampler args...]
 #       benchmarks/bench_sampler.py --out $OUT --time-budget BUDGET_S (default 420), then
 #       its tables and targets (plot_sampler.py); log: $OUT/bench-sampler.log
+#   bash benchmarks/gpu/run.sh verify [BUDGET_S] [bench_verify args...]
+#       benchmarks/bench_verify.py --out $OUT --time-budget BUDGET_S (default 420), then
+#       its table (plot_verify.py --markdown); log: $OUT/bench-verify.log
 #   bash benchmarks/gpu/run.sh step [bench_step args...]
 #       benchmarks/bench_step.py --out $OUT; log: $OUT/bench-step.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench step)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -61,6 +64,18 @@ bench() {
     done
 }
 
+verify() {
+    local budget=${1:-420} log="$OUT/bench-verify.log" json
+    shift $(($# < 1 ? $# : 1))
+    python benchmarks/bench_verify.py --out "$OUT" --time-budget "$budget" "$@" >"$log" 2>&1
+    echo "bench_verify exit code: $?"
+    grep -E "ERROR|WARNING|skipped|^wrote|^no plot" "$log" | cut -c1-240 | head -n 30
+    for json in "$OUT"/verify-*.json; do
+        [ -e "$json" ] || continue
+        python benchmarks/plot_verify.py "$json" --markdown --no-png 2>&1 | tee -a "$log"
+    done
+}
+
 step() {
     python benchmarks/bench_step.py --out "$OUT" "$@" >"$OUT/bench-step.log" 2>&1
     echo "bench_step exit code: $?"
@@ -72,6 +87,7 @@ for phase in ${phases//,/ }; do
     case "$phase" in
     test) run_tests || rc=1 ;;
     bench) bench "$@" || rc=1 ;;
+    verify) verify "$@" || rc=1 ;;
     step) step "$@" || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac

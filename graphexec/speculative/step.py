@@ -119,7 +119,7 @@ def spec_step(model, slots: SlotTable, slot_ids: torch.Tensor, spec_in: torch.Te
     drafts = clean_drafts(torch.where(j < allow.unsqueeze(1), drafts, -1), model.vocab_size)
     inputs = torch.cat([slots.last_token[slot_ids].unsqueeze(1), drafts.clamp(min=0)], dim=1)
     logits = model.verify(inputs, model_pos, slot_ids)
-    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids]
+    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids, : k + 1]
     sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, bitmask, q, method,
                    key.variant)  # fmt: skip
     advance_run(slots, slot_ids, out)
