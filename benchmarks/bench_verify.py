@@ -35,14 +35,19 @@ us is the median of CUDA-event times per replay, each after a 256 MiB L2 flush a
 (a smoke run) us is the median eager perf_counter time and FlashInfer rows are errors.
 
 A method that fails gets a row with "error" and null us; the run goes on, and the JSON is
-rewritten after every (V, B, K) block. The table printed last gives, per (variant, V, B,
-K), each method's worst-shape time, verify_strict / sample_step (worst shape; target
-<= 1.5) and FlashInfer / graphexec (flashinfer.chain / verify_strict, its worst shape for
-graphexec).
+rewritten after every (V, B, K) block. A sticky CUDA error (an illegal memory access ends
+the process's context) is noticed after its block: the script then replaces itself by a
+fresh process with --resume (at most 5 times), which skips the blocks already in the file.
+
+The table printed last (`plot_verify.summary_table`, over every row in the file) gives, per
+(variant, V, B, K), each method's worst-shape time, verify_strict / sample_step (the
+largest over shapes; target <= 1.5) and FlashInfer / graphexec (flashinfer.chain /
+verify_strict, the smallest over shapes). The plot (`<same name>.png`) needs matplotlib;
+without it the run says so and goes on.
 
     python benchmarks/bench_verify.py                      # full grid; peaked, randn3, flat
     python benchmarks/bench_verify.py --quick              # B 1,256, K 3, V 151936
-    python benchmarks/bench_verify.py --time-budget 420 --append --batch 128,256
+    python benchmarks/bench_verify.py --time-budget 420     # then again with --resume
     python benchmarks/bench_verify.py --device cpu --batch 1,2 --k 1,3 --vocab 1000 \\
         --shapes randn3 --methods torch,graphexec --out /tmp/benchout   # CPU smoke run
 """
@@ -72,6 +77,7 @@ from verify_methods import (
 FULL = dict(batch=[1, 32, 128, 256], k=[1, 3, 5], vocab=[128256, 151936],
             shapes=["peaked", "randn3", "flat"])  # fmt: skip
 QUICK = dict(batch=[1, 256], k=[3], vocab=[151936], shapes=["peaked", "randn3"])
+RESTARTS_ENV, T0_ENV, MAX_RESTARTS = "BENCH_VERIFY_RESTARTS", "BENCH_VERIFY_T0", 5
 
 
 def row_key(r: dict) -> tuple:
@@ -114,7 +120,10 @@ def time_block(methods, tables, shapes, B, K, V, device, bw, timer, first_call, 
                 )
         del cases
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # a sticky CUDA error: main() notices it after the block
+                pass
     return block
 
 
@@ -153,8 +162,12 @@ def parse_args(argv):
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of an existing output JSON of the same name; replace "
                     "those of the same (method, variant, B, K, V, shape)")  # fmt: skip
+    ap.add_argument("--resume", action="store_true",
+                    help="--append, and skip (V, B, K) blocks that already have a row for "
+                    "every selected method, variant and shape (failed rows count)")  # fmt: skip
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                    help="start no new (V, B, K) block after this many seconds")  # fmt: skip
+                    help="start no new (V, B, K) block after this many seconds (counted from "
+                    "the first start when the run restarts itself)")  # fmt: skip
     ap.add_argument("--no-png", action="store_true", help="do not plot")
     args = ap.parse_args(argv)
     grid = QUICK if args.quick else FULL
@@ -172,11 +185,38 @@ def parse_args(argv):
             raise SystemExit(f"--variants: {v!r} is not one of {list(TABLES)}")
     if any(k < 1 for k in args.k):
         raise SystemExit("--k: every K must be >= 1")
+    args.append = args.append or args.resume
     return args
 
 
+def cuda_poisoned(device: torch.device) -> bool:
+    """Whether the CUDA context has a sticky error (every later call would fail)."""
+    try:
+        torch.cuda.synchronize(device)
+        return False
+    except Exception:
+        return True
+
+
+def restart(argv: list[str], t0: float) -> None:
+    """Replace this process by a fresh one that resumes the sweep (a sticky CUDA error
+    ends a context, not a run): at most MAX_RESTARTS times per run."""
+    n = int(os.environ.get(RESTARTS_ENV, "0"))
+    if n >= MAX_RESTARTS:
+        print(f"CUDA context lost again after {n} restarts: stopping", flush=True)
+        return
+    os.environ[RESTARTS_ENV], os.environ[T0_ENV] = str(n + 1), repr(t0)
+    args = [sys.executable, os.path.abspath(__file__), *argv]
+    args += [] if "--resume" in argv else ["--resume"]
+    print(f"CUDA context lost (a sticky error): restarting with --resume ({n + 1} of "
+          f"{MAX_RESTARTS})", flush=True)  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    t_start = time.monotonic()
+    t_start = float(os.environ.get(T0_ENV, time.time()))
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -195,16 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         print("note: FlashInfer is not importable; its rows will record the error", flush=True)
     today = datetime.date.today().isoformat()
     backend = args.gx_backend or ("triton" if device.type == "cuda" else "torch")
+    timing = "median us per eager call (perf_counter; no graphs on the CPU)"
+    if timer.cuda:
+        evict = " and the SMs' instruction caches evicted" if timer.evict is not None else ""
+        timing = f"median us per CUDA-graph replay (CUDA events), a 256 MiB L2 flush{evict} " \
+            "before each"  # fmt: skip
     result = {
         "device": name,
         **info,
         "date": today,
         "bandwidth_TBps": round(bw / 1e12, 4),
         "cuda": torch.version.cuda,
-        "timing": "median us per CUDA-graph replay (CUDA events), a 256 MiB L2 flush before "
-        "each" + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
-        if timer.cuda
-        else "median us per eager call (perf_counter; no graphs on the CPU)",
+        "timing": timing,
         "metric": "graph_us" if timer.cuda else "eager_us",
         "logits": "float32 [B, K+1, V]; drafts = argmax at each draft offset",
         "variants": {t: TABLES[t] for t in args.variants},
@@ -225,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     old = load_previous(path) if args.append else None
     if old is not None:
         rows = {row_key(r): r for r in old["rows"]}
-        result["methods"] = {**old.get("methods", {}), **result["methods"]}
+        for key in ("methods", "variants", "shapes"):
+            result[key] = {**old.get(key, {}), **result[key]}
         result["runs"] = old.get("runs", [])
     result["runs"].append(run)
 
@@ -236,11 +279,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    new_rows = []
+    new_rows, done = [], []
     for V in args.vocab:
         for B in args.batch:
             for K in args.k:
-                if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
+                if args.resume and all((m, t, B, K, V, s) in rows for m in methods
+                                       for t in args.variants for s in args.shapes):  # fmt: skip
+                    done.append((V, B, K))
+                    continue
+                if args.time_budget is not None and time.time() - t_start > args.time_budget:
                     skipped.append((V, B, K))
                     continue
                 block = time_block(methods, args.variants, args.shapes, B, K, V, device, bw,
@@ -248,8 +295,17 @@ def main(argv: list[str] | None = None) -> int:
                 new_rows += block
                 rows.update((row_key(r), r) for r in block)
                 write()
+                if device.type == "cuda" and cuda_poisoned(device):
+                    run["lost_context_at"] = (V, B, K)
+                    write()
+                    if argv is None:  # a script run: go on in a fresh process
+                        restart(sys.argv[1:], t_start)
+                    print(f"CUDA context lost at V={V} B={B} K={K}: stopping", flush=True)
+                    return 3
     write()
-    print("\n" + summary_table(dict(result, rows=new_rows)))
+    print("\n" + summary_table(result))  # every row in the file (--append keeps older ones)
+    if done:
+        print(f"\n--resume: {len(done)} (V, B, K) blocks already in the file")
     if skipped:
         print(f"\ntime budget ({args.time_budget:g} s) spent: skipped {len(skipped)} (V, B, K) "
               f"blocks: {' '.join(f'{V}/{B}/{K}' for V, B, K in skipped)}")  # fmt: skip

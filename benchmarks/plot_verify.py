@@ -176,9 +176,9 @@ def plot(results: dict, png_path: str) -> str:
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     which = "CUDA-graph replay" if results.get("metric", "graph_us") == "graph_us" else "eager"
     fig.suptitle(f"verification ({which}) / memory floor on {results.get('device', '?')}, "
-                 f"{results.get('date', '?')} (floor: one read of the [B, K+1, V] fp32 logits "
-                 f"at {results.get('bandwidth_TBps')} TB/s)")  # fmt: skip
-    fig.tight_layout(rect=(0, 0.03 * math.ceil(len(handles) / 4), 1, 0.95))
+                 f"{results.get('date', '?')}\n(floor: one read of the [B, K+1, V] fp32 logits "
+                 f"at {results.get('bandwidth_TBps')} TB/s)", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03 * math.ceil(len(handles) / 4), 1, 0.93))
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path

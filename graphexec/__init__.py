@@ -11,6 +11,7 @@ from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
 from graphexec.request import RequestOutput
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
+from graphexec.speculative import SpeculativeConfig, VerifyOutput, verify_drafts, verify_step
 from graphexec.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -26,9 +27,13 @@ __all__ = [
     "SamplerVariant",
     "SamplingParams",
     "SamplingTensors",
+    "SpeculativeConfig",
     "Tokenizer",
+    "VerifyOutput",
     "choose_variant",
     "models",
     "sample_logits",
     "sample_step",
+    "verify_drafts",
+    "verify_step",
 ]

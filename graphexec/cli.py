@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--latency-steps", type=int, default=10)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
+    d.add_argument("--no-speculative", dest="speculative", action="store_false",
+                   help="skip the speculative-decoding runs")  # fmt: skip
     i = sub.add_parser("inspect", help="capture and print one row per graph key")
     from graphexec.inspection import add_arguments
 

@@ -47,9 +47,10 @@ class HostRuns:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         n = MAX_TOP_LOGPROBS
-        return cls(e(rows, t, dtype=torch.int64), e(rows, dtype=torch.int64),
-                   e(rows, t, dtype=torch.float32), e(rows, t, dtype=torch.int64),
-                   e(rows, t, n, dtype=torch.float32), e(rows, t, n, dtype=torch.int64))  # fmt: skip
+        i64, f32 = torch.int64, torch.float32
+        return cls(e(rows, t, dtype=i64), e(rows, dtype=i64), e(rows, t, dtype=f32),
+                   e(rows, t, dtype=i64), e(rows, t, n, dtype=f32),
+                   e(rows, t, n, dtype=i64))  # fmt: skip
 
 
 class SpecRunner:
@@ -172,7 +173,8 @@ class SpecRunner:
         pos0 = int(plan.generated[r])
         if n == 0:
             outs.append(RequestOutput(req.request_id, None, pos0, req.params.seed, finished=True,
-                                      finish_reason="error", message=INVALID_MESSAGE, key=key))  # fmt: skip
+                                      finish_reason="error", message=INVALID_MESSAGE,
+                                      key=key))  # fmt: skip
             return True
         has_grammar = grammar is not None and grammar.has(req.slot)
         k = req.params.logprobs

@@ -127,8 +127,10 @@ def flatten_rows(slot_ids: torch.Tensor, positions: torch.Tensor, drafts: torch.
     B, K = drafts.shape
     T = K + 1
     j = torch.arange(T, device=drafts.device)
-    rows_slot = slot_ids.unsqueeze(1).expand(B, T).reshape(-1)
-    rows_pos = (positions.unsqueeze(1) + j).reshape(-1)
+    # contiguous: the kernels index slot ids and positions by row (B = 1 would give a
+    # stride-0 view)
+    rows_slot = slot_ids.unsqueeze(1).expand(B, T).contiguous().view(-1)
+    rows_pos = (positions.unsqueeze(1) + j).contiguous().view(-1)
     if K == 0:
         return rows_slot, rows_pos, None
     before = torch.arange(K, device=drafts.device).view(1, 1, K) < j.view(1, T, 1)

@@ -55,6 +55,7 @@ def sample(
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
     ws = workspace.rows(B)
     W = _w(ws)
+    slot_ids, positions = slot_ids.contiguous(), positions.contiguous()  # indexed by row
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
