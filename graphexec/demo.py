@@ -39,9 +39,11 @@ def _workload(tok: gx.Tokenizer, n: int, seed: int) -> list[wl.WorkItem]:
 
 
 def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | None) -> float:
-    """Mean wall time of one decode step (ms) with `batch` plain requests running."""
+    """Mean wall time of one decode step (ms) with `batch` plain requests running (long
+    enough for speculative runs of several tokens a step)."""
+    room = ex.model.max_seq_len - 1
     for i in range(batch):
-        ex.add_request(f"lat{i}", [i + 1], gx.SamplingParams(seed=i, max_tokens=steps + 4))
+        ex.add_request(f"lat{i}", [i + 1], gx.SamplingParams(seed=i, max_tokens=room))
     ex.step(mode)  # first tokens
     ex.step(mode)  # warm
     sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)

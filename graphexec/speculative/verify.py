@@ -24,6 +24,9 @@ Steps, in order:
                   nothing is invalid).
   5. logprobs     of each emitted token (strict: the sampler's own, as they are its tokens).
 
+With the Triton backend, steps 1 and 4 are one kernel each (`verify_kernels`); the torch
+functions here are their reference.
+
 Strict verification never changes a seeded stream: offset j's token is the ordinary one,
 so any drafter and any K give the tokens sampling without speculation gives.
 """
@@ -195,15 +198,27 @@ def verify_step(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     B, T, V = target_logits.shape
-    drafts = clean_drafts(draft_ids, V)
-    rows_slot, rows_pos, count_ids = flatten_rows(slot_ids, positions, drafts)
+    backend = backend or default_backend(target_logits.device)
+    kernels = backend == "triton"
+    if kernels:
+        from graphexec.speculative import verify_kernels
+
+        drafts, rows_slot, rows_pos, count_ids = verify_kernels.flatten(
+            slot_ids, positions, draft_ids, V
+        )
+    else:
+        drafts = clean_drafts(draft_ids, V)
+        rows_slot, rows_pos, count_ids = flatten_rows(slot_ids, positions, drafts)
     flat = target_logits.reshape(B * T, V)
     bm = None if bitmask is None else bitmask.reshape(B * T, bitmask.shape[-1])
     sample_step(flat, rows_slot, rows_pos, table, out.sampled, bm, variant, backend,
                 config=config, workspace=workspace, count_ids=count_ids)  # fmt: skip
     tok = out.sampled.token_ids.view(B, T)
     if method == "strict":
-        emit(drafts, (drafts >= 0) & (drafts == tok[:, : T - 1]), tok, out)
+        if kernels:
+            verify_kernels.emit(drafts, tok, out)
+        else:
+            emit(drafts, (drafts >= 0) & (drafts == tok[:, : T - 1]), tok, out)
         return out
     from graphexec.speculative import reference
 
@@ -302,4 +317,4 @@ def verify_drafts(
     table = SamplingTensors.from_params(params, V, dev, token_counts, prompt_mask)
     slot_ids = torch.arange(B, device=dev)
     return verify_step(target_logits, d, slot_ids, pos.to(dev), table, out, bitmask,
-                       draft_probs, method, variant, backend or default_backend(dev))  # fmt: skip
+                       draft_probs, method, variant, backend)  # fmt: skip
