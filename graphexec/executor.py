@@ -11,6 +11,9 @@ A step, in order:
      function eagerly, and queue a non-blocking copy of its outputs to pinned host memory;
   4. wait once for the outputs, then per row: feed the grammar, check stop conditions,
      report, and release finished slots (reset at the next flush).
+With speculation (`graphexec.speculative.runner`), step 3 also writes each chunk's drafts
+and per-offset grammar masks and gives its key spec_k, and step 4 reports runs of 1..K+1
+tokens per request.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -34,46 +36,14 @@ from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.config import SpeculativeConfig
 from graphexec.speculative.runner import SpecRunner
 from graphexec.state import SlotTable
+from graphexec.stats import ExecutorStats, StepTiming
 from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StepTiming:
-    """Where the last step's wall time went (seconds): host work before and after the
-    wait for the device, and the wait itself. host = before + after is the executor's
-    overhead around the replay."""
-
-    before: float = 0.0
-    wait: float = 0.0
-    after: float = 0.0
-
-    @property
-    def host(self) -> float:
-        return self.before + self.after
-
-
 class ExecutorFullError(RuntimeError):
     """add_request when max_batch_size requests are already running."""
-
-
-@dataclass
-class ExecutorStats:
-    """replays / eager_steps: per key; capture_s: per captured key; failed: key -> error."""
-
-    replays: dict[GraphKey, int] = field(default_factory=dict)
-    eager_steps: Counter = field(default_factory=Counter)
-    capture_s: dict[GraphKey, float] = field(default_factory=dict)
-    failed: dict[GraphKey, str] = field(default_factory=dict)
-    steps: int = 0
-    admitted: int = 0
-    drafted: int = 0  # speculation: drafts verified
-    accepted: int = 0  # speculation: drafts accepted
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
 
 
 class DecodeExecutor:

@@ -10,7 +10,6 @@ highest possible probability, p(draft).
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class TokenHistory:
@@ -42,11 +41,21 @@ def ngram_drafts(history: np.ndarray, k: int, ngram_max: int, ngram_min: int) ->
     """Up to k drafts for `history` (1-D int64): the tokens after the latest earlier
     occurrence of its longest matching suffix of ngram_min..ngram_max tokens; [] if none."""
     L = history.shape[0]
-    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
-        suffix = history[L - n :]
-        # windows start at i <= L-1-n, so each is followed by a token and is not the suffix
-        hits = np.flatnonzero((sliding_window_view(history[: L - 1], n) == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return history[start : start + k].tolist()
-    return []
+    if L < 2:
+        return []
+    # earlier occurrences of the last token end a candidate match at i (i <= L-2, so a
+    # token follows); extend each backwards while it keeps matching the suffix
+    ends = np.flatnonzero(history[: L - 1] == history[L - 1])
+    if ends.size == 0:
+        return []
+    length = np.ones(ends.shape[0], dtype=np.int64)
+    for t in range(1, min(ngram_max, L - 1)):
+        back = ends - t
+        ok = (length == t) & (back >= 0)
+        ok[ok] = history[back[ok]] == history[L - 1 - t]
+        length += ok
+    best = int(length.max())
+    if best < ngram_min:
+        return []
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
+    return history[start : start + k].tolist()
