@@ -25,7 +25,8 @@ from graphexec.sampling.tensors import SamplingTensors
 
 
 def target_probs(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
-                 variant: SamplerVariant) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 variant: SamplerVariant,
+                 draw_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(p [R, V] float64, y [R, V]) of collapsed processed rows xc: the distribution the
     sampler draws from (greedy rows one-hot at the first argmax; rows with nothing
     samplable all zero)."""
@@ -35,7 +36,7 @@ def target_probs(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensor
         kept = live
     else:
         inv_t = ref.effective_inv_t(slot_ids, table)
-        total = ref.row_mass(xc, inv_t, ref.DRAW_BLOCK)
+        total = ref.row_mass(xc, inv_t, draw_block or ref.DRAW_BLOCK)
         kept = ref.filter_mask(y, slot_ids, table, total)
         kept = torch.where(ref.plain_rows(slot_ids, table).unsqueeze(1), live, kept)
     greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
@@ -47,7 +48,7 @@ def target_probs(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensor
 
 
 def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draft_probs,
-              variant, out) -> None:  # fmt: skip
+              variant, out, draw_block: int | None = None) -> None:  # fmt: skip
     """Steps 3-5 of `verify.verify_step` in rejection mode; out.sampled holds the ordinary
     draw of every offset already."""
     from graphexec.speculative.verify import emit
@@ -55,7 +56,7 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
     B, K = drafts.shape
     T, V = K + 1, flat.shape[1]
     xc = ref.collapse_inf(ref.process_logits(flat, rows_slot, table, bitmask, count_ids))
-    p, y = target_probs(xc, rows_slot, table, variant)
+    p, y = target_probs(xc, rows_slot, table, variant, draw_block)
     p = p.view(B, T, V)
     tok = out.sampled.token_ids.view(B, T)
     if K:

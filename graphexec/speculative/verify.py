@@ -222,8 +222,9 @@ def verify_step(
         return out
     from graphexec.speculative import reference
 
+    db = None if config is None else config.draw_block
     reference.rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bm, draft_probs,
-                        variant, out)  # fmt: skip
+                        variant, out, draw_block=db)  # fmt: skip
     return out
 
 
@@ -298,6 +299,8 @@ def verify_drafts(
     params, pos, token_counts, variant, backend = check_batch(
         B, V, dev, params, positions, token_counts, prompt_mask, variant, backend
     )
+    if B and int(pos.max()) + K >= 2**32:
+        raise ValueError(f"positions + {K} (the last offset) must stay below 2**32")
     _check_tensor("bitmask", bitmask, (B, T, (V + 31) // 32), dev)
     if bitmask is not None and bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")

@@ -83,6 +83,8 @@ def flatten(slot_ids, positions, draft_ids, vocab_size: int):
     B, K = draft_ids.shape
     T = K + 1
     dev = draft_ids.device
+    # the kernel indexes by row: strided views (a transposed draft tensor) are copied
+    slot_ids, positions, draft_ids = (t.contiguous() for t in (slot_ids, positions, draft_ids))
     drafts = torch.empty((B, K), dtype=torch.int64, device=dev)
     rows_slot = torch.empty(B * T, dtype=torch.int64, device=dev)
     rows_pos = torch.empty(B * T, dtype=torch.int64, device=dev)

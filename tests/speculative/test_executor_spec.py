@@ -50,9 +50,9 @@ def run(spec, mode=None, model=None, batch=8, params=None, arrive_every=2):
             prompt = [rng.randrange(V) for _ in range(12)] + [1, 2, 3, 1, 2, 3]
             ex.add_request(f"r{i}", prompt, p)
         for o in ex.step(mode):
-            streams.setdefault(o.request_id, []).append(
-                (o.token_id, o.position, o.finish_reason, o.logprob, o.top_logprobs))
-        steps += 1  # fmt: skip
+            row = (o.token_id, o.position, o.finish_reason, o.logprob, o.top_logprobs)
+            streams.setdefault(o.request_id, []).append(row)
+        steps += 1
     return streams, steps, ex.stats
 
 
@@ -226,9 +226,9 @@ def test_grammar_requests_under_speculation(drafter):
         ex.capture(progress=False)
         P = gx.SamplingParams
         params = [
-            P(temperature=0.7, seed=1, max_tokens=60, grammar=gx.Grammar.json_schema(SCHEMA)),
-            P(temperature=0.0, seed=2, max_tokens=30, grammar=gx.Grammar.regex("(ab)+c")),
-            P(temperature=1.0, seed=3, max_tokens=30),
+            P(temperature=0.7, seed=1, max_tokens=40, grammar=gx.Grammar.json_schema(SCHEMA)),
+            P(temperature=0.0, seed=2, max_tokens=16, grammar=gx.Grammar.regex("(ab)+c")),
+            P(temperature=1.0, seed=3, max_tokens=12),
         ]
         for i, p in enumerate(params):
             ex.add_request(f"g{i}", tok.encode("ab ab ab ab"), p)
@@ -240,7 +240,7 @@ def test_grammar_requests_under_speculation(drafter):
 
     draft = "ngram" if drafter == "ngram" else gx.models.TableModel(vocab, seed=0, scale=6.0)
     base, _ = execute(None)
-    spec, stats = execute(gx.SpeculativeConfig(3, drafter=draft))
+    spec, stats = execute(gx.SpeculativeConfig(2, drafter=draft))
     for rid in base:
         assert [o.token_id for o in spec[rid]] == [o.token_id for o in base[rid]]
     text = tok.decode([o.token_id for o in spec["g1"] if o.token_id != tok.eos_token_id])

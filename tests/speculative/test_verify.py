@@ -23,9 +23,10 @@ import scipy.stats
 import torch
 
 import graphexec as gx
+from graphexec.rng import Stream, gumbel, uniform
 from graphexec.sampling.pipeline import sample_step
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.speculative import verify_drafts
+from graphexec.speculative import VerifyOutput, verify_drafts
 
 P = gx.SamplingParams
 ALPHA = 1e-6
@@ -125,7 +126,7 @@ def assert_rate(successes: int, n: int, rate: float, what: str) -> None:
     assert pval > ALPHA, f"{what}: {successes}/{n} vs rate {rate:.5f}, p = {pval:.3g}"
 
 
-def verify(logits, drafts, params, positions, **kw) -> gx.speculative.VerifyOutput:
+def verify(logits, drafts, params, positions, **kw) -> VerifyOutput:
     kw.setdefault("backend", "torch")
     return verify_drafts(logits, drafts, params, positions, **kw)
 
@@ -154,13 +155,28 @@ MIXED = [
     P(top_p=0.9, seed=3, logprobs=4, logprobs_mode="processed"),
     P(min_p=0.1, temperature=1.2, seed=4),
     P(top_k=20, top_p=0.8, seed=5),
-    P(temperature=0.9, presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.3,
-      seed=6, logprobs=3, logprobs_mode="processed"),  # fmt: skip
+    P(
+        temperature=0.9,
+        presence_penalty=1.2,
+        frequency_penalty=0.6,
+        repetition_penalty=1.3,
+        seed=6,
+        logprobs=3,
+        logprobs_mode="processed",
+    ),
     P(temperature=0.7, logit_bias={3: 2.5, 40: -1.0, 77: 4.0}, seed=7, logprobs=0),
     P(temperature=0.0, frequency_penalty=2.0, seed=8, logprobs=1, logprobs_mode="processed"),
     P(seed=2**62 + 9),
-    P(top_k=15, top_p=0.9, min_p=0.02, presence_penalty=-0.5, frequency_penalty=0.9,
-      logit_bias={5: 1.5}, temperature=0.6, seed=10),  # fmt: skip
+    P(
+        top_k=15,
+        top_p=0.9,
+        min_p=0.02,
+        presence_penalty=-0.5,
+        frequency_penalty=0.9,
+        logit_bias={5: 1.5},
+        temperature=0.6,
+        seed=10,
+    ),
     P(repetition_penalty=1.8, temperature=0.5, seed=11, logprobs=5),
     P(top_k=3, presence_penalty=2.0, seed=12),
 ]
@@ -346,7 +362,7 @@ def test_empty_batch() -> None:
 # ------------------------------------------------- 4. rejection mode is distribution-exact
 
 SV = 12  # vocabulary of the statistical tests: enough draws per bin
-N_FAST, N_SLOW = 20_000, 200_000
+N_FAST, N_SLOW = 20_000, 100_000
 
 
 def stat_row(seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -493,9 +509,9 @@ def test_rejection_with_draft_probs_exact_slow(target: str, seed: int) -> None:
 
 
 def later_offset_case(K: int, penalised: bool, n: int):
-    """Offsets with their own targets: p_0 top-p, p_1 top-k, p_2 min-p. Drafts from q_j
-    (q_0 near p_0, so that most rows reach offset 1); penalised: a fixed one-hot draft at
-    offset 0 that the presence / frequency penalties count at offset 1."""
+    """Each offset its own logits row under top-k 7 + top-p 0.9, so its own p_j. Drafts from
+    q_j (q_0 near p_0, so that most rows reach offset 1); penalised: a fixed one-hot draft
+    at offset 0 that the presence / frequency penalties count at offset 1."""
     kw = dict(temperature=0.9, top_k=7, top_p=0.9)
     extra = dict(presence_penalty=0.8, frequency_penalty=0.4) if penalised else {}
     rows = torch.stack([stat_row(40 + j, scale=1.2) for j in range(K + 1)])
@@ -557,11 +573,113 @@ def test_rejection_later_offsets_exact_slow(K: int, penalised: bool) -> None:
         assert_follows(out.token_ids[full, K].numpy(), ps[K], "bonus token")
 
 
+def test_rejection_coins_of_successive_offsets_are_independent() -> None:
+    """The same draft at two offsets of one row: each offset has its own coin (keyed on
+    pos + j), so both are accepted with probability a**2, not a."""
+    n, K = N_FAST, 2
+    kw, row, p = target_case("top_k")
+    d = int(np.argmin(np.abs(p - 0.5)))
+    a = float(p[d])
+    assert 0.2 < a < 0.8
+    logits = row.view(1, 1, SV).expand(n, K + 1, SV).contiguous()
+    drafts = torch.full((n, K), d)
+    out = verify(logits, drafts, batch_of(kw, n, seed0=9000), [0] * n, method="rejection")
+    counts = np.bincount(out.num_accepted.numpy(), minlength=K + 1)
+    expected = np.array([1 - a, a * (1 - a), a * a]) * n
+    pval = scipy.stats.chisquare(counts, expected).pvalue
+    assert pval > ALPHA, (counts, expected)
+
+
+def rejection_by_definition(logits, drafts, q, params, positions, ps):
+    """reference.py's definition, row by row, from `graphexec.rng` and the distributions
+    ps [T][V] computed here: ([n, T] tokens, [n] bool rows whose every decision lies at
+    least 1e-5 from its threshold, the ones compared)."""
+    n, K = drafts.shape
+    V = logits.shape[2]
+    seed = torch.tensor([p.seed for p in params])
+    pos = torch.as_tensor(positions)
+    bonus = gx.sample_logits(logits[:, K], params, pos + K, backend="torch").token_ids
+    tokens = torch.full((n, K + 1), -1)
+    clear = torch.ones(n, dtype=torch.bool)
+    done = torch.zeros(n, dtype=torch.bool)
+    ids = torch.arange(V)
+    for j in range(K):
+        pj = torch.as_tensor(ps[j])
+        d = drafts[:, j]
+        u = uniform(seed, pos + j, d, Stream.SPEC_ACCEPT).double()
+        qd, pd = q[:, j].double().gather(1, d.view(-1, 1)).squeeze(1), pj[d]
+        acc = u * qd < pd
+        r = (pj.unsqueeze(0) - q[:, j].double()).clamp(min=0)
+        g = gumbel(seed.view(-1, 1), (pos + j).view(-1, 1), ids.view(1, -1), Stream.SPEC_RECOVER)
+        score = torch.where(r > 0, torch.log(r) + g.double(), -torch.inf)
+        top2 = score.topk(2, dim=1).values
+        rec = score.argmax(dim=1)
+        live = ~done
+        clear &= done | ((u * qd - pd).abs() > 1e-5)
+        clear &= done | acc | (top2[:, 0] - top2[:, 1] > 1e-5)
+        tokens[live, j] = torch.where(acc, d, rec)[live]
+        done |= ~acc
+    tokens[~done, K] = bonus[~done]
+    return tokens, clear
+
+
+def test_rejection_follows_its_definition() -> None:
+    """Each row's decisions are the documented ones: accept d iff u * q(d) < p(d) with u the
+    SPEC_ACCEPT coin of (seed, pos + j, d); recover the argmax of log r + SPEC_RECOVER
+    Gumbel noise over r = max(0, p - q) > 0; the bonus is the ordinary token at pos + K."""
+    n, K = 4000, 2
+    kw = dict(temperature=0.9, top_k=7)
+    rows = torch.stack([stat_row(80 + j, scale=1.2) for j in range(K + 1)])
+    ps = [filtered_dist(rows[j].numpy(), **kw) for j in range(K + 1)]
+    qs = [0.5 * ps[0] + 0.5 / SV, draft_dist(81)]
+    drafts = torch.cat([sample_from(qs[j], (n, 1), seed=82 + j) for j in range(K)], dim=1)
+    q = torch.stack([torch.as_tensor(qj, dtype=torch.float32) for qj in qs])
+    q = q.unsqueeze(0).expand(n, K, SV).contiguous()
+    logits = rows.unsqueeze(0).expand(n, K + 1, SV).contiguous()
+    params = batch_of(kw, n, seed0=123)
+    positions = torch.arange(n) % 97 * 1000
+    out = verify(logits, drafts, params, positions, draft_probs=q, method="rejection")
+    want, clear = rejection_by_definition(logits, drafts, q, params, positions, ps)
+    assert clear.float().mean() > 0.99
+    assert torch.equal(out.token_ids[clear], want[clear])
+    assert len(set(out.num_accepted.tolist())) == K + 1
+
+
+def test_rejection_logprobs_are_the_emitted_tokens() -> None:
+    """Rejection mode may emit a token the ordinary draw did not: its logprob, rank and the
+    top-N are those of the emitted token (raw mode: log_softmax of the logits)."""
+    V, K, n = 40, 3, 64
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(n, K + 1, V, generator=g) * 1.5
+    params = [P(seed=i, temperature=1.1, top_k=12, logprobs=3) for i in range(n)]
+    drafts = torch.randint(0, V, (n, K), generator=g)
+    out = verify(logits, drafts, params, torch.arange(n), method="rejection")
+    ordinary = out.sampled.token_ids.view(n, K + 1)
+    emitted = out.token_ids >= 0
+    assert (out.token_ids[emitted] != ordinary[emitted]).any()  # recovered tokens occur
+    lsm = torch.log_softmax(logits.double(), dim=2)
+    tok = out.token_ids.clamp(min=0)
+    want = lsm.gather(2, tok.unsqueeze(2)).squeeze(2)
+    torch.testing.assert_close(out.logprobs[emitted].double(), want[emitted], rtol=0, atol=1e-5)
+    rank = (logits > logits.gather(2, tok.unsqueeze(2))).sum(dim=2) + 1
+    assert torch.equal(out.ranks[emitted], rank[emitted])
+    top = torch.sort(logits, dim=2, descending=True, stable=True).indices[..., :3]
+    assert torch.equal(out.top_token_ids[emitted], top[emitted])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_offsets_past_the_position_range_are_refused(method: str) -> None:
+    logits = torch.randn(1, 3, 30)
+    with pytest.raises(ValueError, match="positions"):
+        verify(logits, torch.tensor([[1, 2]]), [P(seed=1)], [2**32 - 2], method=method)
+
+
 # -------------------------------------------------- 5. filtered targets stay in their set
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=8, top_p=0.6, min_p=0.2)],
+    "kw",
+    [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=8, top_p=0.6, min_p=0.2)],
     ids=["top_k", "top_p", "min_p", "all"],
 )
 def test_rejection_never_leaves_the_filtered_set(kw: dict) -> None:
@@ -706,11 +824,19 @@ def test_bad_row_at_offset_0_is_isolated(method: str, bad: str) -> None:
         assert not bool(out.valid[b])
         assert int(out.num_tokens[b]) == 0 and int(out.num_accepted[b]) == 0
         assert (out.token_ids[b] == -1).all()
+        # the other rows: as in the good batch, and as in a batch without row b
         others = torch.arange(B) != b
+        keep = others.nonzero().flatten()
+        without = verify(logits[keep], drafts[keep], [params[i] for i in keep], positions[keep],
+                         token_counts=counts[keep], prompt_mask=prompt[keep],
+                         draft_probs=None if q is None else q[keep], **kw)  # fmt: skip
         for name in ("token_ids", "num_accepted", "num_tokens", "valid"):
             assert torch.equal(getattr(out, name)[others], getattr(good, name)[others]), name
+            assert torch.equal(getattr(out, name)[others], getattr(without, name)), name
         em = good.token_ids[others] >= 0
         torch.testing.assert_close(out.logprobs[others][em], good.logprobs[others][em], rtol=0,
+                                   atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(out.logprobs[others][em], without.logprobs[em], rtol=0,
                                    atol=1e-6)  # fmt: skip
 
 
@@ -814,7 +940,8 @@ def test_valid_arguments_pass() -> None:
 # ---------------------------------------------------------------- 10. Triton (interpreter)
 
 
-def test_triton_strict_equals_torch() -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_triton_equals_torch(method: str) -> None:
     V, K = 130, 2  # two draw blocks
     params = MIXED
     B = len(params)
@@ -823,19 +950,85 @@ def test_triton_strict_equals_torch() -> None:
     drafts = seq[:, :K].clone()
     drafts[1::3, 1] = (drafts[1::3, 1] + 3) % V
     drafts[2, 1] = -1
-    kw = dict(token_counts=counts, prompt_mask=prompt)
+    g = torch.Generator().manual_seed(102)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), dim=2) if method == "rejection" else None
+    kw = dict(token_counts=counts, prompt_mask=prompt, draft_probs=q, method=method)
     ref = verify(logits, drafts, params, positions, backend="torch", **kw)
     tri = verify(logits, drafts, params, positions, backend="triton", **kw)
     assert_same_output(tri, ref)
-    assert int(ref.num_accepted.sum()) > B  # the drafts do get accepted
-    # and the tokens are the ordinary ones at every emitted offset
-    j = torch.arange(K + 1).unsqueeze(0)
-    assert torch.equal(ref.token_ids, torch.where(j < ref.num_tokens.unsqueeze(1), seq, -1))
+    assert torch.equal(tri.sampled.token_ids, ref.sampled.token_ids)
+    if method == "strict":
+        assert int(ref.num_accepted.sum()) > B  # the drafts do get accepted
+        # and the tokens are the ordinary ones at every emitted offset
+        j = torch.arange(K + 1).unsqueeze(0)
+        assert torch.equal(ref.token_ids, torch.where(j < ref.num_tokens.unsqueeze(1), seq, -1))
+
+
+def test_triton_single_row_equals_torch() -> None:
+    """B = 1: the flattened offsets' slot ids and positions must be real rows for the
+    kernels (an expanded view would read out of bounds)."""
+    V, K = 130, 3
+    for b in (5, 9, 11):  # penalised and biased rows
+        logits, positions, counts, prompt = mixed_inputs(len(MIXED), K, V, seed=103)
+        sub = torch.tensor([b])
+        seq, _ = sequential(logits[sub], [MIXED[b]], positions[sub], counts[sub], prompt[sub])
+        kw = dict(token_counts=counts[sub], prompt_mask=prompt[sub])
+        args = (logits[sub], seq[:, :K].clone(), [MIXED[b]], positions[sub])
+        ref = verify(*args, backend="torch", **kw)
+        tri = verify(*args, backend="triton", **kw)
+        assert torch.equal(ref.token_ids, seq)
+        assert_same_output(tri, ref)
+
+
+@pytest.mark.parametrize("K", [0, 3])
+def test_triton_bad_rows_and_pads_equal_torch(K: int) -> None:
+    """The Triton flatten / emit on rows with nothing samplable (at offset 0, at offset 2),
+    pads, out-of-range-free drafts of every run length, in both methods."""
+    V, B = 40, 6
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    params = [P(temperature=0.0, seed=1), P(seed=2, top_k=4), P(seed=3, logprobs=2),
+              P(temperature=0.0, seed=4, presence_penalty=1.0), P(seed=5, top_p=0.5),
+              P(temperature=0.0, seed=6)]  # fmt: skip
+    logits[1, 0] = NAN
+    positions = torch.arange(B) * 3
+    seq, _ = sequential(logits, params, positions)
+    drafts = seq[:, :K].clone()
+    if K:
+        logits[4, 2] = NINF
+        drafts[1] = torch.tensor([3, 4, 5])  # row 1 has no sequence: drafts anyway
+        drafts[2, 1:] = -1
+        drafts[5, 0] = (drafts[5, 0] + 1) % V
+    for method in METHODS:
+        ref = verify(logits, drafts, params, positions, method=method)
+        tri = verify(logits, drafts, params, positions, method=method, backend="triton")
+        assert_same_output(tri, ref)
+        assert ref.valid.tolist() == [True, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("layout", ["drafts", "positions"])
+def test_triton_strided_inputs_equal_torch(layout: str) -> None:
+    """Views are valid arguments: a transposed drafts tensor, every other position."""
+    V, K, B = 50, 3, 4
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    params = [P(seed=i, temperature=0.0 if i % 2 else 1.0) for i in range(B)]
+    seq, _ = sequential(logits, params, torch.arange(B) * 10)
+    drafts, positions = seq[:, :K].clone(), (torch.arange(2 * B) * 5)[::2]
+    if layout == "drafts":
+        positions = positions.clone()
+        drafts = drafts.T.contiguous().T
+        assert drafts.stride(1) != 1
+    ref = verify(logits, drafts, params, positions, backend="torch")
+    tri = verify(logits, drafts, params, positions, backend="triton")
+    assert torch.equal(ref.token_ids, verify(logits, drafts.contiguous(), params,
+                                             positions.contiguous()).token_ids)  # fmt: skip
+    assert_same_output(tri, ref)
 
 
 def test_triton_count_ids_equal_torch() -> None:
     """sample_step's count_ids: triton = torch = the same ids added to token_counts."""
-    V, NE = 130, 4
+    V = 130
     params = [P(temperature=0.0, frequency_penalty=2.0, seed=1),
               P(presence_penalty=2.0, temperature=0.5, seed=2, logprobs=2,
                 logprobs_mode="processed"),
@@ -873,7 +1066,9 @@ def test_triton_count_ids_equal_torch() -> None:
     torch.testing.assert_close(tri.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri.top_logprobs, ref.top_logprobs, rtol=1e-5, atol=1e-5)
     assert torch.equal(tri.top_token_ids, ref.top_token_ids)
-    assert torch.equal(run("torch", None, added).token_ids, ref.token_ids)
+    by_counts = run("torch", None, added)
+    assert torch.equal(by_counts.token_ids, ref.token_ids)
+    torch.testing.assert_close(by_counts.logprobs, ref.logprobs, rtol=0, atol=1e-6)
     assert torch.equal(run("triton", None, added).token_ids, ref.token_ids)
     # the control: the ids do change the penalised rows (greedy rows leave their argmax)
     plain = run("torch", None, counts)
