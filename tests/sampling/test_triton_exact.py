@@ -1,5 +1,6 @@
-"""The exact search (`triton.exact`): rows whose bracket does not resolve (forced with a
-gather cap of 1, or runs of equal values wider than the cap) are still the reference's."""
+"""The exact search (`triton.exact`): rows whose brackets do not resolve in either round
+(forced with a gather cap of 1, or runs of equal values wider than the cap) are still the
+reference's."""
 
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def test_every_selection_through_the_exact_search(ways: int) -> None:
     cfg = CONFIGS["interp16"].replace(gather_cap=1, search_ways=ways)
     both = run_both(params, logits, cfg, counts=counts, prompt=prompt, bitmask=bitmask)
     assert_same(both.ref, both.tri)
-    # rows whose bracket held one token at most still resolve there
-    assert both.routes.count(int(R_EXACT)) >= B // 2
+    # rows whose bracket held one token at most resolve there (round 1 or 2), the others
+    # in the exact search
+    assert both.routes.count(int(R_EXACT)) >= 2
 
 
 def test_wide_runs_of_equal_values() -> None:

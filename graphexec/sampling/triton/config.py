@@ -21,24 +21,28 @@ from graphexec.sampling.triton import interpreter_enabled
 R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter, all ties
 R_CUT = tl.constexpr(1)  # min-p only: the kept set is y >= log_min_p, masses in one pass
 R_SELECT = tl.constexpr(2)  # top-k / top-p: histogram, then a bracket gathered, resolved
-R_EXACT = tl.constexpr(3)  # the bracket did not resolve: the serial exact search served it
+R_EXACT = tl.constexpr(3)  # neither bracket resolved: the serial exact search served it
+R_REFINE = tl.constexpr(4)  # round 1's bracket is past the gather cap: go to round 2
+R_ROUND2 = tl.constexpr(5)  # round 1 did not resolve: round 2's narrower bracket served it
 
-# Columns of Workspace.rowf (f32)
-F_M, F_S, F_LO, F_INVW, F_KLO = (tl.constexpr(i) for i in range(5))
+# Columns of Workspace.rowf (f32): the row max, 1/T, the bins' low and top ends (y), their
+# scale, the lowest y whose block K_b the draw reads
+F_M, F_S, F_LO, F_INVW, F_KLO, F_TOP = (tl.constexpr(i) for i in range(6))
 # Columns of Workspace.rowi (i64): the route, the block list's length, the bracket's bin
 # bounds (above: j < J_HI; bracket 1: J_HI..J_1; middle: J_1 < j < J_2; bracket 2:
 # J_2..J_LO), whether no live token lies below lo; then what the kept pass sums: numbers
 # of tokens above / above with y >= log_min_p, their exact mass, the same for the middle,
-# numbers below the brackets (with y >= log_min_p / all), and the gathered tokens
+# numbers below the brackets (with y >= log_min_p / all), and the gathered tokens; round
+# 2's count and exact mass above its bins; the coarse bins that surely hold every cut
 I_ROUTE, I_NLIST, I_JHI, I_J1, I_J2, I_JLO, I_LOMIN = (tl.constexpr(i) for i in range(7))
 I_NAB, I_NABM, I_MAB, I_NMID, I_NMIDM, I_MMID, I_NBELM, I_NBEL, I_NG = (
     tl.constexpr(i) for i in range(8, 17)
 )
+I_NTOP, I_MTOP, I_RA, I_RB = (tl.constexpr(i) for i in range(17, 21))
 NUM_I = tl.constexpr(24)
 # Entries of the kernels' W tuple (`launch._w`: the Workspace's tensors)
-XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX = (
-    tl.constexpr(i) for i in range(15)
-)
+(XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX,
+ REFINE) = (tl.constexpr(i) for i in range(16))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,12 @@ class SamplerConfig:
     tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
     programs: stats-pass programs to aim for over the batch (rows x slices).
     late_programs: the same for the select and kept passes, which read fewer blocks
-        (about two per SM: one row per program at large B, many at B = 1).
+        (about two per SM: one row per program at large B, many at B = 1); round 2
+        spreads its few rows over this many programs whatever B is.
     bins: histogram bins of the selection pass (a power of two).
     gather_cap: most bracket tokens a row gathers and resolves by counting; a row past
-        it takes the serial exact search.
+        it takes round 2 (a bracket over a narrower range), and past it again the serial
+        exact search.
     search_ways: candidates per pass of the exact search (a power of two).
     search_blocks: blocks per step of the exact search's passes (a power of two; one
         keeps its registers, shared with the kept pass, low).
@@ -135,6 +141,7 @@ class Workspace:
     rowi: torch.Tensor  # i64 [B, NUM_I]: I_* columns
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
     arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass
+    refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
     raw: torch.Tensor  # f32 [2, B, NBLK] (logprobs on) raw block max and sum exp
 
     @classmethod
@@ -153,6 +160,7 @@ class Workspace:
             gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
+            refine=e(B + 1, dtype=torch.int32),
             raw=e(2, B, nblk) if logprobs else e(2, 1, 1),
         )  # fmt: skip
 
@@ -167,4 +175,4 @@ class Workspace:
     def rows(self, B: int) -> Workspace:
         """The first B rows (views: a persistent workspace serves every bucket)."""
         cut = {f.name: getattr(self, f.name)[:B] for f in dataclasses.fields(self)}
-        return Workspace(**{**cut, "raw": self.raw[:, :B]})
+        return Workspace(**{**cut, "raw": self.raw[:, :B], "refine": self.refine[: B + 1]})

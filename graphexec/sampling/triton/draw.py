@@ -4,10 +4,11 @@ Terms: y = (x - m) * s is the scaled row (m its max, s = 1/T); ym_b the block ma
 y; K_b a block's kept mass relative to its max (int64, exact). A row's kept set is a few
 scalars, evaluated per token by `kept_mask`:
 
-    bins      j(y) = min(floor(-y * inv_w * FINE), NBINS * FINE - 1): fine bins, FINE
-              to a bin of the selection histogram (`select`; its bin is j // FINE,
-              exactly, since scaling by a power of two is exact); inv_w = 0 puts every
-              token in bin 0
+    bins      j(y) = min(floor((top - y) * inv_w * FINE), NBINS * FINE - 1) for y <=
+              top, -1 above it: fine bins, FINE to a bin of the selection histogram
+              (`select`; its bin is j // FINE, exactly, since scaling by a power of two
+              is exact); inv_w = 0 puts every token up to top in bin 0. Round 1 has top
+              = 0 (every y <= 0); round 2 bins a narrower range below a top < 0
     regions   of the live tokens with y >= lo: above (j < jhi), bracket 1 (jhi..j1),
               middle (j1 < j < j2), bracket 2 (j2..jlo), in fine bins; tokens
               below are never kept
@@ -43,19 +44,19 @@ def block_y(xm, m, s, has_inf):
 
 
 @triton.jit
-def bin_of(y, inv_w, NBINS: tl.constexpr):
-    """j(y) for y <= 0, in fine bins (FINE to a histogram bin): monotone (non-increasing) in y, so
-    {j < J} is a prefix of the row's order; dead tokens land in the last (callers mask
-    them)."""
-    top: tl.constexpr = NBINS * FINE - 1.0
-    f = tl.where(y > float("-inf"), (-y * inv_w) * FINE, top)
-    return tl.minimum(f, top).to(tl.int32)
+def bin_of(y, top, inv_w, NBINS: tl.constexpr):
+    """j(y) in fine bins (FINE to a histogram bin): monotone (non-increasing) in y, since
+    rounding is, so {j < J} is a prefix of the row's order; -1 above top; dead tokens land
+    in the last (callers mask them)."""
+    last: tl.constexpr = NBINS * FINE - 1.0
+    f = tl.where(y > float("-inf"), ((top - y) * inv_w) * FINE, last)
+    return tl.where(y > top, -1, tl.minimum(f, last).to(tl.int32))
 
 
 @triton.jit
-def kept_mask(y, pk, lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: tl.constexpr):
+def kept_mask(y, pk, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: tl.constexpr):
     """Whether each token (values y, packs pk) is in the row's kept set (module docstring)."""
-    j = bin_of(y, inv_w, NBINS)
+    j = bin_of(y, top, inv_w, NBINS)
     inr = (y > float("-inf")) & (y >= lo)
     above = inr & (j < jhi)
     mid = inr & (j > j1) & (j < j2)
@@ -64,8 +65,8 @@ def kept_mask(y, pk, lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: tl.con
 
 
 @triton.jit
-def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_w, jhi, j1, j2,
-                   jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top, inv_w, jhi, j1,
+                   j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
                    NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise, then the kept
     token of that block with the largest y plus token noise (ties to the lower id).
@@ -73,12 +74,12 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, inv_
     b = tl.arange(0, NBLK_P2)
     lm = tl.where(kv > 0, ym + tl.log(kv.to(tl.float32)), float("-inf"))
     key = tl.where(b < NBLK, lm + gumbel(block_bits(seed, pos, 0, NBLK_P2, BLOCK)), float("-inf"))
-    top, bstar = first_argmax(key, b, NBLK_P2)
+    best_key, bstar = first_argmax(key, b, NBLK_P2)
     start = bstar * DB
     offs = start + tl.arange(0, DB)
     x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, FL), has_inf)
     y = (x - m) * s
-    kept = kept_mask(y, pack(y, offs), lo, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
+    kept = kept_mask(y, pack(y, offs), lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
     sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TOKEN)), float("-inf"))
     best, tok = first_argmax(sc, offs, INT32_MAX)
     return tok

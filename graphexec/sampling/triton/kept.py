@@ -8,11 +8,12 @@ and masses (q = trunc(exp(y) 2**32), int64) of the regions; bracket tokens are a
 to the row's gather buffer through an atomic counter. Min-p alone (`R_CUT`) is the same
 pass with every token above.
 
-The row's last program resolves the cut among the gathered tokens (`_resolve`: each
-one's position in the row's order and the exact mass before it, from every pair, no
-sort). A cut elsewhere (above, inside the middle, past the brackets) or a bracket past
-the gather cap sends the row to the exact search (`exact`). The kept bracket tokens'
-masses are added to their blocks, and the row is drawn (`draw.two_level_draw`).
+The finish resolves the cut among the gathered tokens (`_resolve`: each one's position in
+the row's order and the exact mass before it, from every pair, no sort). A cut elsewhere
+(above, inside the middle, past the brackets) or a bracket past the gather cap sends the
+row to round 2 (`select.plan_round2`: these kernels again over a narrower range), and in
+round 2 to the exact search (`exact`). The kept bracket tokens' masses are added to their
+blocks, and the row is drawn (`draw.two_level_draw`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from graphexec.sampling.triton.process import (
     bias_ids,
     row_params,
 )
-from graphexec.sampling.triton.select import list_tile, load_plan
+from graphexec.sampling.triton.select import list_tile, load_plan, plan_round2, refine_share
 
 BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
@@ -96,7 +97,7 @@ def _cut(keys, w, ok_g, lowest, highest, target, base, mid, max2, CAP: tl.conste
 
 
 @triton.jit
-def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
+def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
              CAP: tl.constexpr, WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr,
              WAYS: tl.constexpr, ITERS: tl.constexpr, NBLK):  # fmt: skip
     """(ok, cut, midk): the cut C of a selected row's kept set {pack >= C} (with y >=
@@ -117,7 +118,7 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
     keys = tl.load(W[cf.GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
     yg, idg = unpack(keys)
     qg = mass(yg)
-    in2 = ok_g & (bin_of(yg, inv_w, NBINS) >= j2)
+    in2 = ok_g & (bin_of(yg, top, inv_w, NBINS) >= j2)
     in1 = ok_g & (in2 == 0)
     n1 = tl.sum(in1.to(tl.int64), axis=0)
     m1 = tl.sum(tl.where(in1, qg, 0), axis=0)
@@ -185,11 +186,11 @@ def _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
 def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             NB_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, NBINS: tl.constexpr,
             WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr,
-            SB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+            SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     ri = W[cf.ROWI] + row * cf.NUM_I
-    m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
+    m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
     klo = tl.load(W[cf.ROWF] + row * 8 + cf.F_KLO)
     top_k = tl.load(P[TOP_K] + slot)
     top_p = tl.load(P[TOP_P] + slot)
@@ -200,42 +201,53 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
     ym = block_y(xm, m, s, False)
     cut = tl.zeros([], dtype=tl.int64)
     midk = tl.zeros([], dtype=tl.int1)
-    if route == cf.R_SELECT:
+    if (route == cf.R_SELECT) | (route == cf.R_ROUND2):
         n_g = tl.load(ri + cf.I_NG)
         ok = n_g <= WCAP
         if ok & (n_g <= FEW):  # narrow vectors: the tail's latency
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-                                     FEW, WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
+                                     top_p, n_g, FEW, WCAP, NBINS, DB, WAYS, ITA,
+                                     NBLK)  # fmt: skip
         elif ok:
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, inv_w, j2, lnmp, top_k, top_p, n_g,
-                                     WCAP, WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
+                                     top_p, n_g, WCAP, WCAP, NBINS, DB, WAYS, ITA,
+                                     NBLK)  # fmt: skip
         if ok == 0:
-            route = tl.full([], cf.R_EXACT, tl.int64)
-    if route == cf.R_EXACT:
+            route = tl.full([], cf.R_EXACT if ROUND2 else cf.R_REFINE, tl.int64)
+    if route == cf.R_REFINE:  # round 1 only: the draw waits for round 2
         xn = tl.load(W[cf.XN] + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-        y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
-        y_lo = tl.maximum(y_lo, -FLT_MAX)
-        cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
-                        tl.load(W[cf.TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS, FL)  # fmt: skip
-        # the kept set is pack >= cut: every live token in "bracket 1"
-        lo = tl.full([], -FLT_MAX, tl.float32)
-        klo = lo
-        inv_w = tl.zeros([], dtype=tl.float32)
-        jhi = tl.zeros([], dtype=tl.int64)
-        j1 = tl.full([], NBINS * FINE, tl.int64)
-        j2 = j1 + 1
-        jlo = j1
-        midk = tl.zeros([], dtype=tl.int1)
-        tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
-    tl.debug_barrier()
-    kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=bm & (ym >= klo), other=0, cache_modifier=".cg")
-    if midk:
-        kv += tl.load(W[cf.KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
-                      cache_modifier=".cg")  # fmt: skip
-    tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, inv_w, jhi, j1,
-                         j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, FL)  # fmt: skip
-    tl.store(tok_ptr + row, tok.to(tl.int64))
-    tl.store(valid_ptr + row, tok >= 0)
+        plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2, NBINS)
+    else:
+        if route == cf.R_EXACT:
+            xn = tl.load(W[cf.XN] + row * NBLK + b, mask=bm, other=float("inf"),
+                         cache_modifier=".cg")  # fmt: skip
+            y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
+            y_lo = tl.maximum(y_lo, -FLT_MAX)
+            cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
+                            tl.load(W[cf.TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS,
+                            FL)  # fmt: skip
+            # the kept set is pack >= cut: every live token in "bracket 1"
+            lo = tl.full([], -FLT_MAX, tl.float32)
+            klo = lo
+            top = tl.zeros([], dtype=tl.float32)
+            inv_w = tl.zeros([], dtype=tl.float32)
+            jhi = tl.zeros([], dtype=tl.int64)
+            j1 = tl.full([], NBINS * FINE, tl.int64)
+            j2 = j1 + 1
+            jlo = j1
+            midk = tl.zeros([], dtype=tl.int1)
+            tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
+        tl.debug_barrier()
+        kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
+                     cache_modifier=".cg")  # fmt: skip
+        if midk:
+            kv += tl.load(W[cf.KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
+                          cache_modifier=".cg")  # fmt: skip
+        tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top, inv_w,
+                             jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
+                             FL)  # fmt: skip
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(valid_ptr + row, tok >= 0)
 
 
 @triton.jit
@@ -244,7 +256,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
                 BIAS: tl.constexpr):  # fmt: skip
     """List entries e0 .. e1 - 1: store the kept blocks' masses, gather the bracket, and
     return the cf.I_NAB .. cf.I_NBEL sums ([8] i64). Per-token accumulators, reduced once."""
-    m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
+    m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
     zero = tl.zeros([R, DB], dtype=tl.int32)
     n_ab, n_abm, hi_ab, lo_ab, n_mid, n_midm, hi_mid, lo_mid, n_belm, n_bel = (
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
@@ -255,7 +267,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s  # Q_b's terms
         inr = (y > float("-inf")) & (y >= lo)
-        j = bin_of(y, inv_w, NBINS)
+        j = bin_of(y, top, inv_w, NBINS)
         above = inr & (j < jhi)
         mid = inr & (j > j1) & (j < j2)
         brk = inr & (((j >= jhi) & (j <= j1)) | ((j >= j2) & (j <= jlo)))
@@ -293,7 +305,7 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
 def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
                DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """Min-p alone: the kept masses of list entries e0 .. e1 - 1 (the blocks it cuts)."""
-    m, s, lo, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
+    m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
@@ -308,40 +320,56 @@ def _total(acc):
     return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
 
 
+@triton.jit
+def _kept_row(P, W, row, route, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+              DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr):
+    """Slice sp of S of the row's listed blocks."""
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    slot = tl.load(P[SLOTS] + row).to(tl.int64)
+    n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(n_list, R), S) * R
+    e0 = sp * per
+    e1 = tl.minimum(e0 + per, n_list)
+    ids = bias_ids(P, slot, NB_P2)
+    lnmp = tl.load(P[LOG_MIN_P] + slot)
+    if (e0 < e1) & (route == cf.R_CUT):
+        if tl.max(ids, axis=0) >= 0:
+            _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
+        else:
+            _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
+    if (e0 < e1) & (route != cf.R_CUT):
+        if tl.max(ids, axis=0) >= 0:
+            n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
+                            WCAP, FL, True)  # fmt: skip
+        else:
+            n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
+                            WCAP, FL, False)  # fmt: skip
+        k = tl.arange(0, 8)
+        tl.atomic_add(ri + cf.I_NAB + k, n, mask=n != 0, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=["S", "NBLK"])
 def _kept_kernel(
     P, W,
-    S,  # programs per row
+    S,  # programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * S,), rows in order."""
-    row = tl.program_id(0) // S
-    sp = tl.program_id(0) % S
-    ri = W[cf.ROWI] + row * cf.NUM_I
-    route = tl.load(ri + cf.I_ROUTE)
-    if (route == cf.R_SELECT) | (route == cf.R_CUT):
-        slot = tl.load(P[SLOTS] + row).to(tl.int64)
-        n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
-        per = tl.cdiv(tl.cdiv(n_list, R), S) * R
-        e0 = sp * per
-        e1 = tl.minimum(e0 + per, n_list)
-        ids = bias_ids(P, slot, NB_P2)
-        lnmp = tl.load(P[LOG_MIN_P] + slot)
-        if (e0 < e1) & (route == cf.R_CUT):
-            if tl.max(ids, axis=0) >= 0:
-                _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
-            else:
-                _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
-        if (e0 < e1) & (route == cf.R_SELECT):
-            if tl.max(ids, axis=0) >= 0:
-                n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
-                                WCAP, FL, True)  # fmt: skip
-            else:
-                n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,
-                                WCAP, FL, False)  # fmt: skip
-            k = tl.arange(0, 8)
-            tl.atomic_add(ri + cf.I_NAB + k, n, mask=n != 0, sem="relaxed")
+    """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
+    (`select.refine_share`)."""
+    if ROUND2:
+        e0, e1, step, sp, n_sp = refine_share(W, S)
+        for e in range(e0, e1, step):
+            row = tl.load(W[cf.REFINE] + 1 + e).to(tl.int64)
+            route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+            if route == cf.R_ROUND2:
+                _kept_row(P, W, row, route, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL)
+    else:
+        row = tl.program_id(0) // S
+        route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+        if (route == cf.R_SELECT) | (route == cf.R_CUT):
+            _kept_row(P, W, row, route, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS,
+                      WCAP, FL)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -350,12 +378,20 @@ def _finish_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: the filtered rows' tokens
     NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
-    ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
+    ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): the rows the kept pass summed, resolved and drawn (a launch of its own:
-    the kept pass keeps the registers of a streaming loop)."""
-    row = tl.program_id(0)
-    route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
-    if route != cf.R_DONE:
-        _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS, WCAP,
-                WAYS, ITA, ITB, SB, FL)  # fmt: skip
+    """Grid (B,): round 1, the rows the kept pass summed, resolved and drawn, or sent to
+    round 2 (a launch of its own: the kept pass keeps the registers of a streaming loop);
+    round 2, program i serves entry i of the refine list."""
+    if ROUND2:
+        if tl.program_id(0) < tl.load(W[cf.REFINE]):
+            row = tl.load(W[cf.REFINE] + 1 + tl.program_id(0)).to(tl.int64)
+            route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
+                    WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+    else:
+        row = tl.program_id(0)
+        route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+        if route != cf.R_DONE:
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
+                    WCAP, WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

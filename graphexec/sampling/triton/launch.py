@@ -23,9 +23,9 @@ from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
 def _w(ws: Workspace) -> tuple:
-    """The workspace as the kernels' W tuple (`config.XM` ... `config.GATHX`)."""
+    """The workspace as the kernels' W tuple (`config.XM` ... `config.REFINE`)."""
     return (ws.xm, ws.xn, ws.q, ws.kept, ws.kept_mid, ws.blocks, ws.hist, ws.gath, ws.rowf,
-            ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1], ws.gath_x)  # fmt: skip
+            ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1], ws.gath_x, ws.refine)  # fmt: skip
 
 
 def sample(
@@ -78,14 +78,15 @@ def sample(
         )  # fmt: skip
         ways = cfg.search_ways
         bits = int(math.log2(ways))
-        _select_kernel[(B * S2,)](P, W, B, S2, nblk, WCAP=cfg.gather_cap, **common)
-        _kept_kernel[(B * S2,)](P, W, S2, nblk, WCAP=cfg.gather_cap, **common)
-        _finish_kernel[(B,)](
-            P, W, out.token_ids, out.valid, nblk, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap,
-            WAYS=ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
-            ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
-            **{**common, "num_warps": cfg.tail_warps},
-        )  # fmt: skip
+        finish = dict(NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=ways, SB=cfg.search_blocks,
+                      ITA=-(-32 // bits) + 1, ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
+                      **{**common, "num_warps": cfg.tail_warps})  # fmt: skip
+        G = cfg.late_programs  # round 2's programs, shared by its few rows
+        for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
+            _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
+                                    **common)  # fmt: skip
+            _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2, **common)
+            _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
         _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)
     return out

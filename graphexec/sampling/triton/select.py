@@ -2,7 +2,7 @@
 bracket of bins that holds the cut.
 
 Programs (row, slice) read the row's listed blocks (ym_b >= lo, `stats`) and count the
-live tokens with y >= lo into NBINS bins floor(-y * inv_w) over [lo, 0] (`draw.bin_of`),
+live tokens with lo <= y <= top into NBINS bins floor((top - y) * inv_w) (`draw.bin_of`),
 added atomically to the row's histogram. Counts are exact, masses estimated from the
 bins' edges and middles: the kept pass (`kept`) measures them exactly and checks.
 
@@ -10,8 +10,17 @@ The row's last program places the bracket: bin J_k where the counts reach k; aro
 top-p's crossing, the bins between those where the masses' upper and lower bounds reach
 p * total, or for dense bins, fine bins either side of an interpolated crossing. With both
 cuts: one bracket when they touch, else bracket 1 for top-p and bracket 2 at J_k, the
-middle between them summed, not gathered. A bracket estimated past the gather cap sends
-the row to the exact search (`R_EXACT`).
+middle between them summed, not gathered. It also keeps the coarse bins that surely hold
+every cut (I_RA..I_RB: J_k and the bounds' span).
+
+Round 1 bins [lo, 0] (top = 0). A row whose bracket is estimated past the gather cap, or
+whose cut the kept pass finds outside it (an estimate off by a few bins: the masses of a
+row's few largest tokens are known to a bin's width only), takes round 2
+(`plan_round2`): the same passes over the sure bins' range alone, NBINS bins anew, the
+tokens above its top counted with exact masses here, so its estimates are hundreds of
+times finer. Round 2's few rows share `late_programs` programs whatever B is
+(`refine_share`). A row that round 2 does not resolve either (runs of equal values wider
+than the cap) takes the exact search (`R_EXACT`).
 """
 
 from __future__ import annotations
@@ -21,19 +30,20 @@ import triton.language as tl
 
 from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
+from graphexec.sampling.triton.keys import mass_hi_lo
 from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
 from graphexec.sampling.triton.stats import arrive
 
 
 @triton.jit
 def load_plan(W, row):
-    """(m, s, lo, inv_w, jhi, j1, j2, jlo): the row's max, scale, lower bound, bin scale
-    and bracket bounds (`stats._plan`, then `_bracket`)."""
+    """(m, s, lo, top, inv_w, jhi, j1, j2, jlo): the row's max, scale, bins' low and top
+    ends and scale, and bracket bounds (`stats._plan` or `plan_round2`, then `_bracket`)."""
     fr = W[cf.ROWF] + row * 8
     ri = W[cf.ROWI] + row * cf.NUM_I
     return (tl.load(fr + cf.F_M), tl.load(fr + cf.F_S), tl.load(fr + cf.F_LO),
-            tl.load(fr + cf.F_INVW), tl.load(ri + cf.I_JHI), tl.load(ri + cf.I_J1),
-            tl.load(ri + cf.I_J2), tl.load(ri + cf.I_JLO))
+            tl.load(fr + cf.F_TOP), tl.load(fr + cf.F_INVW), tl.load(ri + cf.I_JHI),
+            tl.load(ri + cf.I_J1), tl.load(ri + cf.I_J2), tl.load(ri + cf.I_JLO))
 
 
 @triton.jit
@@ -61,10 +71,17 @@ def _at(v, j, i):
 
 
 @triton.jit
-def _top_k_mass(mass, cnt, e, j, jk, k):
+def _upto(v, j, i, base):
+    """v[i] of a cumulative vector over the bins; base (what lies above bin 0) for i < 0."""
+    return tl.where(i < 0, base, _at(v, j, i))
+
+
+@triton.jit
+def _top_k_mass(mass, cnt, e, j, jk, k, n_top, m_top):
     """top-k's mass estimated with per-token masses e: the bins above jk, then k minus
     their count at jk's."""
-    return _at(mass, j, jk - 1) + (k - _at(cnt, j, jk - 1)).to(tl.float32) * _at(e, j, jk)
+    return _upto(mass, j, jk - 1, m_top) + (k - _upto(cnt, j, jk - 1, n_top)).to(
+        tl.float32) * _at(e, j, jk)  # fmt: skip
 
 
 @triton.jit
@@ -75,22 +92,28 @@ def _in_fine(h, j, a, b):
 
 
 @triton.jit
-def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
+def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: tl.constexpr):
     """Place the row's bracket from its histogram (module docstring); its bounds are in
     fine bins (`draw.bin_of`)."""
     j = tl.arange(0, NBINS)
+    ri = W[cf.ROWI] + row * cf.NUM_I
     h = tl.load(W[cf.HIST] + row * NBINS + j, cache_modifier=".cg")
-    cnt = tl.cumsum(h, axis=0)
+    # round 2: what lies above its bins, counted exactly (round 1: nothing)
+    n_top = tl.load(ri + cf.I_NTOP, cache_modifier=".cg")
+    m_top = (tl.load(ri + cf.I_MTOP, cache_modifier=".cg").to(tl.float64)
+             * 2.3283064365386963e-10).to(tl.float32)  # fmt: skip
+    cnt = tl.cumsum(h, axis=0).to(tl.int64) + n_top
     inv_w = tl.load(W[cf.ROWF] + row * 8 + cf.F_INVW)
+    top = tl.load(W[cf.ROWF] + row * 8 + cf.F_TOP)
     w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
     jf = j.to(tl.float32)
     # a token of bin j weighs (relative to the max) between e_lo and e_hi, about e_mid
-    e_mid = tl.exp(-(jf + 0.5) * w)
-    e_lo = tl.exp(-(jf + 1.01) * w)
-    e_hi = tl.exp(-(jf - 0.01) * w)
-    mass = tl.cumsum(h.to(tl.float32) * e_mid, axis=0)
-    m_lo = tl.cumsum(h.to(tl.float32) * e_lo, axis=0)
-    m_hi = tl.cumsum(h.to(tl.float32) * e_hi, axis=0)
+    e_mid = tl.exp(top - (jf + 0.5) * w)
+    e_lo = tl.exp(top - (jf + 1.01) * w)
+    e_hi = tl.exp(top - (jf - 0.01) * w)
+    mass = tl.cumsum(h.to(tl.float32) * e_mid, axis=0) + m_top
+    m_lo = tl.cumsum(h.to(tl.float32) * e_lo, axis=0) + m_top
+    m_hi = tl.cumsum(h.to(tl.float32) * e_hi, axis=0) + m_top
     last = tl.max(tl.where(h > 0, j, 0), axis=0)
     top_k = tl.load(P[TOP_K] + slot)
     top_p = tl.load(P[TOP_P] + slot)
@@ -98,24 +121,28 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     jk = tl.minimum(_first_reaching(cnt, top_k, j, NBINS), last)
     jhi = FINE * jk
     j1 = FINE * jk + FINE - 1
+    ra = jk
+    rb = jk
     if top_p < 1.0:
         t_row = (tl.load(W[cf.TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
         on_k = top_k > 0
         k = tl.minimum(top_k, _at(cnt, j, NBINS - 1))  # fewer live tokens than k: all
-        t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k), t_row)
-        t_lo = tl.where(on_k, _top_k_mass(m_lo, cnt, e_lo, j, jk, k), t_row)
-        t_hi = tl.where(on_k, _top_k_mass(m_hi, cnt, e_hi, j, jk, k), t_row)
+        t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k, n_top, m_top), t_row)
+        t_lo = tl.where(on_k, _top_k_mass(m_lo, cnt, e_lo, j, jk, k, n_top, m_top), t_row)
+        t_hi = tl.where(on_k, _top_k_mass(m_hi, cnt, e_hi, j, jk, k, n_top, m_top), t_row)
         # the crossing lies between the bins where the highest and the lowest masses reach
         # p * total
         ja = tl.minimum(_first_reaching(m_hi, top_p * t_lo, j, NBINS), last)
         jb = tl.minimum(_first_reaching(m_lo, top_p * t_hi, j, NBINS), last)
-        span = _at(cnt, j, jb) - _at(cnt, j, ja - 1)
+        span = _at(cnt, j, jb) - _upto(cnt, j, ja - 1, n_top)
+        ra = tl.where(on_k, tl.minimum(ja, jk), ja)
+        rb = tl.where(on_k, tl.maximum(jb, jk), jb)
         # else (dense bins, whose middles average out) fine bins either side of the crossing
         # interpolated in the estimate's bin, as many as half the gather cap holds
         target = top_p * t_mid
         jp = tl.minimum(_first_reaching(mass, target, j, NBINS), last)
-        f = (target - _at(mass, j, jp - 1)) / tl.maximum(_at(h.to(tl.float32) * e_mid, j, jp),
-                                                         1e-30)  # fmt: skip
+        f = (target - _upto(mass, j, jp - 1, m_top)) / tl.maximum(
+            _at(h.to(tl.float32) * e_mid, j, jp), 1e-30)  # fmt: skip
         at = FINE * jp + tl.minimum(tl.maximum(f * FINE, 0.0), FINE - 1.0).to(tl.int32)
         d = tl.full([], 3, tl.int32)
         for _grow in tl.static_range(8):
@@ -136,60 +163,148 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr):
     j2 = tl.where(apart, FINE * jk, j1 + 1)
     jlo = tl.where(apart, FINE * jk + FINE - 1, j1)
     n_est = _in_fine(h, j, jhi, j1) + _in_fine(h, j, j2, jlo)
-    ri = W[cf.ROWI] + row * cf.NUM_I
     tl.store(ri + cf.I_JHI, jhi.to(tl.int64))
     tl.store(ri + cf.I_J1, j1.to(tl.int64))
     tl.store(ri + cf.I_J2, j2.to(tl.int64))
     tl.store(ri + cf.I_JLO, jlo.to(tl.int64))
+    if not ROUND2:
+        tl.store(ri + cf.I_RA, ra.to(tl.int64))
+        tl.store(ri + cf.I_RB, rb.to(tl.int64))
     if n_est > WCAP:
-        tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
+        tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT if ROUND2 else cf.R_REFINE, tl.int64))
+
+
+@triton.jit
+def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
+                NBINS: tl.constexpr):  # fmt: skip
+    """Round 2 of a row that round 1 did not resolve: the coarse bins I_RA..I_RB, which
+    surely hold every cut, and a bin either side become its range [lo, top], binned anew;
+    the blocks reaching lo are listed again, the sums zeroed, the row put on the list."""
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    fr = W[cf.ROWF] + row * 8
+    ra = tl.load(ri + cf.I_RA).to(tl.float32)
+    rb = tl.load(ri + cf.I_RB).to(tl.float32)
+    w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
+    top = tl.where(inv_w > 0.0, -tl.maximum(ra - 1.0, 0.0) * w, 0.0)
+    lo2 = tl.where(inv_w > 0.0, tl.maximum(lo, -(rb + 2.0) * w), lo)
+    b = tl.arange(0, NBLK_P2)
+    live_b = ym > float("-inf")
+    sel = live_b & (ym >= lo2) & (b < NBLK)
+    tl.store(W[cf.BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+    lomin = lo2 <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)
+    tl.store(fr + cf.F_LO, lo2)
+    tl.store(fr + cf.F_KLO, lo2)
+    tl.store(fr + cf.F_TOP, top)
+    tl.store(fr + cf.F_INVW, tl.where(lo2 < top, NBINS / (top - lo2), 0.0))
+    tl.store(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+    c = tl.arange(0, 16)
+    tl.store(ri + cf.I_NAB + c, tl.zeros([16], dtype=tl.int64), mask=c <= cf.I_MTOP - cf.I_NAB)
+    tl.store(ri + cf.I_NLIST, tl.sum(sel.to(tl.int64), axis=0))
+    tl.store(ri + cf.I_LOMIN, lomin.to(tl.int64))
+    tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_ROUND2, tl.int64))
+    e = tl.atomic_add(W[cf.REFINE], 1, sem="relaxed")
+    tl.store(W[cf.REFINE] + 1 + e, row.to(tl.int32))
+
+
+@triton.jit
+def refine_share(W, G):
+    """How round 2's rows share its G programs: (first entry of the refine list, end, step,
+    slice, slices). n <= G rows: program p serves entry p % n as slice p // n of
+    cdiv(G - entry, n); more rows: entries p, p + G, ..., each whole."""
+    n = tl.load(W[cf.REFINE])
+    p = tl.program_id(0)
+    few = n <= G
+    nn = tl.maximum(n, 1)
+    e0 = tl.where(few, p % nn, p)
+    e1 = tl.where(few, tl.where(n > 0, e0 + 1, 0), n)
+    return e0, e1, tl.where(few, 1, G), tl.where(few, p // nn, 0), tl.where(
+        few, tl.cdiv(G - e0, nn), 1)  # fmt: skip
 
 
 @triton.jit
 def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-                NBINS: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """The histogram of list entries e0 .. e1 - 1 (no branch in the loop body)."""
-    m, s, lo, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
+                NBINS: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr,
+                ROUND2: tl.constexpr):  # fmt: skip
+    """The histogram of list entries e0 .. e1 - 1 (no branch in the loop body); round 2
+    also the count and exact mass (hi, lo halves) of the tokens above top."""
+    m, s, lo, top, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
     h = tl.zeros([NBINS], dtype=tl.int32)
     dropped = tl.zeros([R, DB], dtype=tl.int32)
+    n_ab = tl.zeros([R, DB], dtype=tl.int32)
+    hi_ab = tl.zeros([R, DB], dtype=tl.int32)
+    lo_ab = tl.zeros([R, DB], dtype=tl.int32)
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
         sel = (y > float("-inf")) & (y >= lo)
+        if ROUND2:
+            ab = sel & (y > top)
+            sel = sel & (ab == 0)
+            hz, lz = mass_hi_lo(tl.where(ab, y, float("-inf")))
+            n_ab += ab.to(tl.int32)
+            hi_ab += hz
+            lo_ab += lz
         # a masked histogram: every dropped token goes to bin 0, counted off at the end
-        h += tl.histogram(tl.reshape(tl.where(sel, bin_of(y, inv_w, NBINS) // FINE, 0), [R * DB]),
-                          NBINS)  # fmt: skip
+        h += tl.histogram(tl.reshape(tl.where(sel, bin_of(y, top, inv_w, NBINS) // FINE, 0),
+                                     [R * DB]), NBINS)  # fmt: skip
         dropped += (sel == 0).to(tl.int32)
-    return h - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.sum(dropped, 1), 0), 0)
+    h = h - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.sum(dropped, 1), 0), 0)
+    return h, _total(n_ab), _total(hi_ab) * 65536 + _total(lo_ab)
+
+
+@triton.jit
+def _total(acc):
+    return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
+
+
+@triton.jit
+def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+                ROUND2: tl.constexpr):  # fmt: skip
+    """Slice sp of S of the row's listed blocks; the last program to finish places the
+    bracket."""
+    slot = tl.load(P[SLOTS] + row).to(tl.int64)
+    ids = bias_ids(P, slot, NB_P2)
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(n_list, R), S) * R
+    e0 = sp * per
+    e1 = tl.minimum(e0 + per, n_list)
+    if e0 < e1:  # the programs with blocks to read; the last of them places the bracket
+        if tl.max(ids, axis=0) >= 0:
+            h, n_ab, m_ab = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS,
+                                        FL, True, ROUND2)  # fmt: skip
+        else:
+            h, n_ab, m_ab = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS,
+                                        FL, False, ROUND2)  # fmt: skip
+        tl.atomic_add(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
+                      sem="relaxed")  # fmt: skip
+        if ROUND2:
+            tl.atomic_add(ri + cf.I_NTOP, n_ab, sem="relaxed")
+            tl.atomic_add(ri + cf.I_MTOP, m_ab, sem="relaxed")
+        if arrive(W, row, 1, tl.cdiv(n_list, per)):
+            _bracket(P, W, row, slot, WCAP, NBINS, ROUND2)
 
 
 @triton.jit(do_not_specialize=["B", "S", "NBLK"])
 def _select_kernel(
     P, W,
-    B, S,  # rows, programs per row
+    B, S,  # rows, programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * S,), rows in reverse order (the first rows' logits, read last by the stats
-    pass, are still in L2 when this pass starts)."""
-    row = B - 1 - tl.program_id(0) // S
-    sp = tl.program_id(0) % S
-    route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
-    slot = tl.load(P[SLOTS] + row).to(tl.int64)
-    if route == cf.R_SELECT:
-        ids = bias_ids(P, slot, NB_P2)
-        n_list = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_NLIST).to(tl.int32)
-        per = tl.cdiv(tl.cdiv(n_list, R), S) * R
-        e0 = sp * per
-        e1 = tl.minimum(e0 + per, n_list)
-        if e0 < e1:  # the programs with blocks to read; the last of them places the bracket
-            if tl.max(ids, axis=0) >= 0:
-                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
-                                True)  # fmt: skip
-            else:
-                h = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS, FL,
-                                False)  # fmt: skip
-            tl.atomic_add(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
-                          sem="relaxed")  # fmt: skip
-            if arrive(W, row, 1, tl.cdiv(n_list, per)):
-                _bracket(P, W, row, slot, WCAP, NBINS)
+    """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
+    the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the
+    refine list (`refine_share`)."""
+    if ROUND2:
+        e0, e1, step, sp, n_sp = refine_share(W, S)
+        for e in range(e0, e1, step):
+            row = tl.load(W[cf.REFINE] + 1 + e).to(tl.int64)
+            if tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE) == cf.R_ROUND2:
+                _select_row(P, W, row, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
+    else:
+        row = B - 1 - tl.program_id(0) // S
+        if tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE) == cf.R_SELECT:
+            _select_row(P, W, row, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS, WCAP,
+                        FL, False)  # fmt: skip

@@ -104,8 +104,9 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
     kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
     cut = pack(tl.zeros([], dtype=tl.float32), last)
     return two_level_draw(P, row, slot, ids, ym, kv, tl.where(mx == float("inf"), 0.0, mx), 1.0,
-                          mx == float("inf"), seed, pos, -FLT_MAX, 0.0, 0, 1 << 30, (1 << 30) + 1,
-                          1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+                          mx == float("inf"), seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30,
+                          (1 << 30) + 1, 1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1,
+                          FL)  # fmt: skip
 
 
 @triton.jit
@@ -151,6 +152,7 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
     tl.store(fr + cf.F_LO, lo)
     tl.store(fr + cf.F_INVW, inv_w)
     tl.store(fr + cf.F_KLO, lo)
+    tl.store(fr + cf.F_TOP, tl.zeros([], dtype=tl.float32))
     ri = W[cf.ROWI] + row * cf.NUM_I
     c = tl.arange(0, 8)
     # min-p alone: every token is "above" (bin 0 < jhi = 1); the selection overwrites these
@@ -209,8 +211,8 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
             else:
                 # every live token kept ("above": bin 0 < 1), K_b = Q_b
                 tok = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
-                                     -FLT_MAX, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"), NBLK,
-                                     NBLK_P2, DB, 1, FL)  # fmt: skip
+                                     -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
+                                     NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
     if route == cf.R_DONE:
         tl.store(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
@@ -291,6 +293,9 @@ def _tail_kernel(
     FL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B,): the row tail of the filtered variants, a launch of its own so that the
-    stats pass keeps the registers of a streaming loop (its occupancy)."""
+    stats pass keeps the registers of a streaming loop (its occupancy). Program 0 empties
+    round 2's row list, which the finish of round 1 fills."""
+    if tl.program_id(0) == 0:
+        tl.store(W[cf.REFINE], 0)
     _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, NBLK_P2, NB_P2, DB, NBINS,
               FL)  # fmt: skip
