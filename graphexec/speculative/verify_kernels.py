@@ -15,12 +15,11 @@ import triton.language as tl
 def _flatten_kernel(
     slot_ids,  # [B] i64
     positions,  # [B] i64
-    drafts_in,  # [B, K] i64, row stride S_D
+    drafts_in,  # [B, K] i64, contiguous
     drafts,  # [B, K] i64 out: cleaned (-1 from the first pad or bad id on)
     rows_slot,  # [B*T] i64 out
     rows_pos,  # [B*T] i64 out
     count_ids,  # [B*T, K] i64 out: drafts before each offset, -1 elsewhere
-    S_D,
     V,
     K: tl.constexpr,
     KP2: tl.constexpr,
@@ -29,7 +28,7 @@ def _flatten_kernel(
     b = tl.program_id(0).to(tl.int64)
     T = K + 1
     k = tl.arange(0, KP2)
-    d = tl.load(drafts_in + b * S_D + k, mask=k < K, other=-1)
+    d = tl.load(drafts_in + b * K + k, mask=k < K, other=-1)
     bad = (d < 0) | (d >= V) | (k >= K)
     first = tl.min(tl.where(bad, k, KP2), axis=0)
     d = tl.where(k < first, d, -1)
@@ -91,8 +90,7 @@ def flatten(slot_ids, positions, draft_ids, vocab_size: int):
     count_ids = torch.empty((B * T, max(K, 1)), dtype=torch.int64, device=dev)
     if B:
         _flatten_kernel[(B,)](
-            slot_ids, positions, draft_ids, drafts, rows_slot, rows_pos, count_ids,
-            draft_ids.stride(0) if K else 0, vocab_size, K=K,
+            slot_ids, positions, draft_ids, drafts, rows_slot, rows_pos, count_ids, vocab_size, K=K,
             KP2=max(2, triton.next_power_of_2(max(K, 1))), TP2=triton.next_power_of_2(T),
         )  # fmt: skip
     return drafts, rows_slot, rows_pos, (count_ids if K else None)

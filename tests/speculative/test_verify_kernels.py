@@ -42,6 +42,21 @@ def test_flatten_matches_torch(B, K):
         assert torch.equal(ci, ref[2])
 
 
+def test_flatten_of_strided_inputs_matches_torch():
+    """A transposed draft tensor and slot ids / positions read out of wider tensors: the
+    kernel indexes rows contiguously, so `flatten` must copy such views."""
+    B, K, V = 7, 3, 50
+    d = _drafts(B, K, V, seed=3).t().contiguous().t()
+    assert d.stride() == (1, B)
+    table = torch.stack([torch.randperm(20)[:B], torch.randint(0, 1000, (B,))], dim=1)
+    slots, pos = table[:, 0], table[:, 1]
+    drafts, rs, rp, ci = verify_kernels.flatten(slots, pos, d, V)
+    ref_d = clean_drafts(d, V)
+    ref = flatten_rows(slots, pos, ref_d)
+    assert torch.equal(drafts, ref_d)
+    assert torch.equal(rs, ref[0]) and torch.equal(rp, ref[1]) and torch.equal(ci, ref[2])
+
+
 @pytest.mark.parametrize("strict", [True, False])
 @pytest.mark.parametrize("K", [0, 1, 4])
 def test_emit_matches_torch(K, strict):

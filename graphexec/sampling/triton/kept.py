@@ -32,6 +32,8 @@ from graphexec.sampling.triton.keys import (
     pack,
     sum_halves,
     sum_mass,
+    tile_mass,
+    tile_total,
     unpack,
 )
 from graphexec.sampling.triton.process import (
@@ -294,11 +296,11 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         tl.store(W[cf.GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
         tl.store(W[cf.GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
-    n = tl.where(k == 0, _total(n_ab), tl.where(k == 1, _total(n_abm), 0))
-    n += tl.where(k == 2, _total(hi_ab) * 65536 + _total(lo_ab), 0)
-    n += tl.where(k == 3, _total(n_mid), tl.where(k == 4, _total(n_midm), 0))
-    n += tl.where(k == 5, _total(hi_mid) * 65536 + _total(lo_mid), 0)
-    return n + tl.where(k == 6, _total(n_belm), tl.where(k == 7, _total(n_bel), 0))
+    n = tl.where(k == 0, tile_total(n_ab), tl.where(k == 1, tile_total(n_abm), 0))
+    n += tl.where(k == 2, tile_mass(hi_ab, lo_ab), 0)
+    n += tl.where(k == 3, tile_total(n_mid), tl.where(k == 4, tile_total(n_midm), 0))
+    n += tl.where(k == 5, tile_mass(hi_mid, lo_mid), 0)
+    return n + tl.where(k == 6, tile_total(n_belm), tl.where(k == 7, tile_total(n_bel), 0))
 
 
 @triton.jit
@@ -313,11 +315,6 @@ def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr
         z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
         kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
         tl.store(W[cf.KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
-
-
-@triton.jit
-def _total(acc):
-    return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
 
 
 @triton.jit

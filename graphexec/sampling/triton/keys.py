@@ -75,6 +75,19 @@ def sum_halves(hi, lo, axis: tl.constexpr):
 
 
 @triton.jit
+def tile_total(acc):
+    """The int64 sum of a pass's [R, DB] per-token accumulator (int32 per token, summed
+    in int64 once, after the loop)."""
+    return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
+
+
+@triton.jit
+def tile_mass(hi, lo):
+    """The exact int64 mass of [R, DB] per-token accumulators of `mass_hi_lo` halves."""
+    return tile_total(hi) * 65536 + tile_total(lo)
+
+
+@triton.jit
 def first_argmax(v, idx, N: tl.constexpr):
     """(max, the smallest idx holding it) of a vector (N where v is empty)."""
     top = tl.max(v, axis=0)

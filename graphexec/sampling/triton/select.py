@@ -30,7 +30,7 @@ import triton.language as tl
 
 from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
-from graphexec.sampling.triton.keys import mass_hi_lo
+from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
 from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
 from graphexec.sampling.triton.stats import arrive
 
@@ -250,12 +250,7 @@ def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB:
                                      [R * DB]), NBINS)  # fmt: skip
         dropped += (sel == 0).to(tl.int32)
     h = h - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.sum(dropped, 1), 0), 0)
-    return h, _total(n_ab), _total(hi_ab) * 65536 + _total(lo_ab)
-
-
-@triton.jit
-def _total(acc):
-    return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
+    return h, tile_total(n_ab), tile_mass(hi_ab, lo_ab)
 
 
 @triton.jit
