@@ -173,13 +173,24 @@ def load_previous(path: str) -> dict | None:
         return old
     folder = os.path.dirname(path) or "."
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    others = sorted(f for f in names if f.startswith("sampler-") and f.endswith(".json"))
+    kind = os.path.basename(path).split("-", 1)[0] + "-"  # sampler- / verify-
+    others = sorted(f for f in names if f.startswith(kind) and f.endswith(".json"))
     print(
         f"--append: no {path}; starting a new file"
         + (f" (not merged, another device or date: {', '.join(others)})" if others else ""),
         flush=True,
     )
     return None
+
+
+def write_results(path: str, result: dict, rows: dict, first_call: dict, old: dict | None):
+    """The results JSON: `result` with `rows` (by row key, in file order) and the first
+    calls' times (an --append run keeps the earlier run's for methods it did not time)."""
+    result["first_call_s"] = {**(old or {}).get("first_call_s", {}), **first_call}
+    result["rows"] = list(rows.values())
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def run_summary(r: dict) -> dict:
@@ -331,11 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     result["runs"].append(this_run)
 
     def write() -> None:
-        result["first_call_s"] = {**(old or {}).get("first_call_s", {}), **first_call}
-        result["rows"] = list(rows.values())
-        os.makedirs(args.out, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(path, result, rows, first_call, old)
 
     new_rows, done = [], []
     for dname in dtypes:

@@ -56,13 +56,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 
 import torch
-from bench_sampler import ints, measure_bandwidth, slug, versions
+from bench_sampler import (
+    ints,
+    load_previous,
+    measure_bandwidth,
+    slug,
+    versions,
+    write_results,
+)
 from plot_verify import summary_table
 from sampler_methods import SHAPES, Timer, error_text, make_logits
 from verify_methods import (
@@ -125,16 +131,6 @@ def time_block(methods, tables, shapes, B, K, V, device, bw, timer, first_call, 
             except Exception:  # a sticky CUDA error: main() notices it after the block
                 pass
     return block
-
-
-def load_previous(path: str) -> dict | None:
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        print(f"--append: extending {path} ({len(old['rows'])} rows)", flush=True)
-        return old
-    print(f"--append: no {path}; starting a new file", flush=True)
-    return None
 
 
 def parse_args(argv):
@@ -273,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     result["runs"].append(run)
 
     def write() -> None:
-        result["first_call_s"] = {**(old or {}).get("first_call_s", {}), **first_call}
-        result["rows"] = list(rows.values())
-        os.makedirs(args.out, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(path, result, rows, first_call, old)
 
     new_rows, done = [], []
     for V in args.vocab:

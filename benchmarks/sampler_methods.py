@@ -241,19 +241,26 @@ BUILDERS: dict[str, Callable[[Case], Bench]] = {
 assert list(BUILDERS) == list(METHODS)
 
 
-def select_methods(spec: str | None) -> list[str]:
-    """Comma list; a token naming a method exactly selects it, else every method containing it."""
+def pick_methods(spec: str | None, methods, defaults) -> list[str]:
+    """--methods of a benchmark: a comma list; a token naming one of `methods` exactly
+    selects it, else every one of `defaults` containing it. None: `defaults`. In the
+    order of `methods`."""
     if not spec:
-        return list(METHODS)
+        return list(defaults)
     chosen: set[str] = set()
     for tok in (t.strip() for t in spec.split(",")):
         if not tok:
             continue
-        hits = [tok] if tok in METHODS else [m for m in METHODS if tok in m]
+        hits = [tok] if tok in methods else [m for m in defaults if tok in m]
         if not hits:
-            raise SystemExit(f"--methods: {tok!r} matches none of {list(METHODS)}")
+            raise SystemExit(f"--methods: {tok!r} matches none of {list(methods)}")
         chosen.update(hits)
-    return [m for m in METHODS if m in chosen]
+    return [m for m in methods if m in chosen]
+
+
+def select_methods(spec: str | None) -> list[str]:
+    """Comma list; a token naming a method exactly selects it, else every method containing it."""
+    return pick_methods(spec, METHODS, METHODS)
 
 
 # ----------------------------------------------------------------------------- timing one method

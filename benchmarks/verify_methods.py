@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from sampler_methods import Timer, error_text
+from sampler_methods import Timer, error_text, pick_methods
 
 TEMPERATURES = (0.7, 0.8, 0.9, 1.0)
 TOP_K, TOP_P = 50, 0.9
@@ -273,17 +273,7 @@ assert list(BUILDERS) == list(METHODS)
 def select_methods(spec: str | None) -> list[str]:
     """Comma list; a token naming a method exactly selects it, else every default method
     containing it. None: DEFAULT_METHODS."""
-    if not spec:
-        return list(DEFAULT_METHODS)
-    chosen: set[str] = set()
-    for tok in (t.strip() for t in spec.split(",")):
-        if not tok:
-            continue
-        hits = [tok] if tok in METHODS else [m for m in DEFAULT_METHODS if tok in m]
-        if not hits:
-            raise SystemExit(f"--methods: {tok!r} matches none of {list(METHODS)}")
-        chosen.update(hits)
-    return [m for m in METHODS if m in chosen]
+    return pick_methods(spec, METHODS, DEFAULT_METHODS)
 
 
 # ----------------------------------------------------------------------------- timing
