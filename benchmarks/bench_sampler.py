@@ -183,6 +183,16 @@ def load_previous(path: str) -> dict | None:
     return None
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device as a device with its index (a bare "cuda" is the current one, made so)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def write_results(path: str, result: dict, rows: dict, first_call: dict, old: dict | None):
     """The results JSON: `result` with `rows` (by row key, in file order) and the first
     calls' times (an --append run keeps the earlier run's for methods it did not time)."""
@@ -280,11 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         help="start no new (dtype, V, B) block after this many seconds (from the start)",
     )
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if device.index is not None:
-            torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(args.device)
     methods = select_methods(args.methods)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:

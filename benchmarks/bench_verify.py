@@ -65,6 +65,7 @@ from bench_sampler import (
     ints,
     load_previous,
     measure_bandwidth,
+    resolve_device,
     slug,
     versions,
     write_results,
@@ -214,11 +215,7 @@ def restart(argv: list[str], t0: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     t_start = float(os.environ.get(T0_ENV, time.time()))
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if device.index is not None:
-            torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(args.device)
     methods = select_methods(args.methods)
     timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
     if args.reps is not None:
