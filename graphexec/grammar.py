@@ -12,11 +12,18 @@ from dataclasses import dataclass
 from typing import Any
 
 GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
+_ANY_JSON = '{"type": ["object", "array"]}'  # what Grammar.json() compiles to
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """kind: "json" (any JSON), "json_schema", "regex" or "ebnf"; text: its source."""
+    """kind: "json", "json_schema", "regex" or "ebnf"; text: its source.
+
+    "json" is any JSON object or array (the top level xgrammar's builtin JSON grammar
+    allows). Both JSON kinds compile to compact JSON (", " and ": " separators, no other
+    whitespace between tokens): grammars that allow free whitespace let a model loop on
+    spaces or newlines until max_tokens.
+    """
 
     kind: str
     text: str = ""
@@ -64,9 +71,9 @@ class GrammarCompiler:
                 f"vocab_size ({vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"
             )
         vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        info = xgr.TokenizerInfo(
-            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
-        )
+        eos = tokenizer.eos_token_id
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=[] if eos is None else [eos])  # fmt: skip
         self.vocab_size = vocab_size
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=4)
@@ -78,11 +85,11 @@ class GrammarCompiler:
         if key not in self._cache:
             c = self._compiler
             try:
-                if grammar.kind == "json":
-                    compiled = c.compile_builtin_json_grammar()
-                elif grammar.kind == "json_schema":
-                    # compact JSON: free whitespace lets a sampler loop on spaces forever
-                    compiled = c.compile_json_schema(grammar.text, any_whitespace=False)
+                if grammar.kind in ("json", "json_schema"):
+                    # compact JSON: free whitespace lets a sampler loop on spaces forever (the
+                    # builtin JSON grammar has no such option, hence the schema for "json")
+                    text = _ANY_JSON if grammar.kind == "json" else grammar.text
+                    compiled = c.compile_json_schema(text, any_whitespace=False)
                 elif grammar.kind == "regex":
                     compiled = c.compile_regex(grammar.text)
                 else:

@@ -100,3 +100,42 @@ def test_grammar_requests_finish_with_text_their_grammar_accepts() -> None:
             assert obj["answer"] in ("yes", "no", "maybe") and isinstance(obj["confident"], bool)
         else:
             assert re.fullmatch(wl.DATE_REGEX, text), text
+
+
+def test_json_grammar_does_not_allow_unbounded_whitespace(compiler, tok) -> None:
+    """xgrammar's builtin JSON grammar lets a model emit whitespace until max_tokens."""
+    ws = torch.tensor(
+        [bool(b) and not b.strip() for b in map(tok.token_bytes, range(tok.vocab_size))]
+    )
+    slots = GrammarSlots(compiler, max_rows=1)
+    slots.add(0, gx.Grammar.json())
+    assert not slots.accept(0, tok.encode("{")[0])
+    taken = 0
+    while taken < 16:
+        allowed = unpack_bitmask(slots.fill([0]), compiler.vocab_size)[0, : tok.vocab_size]
+        run = torch.nonzero(allowed & ws).flatten()
+        if len(run) == 0:
+            break
+        assert not slots.accept(0, int(run[0]))
+        taken += 1
+    assert taken < 16, "whitespace-only tokens are still allowed after 16 of them"
+    assert not slots.accept(0, tok.encode('"')[0])  # and the object goes on
+
+
+@pytest.mark.parametrize("text", ['{"a": [1, 2]}', '[{"k": null, "s": "x y"}, -1.5, true]', "{}"])
+def test_json_grammar_accepts_ordinary_json_token_by_token(compiler, tok, text) -> None:
+    m = compiler.matcher(gx.Grammar.json())
+    for t in tok.encode(text):
+        assert m.accept_token(t) and not m.is_terminated(), tok.decode([t])
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+
+
+def test_a_tokenizer_without_eos_compiles_grammars() -> None:
+    import tiktoken
+
+    ranks = {bytes([i]): i for i in range(256)}
+    enc = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    tok = gx.Tokenizer(enc)
+    assert tok.eos_token_id is None
+    m = GrammarCompiler(tok, 256).matcher(gx.Grammar.regex("ab+"))
+    assert all(m.accept_token(t) for t in b"abb") and not m.accept_token(ord("c"))
