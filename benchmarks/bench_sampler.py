@@ -193,6 +193,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+CPU_NOTE = ("note: CPU timings are not performance numbers (eager calls of the torch backend "
+            "or the Triton interpreter: a smoke run of the script); benchmark on CUDA")  # fmt: skip
+
+
 def write_results(path: str, result: dict, rows: dict, first_call: dict, old: dict | None):
     """The results JSON: `result` with `rows` (by row key, in file order) and the first
     calls' times (an --append run keeps the earlier run's for methods it did not time)."""
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
+    if device.type != "cuda":
+        print(CPU_NOTE, flush=True)
     methods = select_methods(args.methods)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:

@@ -62,6 +62,7 @@ import time
 
 import torch
 from bench_sampler import (
+    CPU_NOTE,
     ints,
     load_previous,
     measure_bandwidth,
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = float(os.environ.get(T0_ENV, time.time()))
     args = parse_args(argv)
     device = resolve_device(args.device)
+    if device.type != "cuda":
+        print(CPU_NOTE, flush=True)
     methods = select_methods(args.methods)
     timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
     if args.reps is not None:

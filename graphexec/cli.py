@@ -1,12 +1,158 @@
-"""`python -m graphexec demo|inspect`: the decode demo, and the captured graphs' table."""
+"""`python -m graphexec demo|inspect|bench`: the decode demo, the graphs' table, benchmarks.
+
+The CLI, not the library, chooses torch's CPU thread count: `import graphexec` changes no
+process-wide setting, so an embedding engine keeps its own.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+
+log = logging.getLogger("graphexec.cli")
+
+BENCHES = {
+    "step": "the executor's decode step with TinyLM: replay vs eager, host overhead (CUDA)",
+    "sampler": "one sampler call per method, side by side, against the memory floor",
+    "verify": "speculative verification alone, side by side, against the memory floor",
+}
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its affinity mask where the OS has one (taskset or a
+    container may allow fewer cores than os.cpu_count() reports)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_threads(requested: int | None = None) -> int:
+    """torch's intra-op thread count for a CPU run: `requested`, else the available cores."""
+    if requested is None:
+        return available_cores()
+    if requested < 1:
+        raise ValueError(f"threads must be >= 1, got {requested}")
+    return requested
+
+
+def configure_threads(device: str, requested: int | None) -> int | None:
+    """Set torch's thread pool for a CPU run (a pool larger than the cores this process
+    gets made the demo 5-13x slower on a busy 2-core machine); an explicit `requested`
+    is applied on any device. Returns the count set, None where nothing was changed."""
+    import torch
+
+    if requested is None and torch.device(device).type != "cpu":
+        return None
+    n = cpu_threads(requested)
+    torch.set_num_threads(n)
+    why = "--threads" if requested is not None else f"{available_cores()} cores available"
+    log.info("torch intra-op threads: %d (%s)", n, why)
+    return n
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive, default=None, metavar="N",
+                   help="torch CPU threads (default on the CPU: the cores this process "
+                   "may use)")  # fmt: skip
+
+
+def _default_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def benchmarks_dir() -> Path:
+    """benchmarks/ beside the package in a source checkout (the scripts are not installed)."""
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _pop_option(argv: list[str], name: str) -> tuple[list[str], str | None]:
+    """argv without `name VALUE` / `name=VALUE`, and its value (the last one given)."""
+    rest, value, it = [], None, iter(argv)
+    for a in it:
+        if a == name:
+            value = next(it, None)
+            if value is None:
+                raise SystemExit(f"graphexec bench: {name} needs a value")
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return rest, value
+
+
+def bench(argv: list[str]) -> int:
+    """Run benchmarks/bench_<name>.py as its own script would run, with `argv` passed on
+    to its parser (its --help included); `--threads N` is taken out first."""
+    usage = (
+        "usage: graphexec bench [step|sampler|verify] [--threads N] [ARGS...]\n\n"
+        "Runs benchmarks/bench_<name>.py of a source checkout (step by default); ARGS go\n"
+        "to the script's own parser: `graphexec bench sampler --help` lists them.\n"
+        "Benchmarks need CUDA: CPU timings are a smoke run, not performance numbers.\n\n"
+        + "\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items())
+        + "\n\nthe step benchmark's options follow.\n"
+    )  # fmt: skip
+    argv, threads = _pop_option(argv, "--threads")
+    name = "step"
+    if argv and not argv[0].startswith("-"):
+        name, argv = argv[0], argv[1:]
+        if name not in BENCHES:
+            print(f"graphexec bench: no benchmark {name!r}; choose one of {list(BENCHES)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    elif argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+    script = benchmarks_dir() / f"bench_{name}.py"
+    if not script.is_file():
+        print(f"graphexec bench: {script} not found. The benchmark scripts are not installed "
+              "with the package: they live in benchmarks/ of a source checkout; clone the "
+              "repository and `pip install -e .` it to run them.", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        n = None if threads is None else _positive(threads)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        print(f"graphexec bench: --threads: {e}", file=sys.stderr)
+        return 2
+    _, device = _pop_option(argv, "--device")
+    configure_threads(_default_device(device), n)
+    return run_script(script, [f"graphexec bench {name}", *argv])
+
+
+def run_script(script: Path, argv: list[str]) -> int:
+    """Run `script` as __main__ with sys.argv = argv; its exit status (its siblings import)."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    sys.path.insert(0, str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv[:1] == ["bench"]:  # before argparse: everything after it is the script's
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="graphexec")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the decode loop on a mixed workload, replay vs eager")
@@ -18,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.add_argument("--no-speculative", dest="speculative", action="store_false",
                    help="skip the speculative-decoding runs")  # fmt: skip
+    add_threads_argument(d)
     i = sub.add_parser("inspect", help="capture and print one row per graph key")
     from graphexec.inspection import add_arguments
 
     add_arguments(i)
+    sub.add_parser("bench", add_help=False,
+                   help="run a benchmark: bench [step|sampler|verify] [ARGS...]")  # fmt: skip
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_threads(_default_device(args.device), args.threads)
     if args.cmd == "demo":
         from graphexec.demo import demo
 

@@ -3,16 +3,19 @@
 Columns: variant, bucket, logprobs, capture time, kernel nodes in the graph (CUDA only:
 counted from the graph's debug DOT), reserved CUDA memory added while the key was warmed
 up and captured (the shared pool and the warm-up's cache), and replays so far.
-`--dot KEY` writes that graph's DOT (KEY as printed, e.g. `top_k_top_p/b8/lp`).
+`--dot KEY` writes that graph's DOT (KEY as printed, e.g. `top_k_top_p/b8/lp`); CUDA only:
+the CPU's emulated capture records calls and has no graph, so it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 import graphexec as gx
+from graphexec.cli import add_threads_argument
 from graphexec.graphs import CapturedGraphs
 
 
@@ -23,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=0, help="replay a mixed workload first")
     p.add_argument("--dot", default=None, metavar="KEY", help="write KEY's graph as DOT")
     p.add_argument("--dot-path", default="graph.dot")
+    add_threads_argument(p)
 
 
 def build(args: argparse.Namespace) -> gx.DecodeExecutor:
@@ -56,11 +60,25 @@ def inspect_graphs(args: argparse.Namespace) -> int:
         )
     for key, err in ex.graphs.failed.items():
         print(f"FAILED {key}: {err} (served eagerly)")
-    if args.dot:
-        match = [k for k in ex.graphs.steps if str(k) == args.dot]
-        if not match:
-            print(f"--dot: no captured key {args.dot!r}; keys look like {ex.graph_keys[0]}")
-            return 2
-        ex.graphs.write_dot(match[0], args.dot_path)
-        print(f"wrote {args.dot_path}")
+    return write_dot(ex, args.dot, args.dot_path) if args.dot else 0
+
+
+def write_dot(ex: gx.DecodeExecutor, name: str, path: str) -> int:
+    """Write key `name`'s DOT to `path`: 0, or 2 with the reason on stderr."""
+    if ex.device.type != "cuda":
+        print(f"--dot {name}: no DOT on {ex.device.type}: without CUDA the capture is "
+              "emulated (recorded calls, no CUDA graph); run inspect on a CUDA device",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    match = [k for k in ex.graphs.steps if str(k) == name]
+    if not match:
+        print(f"--dot: no captured key {name!r}; keys look like {ex.graph_keys[0]}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        ex.graphs.write_dot(match[0], path)
+    except ValueError as e:  # no DOT kept for it
+        print(f"--dot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
     return 0

@@ -11,6 +11,7 @@ and mismatches per key; exit 1 on any mismatch.
 
     python tools/determinism_check.py [--model tiny|table] [--max-batch-size N]
         [--requests N] [--key-steps N] [--device cuda|cpu] [--speculative all|ngram|draft|none]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 import graphexec as gx
 from graphexec import workload as wl
+from graphexec.cli import add_threads_argument, configure_threads
 
 
 def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, list[wl.Mismatch]]:
@@ -41,9 +43,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="mixed workload size")
     ap.add_argument("--key-steps", type=int, default=8)
     ap.add_argument("--speculative", choices=("all", "ngram", "draft", "none"), default="all")
+    add_threads_argument(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configure_threads(device.type, args.threads)
     cuda = device.type == "cuda"
     batch = args.max_batch_size or (256 if cuda else 8)
     tok = gx.Tokenizer.cl100k()
