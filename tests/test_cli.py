@@ -1,0 +1,99 @@
+"""The `python -m graphexec` CLI: bench wiring, inspect --dot on the CPU, CPU threads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graphexec import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graphexec", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_bench_help_lists_the_benchmarks_and_the_step_options() -> None:
+    r = run_cli("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    for name in ("step", "sampler", "verify", "not performance numbers", "--batches"):
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("sampler", ("--vocab", "--shapes", "--quick")), ("verify", ("--k", "--variants"))],
+)
+def test_bench_subcommand_help_is_the_scripts_own(name: str, options: tuple[str, ...]) -> None:
+    r = run_cli("bench", name, "--help")
+    assert r.returncode == 0, r.stderr
+    assert f"bench_{name}.py" in r.stdout and all(o in r.stdout for o in options)
+
+
+def test_inspect_dot_on_the_cpu_says_there_is_none_and_prints_the_table() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA keeps DOTs")
+    r = run_cli("inspect", "--model", "table", "--max-batch-size", "2", "--threads", "1",
+                "--dot", "default/b2/lp", "--dot-path", os.devnull)  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no DOT on cpu" in r.stderr and "Traceback" not in r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.split()[:1] == ["default"]]
+    assert len(rows) == 4  # buckets 1, 2 x logprobs off, on
+    assert "torch intra-op threads: 1 (--threads)" in r.stderr
+
+
+def test_cpu_threads_counts_the_cores_this_process_may_use(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert cli.cpu_threads() == 3
+    assert cli.cpu_threads(7) == 7
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert cli.cpu_threads() == 64
+    with pytest.raises(ValueError, match="threads"):
+        cli.cpu_threads(0)
+
+
+def test_configure_threads_sets_torch_on_the_cpu_only(restore_threads, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "available_cores", lambda: 1)
+    torch.set_num_threads(2)
+    assert cli.configure_threads("cpu", None) == 1 and torch.get_num_threads() == 1
+    assert cli.configure_threads("cuda", None) is None and torch.get_num_threads() == 1
+    assert cli.configure_threads("cuda", 2) == 2 and torch.get_num_threads() == 2
+
+
+def test_bench_applies_threads_before_the_script(restore_threads, capsys) -> None:
+    torch.set_num_threads(2)
+    assert cli.main(["bench", "sampler", "--threads", "1", "--device", "cpu", "--help"]) == 0
+    assert torch.get_num_threads() == 1 and "--vocab" in capsys.readouterr().out
+    assert cli.main(["bench", "sampler", "--threads", "0", "--help"]) == 2
+
+
+def test_bench_fails_clearly_without_the_scripts(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path)
+    assert cli.main(["bench", "verify", "--help"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+    assert cli.main(["bench", "nope"]) == 2
+
+
+def test_import_changes_no_thread_setting() -> None:
+    code = (
+        "import torch; n = torch.get_num_threads(); import graphexec; "
+        "print(n == torch.get_num_threads())"
+    )
+    # a pool size torch would not pick itself, so a change by the import would show
+    env = dict(os.environ, OMP_NUM_THREADS="3")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.stdout.strip() == "True", r.stderr
