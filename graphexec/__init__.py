@@ -5,11 +5,13 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 """
 
 from graphexec import models
+from graphexec.async_executor import AsyncDecodeExecutor
 from graphexec.executor import DecodeExecutor, ExecutorFullError, ExecutorStats
 from graphexec.grammar import Grammar
 from graphexec.graphs import GraphKey
+from graphexec.models.protocol import ModelOutputError
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
-from graphexec.request import RequestOutput
+from graphexec.request import PromptLogprob, RequestOutput
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
 from graphexec.speculative import SpeculativeConfig, VerifyOutput, verify_drafts, verify_step
 from graphexec.tokenizer import Tokenizer
@@ -17,11 +19,14 @@ from graphexec.tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncDecodeExecutor",
     "DecodeExecutor",
     "ExecutorFullError",
     "ExecutorStats",
     "RequestOutput",
     "Grammar",
+    "ModelOutputError",
+    "PromptLogprob",
     "GraphKey",
     "SamplerOutput",
     "SamplerVariant",

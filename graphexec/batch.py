@@ -5,7 +5,7 @@ Terms: the *plan* is the ordered decode rows of a step, cut into chunks of at mo
 largest bucket, each with its `GraphKey`; it is rebuilt only when a request is admitted,
 finishes or is aborted. Its per-row counters (tokens generated, token limit) are numpy
 columns, so a step touches no per-request Python object unless that request ends, has a
-grammar, or has its own stop ids.
+token mask, its own stop ids, or its text is detokenised.
 """
 
 from __future__ import annotations
@@ -18,7 +18,22 @@ import numpy as np
 from graphexec.graphs import GraphKey, chunks
 from graphexec.request import Request, RequestOutput, chunk_key
 
-INVALID_MESSAGE = "no samplable token: every logit was NaN or -inf, or the grammar allowed none"
+INVALID_MESSAGE = (
+    "no samplable token: every logit was NaN or -inf, or the token masks (grammar, "
+    "allowed_token_ids, bad_words, min_tokens) allowed none"
+)
+INF_MESSAGE = "the model's logits hold +inf for the sampled token: the model is broken"
+
+
+def error_message(code: int, row: int, chunks, errors: dict[int, str]) -> str:
+    """Why a row with token id `code` (< 0) has no token: -1 the sampler found nothing
+    samplable, -2 +inf logits, -3 its chunk's step raised (`errors`: chunk start -> why)."""
+    if code == -2:
+        return INF_MESSAGE
+    if code == -3:
+        start = max((s for _, s, _ in chunks if s <= row), default=0)
+        return f"the step failed: {errors.get(start, 'unknown error')}"
+    return INVALID_MESSAGE
 
 
 @dataclass
@@ -28,13 +43,15 @@ class BatchPlan:
     generated: np.ndarray  # i64 [n]: tokens each request has produced
     limit: np.ndarray  # i64 [n]: min(max_tokens, room left in the model's sequence)
     own_stops: list[int]  # rows with stop_token_ids of their own
-    grammar_rows: list[int]  # rows with a grammar matcher
+    eos_stops: np.ndarray  # bool [n]: EOS stops the row (not ignore_eos)
+    mask_rows: list[int]  # rows with a host-written token mask (grammar, allowed, bad words)
+    text_rows: list[int]  # rows whose output text is detokenised
     logprobs: bool  # some row asked for logprobs
     uploaded: bool = False  # the device slot ids hold this plan's only chunk
 
     @classmethod
     def build(cls, rows: list[Request], buckets: Sequence[int], max_seq_len: int,
-              grammar_slots) -> BatchPlan:  # fmt: skip
+              has_mask) -> BatchPlan:  # fmt: skip
         return cls(
             rows=rows,
             chunks=[
@@ -47,7 +64,9 @@ class BatchPlan:
                 dtype=np.int64,
             ),
             own_stops=[i for i, r in enumerate(rows) if r.params.stop_token_ids],
-            grammar_rows=[i for i, r in enumerate(rows) if grammar_slots(r.slot)],
+            eos_stops=np.array([not r.params.ignore_eos for r in rows], dtype=bool),
+            mask_rows=[i for i, r in enumerate(rows) if has_mask(r.slot)],
+            text_rows=[i for i, r in enumerate(rows) if r.text is not None],
             logprobs=any(r.params.logprobs is not None for r in rows),
         )
 
@@ -63,7 +82,8 @@ class Finished:
     reason: str  # "stop", "length", "error"
 
 
-def finish_rows(plan: BatchPlan, host, eos: int | None, grammar) -> tuple[StepOutputs, list]:
+def finish_rows(plan: BatchPlan, host, eos: int | None, masks,
+                errors: dict[int, str]) -> tuple[StepOutputs, list]:  # fmt: skip
     """Advance the plan's counters by the step's host outputs and decide who ends.
 
     `host` is a SamplerOutput on the host whose first n rows belong to the plan's rows.
@@ -71,27 +91,45 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, grammar) -> tuple[StepOu
     """
     n = len(plan.rows)
     toks = host.token_ids[:n].numpy().copy()
-    valid = toks >= 0  # the sampler writes -1 exactly where a row is invalid
+    valid = toks >= 0  # the sampler writes a negative id exactly where a row is invalid
     positions = plan.generated.copy()
     plan.generated += valid
-    stop = toks == eos if eos is not None else np.zeros(n, dtype=bool)
+    stop = (toks == eos) & plan.eos_stops if eos is not None else np.zeros(n, dtype=bool)
+    stop_reason: dict[int, str | int] = {}
     for i in plan.own_stops:
-        if valid[i] and int(toks[i]) in plan.rows[i].stop_ids:
+        if valid[i] and int(toks[i]) in plan.rows[i].params.stop_token_ids:
             stop[i] = True
-    for i in plan.grammar_rows:
-        if valid[i] and grammar.accept(plan.rows[i].slot, int(toks[i])):
+            stop_reason[i] = int(toks[i])
+    for i in plan.mask_rows:
+        if valid[i] and masks.accept(plan.rows[i].slot, int(toks[i])):
             stop[i] = True
+    texts = None
+    matched = set()  # rows cut at a stop string: nothing held back to flush
+    if plan.text_rows:
+        texts = {}
+        for i in plan.text_rows:
+            if valid[i]:
+                text = plan.rows[i].text
+                texts[i], hit = text.push(int(toks[i]), int(plan.generated[i]))
+                if hit:
+                    matched.add(i)
+                    if not stop[i]:
+                        stop[i] = True
+                        stop_reason[i] = text.stop_reason
     done = ~valid | stop | (plan.generated >= plan.limit)
     ended = []
     for i in np.flatnonzero(done).tolist():
         reason = "error" if not valid[i] else "stop" if stop[i] else "length"
         ended.append(Finished(i, reason))
+        if texts is not None and i in texts and i not in matched:
+            texts[i] += plan.rows[i].text.flush()
     lp = None
     if plan.logprobs:
         lp = tuple(getattr(host, f)[:n].clone()
                    for f in ("logprobs", "ranks", "top_token_ids", "top_logprobs"))  # fmt: skip
     outs = StepOutputs(plan.rows, plan.chunks, toks, positions,
                        {f.row: f.reason for f in ended}, lp)  # fmt: skip
+    outs._texts, outs._stop_reasons, outs._errors = texts, stop_reason, errors
     return outs, ended
 
 
@@ -111,6 +149,9 @@ class StepOutputs(Sequence[RequestOutput]):
         self._positions = positions
         self._reasons = reasons
         self._lp = logprobs
+        self._texts: dict[int, str] | None = None  # row -> its token's text
+        self._stop_reasons: dict[int, str | int] = {}
+        self._errors: dict[int, str] = {}
 
     @property
     def row_request_ids(self) -> list[str]:
@@ -138,18 +179,21 @@ class StepOutputs(Sequence[RequestOutput]):
         req = self._rows[i]
         pos, seed = int(self._positions[i]), req.params.seed
         reason = self._reasons.get(i)
-        if self.row_token_ids[i] < 0:  # the sampler found nothing samplable
+        code = int(self.row_token_ids[i])
+        if code < 0:  # nothing was sampled
+            msg = error_message(code, i, self._chunks, self._errors)
             return RequestOutput(req.request_id, None, pos, seed, finished=True,
-                                 finish_reason="error", message=INVALID_MESSAGE,
-                                 key=self._key(i))  # fmt: skip
+                                 finish_reason="error", message=msg, key=self._key(i))  # fmt: skip
         lp = rank = top = None
         k = req.params.logprobs
         if k is not None:
             lps, ranks, top_ids, top_lps = self._lp
             lp, rank = float(lps[i]), int(ranks[i])
             top = list(zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist(), strict=True))
-        return RequestOutput(req.request_id, int(self.row_token_ids[i]), pos, seed, lp, rank, top,
-                             reason is not None, reason, key=self._key(i))  # fmt: skip
+        text = None if self._texts is None else self._texts.get(i)
+        return RequestOutput(req.request_id, code, pos, seed, lp, rank, top, reason is not None,
+                             reason, key=self._key(i), text=text,
+                             stop_reason=self._stop_reasons.get(i))  # fmt: skip
 
     def __iter__(self) -> Iterator[RequestOutput]:
         yield from self.ready
@@ -158,9 +202,11 @@ class StepOutputs(Sequence[RequestOutput]):
         toks, pos = self.row_token_ids.tolist(), self._positions.tolist()
         keys = [key for key, _, n in self._chunks for _ in range(n)] or [None] * len(toks)
         skip = len(self.ready)
+        texts = self._texts or {}
         for i, req in enumerate(self._rows):
             p = req.params
             if toks[i] < 0 or p.logprobs is not None or i in self._reasons:
                 yield self[skip + i]  # the full path: logprobs, an end
             else:
-                yield RequestOutput(req.request_id, toks[i], pos[i], p.seed, key=keys[i])
+                yield RequestOutput(req.request_id, toks[i], pos[i], p.seed, key=keys[i],
+                                    text=texts.get(i))  # fmt: skip

@@ -1,25 +1,37 @@
 """DecodeExecutor: the decode loop. add_request / step / abort over captured graphs.
 
 A step, in order:
-  1. emit the outputs waiting since the last step (first tokens sampled at admission,
-     aborts);
-  2. flush staged slot writes (admissions, releases) and upload the grammar bitmask rows
-     of grammar requests (pinned host rows, copied without blocking);
+  1. drain the commands queued since the last step (`add_request`, `abort`): admissions
+     prefill (one prefill per prompt, shared by its n streams) and draw their first
+     tokens; aborts release their slots;
+  2. flush staged slot writes (admissions, releases) and upload the token-mask rows of
+     requests with a grammar, allowed_token_ids or bad_words (pinned host rows, copied
+     without blocking);
   3. for each chunk of at most the largest bucket: pick its `GraphKey` from host copies
      (variant, smallest bucket that fits, logprobs if any row asked), write its slot ids
      (padding rows -> the padding slot), replay the key's graph or run the same step
      function eagerly, and queue a non-blocking copy of its outputs to pinned host memory;
-  4. wait once for the outputs, then per row: feed the grammar, check stop conditions,
-     report, and release finished slots (reset at the next flush).
+     a chunk whose eager step raises (a model returning the wrong shape) ends its
+     requests with "error" instead of wedging the executor;
+  4. wait once for the outputs, then per row: feed the masks, detokenise and match stop
+     strings, check stop conditions, report, and release finished slots.
 With speculation (`graphexec.speculative.runner`), step 3 also writes each chunk's drafts
-and per-offset grammar masks and gives its key spec_k, and step 4 reports runs of 1..K+1
-tokens per request.
+and per-offset masks and gives its key spec_k, and step 4 reports runs of 1..K+1 tokens
+per request.
+
+Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
+also while another thread is inside `step()`: they validate and queue under a lock held
+for microseconds. `step()` and `capture()` run on one thread at a time (a concurrent call
+raises RuntimeError); every model and device call happens there, and no lock is held
+while that thread waits for the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -27,34 +39,51 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from graphexec.admission import Abort, Aborted, Admit, check_prompt, prompt_logprobs
 from graphexec.batch import BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
+from graphexec.masks import TokenMasks, bad_word_ids
+from graphexec.models.protocol import check_logits
+from graphexec.output_text import OutputText
 from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams, variant_rank
 from graphexec.request import Request, RequestOutput, chunk_key
-from graphexec.sampling.pipeline import default_backend
+from graphexec.sampling.pipeline import BACKENDS, default_backend
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.config import SpeculativeConfig
 from graphexec.speculative.runner import SpecRunner
-from graphexec.state import SlotTable
+from graphexec.state import SlotTable, min_id_words
 from graphexec.stats import ExecutorStats, StepTiming
 from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
 
 log = logging.getLogger(__name__)
 
+CHUNK_FAILED = -3  # host token id of rows whose chunk raised (the message says why)
+
 
 class ExecutorFullError(RuntimeError):
-    """add_request when max_batch_size requests are already running."""
+    """add_request when max_batch_size requests are already running or queued."""
+
+
+def _device(device) -> torch.device:
+    try:
+        d = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cuda', 'cpu' or a torch.device, got {device!r}") from e
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available (use device='cpu')")
+    return d
 
 
 class DecodeExecutor:
-    """Runs the decode loop of up to `max_batch_size` requests.
+    """Runs the decode loop of up to `max_batch_size` requests (threads: module docstring).
 
     Args:
         model: a `graphexec.models.DecodeModel`; the executor calls `model.bind`.
         max_batch_size: requests that may run at once (one slot each).
         device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
         cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
-        tokenizer: a `graphexec.Tokenizer`; needed for grammars, and its EOS stops requests.
+        tokenizer: a `graphexec.Tokenizer`; needed for grammars, stop strings and bad
+            words given as text; its EOS stops requests (unless ignore_eos).
         buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
             max_batch_size. Larger batches run as several chunks.
         backend: the sampler backend; None = "triton" on CUDA, "torch" elsewhere.
@@ -63,6 +92,12 @@ class DecodeExecutor:
         seed: seeds the generator of seeds for unseeded requests; None = OS entropy.
         speculative: a `SpeculativeConfig` to verify drafts in every step (each request
             then emits 1 to K+1 tokens per step); None = one token per step.
+        vocab_size: the ids that may be sampled; None = the tokenizer's vocabulary (or the
+            model's without a tokenizer). A model whose vocab_size is larger (a padded
+            embedding) has its extra columns dropped before sampling.
+        detokenize: with a tokenizer, report each token's text (`RequestOutput.text`);
+            stop strings need it.
+        max_min_ids: the most bitmask words of ids one request's min_tokens holds back.
     """
 
     def __init__(
@@ -78,17 +113,35 @@ class DecodeExecutor:
         seed: int | None = None,
         sampler_config=None,
         speculative=None,
+        vocab_size: int | None = None,
+        detokenize: bool = True,
+        max_min_ids: int = 16,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        for attr in ("vocab_size", "max_seq_len", "bind", "prefill", "decode"):
+            if not hasattr(model, attr):
+                raise ValueError(f"model ({type(model).__name__}) has no {attr!r}: not a "
+                                 "DecodeModel")  # fmt: skip
+        self.device = _device(device)
         self.model = model
-        self.vocab_size = int(model.vocab_size)
+        width = int(model.vocab_size)
+        if vocab_size is None:
+            vocab_size = width if tokenizer is None else int(tokenizer.vocab_size)
+        if not 1 <= vocab_size <= width:
+            raise ValueError(
+                f"vocab_size ({vocab_size}, the tokenizer's unless given) must be in [1, the "
+                f"model's vocab_size {width}]"
+            )
+        self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.buckets = check_buckets(buckets or default_buckets(max_batch_size))
         self.cuda_graphs = cuda_graphs
         self.backend = backend or default_backend(self.device)
         self.tokenizer = tokenizer
+        self.detokenize = bool(detokenize) and tokenizer is not None
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(
                 f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}"
@@ -97,14 +150,16 @@ class DecodeExecutor:
             raise ValueError(f"speculative decoding needs {type(model).__name__}.verify")
         runs = 1 if speculative is None else speculative.num_draft_tokens + 1
         self.slots = SlotTable(max_batch_size, self.vocab_size, self.device, max_logit_bias,
-                               grammar=bool(tokenizer), offsets=runs)  # fmt: skip
+                               offsets=runs, max_min_ids=max_min_ids)  # fmt: skip
         model.bind(max_batch_size + 1, self.device)
-        self.grammar = None
+        grammar = None
         if tokenizer is not None:
             from graphexec.grammar import GrammarCompiler, GrammarSlots
 
             compiler = GrammarCompiler(tokenizer, self.vocab_size)
-            self.grammar = GrammarSlots(compiler, max_batch_size, runs)
+            grammar = GrammarSlots(compiler, max_batch_size, runs)
+        self.grammar = grammar
+        self.masks = TokenMasks(self.vocab_size, max_batch_size, runs, grammar)
         self._eos = None if tokenizer is None else tokenizer.eos_token_id
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
         largest = self.buckets[-1]
@@ -125,7 +180,7 @@ class DecodeExecutor:
         if pin:
             for name in ("token_ids", "logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 setattr(self._host_out, name, getattr(self._host_out, name).pin_memory())
-        self._host_grammar_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
+        self._host_mask_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
         self.graphs = CapturedGraphs(self.device)
         self._running: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
@@ -134,11 +189,20 @@ class DecodeExecutor:
         self.last_step_timing = StepTiming()
         self._steps = 0
         self._admitted = 0
+        # shared with other threads, under _lock: the command queue and id bookkeeping
+        self._lock = threading.Lock()
+        self._stepping = threading.Lock()
+        self._inbox: list[Admit | Abort | Aborted] = []
+        self._live: set[str] = set()  # queued, running, or final output not yet returned
+        self._ended: set[str] = set()  # finished; final output not yet returned
+        self._groups: dict[str, list[str]] = {}  # n > 1: request id -> its streams' ids
+        self._reserved = 0  # slots taken or promised to queued admissions
 
     # ---- public state ----------------------------------------------------------------
     @property
     def free_slots(self) -> int:
-        return self.slots.free_slots
+        """How many more requests (streams) `add_request` accepts now."""
+        return self.max_batch_size - self._reserved
 
     @property
     def num_running(self) -> int:
@@ -146,8 +210,8 @@ class DecodeExecutor:
 
     @property
     def idle(self) -> bool:
-        """Nothing running and no output waiting to be reported."""
-        return not self._running and not self._pending
+        """Nothing queued, running, or waiting to be reported."""
+        return not self._running and not self._pending and not self._inbox
 
     @property
     def graph_keys(self) -> list[GraphKey]:
@@ -167,12 +231,26 @@ class DecodeExecutor:
             accepted=self.spec.accepted if self.spec else 0,
         )
 
+    @contextlib.contextmanager
+    def _step_thread(self):
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("step() or capture() is already running in another thread; "
+                               "one thread drives the loop")  # fmt: skip
+        try:
+            yield
+        finally:
+            self._stepping.release()
+
     # ---- capture ---------------------------------------------------------------------
     def capture(self, keys: Sequence[GraphKey] | None = None, progress: bool = True) -> None:
         """Warm up and capture every key (default: all of them), largest bucket first,
         into one shared pool. A key that fails is logged and served eagerly."""
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
+        with self._step_thread():
+            self._capture(keys, progress)
+
+    def _capture(self, keys, progress: bool) -> None:
         spec_ks = self.spec.spec_ks if self.spec else (0,)
         keys = sorted(keys or all_keys(self.buckets, spec_ks), key=lambda k: -k.bucket)
         self.slots.flush()
@@ -181,6 +259,9 @@ class DecodeExecutor:
         cuda = self.device.type == "cuda"
         mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
         t0 = time.perf_counter()
+        # a real capture warms each key up, which checks the model's outputs; emulation
+        # checks them once, on one padding row
+        bad = None if self.graphs.cuda else self._probe_model()
         for key in tqdm(keys, desc="capture", unit="graph", disable=not progress):
             if key.bucket > self.buckets[-1]:
                 raise ValueError(f"key {key} has a bucket larger than the largest bucket")
@@ -188,7 +269,10 @@ class DecodeExecutor:
                 continue
             if key.spec_k not in spec_ks:
                 raise ValueError(f"key {key} has spec_k {key.spec_k}; this executor runs {spec_ks}")
-            self.graphs.capture(key, self._step_fn(key))
+            if bad is not None:
+                self.graphs.fail(key, bad)
+            else:
+                self.graphs.capture(key, self._step_fn(key))
         self.slots.reset_padding()
         grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
         log.info(
@@ -197,6 +281,22 @@ class DecodeExecutor:
             grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
         )  # fmt: skip
 
+    def _probe_model(self) -> str | None:
+        """Why the model's decode (and verify) outputs are wrong, on one padding row."""
+        m, w, pad = self.model, self.model.vocab_size, self.slots.padding_slot
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
+        try:
+            check_logits(m.decode(ids, ids, slot), (1, w), m, "decode")
+            if self.spec is not None:
+                t = self.spec.k + 1
+                check_logits(m.verify(ids.expand(1, t), ids, slot), (1, t, w), m, "verify")
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.slots.reset_padding()
+        return None
+
     def _step_fn(self, key: GraphKey):
         slot_ids, out = self.buffers.view(key)
         if self.spec is not None:
@@ -204,100 +304,203 @@ class DecodeExecutor:
         model, slots, sampler = self.model, self.slots, self.sampler
         return lambda: decode_step(model, slots, slot_ids, out, key, sampler)
 
-    # ---- admission -------------------------------------------------------------------
+    # ---- admission (any thread) ------------------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        """Admit a request: validate, take a slot, prefill, and sample its first token
-        (reported by the next `step`). ValueError names the bad field; ExecutorFullError
-        when max_batch_size requests already run (nobody is evicted)."""
+        """Validate and queue a request; the next `step()` prefills it and reports its
+        first token. ValueError names the bad field (or says the id is already in use);
+        ExecutorFullError when its n streams do not fit (nobody is evicted). With n > 1,
+        stream i reports as request id "<request_id>/<i>" with seed
+        `stream_seed(seed, i)`; `abort(request_id)` aborts all of them."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._running or any(o.request_id == request_id for o in self._pending):
-            raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.vocab_size)
-        if params.grammar is not None and self.grammar is None:
-            raise ValueError("params.grammar needs a tokenizer: pass tokenizer= to DecodeExecutor")
-        prompt = self._check_prompt(prompt_token_ids)
-        if self.free_slots == 0:
-            raise ExecutorFullError(
-                f"all {self.max_batch_size} slots are in use; wait for requests to finish "
-                "(ex.free_slots says how many more fit)"
-            )
+        for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
+            if needs and self.tokenizer is None:
+                raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
+                                 "DecodeExecutor")  # fmt: skip
+        if params.stop and not self.detokenize:
+            raise ValueError("params.stop needs detokenize=True")
+        nb = self.slots.tensors.bias_ids.shape[1]
+        if len(params.logit_bias or {}) > nb:
+            raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
+                             "(max_logit_bias)")  # fmt: skip
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.model.max_seq_len)
         if params.grammar is not None:
-            self.grammar.compiler.compile(params.grammar)  # a bad grammar fails before a slot
-        if params.seed is None:
-            params = params.with_seed(self._seeds.getrandbits(63))
-        slot = self.slots.assign(params, prompt)
-        req = Request(
-            request_id, params, slot, len(prompt),
-            frozenset(params.stop_token_ids) | ({self._eos} if self._eos is not None else set()),
-            variant_rank(params),
-        )  # fmt: skip
-        try:
-            if params.grammar is not None:
-                self.grammar.add(slot, params.grammar)
-            self.slots.flush()
-            logits = self.model.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
-            if self.spec is not None:
-                self.spec.admit(req, slot, prompt)
-            if params.grammar is not None:
-                self._upload_grammar([slot])
-            out = self._first[req.wants_logprobs]
-            key = chunk_key([req], 1)
-            first_token(logits.to(self.device), self.slots, slot, out, key, self.sampler)
-            self._copy_out(out, key, 0, 1)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-        except Exception:
-            self.slots.release(slot)
-            if self.grammar is not None:
-                self.grammar.remove(slot)
-            raise
-        self._running[request_id] = req
-        self._admitted += 1
-        self._retire_plan()  # it joins the decode rows at the step after next
-        first = BatchPlan.build([req], (1,), self.model.max_seq_len, self._has_grammar)
-        first.chunks = []  # no graph key: drawn at admission
-        self._pending += list(self._finish(first))
-        first.retire()
+            self.grammar.compiler.compile(params.grammar)  # a bad grammar fails here
+        bad = bad_word_ids(params, self.tokenizer)
+        if any(t >= self.vocab_size for w in bad for t in w):
+            raise ValueError(f"bad_words tokenise to ids outside [0, {self.vocab_size})")
+        min_ids: tuple[int, ...] = ()
+        if params.min_tokens:
+            eos = () if params.ignore_eos or self._eos is None else (self._eos,)
+            min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+            if len(min_id_words(min_ids)) > self.slots.min_words.shape[1]:
+                raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
+                                 "(max_min_ids)")  # fmt: skip
+        n = params.n
+        ids = [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+        with self._lock:
+            taken = [i for i in {request_id, *ids} if i in self._live or i in self._groups]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already in use (queued, running, "
+                                 "or its last output not yet returned by step())")  # fmt: skip
+            if self._reserved + n > self.max_batch_size:
+                raise ExecutorFullError(
+                    f"{n} stream(s) do not fit: {self.max_batch_size - self._reserved} of "
+                    f"{self.max_batch_size} slots are free (ex.free_slots); wait for "
+                    "requests to finish"
+                )
+            if params.seed is None:
+                params = params.with_seed(self._seeds.getrandbits(63))
+            self._reserved += n
+            self._live.update(ids)
+            if n > 1:
+                self._groups[request_id] = list(ids)
+            self._inbox.append(Admit(request_id, ids, list(range(n)), prompt, params, bad,
+                                     min_ids))  # fmt: skip
 
-    def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        try:
-            prompt = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            raise ValueError("prompt_token_ids must be a sequence of ints") from None
-        limit = self.model.max_seq_len
-        if not 1 <= len(prompt) <= limit:
-            raise ValueError(
-                f"prompt_token_ids must hold 1 to {limit} tokens (the model's max_seq_len), "
-                f"got {len(prompt)}"
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its streams when n > 1): the next step reports it with
+        finish_reason "abort" at the position of its first unreported token (0 when none
+        was reported), with no token. True when queued; False (a no-op) when it has
+        already finished; ValueError for an id that is unknown (never added, or finished
+        and already reported)."""
+        with self._lock:
+            ids = self._groups.get(request_id) or [request_id]
+            ids = [i for i in ids if i in self._live]
+            if not ids:
+                raise ValueError(
+                    f"request_id {request_id!r} is unknown (never added, or it finished and "
+                    "step() already returned its last output)"
+                )
+            ids = [i for i in ids if i not in self._ended]
+            if not ids:
+                return False  # finished; its end is about to be reported
+            running = []
+            for rid in ids:
+                adm = next((c for c in self._inbox if isinstance(c, Admit) and rid in c.ids), None)
+                if adm is None:
+                    running.append(rid)
+                    continue
+                k = adm.ids.index(rid)  # never admitted: no slot, no prefill
+                seed = adm.stream_params(k).seed
+                del adm.ids[k], adm.streams[k]
+                self._reserved -= 1
+                self._ended.add(rid)
+                self._inbox.append(Aborted(rid, seed))
+            if running:
+                self._inbox.append(Abort(running))
+            return True
+
+    # ---- admission (the step thread) -------------------------------------------------
+    def _drain(self) -> None:
+        with self._lock:
+            cmds, self._inbox = self._inbox, []
+        for c in cmds:
+            if isinstance(c, Admit):
+                if c.ids:
+                    self._admit(c)
+            elif isinstance(c, Aborted):
+                self._pending.append(RequestOutput(c.request_id, None, 0, c.seed, finished=True,
+                                                   finish_reason="abort"))  # fmt: skip
+            else:
+                for rid in c.ids:
+                    req = self._running.get(rid)
+                    if req is not None:  # else it ended meanwhile: a no-op
+                        self._retire_plan()
+                        self._release(req)
+                        self._pending.append(
+                            RequestOutput(rid, None, req.generated, req.params.seed,
+                                          finished=True, finish_reason="abort")
+                        )  # fmt: skip
+
+    def _admit(self, c: Admit) -> None:
+        """Prefill `c` once, give each stream a slot, draw first tokens (-> _pending)."""
+        reqs = []
+        for i, rid in enumerate(c.ids):
+            p = c.stream_params(i)
+            slot = self.slots.assign(p, c.prompt, c.min_ids)
+            stops = frozenset(p.stop_token_ids) | (
+                {self._eos} if self._eos is not None and not p.ignore_eos else set()
             )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[0]}")
-        return prompt
+            req = Request(rid, p, slot, len(c.prompt), stops, variant_rank(p))
+            if self.detokenize:
+                req.text = OutputText(self.tokenizer, p)
+            reqs.append(req)
+            self.masks.add(slot, p, c.bad_words)
+        try:
+            self.slots.flush()
+            prompt = torch.tensor(c.prompt, dtype=torch.int64)
+            first = reqs[0].slot
+            lp_n = c.params.prompt_logprobs
+            if lp_n is None:
+                logits = self.model.prefill(first, prompt)
+                logits = check_logits(logits, (self.model.vocab_size,), self.model, "prefill")
+                prompt_lp = None
+            else:
+                all_logits = self.model.prefill(first, prompt, all_logits=True)
+                shape = (len(c.prompt), self.model.vocab_size)
+                all_logits = check_logits(all_logits, shape, self.model, "prefill")
+                logits = all_logits[-1]
+                prompt_lp = prompt_logprobs(all_logits[:, : self.vocab_size], c.prompt, lp_n)
+            for r in reqs[1:]:
+                if hasattr(self.model, "fork"):
+                    self.model.fork(first, r.slot, len(c.prompt))
+                else:
+                    self.model.prefill(r.slot, prompt)
+            mask_slots = [r.slot for r in reqs if self.masks.has(r.slot)]
+            if mask_slots:
+                self._upload_masks(mask_slots)
+            for r in reqs:
+                if self.spec is not None:
+                    self.spec.admit(r, r.slot, c.prompt)
+            logits = logits.to(self.device)
+            for r in reqs:
+                self._first_token(r, logits, prompt_lp)
+        except Exception as e:
+            log.exception("admission of %r failed", c.request_id)
+            for r in reqs:
+                if r.request_id in self._running:
+                    continue
+                self._free_slot(r)
+                self._pending.append(RequestOutput(r.request_id, None, 0, r.params.seed,
+                                                   finished=True, finish_reason="error",
+                                                   message=f"prefill failed: {e}"))  # fmt: skip
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; the next step reports it with finish_reason "abort"."""
-        req = self._running.get(request_id)
-        if req is None:
-            raise ValueError(f"request_id {request_id!r} is not running")
-        self._pending = [o for o in self._pending if o.request_id != request_id]
-        self._release(req)
-        self._pending.append(
-            RequestOutput(request_id, None, req.generated, req.params.seed, finished=True,
-                          finish_reason="abort")
-        )  # fmt: skip
+    def _first_token(self, req: Request, logits: torch.Tensor, prompt_lp) -> None:
+        out = self._first[req.wants_logprobs]
+        key = chunk_key([req], 1)
+        first_token(logits, self.slots, req.slot, out, key, self.sampler)
+        self._copy_out(out, key, 0, 1)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._running[req.request_id] = req
+        req.fresh = True
+        self._admitted += 1
+        self._retire_plan()  # it joins the decode rows at the next step
+        plan = BatchPlan.build([req], (1,), self.model.max_seq_len, self.masks.has)
+        plan.chunks = []  # no graph key: drawn at admission
+        outs = list(self._finish(plan))
+        plan.retire()
+        if prompt_lp is not None:
+            outs[0].prompt_logprobs = prompt_lp
+        self._pending += outs
+
+    def _free_slot(self, req: Request) -> None:
+        self.slots.release(req.slot)
+        self.masks.remove(req.slot)
+        with self._lock:
+            self._reserved -= 1
+            self._ended.add(req.request_id)
 
     def _release(self, req: Request) -> None:
         self._retire_plan()
         del self._running[req.request_id]
-        self.slots.release(req.slot)
-        if self.grammar is not None:
-            self.grammar.remove(req.slot)
+        self._free_slot(req)
 
     def _retire_plan(self) -> None:
         """Requests came or went: write the plan's counters back; rebuild at the next step."""
@@ -307,15 +510,30 @@ class DecodeExecutor:
 
     # ---- the step --------------------------------------------------------------------
     def step(self, mode: str | None = None) -> StepOutputs:
-        """One output per running request: its next token, or its end (a sequence of
-        `RequestOutput`, built as they are read).
+        """Admit what was queued, then one output per running request: its next token,
+        or its end (a sequence of `RequestOutput`, built as they are read).
 
         mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
         same step function without replay, on the same buffers.
         """
-        t0 = time.perf_counter()
         if mode not in (None, "replay", "eager"):
             raise ValueError(f"mode must be None, 'replay' or 'eager', got {mode!r}")
+        with self._step_thread():
+            outs = self._step(mode)
+            done = [o.request_id for o in outs.ready if o.finished]
+            done += [r.request_id for i, r in enumerate(outs._rows) if i in outs._reasons]
+            if done:
+                with self._lock:
+                    self._live.difference_update(done)
+                    self._ended.difference_update(done)
+                    for parent in [p for p, ids in self._groups.items()
+                                   if not self._live.intersection(ids)]:  # fmt: skip
+                        del self._groups[parent]
+            return outs
+
+    def _step(self, mode: str | None) -> StepOutputs:
+        t0 = time.perf_counter()
+        self._drain()
         ready, self._pending = self._pending, []
         plan = self._plan
         if plan is None:
@@ -323,7 +541,7 @@ class DecodeExecutor:
             fresh = len(rows) < len(self._running)
             for r in self._running.values():
                 r.fresh = False
-            plan = BatchPlan.build(rows, self.buckets, self.model.max_seq_len, self._has_grammar)
+            plan = BatchPlan.build(rows, self.buckets, self.model.max_seq_len, self.masks.has)
             self._plan = None if fresh else plan  # fresh requests join at the next step
         if not plan.rows:
             outs = StepOutputs()
@@ -331,13 +549,14 @@ class DecodeExecutor:
             return outs
         self._steps += 1
         self.slots.flush()
-        if plan.grammar_rows and self.spec is None:  # the runner writes masks per offset
-            self._upload_grammar([plan.rows[i].slot for i in plan.grammar_rows])
+        if plan.mask_rows and self.spec is None:  # the runner writes masks per offset
+            self._upload_masks([plan.rows[i].slot for i in plan.mask_rows])
         replay = mode != "eager" and self.cuda_graphs
         keys = []
+        errors: dict[int, str] = {}
         for key, start, n in plan.chunks:
             if self.spec is not None:
-                key = self.spec.prepare(plan, key, start, n, self.grammar)
+                key = self.spec.prepare(plan, key, start, n, self.masks)
             keys.append((key, start, n))
             if not plan.uploaded:
                 host = self._host_slots[start : start + key.bucket]
@@ -346,9 +565,14 @@ class DecodeExecutor:
             if not plan.uploaded or len(plan.chunks) > 1:
                 src = self._host_slots[start : start + key.bucket]
                 self.buffers.slot_ids[: key.bucket].copy_(src, non_blocking=True)
-            if not (replay and self.graphs.replay(key)):
-                self._step_fn(key)()
-                self._eager[key] += 1
+            try:
+                if not (replay and self.graphs.replay(key)):
+                    self._eager[key] += 1
+                    self._step_fn(key)()
+            except Exception as e:  # the chunk's requests end; the executor goes on
+                log.exception("step of %s failed; its %d requests end with 'error'", key, n)
+                errors[start] = f"{type(e).__name__}: {e}"
+                continue
             if self.spec is not None:
                 self.spec.copy_out(key, start, n)
             else:
@@ -359,26 +583,29 @@ class DecodeExecutor:
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
         if self.spec is not None:
-            outs = self._finish_runs(plan, keys, ready)
+            self.spec.fail_rows(errors, keys)
+            outs = self._finish_runs(plan, keys, ready, errors)
             ready = outs.ready
         else:
-            outs = self._finish(plan)
+            for start, n in ((s, n) for _, s, n in keys if s in errors):
+                self._host_out.token_ids[start : start + n] = CHUNK_FAILED
+            outs = self._finish(plan, errors)
         if plan is not self._plan:
             plan.retire()  # a one-off plan (a request joins next step): keep its counters
         outs.ready = ready
         self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outs
 
-    def _finish(self, plan: BatchPlan) -> StepOutputs:
-        outs, ended = finish_rows(plan, self._host_out, self._eos, self.grammar)
+    def _finish(self, plan: BatchPlan, errors: dict[int, str] | None = None) -> StepOutputs:
+        outs, ended = finish_rows(plan, self._host_out, self._eos, self.masks, errors or {})
         for f in ended:
             self._release(plan.rows[f.row])
         return outs
 
-    def _finish_runs(self, plan: BatchPlan, keys, ready) -> StepOutputs:
+    def _finish_runs(self, plan: BatchPlan, keys, ready, errors) -> StepOutputs:
         """Speculative steps report runs: every output goes in `ready`, in row order."""
         chunks, plan.chunks = plan.chunks, keys
-        runs, ended = self.spec.finish(plan, self._eos, self.grammar)
+        runs, ended = self.spec.finish(plan, self._eos, self.masks, errors)
         plan.chunks = chunks
         for f in ended:
             self._release(plan.rows[f.row])
@@ -386,22 +613,19 @@ class DecodeExecutor:
         outs.ready = ready + runs
         return outs
 
-    def _has_grammar(self, slot: int) -> bool:
-        return self.grammar is not None and self.grammar.has(slot)
-
     def _copy_out(self, out: SamplerOutput, key: GraphKey, start: int, n: int) -> None:
         """Queue the copy of rows [:n] of `out` to the host buffers at `start`."""
         h = self._host_out
-        # token_ids is -1 exactly where valid is False, so it alone tells both
+        # token_ids is < 0 exactly where valid is False, so it alone tells both
         h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
         if key.logprobs:
             for name in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 getattr(h, name)[start : start + n].copy_(getattr(out, name)[:n], non_blocking=True)
 
-    def _upload_grammar(self, g: list[int]) -> None:
-        """Fill the bitmasks of grammar slots `g` on the host and copy them to the slots."""
-        host_rows = self.grammar.fill(g)
-        idx = self._host_grammar_idx[: len(g)]
+    def _upload_masks(self, g: list[int]) -> None:
+        """Fill the mask rows of slots `g` on the host and copy them to the slots."""
+        host_rows = self.masks.fill(g)
+        idx = self._host_mask_idx[: len(g)]
         idx.copy_(torch.tensor(g, dtype=torch.int64))
         dev_idx = idx.to(self.device, non_blocking=True)
         rows_dev = host_rows.to(self.device, non_blocking=True)

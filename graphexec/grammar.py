@@ -70,8 +70,11 @@ class GrammarCompiler:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"
             )
-        vocab = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
         eos = tokenizer.eos_token_id
+        # special tokens get no bytes, so a grammar never spells text with them (their
+        # names would vanish from the decoded output)
+        vocab = [b"" if tokenizer.is_special(i) and i != eos else tokenizer.token_bytes(i)
+                 for i in range(tokenizer.vocab_size)]  # fmt: skip
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=[] if eos is None else [eos])  # fmt: skip
         self.vocab_size = vocab_size

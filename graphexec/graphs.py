@@ -152,6 +152,11 @@ class CapturedGraphs:
         # stream per key would leave each warm-up's memory stranded
         self._side = torch.cuda.Stream(device) if self.cuda else None
 
+    def fail(self, key: GraphKey, error: str) -> None:
+        """Serve `key` eagerly: its capture cannot succeed (`error` says why)."""
+        self.failed[key] = error
+        log.warning("capture of %s failed, it will run eagerly: %s", key, error)
+
     def capture(self, key: GraphKey, fn: Callable[[], None]) -> bool:
         """Warm `fn` up and capture it under `key`; False (logged) when capture fails."""
         t0 = time.perf_counter()
@@ -178,8 +183,7 @@ class CapturedGraphs:
                 self.pool = graph.pool()
         except Exception as e:  # OOM, an op that cannot be captured, a bad kernel
             torch.cuda.synchronize(self.device)
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            log.warning("capture of %s failed, it will run eagerly: %s", key, self.failed[key])
+            self.fail(key, f"{type(e).__name__}: {e}")
             return False
         torch.cuda.synchronize(self.device)
         nodes = self._count_kernels(key, graph) if self.debug else None

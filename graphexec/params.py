@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias is clamped to [-100, 100]
 LOGPROBS_MODES = ("raw", "processed")
 # it and its reciprocal stay finite in float32 (an inf penalty would make 0 * inf = NaN)
 MIN_REPETITION, MAX_REPETITION = 1e-30, 1e30
@@ -43,20 +45,63 @@ class SamplerVariant(str, enum.Enum):
 
 
 def _finite(name: str, value: Any) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    # bools and strings are not numbers here, whatever float() would make of them
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
     if math.isnan(v):
         raise ValueError(f"{name} must not be NaN")
     return v
 
 
+def _int(name: str, value: Any, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int ({allowed}), got {value!r}")
+    return int(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """A sequence of token ids as a tuple of ints >= 0; ValueError naming `name`. Floats,
+    bools and strings are refused (a float id would otherwise be truncated silently)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        tolist = getattr(value, "tolist", None)  # a 1-D tensor or array
+        if tolist is None or getattr(value, "ndim", None) != 1:
+            raise ValueError(f"{name} must be a sequence of token ids, got {value!r}")
+        if (
+            getattr(value, "is_floating_point", lambda: False)()
+            or getattr(getattr(value, "dtype", None), "kind", "i") not in "iu"
+        ):
+            raise ValueError(f"{name} must hold ints, got dtype {value.dtype}")
+        value = tolist()
+    out = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"{name} must hold token ids (ints >= 0), got {t!r}")
+        out.append(int(t))
+    return tuple(out)
+
+
+def _bias_key(tok: Any) -> int:
+    """OpenAI sends logit_bias keys as numeric strings ({"50256": -100})."""
+    if isinstance(tok, str) and tok.strip().isdigit():
+        return int(tok)
+    if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) or tok < 0:
+        raise ValueError(f"logit_bias token id must be an int >= 0 or a numeric str, got {tok!r}")
+    return int(tok)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. See DESIGN.md for the processing order:
-    grammar mask, logit bias, penalties, temperature, top-k, top-p (on the top-k mass),
-    min-p (relative to the max probability), then the draw.
+    """How one request samples and when it stops (vLLM's names, ranges and semantics).
+    See DESIGN.md for the processing order: token masks (grammar, allowed_token_ids,
+    bad_words, min_tokens), logit bias, penalties, temperature, top-k, top-p (on the
+    top-k mass), min-p (relative to the max probability), then the draw.
 
     temperature: >= 0; 0 means greedy (argmax, ties to the lower token id).
     top_k: -1 or 0 = off, else 1..V.
@@ -68,9 +113,24 @@ class SamplingParams:
         the top-N.
     logprobs_mode: "raw" (log_softmax of the model's logits) or "processed" (after
         grammar, bias, penalties and temperature).
+    prompt_logprobs: None = off; else the logprob of each prompt token given the ones
+        before it, with the top-N (N <= 20), reported with the request's first token.
     repetition_penalty: > 0; 1 = off. presence_penalty, frequency_penalty: in [-2, 2].
-    logit_bias: {token_id: bias}, finite biases, ids in [0, V).
-    max_tokens: >= 1. stop_token_ids: ids that finish the request with "stop".
+    logit_bias: {token_id: bias}; ids are ints or numeric strings (OpenAI's JSON keys),
+        biases are clamped to [-100, 100] as OpenAI does.
+    max_tokens: >= 1. min_tokens: 0..max_tokens; EOS and stop_token_ids cannot be
+        sampled (and stop strings do not match) before it.
+    stop_token_ids: ids that finish the request with "stop". ignore_eos: the tokenizer's
+        EOS does not stop the request.
+    stop: strings matched on the detokenised output across token boundaries; the text
+        is cut before the match unless include_stop_str_in_output (needs a tokenizer).
+    allowed_token_ids: only these ids may be sampled (None = all).
+    bad_words: words (str, tokenised by the executor's tokenizer with and without a
+        leading space) or token-id sequences; a sequence's last token is banned at every
+        position where the tokens before it would complete it.
+    n: streams drawn from one prefill, each with a seed derived from this seed and its
+        index (`stream_seed`); the executor names them "<request_id>/<i>".
+    skip_special_tokens: special tokens add no text to the detokenised output.
     grammar: a `graphexec.Grammar`, or None.
     """
 
@@ -81,45 +141,53 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str | tuple[int, ...], ...] = ()
+    n: int = 1
+    skip_special_tokens: bool = True
     grammar: Grammar | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
         t = _finite("temperature", self.temperature)
         if t < 0 or math.isinf(t):
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
-        object.__setattr__(self, "temperature", t)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an int (-1 or 0 = off, else 1..V), got {self.top_k!r}")
+        put("temperature", t)
+        put("top_k", _int("top_k", self.top_k, "-1 or 0 = off, else 1..V"))
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 or in [1, V], got {self.top_k}")
         p = _finite("top_p", self.top_p)
         if not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p}")
-        object.__setattr__(self, "top_p", p)
+        put("top_p", p)
         mp = _finite("min_p", self.min_p)
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {mp}")
-        object.__setattr__(self, "min_p", mp)
+        put("min_p", mp)
         if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-                raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+            put("seed", _int("seed", self.seed, "in [0, 2**63)"))
             if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.logprobs is not None:
-            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
-                raise ValueError(
-                    f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}"
-                )
-            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                v = _int(name, v, f"None or in [0, {MAX_TOP_LOGPROBS}]")
+                if not 0 <= v <= MAX_TOP_LOGPROBS:
+                    raise ValueError(f"{name} must be None or in [0, {MAX_TOP_LOGPROBS}], got {v}")
+                put(name, v)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
@@ -130,38 +198,66 @@ class SamplingParams:
                 f"repetition_penalty must be in [{MIN_REPETITION}, {MAX_REPETITION}] (1 = off), "
                 f"got {rep}"
             )
-        object.__setattr__(self, "repetition_penalty", rep)
+        put("repetition_penalty", rep)
         for name in ("presence_penalty", "frequency_penalty"):
             v = _finite(name, getattr(self, name))
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-            object.__setattr__(self, name, v)
+            put(name, v)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ValueError("logit_bias must be a mapping {token_id: bias}")
             clean: dict[int, float] = {}
             for tok, b in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                    raise ValueError(f"logit_bias token id must be an int >= 0, got {tok!r}")
-                bv = _finite(f"logit_bias[{tok}]", b)
-                if math.isinf(bv):
-                    raise ValueError(f"logit_bias[{tok}] must be finite, got {bv}")
-                clean[tok] = bv
-            object.__setattr__(self, "logit_bias", clean)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+                tid = _bias_key(tok)
+                bv = _finite(f"logit_bias[{tok!r}]", b)
+                if tid in clean:
+                    raise ValueError(f"logit_bias names token id {tid} twice")
+                clean[tid] = min(max(bv, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+            put("logit_bias", clean)
+        put("max_tokens", _int("max_tokens", self.max_tokens, ">= 1"))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        try:
-            stops = tuple(self.stop_token_ids)
-        except TypeError:
+        put("min_tokens", _int("min_tokens", self.min_tokens, "0..max_tokens"))
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
-                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
-            ) from None
-        for s in stops:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ValueError(f"stop_token_ids must hold ints >= 0, got {s!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        put("stop_token_ids", token_ids("stop_token_ids", self.stop_token_ids))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, Sequence) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a str or a sequence of non-empty str, got {stop!r}")
+        put("stop", tuple(stop))
+        if self.allowed_token_ids is not None:
+            ids = token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None = every token)")
+            put("allowed_token_ids", tuple(sorted(set(ids))))
+        words = self.bad_words or ()
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            raise ValueError(f"bad_words must be a sequence of str or token-id sequences, got "
+                             f"{words!r}")  # fmt: skip
+        clean_words: list[str | tuple[int, ...]] = []
+        for w in words:
+            w = w if isinstance(w, str) else token_ids("bad_words entry", w)
+            if not w or (isinstance(w, str) and not w.strip()):
+                raise ValueError(f"bad_words entries must not be empty, got {w!r}")
+            clean_words.append(w)
+        put("bad_words", tuple(clean_words))
+        put("n", _int("n", self.n, ">= 1"))
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        from graphexec.grammar import Grammar
+
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(
+                f"grammar must be a graphexec.Grammar (e.g. Grammar.json()) or None, got "
+                f"{self.grammar!r}"
+            )
 
     # What the request uses; "off" values count as unused.
     @property
@@ -188,8 +284,20 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def uses_masks(self) -> bool:
+        """Rows whose token mask the host writes (besides a grammar)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError for the fields that must fit a vocabulary of `vocab_size`."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds {bad[0]}, outside [0, {vocab_size})")
+        for w in self.bad_words:
+            if not isinstance(w, str) and max(w) >= vocab_size:
+                raise ValueError(f"bad_words entry {w} holds an id outside [0, {vocab_size})")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be -1, 0 or in [1, {vocab_size}], got {self.top_k}")
         if self.logprobs is not None and self.logprobs > vocab_size:
@@ -204,6 +312,22 @@ class SamplingParams:
         import dataclasses
 
         return dataclasses.replace(self, seed=seed)
+
+    def stream(self, index: int) -> SamplingParams:
+        """Stream `index` of an n > 1 request: n = 1 and `stream_seed(seed, index)`."""
+        import dataclasses
+
+        return dataclasses.replace(self, n=1, seed=stream_seed(self.seed, index))
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of stream `index` of a request seeded `seed` (SplitMix64's finaliser over
+    both, so streams of nearby seeds do not share seeds as seed + index would)."""
+    m = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return (z ^ (z >> 31)) & MAX_SEED
 
 
 # cheapest first; each variant serves every request the one before it serves

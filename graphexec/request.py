@@ -27,6 +27,12 @@ class RequestOutput:
         can be replayed.
     key: the graph key of the step that drew the token; None for the first token (drawn
         at admission) and for ends without a token.
+    text: the text this token adds to the output (when the executor has a tokenizer and
+        detokenises): never a partial UTF-8 character; held back while it could still be
+        the start of a stop string; cut before a matched stop string.
+    stop_reason: the stop string or stop token id that finished the request, else None.
+    prompt_logprobs: with the first token of a request that asked: one entry per prompt
+        token, None for the first (nothing precedes it).
     """
 
     request_id: str
@@ -40,6 +46,20 @@ class RequestOutput:
     finish_reason: str | None = None
     message: str | None = None
     key: GraphKey | None = None
+    text: str | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it (raw log_softmax), its rank
+    (1 = most likely) and the top-N [(token_id, logprob)], most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +75,7 @@ class Request:
     generated: int = 0
     fresh: bool = True  # admitted since the last step: its first token is not out yet
     history: Any = None  # n-gram speculation: its prompt and output (a TokenHistory)
+    text: Any = None  # its detokenised output and stop strings (an OutputText)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -34,10 +34,16 @@ class SlotTable:
         device: where the tensors live.
         max_bias: the most logit-bias entries one request may carry.
         penalties: allocate token counts and prompt masks ([max_slots + 1, V] each).
-        grammar: allocate a bitmask row per slot ([max_slots + 1, ceil(V/32)] int32,
-            all ones = everything allowed).
-        offsets: grammar masks per slot (K+1 under speculation: [max_slots + 1, K+1,
+        offsets: token masks per slot (K+1 under speculation: [max_slots + 1, K+1,
             ceil(V/32)], one per offset of a run).
+        max_min_ids: the most distinct ids `min_tokens` may hold back per request.
+
+    Token masks: `bitmask` [S, W] int32 (or [S, K+1, W]), all ones = everything allowed;
+    the host writes the rows of requests with a grammar, allowed_token_ids or bad_words.
+    min_tokens is applied inside the step on a gathered copy (`min_token_masks`):
+        min_tokens  i64 [S]     the output position before which the ids stay banned
+        min_words   i64 [S, M]  word of the bitmask holding them (grouped per word)
+        min_bits    i32 [S, M]  the bits to clear in that word
 
     Decode state, advanced inside the step by `graphexec.step.advance`:
         positions   i64 [S]  output position of the next token (the noise counter)
@@ -53,8 +59,8 @@ class SlotTable:
         device: torch.device | str,
         max_bias: int = 16,
         penalties: bool = True,
-        grammar: bool = False,
         offsets: int = 1,
+        max_min_ids: int = 16,
     ) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
@@ -69,12 +75,14 @@ class SlotTable:
         self.prompt_lens = torch.zeros(rows, **i64)
         words = (vocab_size + 31) // 32
         shape = (rows, words) if offsets == 1 else (rows, offsets, words)
-        self.bitmask = (
-            torch.full(shape, -1, dtype=torch.int32, device=self.device) if grammar else None
-        )
+        self.bitmask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        self.min_tokens = torch.zeros(rows, **i64)
+        self.min_words = torch.zeros((rows, max(1, max_min_ids)), **i64)
+        self.min_bits = torch.zeros((rows, max(1, max_min_ids)), dtype=torch.int32,
+                                    device=self.device)  # fmt: skip
         self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._params: dict[int, SamplingParams] = {}
-        self._staged: dict[int, tuple[SamplingParams, Sequence[int]]] = {}
+        self._staged: dict[int, tuple[SamplingParams, Sequence[int], Sequence[int]]] = {}
         self._resets: set[int] = set()
 
     @property
@@ -88,8 +96,10 @@ class SlotTable:
     def params(self, slot: int) -> SamplingParams:
         return self._params[slot]
 
-    def assign(self, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> int:
-        """Take the lowest free slot for `params` (seed set); written at the next flush."""
+    def assign(self, params: SamplingParams, prompt_token_ids: Sequence[int] = (),
+               min_ids: Sequence[int] = ()) -> int:  # fmt: skip
+        """Take the lowest free slot for `params` (seed set); written at the next flush.
+        `min_ids`: the ids banned before `params.min_tokens` (stop ids and EOS)."""
         if params.seed is None:
             raise ValueError("params.seed must be set before a slot is assigned")
         params.check_vocab(self.vocab_size)
@@ -98,9 +108,15 @@ class SlotTable:
             raise ValueError(f"logit_bias may hold at most {nb} entries in this executor")
         if not self._free:
             raise RuntimeError(f"all {self.max_slots} slots are in use")
+        words = min_id_words(min_ids if params.min_tokens else ())
+        if len(words) > self.min_words.shape[1]:
+            raise ValueError(
+                f"min_tokens holds back {len(set(min_ids))} stop ids in {len(words)} bitmask "
+                f"words; this executor allows {self.min_words.shape[1]} (max_min_ids)"
+            )
         slot = self._free.pop()
         self._params[slot] = params
-        self._staged[slot] = (params, tuple(prompt_token_ids))
+        self._staged[slot] = (params, tuple(prompt_token_ids), words)
         return slot
 
     def release(self, slot: int) -> None:
@@ -127,8 +143,21 @@ class SlotTable:
         self.last_token.index_fill_(0, dev_idx, 0)
         lens = [len(self._staged[s][1]) if s in self._staged else 0 for s in dirty]
         self.prompt_lens.index_copy_(0, dev_idx, torch.tensor(lens).to(self.device))
-        if self.bitmask is not None:
-            self.bitmask.index_fill_(0, dev_idx, -1)
+        self.bitmask.index_fill_(0, dev_idx, -1)
+        m = self.min_words.shape[1]
+        words = torch.zeros((len(dirty), m), dtype=torch.int64)
+        bits = torch.zeros((len(dirty), m), dtype=torch.int32)
+        for i, s in enumerate(dirty):
+            pairs = self._staged[s][2] if s in self._staged else []
+            if pairs:  # padding entries repeat the first: a scatter of equal values
+                pairs = pairs + [pairs[0]] * (m - len(pairs))
+                words[i] = torch.tensor([w for w, _ in pairs])
+                bits[i] = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(torch.int32)
+        self.min_tokens.index_copy_(
+            0, dev_idx, torch.tensor([p.min_tokens for p in params]).to(self.device)
+        )
+        self.min_words.index_copy_(0, dev_idx, words.to(self.device))
+        self.min_bits.index_copy_(0, dev_idx, bits.to(self.device))
         if t.token_counts is not None:
             t.token_counts.index_fill_(0, dev_idx, 0)
             t.prompt_mask.index_fill_(0, dev_idx, False)
@@ -144,6 +173,17 @@ class SlotTable:
         self._staged.clear()
         self._resets.clear()
 
+    def min_token_masks(self, masks: torch.Tensor, slot_ids: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Clear, in `masks` [n, W] (a gathered copy of rows `slot_ids` [n]), the bits of
+        the ids each row holds back while `positions` [n] < its min_tokens. In place,
+        graph-capturable: a gather and a scatter of [n, M] words."""
+        active = positions < self.min_tokens[slot_ids]
+        words = self.min_words[slot_ids]
+        bits = torch.where(active.unsqueeze(1), self.min_bits[slot_ids], 0)
+        masks.scatter_(1, words, masks.gather(1, words) & ~bits)
+        return masks
+
     def reset_padding(self) -> None:
         """Zero the padding slot's decode state (capture warm-ups run steps on it)."""
         p = self.padding_slot
@@ -151,3 +191,12 @@ class SlotTable:
             t[p] = 0
         if self.tensors.token_counts is not None:
             self.tensors.token_counts[p] = 0
+
+
+def min_id_words(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[(word, bits)]: the ids as bitmask words, one entry per word (bits as a signed
+    int32 value), so a scatter never writes one word twice with different values."""
+    words: dict[int, int] = {}
+    for t in set(ids):
+        words[t // 32] = words.get(t // 32, 0) | (1 << (t % 32))
+    return [(w, b - (1 << 32) if b >= 1 << 31 else b) for w, b in sorted(words.items())]

@@ -3,10 +3,14 @@
 Steps, in order (all on the device, no host sync, static shapes):
   1. gather     the rows' decode state through `slot_ids` [b]: output position (the
                 noise counter), last token (the model input), prompt length
-  2. forward    model.decode(last token, model position, slot) -> logits [b, V]
-  3. sample     grammar bitmask (gathered from the slot table), logit bias, penalties,
-                temperature, filters, draw, logprobs writer (`sample_step`)
-  4. advance    for real rows with a valid token: position += 1, last token = token,
+  2. forward    model.decode(last token, model position, slot) -> logits [b, W]; shape
+                and dtype checked (host metadata only), padding columns past V dropped
+  3. sample     token masks (gathered from the slot table: grammar, allowed ids, bad
+                words; min_tokens' held-back ids cleared by position), logit bias,
+                penalties, temperature, filters, draw, logprobs writer (`sample_step`)
+  4. flag       a row whose sampled token's raw logit is +inf is the model's fault:
+                token -2 (`INF_TOKEN`), invalid, so the request finishes "error"
+  5. advance    for real rows with a valid token: position += 1, last token = token,
                 token count += 1. Padding rows (the padding slot) and invalid rows change
                 nothing, so a graph's padding never touches a real slot.
 
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphexec.graphs import GraphKey
+from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.sampling.pipeline import sample_step
 from graphexec.sampling.tensors import SamplerOutput
@@ -29,6 +34,8 @@ from graphexec.state import SlotTable
 
 if TYPE_CHECKING:
     from graphexec.sampling.triton.config import SamplerConfig, Workspace
+
+INF_TOKEN = -2  # token id of a row the model gave +inf (the sampler's invalid rows: -1)
 
 
 @dataclass(frozen=True)
@@ -113,18 +120,30 @@ def decode_step(
     """One decode step for the rows `slot_ids` [b] into `out` (see the module docstring)."""
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
-    logits = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
-    bitmask = offset0_mask(slots, slot_ids)
+    raw = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
+    logits = check_logits(raw, (slot_ids.shape[0], model.vocab_size), model, "decode")
+    logits = logits[:, : slots.vocab_size]
+    bitmask = step_masks(slots, slot_ids, pos)
     sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
+    flag_inf(logits, out)
     advance(slots, slot_ids, out)
 
 
-def offset0_mask(slots: SlotTable, slot_ids: torch.Tensor) -> torch.Tensor | None:
-    """The rows' grammar masks [b, W] (offset 0 of the per-offset masks under speculation)."""
-    if slots.bitmask is None:
-        return None
-    bitmask = slots.bitmask[slot_ids]
-    return bitmask[:, 0] if bitmask.dim() == 3 else bitmask
+def step_masks(slots: SlotTable, slot_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The rows' token masks [b, W] (offset 0 of the per-offset masks under
+    speculation), with min_tokens applied at output positions `pos` [b]."""
+    bitmask = slots.bitmask[slot_ids]  # a copy: the slot rows stay as the host wrote them
+    bitmask = bitmask[:, 0] if bitmask.dim() == 3 else bitmask
+    return slots.min_token_masks(bitmask, slot_ids, pos)
+
+
+def flag_inf(logits: torch.Tensor, out: SamplerOutput) -> None:
+    """Step 4: mark rows that drew a token whose raw logit is +inf (only such rows can:
+    the sampler keeps just the +inf tokens of a row that has any)."""
+    tok = out.token_ids
+    hit = torch.isposinf(logits.gather(1, tok.clamp(min=0).unsqueeze(1)).squeeze(1)) & out.valid
+    tok.copy_(torch.where(hit, INF_TOKEN, tok))
+    out.valid &= ~hit
 
 
 def first_token(
@@ -139,6 +158,8 @@ def first_token(
     same sampler and state update as a decode step (eager: prefill is not captured)."""
     slot_ids = torch.tensor([slot], dtype=torch.int64, device=logits.device)
     pos = slots.positions[slot_ids]
-    bitmask = offset0_mask(slots, slot_ids)
-    sampler(logits[None], slot_ids, pos, slots.tensors, out, bitmask, key.variant)
+    bitmask = step_masks(slots, slot_ids, pos)
+    logits = logits[None, : slots.vocab_size]
+    sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
+    flag_inf(logits, out)
     advance(slots, slot_ids, out)

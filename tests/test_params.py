@@ -64,13 +64,15 @@ INVALID = [
     ("frequency_penalty", dict(frequency_penalty=3.0)),
     ("frequency_penalty", dict(frequency_penalty=NAN)),
     ("frequency_penalty", dict(frequency_penalty=-INF)),
-    ("logit_bias", dict(logit_bias={"3": 1.0})),
+    ("logit_bias", dict(logit_bias={"x3": 1.0})),
+    ("logit_bias", dict(logit_bias={"-3": 1.0})),
+    ("logit_bias", dict(logit_bias={3: "1.0"})),
+    ("logit_bias", dict(logit_bias={3: True})),
+    ("logit_bias", dict(logit_bias={3: 1.0, "3": 2.0})),
     ("logit_bias", dict(logit_bias={3.0: 1.0})),
     ("logit_bias", dict(logit_bias={True: 1.0})),
     ("logit_bias", dict(logit_bias={-1: 1.0})),
     ("logit_bias", dict(logit_bias={3: NAN})),
-    ("logit_bias", dict(logit_bias={3: INF})),
-    ("logit_bias", dict(logit_bias={3: -INF})),
     ("logit_bias", dict(logit_bias={3: "high"})),
     ("logit_bias", dict(logit_bias=[(3, 1.0)])),
     ("max_tokens", dict(max_tokens=0)),
@@ -82,6 +84,37 @@ INVALID = [
     ("stop_token_ids", dict(stop_token_ids=("a",))),
     # DESIGN.md: bad input gets a ValueError naming the field, not a TypeError
     ("stop_token_ids", dict(stop_token_ids=5)),
+    # strict types: bools and numeric strings are not numbers
+    ("temperature", dict(temperature="0.7")),
+    ("temperature", dict(temperature=True)),
+    ("top_p", dict(top_p="0.9")),
+    ("min_p", dict(min_p=False)),
+    ("presence_penalty", dict(presence_penalty="1")),
+    ("prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("prompt_logprobs", dict(prompt_logprobs=21)),
+    ("prompt_logprobs", dict(prompt_logprobs=True)),
+    ("min_tokens", dict(min_tokens=-1)),
+    ("min_tokens", dict(min_tokens=17)),  # above the default max_tokens=16
+    ("min_tokens", dict(min_tokens=2.0)),
+    ("ignore_eos", dict(ignore_eos=1)),
+    ("ignore_eos", dict(ignore_eos="yes")),
+    ("include_stop_str_in_output", dict(include_stop_str_in_output=None)),
+    ("skip_special_tokens", dict(skip_special_tokens=0)),
+    ("stop", dict(stop=[""])),
+    ("stop", dict(stop=[3])),
+    ("stop", dict(stop=5)),
+    ("allowed_token_ids", dict(allowed_token_ids=[])),
+    ("allowed_token_ids", dict(allowed_token_ids=[1.0, 2.0])),
+    ("allowed_token_ids", dict(allowed_token_ids=[-1])),
+    ("allowed_token_ids", dict(allowed_token_ids="12")),
+    ("bad_words", dict(bad_words="word")),
+    ("bad_words", dict(bad_words=[""])),
+    ("bad_words", dict(bad_words=[[]])),
+    ("bad_words", dict(bad_words=[[1, 2.5]])),
+    ("n", dict(n=0)),
+    ("n", dict(n=2.0)),
+    ("n", dict(n=True)),
+    ("grammar", dict(grammar="json")),
 ]
 
 
@@ -124,6 +157,10 @@ VALID_EDGES = [
     dict(logit_bias={0: -100.0, 5: 100.0}),
     dict(max_tokens=1),
     dict(stop_token_ids=[0, 7]),
+    dict(min_tokens=16),
+    dict(prompt_logprobs=0),
+    dict(ignore_eos=True),
+    dict(n=4),
 ]
 
 
@@ -132,7 +169,7 @@ def test_valid_edge_values_are_accepted(kwargs: dict) -> None:
     p = SamplingParams(**kwargs)
     for name, value in kwargs.items():
         got = getattr(p, name)
-        if name == "stop_token_ids":
+        if name in ("stop_token_ids", "allowed_token_ids"):
             assert got == tuple(value)
         elif isinstance(value, float):
             assert got == value and isinstance(got, float)
@@ -280,3 +317,41 @@ def test_choose_variant(batch: list[SamplingParams], expected: str) -> None:
 def test_variant_values() -> None:
     assert {v.value for v in SamplerVariant} == {"no_filter", "top_k_top_p", "default"}
     assert SamplerVariant("default") is SamplerVariant.DEFAULT
+
+
+def test_logit_bias_takes_openai_string_keys_and_clamps_to_100() -> None:
+    p = SamplingParams(logit_bias={"5": 1e39, 7: -INF, "9": 3.5})
+    assert p.logit_bias == {5: 100.0, 7: -100.0, 9: 3.5}
+
+
+def test_float_and_tensor_token_ids_are_refused_ints_accepted() -> None:
+    import numpy as np
+    import torch
+
+    from graphexec.params import token_ids
+
+    assert token_ids("x", np.array([3, 1])) == (3, 1)
+    assert token_ids("x", torch.tensor([4, 2])) == (4, 2)
+    for bad in ([1.0], np.array([1.0]), torch.tensor([1.5]), [True], "12"):
+        with pytest.raises(ValueError, match="x"):
+            token_ids("x", bad)
+
+
+def test_stop_and_allowed_ids_are_normalised() -> None:
+    p = SamplingParams(stop="END", allowed_token_ids=[5, 1, 5], bad_words=["no", (3, 4)])
+    assert p.stop == ("END",)
+    assert p.allowed_token_ids == (1, 5)
+    assert p.bad_words == ("no", (3, 4))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        p.check_vocab(4)
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[(3, 9)]).check_vocab(8)
+
+
+def test_stream_seeds_differ_per_stream_and_from_neighbouring_seeds() -> None:
+    from graphexec.params import stream_seed
+
+    seeds = {stream_seed(s, i) for s in range(50) for i in range(8)}
+    assert len(seeds) == 400 and all(0 <= x < 2**63 for x in seeds)
+    p = SamplingParams(seed=7, n=3).stream(2)
+    assert p.n == 1 and p.seed == stream_seed(7, 2)

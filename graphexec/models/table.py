@@ -59,12 +59,18 @@ class TableModel:
         self.device = torch.device(device)
         self._tokens = torch.arange(self.vocab_size, device=self.device)
 
-    def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         n = int(token_ids.numel())
         if not 0 < n <= self.max_seq_len:
             raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
+        ids = token_ids.reshape(-1).to(self.device)
+        if all_logits:
+            return self.logits(torch.arange(n, device=self.device), ids)
         pos = torch.tensor([n - 1], device=self.device)
-        return self.logits(pos, token_ids.reshape(-1)[-1:].to(self.device))[0]
+        return self.logits(pos, ids[-1:])[0]
+
+    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
+        del src_slot, dst_slot, length  # stateless: every slot already sees the same rows
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor

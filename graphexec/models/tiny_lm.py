@@ -97,7 +97,12 @@ class TinyLM:
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(F.rms_norm(x, (self.dim,)) @ layer["up"]) @ layer["down"]
 
-    def prefill(self, slot: int, token_ids: torch.Tensor) -> torch.Tensor:
+    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy the cache of the first `length` positions (n streams of one prompt)."""
+        self.k_cache[:, dst_slot, :length] = self.k_cache[:, src_slot, :length]
+        self.v_cache[:, dst_slot, :length] = self.v_cache[:, src_slot, :length]
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         if self.k_cache is None:
             raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill")
         ids = token_ids.reshape(-1).to(self.device)
@@ -114,7 +119,7 @@ class TinyLM:
             )  # [H, n, hd]
             x = x + a.transpose(0, 1).reshape(n, self.dim) @ layer["out"]
             x = x + self._mlp(layer, x)
-        return self._head(x[-1])
+        return self._head(x if all_logits else x[-1])
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor

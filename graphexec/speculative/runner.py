@@ -2,9 +2,10 @@
 
 Per chunk of a step (`prepare`): each row's allowance is min(K, tokens it may still emit
 - 1), so a run never passes max_tokens or the model's length; n-gram drafts come from its
-history; grammar rows get one mask per offset (the matcher advanced over the drafts, then
-rolled back; a draft the grammar refuses ends the drafts) and, with a draft model (whose
-drafts the host never sees), no drafts. The key's spec_k is K, or 0 when no row of the
+history; rows with token masks get one mask per offset (a grammar's matcher advanced
+over the drafts, then rolled back; a draft the grammar refuses ends the drafts) and,
+with a draft model (whose drafts the host never sees), rows whose masks depend on the
+drafts (grammar, bad words) get no drafts. The key's spec_k is K, or 0 when no row of the
 chunk has a draft (the n-gram drafter found nothing): a one-token step, the same tokens.
 
 After the step (`finish`): each row's emitted run is reported token by token, in
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphexec.batch import INVALID_MESSAGE, BatchPlan, Finished
+from graphexec.batch import BatchPlan, Finished, error_message
 from graphexec.graphs import GraphKey
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import RequestOutput
@@ -103,12 +104,12 @@ class SpecRunner:
         sampler = self.sampler
         return lambda: spec_step(model, slots, slot_ids, spec_in, out, key, sampler, draft, method)
 
-    def prepare(self, plan: BatchPlan, key: GraphKey, start: int, n: int, grammar) -> GraphKey:
-        """Write the chunk's allowances and drafts (and grammar masks); its key."""
+    def prepare(self, plan: BatchPlan, key: GraphKey, start: int, n: int, masks) -> GraphKey:
+        """Write the chunk's allowances and drafts (and token masks); its key."""
         rows = plan.rows[start : start + n]
         left = plan.limit[start : start + n] - plan.generated[start : start + n]
         allow = np.clip(left - 1, 0, self.k)
-        g_rows = [i - start for i in plan.grammar_rows if start <= i < start + n]
+        g_rows = [i - start for i in plan.mask_rows if start <= i < start + n]
         if self.draft is None:
             cfg = self.config
             drafts = [
@@ -117,14 +118,15 @@ class SpecRunner:
             ]
         else:
             drafts = [[] for _ in rows]
-            allow[g_rows] = 0  # their masks after each draft are not known before the step
+            # their masks after each draft are not known before the step
+            allow[[i for i in g_rows if masks.dynamic(rows[i].slot)]] = 0
         if g_rows:
             slots = [rows[i].slot for i in g_rows]
-            masks, kept = grammar.fill_runs(slots, [drafts[i] for i in g_rows])
+            host, kept = masks.fill_runs(slots, [drafts[i] for i in g_rows])
             for i, m in zip(g_rows, kept, strict=True):
                 drafts[i] = drafts[i][:m]
             idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.slots.bitmask.index_copy_(0, idx, masks.to(self.device, non_blocking=True))
+            self.slots.bitmask.index_copy_(0, idx, host.to(self.device, non_blocking=True))
         if self.draft is None:
             allow = np.array([len(d) for d in drafts], dtype=np.int64)
         spec_k = self.k if self.draft is not None or allow.any() else 0
@@ -150,7 +152,15 @@ class SpecRunner:
             for f in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 getattr(h, f)[start : start + n].copy_(getattr(out, f)[:n], non_blocking=True)
 
-    def finish(self, plan: BatchPlan, eos: int | None, grammar):
+    def fail_rows(self, errors: dict[int, str], keys) -> None:
+        """Rows of chunks whose step raised emit nothing (token -3, see `error_message`)."""
+        for key, start, n in keys:
+            if start in errors:
+                h = self._host[key.spec_k]
+                h.num_tokens[start : start + n] = 0
+                h.token_ids[start : start + n, 0] = -3
+
+    def finish(self, plan: BatchPlan, eos: int | None, masks, errors: dict[int, str]):
         """(outputs in row then position order, rows that finished) after the step."""
         outs: list[RequestOutput] = []
         ended: list[Finished] = []
@@ -160,42 +170,50 @@ class SpecRunner:
             toks = h.token_ids[start : start + n].tolist()
             for i in range(n):
                 r = start + i
-                if self._run(plan, r, key, ntok[i], toks[i], h, eos, grammar, outs):
+                if self._run(plan, r, key, ntok[i], toks[i], h, eos, masks, outs, errors):
                     ended.append(Finished(r, outs[-1].finish_reason))
                 if key.spec_k:
                     self.drafted += int(self._allow[r])
                     self.accepted += max(0, ntok[i] - 1)
         return outs, ended
 
-    def _run(self, plan, r, key, n, toks, h, eos, grammar, outs) -> bool:
+    def _run(self, plan, r, key, n, toks, h, eos, masks, outs, errors) -> bool:
         """Report row r's run; True when the request ended inside it."""
         req = plan.rows[r]
         pos0 = int(plan.generated[r])
         if n == 0:
+            msg = error_message(min(toks[0], -1), r, plan.chunks, errors)
             outs.append(RequestOutput(req.request_id, None, pos0, req.params.seed, finished=True,
-                                      finish_reason="error", message=INVALID_MESSAGE,
-                                      key=key))  # fmt: skip
+                                      finish_reason="error", message=msg, key=key))  # fmt: skip
             return True
-        has_grammar = grammar is not None and grammar.has(req.slot)
+        has_mask = masks.has(req.slot)
         k = req.params.logprobs
         emitted = []
-        reason = None
+        reason = stop_reason = None
         for j in range(n):
             t = toks[j]
             emitted.append(t)
-            if t == eos or t in req.stop_ids:
+            g = pos0 + j + 1  # tokens generated with this one
+            text, hit = req.text.push(t, g) if req.text is not None else (None, False)
+            if t in req.stop_ids:
                 reason = "stop"
-            elif has_grammar and grammar.accept(req.slot, t):
+                stop_reason = t if t in req.params.stop_token_ids else None
+            elif has_mask and masks.accept(req.slot, t):
                 reason = "stop"
-            elif pos0 + j + 1 >= plan.limit[r]:
+            elif hit:
+                reason, stop_reason = "stop", req.text.stop_reason
+            elif g >= plan.limit[r]:
                 reason = "length"
+            if text is not None and reason is not None and not hit:
+                text += req.text.flush()
             lp = rank = top = None
             if k is not None:
                 lp, rank = float(h.logprobs[r, j]), int(h.ranks[r, j])
                 top = list(zip(h.top_token_ids[r, j, :k].tolist(),
                                h.top_logprobs[r, j, :k].tolist(), strict=True))  # fmt: skip
             outs.append(RequestOutput(req.request_id, t, pos0 + j, req.params.seed, lp, rank, top,
-                                      reason is not None, reason, key=key))  # fmt: skip
+                                      reason is not None, reason, key=key, text=text,
+                                      stop_reason=stop_reason))  # fmt: skip
             if reason is not None:
                 break
         plan.generated[r] += len(emitted)

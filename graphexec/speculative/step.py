@@ -13,8 +13,11 @@ Steps, in order (all on the device, no host sync, static shapes):
                 rejection: the SPEC_DRAFT stream, passing its distributions as q). The
                 last call only writes the cache entry of the last draft.
   3. verify     target `verify` over [last token, d_0 .. d_{K-1}] at P .. P+K -> logits
-                [b, K+1, V]; `verify_step` with the slots' per-offset grammar masks.
-  4. advance    for real rows: position += tokens emitted, last token = the last one,
+                [b, K+1, W] (checked; padding columns past V dropped); `verify_step` with
+                the slots' per-offset token masks, min_tokens applied at pos + j.
+  4. flag       a run holding a token whose raw logit is +inf emits nothing: token -2,
+                invalid (the model's fault, reported as an error)
+  5. advance    for real rows: position += tokens emitted, last token = the last one,
                 token counts += each emitted token. The KV entries of rejected offsets are
                 overwritten by later steps. Padding rows change nothing.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from graphexec.graphs import GraphKey
+from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.rng import Stream
 from graphexec.sampling.tensors import SamplerOutput
@@ -61,8 +65,10 @@ class SpecBuffers:
 
 
 def draft_model_tokens(draft, slots: SlotTable, slot_ids, pos, model_pos, k: int, sampler,
-                       key: GraphKey, method: str):  # fmt: skip
-    """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None)."""
+                       key: GraphKey, method: str, masks=None):  # fmt: skip
+    """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks` [b, K+1, W]:
+    the token masks per offset (strict drafts are drawn under them, so a draft model
+    equal to the target still drafts the target's tokens)."""
     b = slot_ids.shape[0]
     inp = slots.last_token[slot_ids]
     drafts, probs = [], []
@@ -71,9 +77,12 @@ def draft_model_tokens(draft, slots: SlotTable, slot_ids, pos, model_pos, k: int
         logits = draft.decode(inp, model_pos + j, slot_ids)
         if j == k:
             break  # this call only wrote the cache entry of the last draft
+        logits = check_logits(logits, (b, draft.vocab_size), draft, "decode")
+        logits = logits[:, : slots.vocab_size]
         before = torch.stack(drafts, dim=1) if drafts else None
         if method == "strict":
-            sampler(logits, slot_ids, pos + j, slots.tensors, out, None, key.variant,
+            m = None if masks is None else masks[:, j]
+            sampler(logits, slot_ids, pos + j, slots.tensors, out, m, key.variant,
                     count_ids=before)  # fmt: skip
             d = out.token_ids.clone()
         else:
@@ -109,20 +118,50 @@ def spec_step(model, slots: SlotTable, slot_ids: torch.Tensor, spec_in: torch.Te
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
     allow = spec_in[:, 0]
+    masks = run_masks(slots, slot_ids, pos, k + 1)
     q = None
     if draft is None:
         drafts = spec_in[:, 1 : 1 + k]
     else:
         drafts, q = draft_model_tokens(draft, slots, slot_ids, pos, model_pos, k, sampler, key,
-                                       method)  # fmt: skip
+                                       method, masks)  # fmt: skip
     j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
-    drafts = clean_drafts(torch.where(j < allow.unsqueeze(1), drafts, -1), model.vocab_size)
+    drafts = clean_drafts(torch.where(j < allow.unsqueeze(1), drafts, -1), slots.vocab_size)
     inputs = torch.cat([slots.last_token[slot_ids].unsqueeze(1), drafts.clamp(min=0)], dim=1)
-    logits = model.verify(inputs, model_pos, slot_ids)
-    bitmask = None if slots.bitmask is None else slots.bitmask[slot_ids, : k + 1]
-    sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, bitmask, q, method,
+    raw = model.verify(inputs, model_pos, slot_ids)
+    b = slot_ids.shape[0]
+    logits = check_logits(raw, (b, k + 1, model.vocab_size), model, "verify")
+    logits = logits[..., : slots.vocab_size]
+    sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, method,
                    key.variant)  # fmt: skip
+    flag_inf_runs(logits, out)
     advance_run(slots, slot_ids, out)
+
+
+def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
+    """The rows' token masks per offset [b, t, W] (a gathered copy), min_tokens applied
+    at output position pos + j for offset j."""
+    b = slot_ids.shape[0]
+    masks = slots.bitmask[slot_ids, :t]  # [b, t, W]
+    j = torch.arange(t, device=pos.device)
+    rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
+    flat = masks.view(b * t, -1)
+    slots.min_token_masks(flat, rows, (pos.unsqueeze(1) + j).reshape(-1))
+    return masks
+
+
+def flag_inf_runs(logits: torch.Tensor, out: VerifyOutput) -> None:
+    """Step 4: a run holding a token whose raw logit is +inf emits nothing (token -2)."""
+    from graphexec.step import INF_TOKEN
+
+    t = out.token_ids
+    emitted = torch.arange(t.shape[1], device=t.device).unsqueeze(0) < out.num_tokens.unsqueeze(1)
+    raw = logits.gather(2, t.clamp(min=0).unsqueeze(2)).squeeze(2)
+    hit = (torch.isposinf(raw) & emitted).any(dim=1) & out.valid
+    t[:, 0] = torch.where(hit, INF_TOKEN, t[:, 0])
+    out.num_tokens.copy_(torch.where(hit, 0, out.num_tokens))
+    out.num_accepted.copy_(torch.where(hit, 0, out.num_accepted))
+    out.valid &= ~hit
 
 
 def advance_run(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
