@@ -1,54 +1,19 @@
-"""Admission: what `add_request` checks on the caller's thread, and what the step thread
-does with it (one prefill per request, shared by its n streams; first tokens; prompt
-logprobs).
-
-`add_request` only validates and queues an `Admit` (no device work, so it is cheap and
-safe from any thread); the next `step()` runs the queued admissions before its decode
-rows, on the thread that steps.
-"""
+"""Admission: what `add_request` checks on the caller's thread (it validates and queues;
+no device work) and the prefill the stepping thread runs for a queued request (one per
+prompt, shared by its n streams; prompt logprobs)."""
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from graphexec.masks import bad_word_ids
+from graphexec.models.protocol import check_logits
 from graphexec.params import SamplingParams, token_ids
 from graphexec.request import PromptLogprob
-
-
-@dataclass
-class Admit:
-    """A queued request: `ids` are its streams' request ids (one unless params.n > 1),
-    `params` has its seed set; `streams[i]` is the stream index of ids[i]."""
-
-    request_id: str
-    ids: list[str]
-    streams: list[int]
-    prompt: list[int]
-    params: SamplingParams
-    bad_words: list[tuple[int, ...]]
-    min_ids: tuple[int, ...]  # held back until min_tokens: stop ids, and EOS unless ignored
-
-    def stream_params(self, i: int) -> SamplingParams:
-        return self.params if self.params.n == 1 else self.params.stream(self.streams[i])
-
-
-@dataclass
-class Aborted:
-    """A request aborted while still queued: reported at the next step, position 0."""
-
-    request_id: str
-    seed: int
-
-
-@dataclass
-class Abort:
-    """Abort running requests at the next step (a no-op for one that ended meanwhile)."""
-
-    ids: list[str]
+from graphexec.state import min_id_words
 
 
 def check_prompt(prompt_token_ids, vocab_size: int, max_seq_len: int) -> list[int]:
@@ -84,3 +49,59 @@ def prompt_logprobs(logits: torch.Tensor, prompt: Sequence[int], n: int) -> list
         top = list(zip(top_id[i], top_lp[i], strict=True)) if n else []
         out.append(PromptLogprob(t, float(tok_lp[i]), int(ranks[i]), top))
     return out
+
+
+def check_request(ex, request_id, prompt_token_ids, params: SamplingParams):
+    """Validate a request for executor `ex`: (prompt ids, bad words as token sequences,
+    ids min_tokens holds back). ValueError naming the field."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.check_vocab(ex.vocab_size)
+    for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
+        if needs and ex.tokenizer is None:
+            raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
+                             "DecodeExecutor")  # fmt: skip
+    if params.stop and not ex.detokenize:
+        raise ValueError("params.stop needs detokenize=True")
+    nb = ex.slots.tensors.bias_ids.shape[1]
+    if len(params.logit_bias or {}) > nb:
+        raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
+                         "(max_logit_bias)")  # fmt: skip
+    prompt = check_prompt(prompt_token_ids, ex.vocab_size, ex.model.max_seq_len)
+    if params.grammar is not None:
+        ex.grammar.compiler.compile(params.grammar)  # a bad grammar fails here
+    bad = bad_word_ids(params, ex.tokenizer)
+    if any(t >= ex.vocab_size for w in bad for t in w):
+        raise ValueError(f"bad_words tokenise to ids outside [0, {ex.vocab_size})")
+    min_ids: tuple[int, ...] = ()
+    if params.min_tokens:
+        eos = () if params.ignore_eos or ex.eos_token_id is None else (ex.eos_token_id,)
+        min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+        if len(min_id_words(min_ids)) > ex.slots.min_words.shape[1]:
+            raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
+                             "(max_min_ids)")  # fmt: skip
+    return prompt, bad, min_ids
+
+
+def prefill(model, c, slots: list[int], vocab_size: int):
+    """Prefill `c.prompt` into slots[0] and copy it to the other streams' slots (`fork`;
+    a model without it prefills each). (last logits [W], prompt logprobs or None)."""
+    prompt = torch.tensor(c.prompt, dtype=torch.int64)
+    lp_n = c.params.prompt_logprobs
+    w = model.vocab_size
+    if lp_n is None:
+        logits = check_logits(model.prefill(slots[0], prompt), (w,), model, "prefill")
+        prompt_lp = None
+    else:
+        rows = model.prefill(slots[0], prompt, all_logits=True)
+        rows = check_logits(rows, (len(c.prompt), w), model, "prefill")
+        logits = rows[-1]
+        prompt_lp = prompt_logprobs(rows[:, :vocab_size], c.prompt, lp_n)
+    for s in slots[1:]:
+        if hasattr(model, "fork"):
+            model.fork(slots[0], s, len(c.prompt))
+        else:
+            model.prefill(s, prompt)
+    return logits, prompt_lp

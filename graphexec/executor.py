@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections import Counter
@@ -39,29 +38,26 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from graphexec.admission import Abort, Aborted, Admit, check_prompt, prompt_logprobs
+from graphexec.admission import check_request, prefill
 from graphexec.batch import BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
-from graphexec.masks import TokenMasks, bad_word_ids
+from graphexec.masks import TokenMasks
 from graphexec.models.protocol import check_logits
 from graphexec.output_text import OutputText
 from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams, variant_rank
 from graphexec.request import Request, RequestOutput, chunk_key
+from graphexec.request_queue import Aborted, Admit, RequestQueue
 from graphexec.sampling.pipeline import BACKENDS, default_backend
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.config import SpeculativeConfig
 from graphexec.speculative.runner import SpecRunner
-from graphexec.state import SlotTable, min_id_words
+from graphexec.state import SlotTable
 from graphexec.stats import ExecutorStats, StepTiming
 from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
 
 log = logging.getLogger(__name__)
 
 CHUNK_FAILED = -3  # host token id of rows whose chunk raised (the message says why)
-
-
-class ExecutorFullError(RuntimeError):
-    """add_request when max_batch_size requests are already running or queued."""
 
 
 def _device(device) -> torch.device:
@@ -160,8 +156,7 @@ class DecodeExecutor:
             grammar = GrammarSlots(compiler, max_batch_size, runs)
         self.grammar = grammar
         self.masks = TokenMasks(self.vocab_size, max_batch_size, runs, grammar)
-        self._eos = None if tokenizer is None else tokenizer.eos_token_id
-        self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
+        self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
         largest = self.buckets[-1]
         self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
         self.sampler = StepSampler.build(self.backend, self.device, largest * runs,
@@ -189,20 +184,14 @@ class DecodeExecutor:
         self.last_step_timing = StepTiming()
         self._steps = 0
         self._admitted = 0
-        # shared with other threads, under _lock: the command queue and id bookkeeping
-        self._lock = threading.Lock()
         self._stepping = threading.Lock()
-        self._inbox: list[Admit | Abort | Aborted] = []
-        self._live: set[str] = set()  # queued, running, or final output not yet returned
-        self._ended: set[str] = set()  # finished; final output not yet returned
-        self._groups: dict[str, list[str]] = {}  # n > 1: request id -> its streams' ids
-        self._reserved = 0  # slots taken or promised to queued admissions
+        self._queue = RequestQueue(max_batch_size, seed)  # shared with other threads
 
     # ---- public state ----------------------------------------------------------------
     @property
     def free_slots(self) -> int:
         """How many more requests (streams) `add_request` accepts now."""
-        return self.max_batch_size - self._reserved
+        return self._queue.free
 
     @property
     def num_running(self) -> int:
@@ -211,7 +200,7 @@ class DecodeExecutor:
     @property
     def idle(self) -> bool:
         """Nothing queued, running, or waiting to be reported."""
-        return not self._running and not self._pending and not self._inbox
+        return not self._running and not self._pending and self._queue.empty
 
     @property
     def graph_keys(self) -> list[GraphKey]:
@@ -313,55 +302,8 @@ class DecodeExecutor:
         ExecutorFullError when its n streams do not fit (nobody is evicted). With n > 1,
         stream i reports as request id "<request_id>/<i>" with seed
         `stream_seed(seed, i)`; `abort(request_id)` aborts all of them."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.vocab_size)
-        for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
-            if needs and self.tokenizer is None:
-                raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
-                                 "DecodeExecutor")  # fmt: skip
-        if params.stop and not self.detokenize:
-            raise ValueError("params.stop needs detokenize=True")
-        nb = self.slots.tensors.bias_ids.shape[1]
-        if len(params.logit_bias or {}) > nb:
-            raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
-                             "(max_logit_bias)")  # fmt: skip
-        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.model.max_seq_len)
-        if params.grammar is not None:
-            self.grammar.compiler.compile(params.grammar)  # a bad grammar fails here
-        bad = bad_word_ids(params, self.tokenizer)
-        if any(t >= self.vocab_size for w in bad for t in w):
-            raise ValueError(f"bad_words tokenise to ids outside [0, {self.vocab_size})")
-        min_ids: tuple[int, ...] = ()
-        if params.min_tokens:
-            eos = () if params.ignore_eos or self._eos is None else (self._eos,)
-            min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
-            if len(min_id_words(min_ids)) > self.slots.min_words.shape[1]:
-                raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
-                                 "(max_min_ids)")  # fmt: skip
-        n = params.n
-        ids = [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
-        with self._lock:
-            taken = [i for i in {request_id, *ids} if i in self._live or i in self._groups]
-            if taken:
-                raise ValueError(f"request_id {taken[0]!r} is already in use (queued, running, "
-                                 "or its last output not yet returned by step())")  # fmt: skip
-            if self._reserved + n > self.max_batch_size:
-                raise ExecutorFullError(
-                    f"{n} stream(s) do not fit: {self.max_batch_size - self._reserved} of "
-                    f"{self.max_batch_size} slots are free (ex.free_slots); wait for "
-                    "requests to finish"
-                )
-            if params.seed is None:
-                params = params.with_seed(self._seeds.getrandbits(63))
-            self._reserved += n
-            self._live.update(ids)
-            if n > 1:
-                self._groups[request_id] = list(ids)
-            self._inbox.append(Admit(request_id, ids, list(range(n)), prompt, params, bad,
-                                     min_ids))  # fmt: skip
+        prompt, bad, min_ids = check_request(self, request_id, prompt_token_ids, params)
+        self._queue.add(request_id, prompt, params, bad, min_ids)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its streams when n > 1): the next step reports it with
@@ -369,38 +311,11 @@ class DecodeExecutor:
         was reported), with no token. True when queued; False (a no-op) when it has
         already finished; ValueError for an id that is unknown (never added, or finished
         and already reported)."""
-        with self._lock:
-            ids = self._groups.get(request_id) or [request_id]
-            ids = [i for i in ids if i in self._live]
-            if not ids:
-                raise ValueError(
-                    f"request_id {request_id!r} is unknown (never added, or it finished and "
-                    "step() already returned its last output)"
-                )
-            ids = [i for i in ids if i not in self._ended]
-            if not ids:
-                return False  # finished; its end is about to be reported
-            running = []
-            for rid in ids:
-                adm = next((c for c in self._inbox if isinstance(c, Admit) and rid in c.ids), None)
-                if adm is None:
-                    running.append(rid)
-                    continue
-                k = adm.ids.index(rid)  # never admitted: no slot, no prefill
-                seed = adm.stream_params(k).seed
-                del adm.ids[k], adm.streams[k]
-                self._reserved -= 1
-                self._ended.add(rid)
-                self._inbox.append(Aborted(rid, seed))
-            if running:
-                self._inbox.append(Abort(running))
-            return True
+        return self._queue.abort(request_id)
 
     # ---- admission (the step thread) -------------------------------------------------
     def _drain(self) -> None:
-        with self._lock:
-            cmds, self._inbox = self._inbox, []
-        for c in cmds:
+        for c in self._queue.take():
             if isinstance(c, Admit):
                 if c.ids:
                     self._admit(c)
@@ -425,7 +340,7 @@ class DecodeExecutor:
             p = c.stream_params(i)
             slot = self.slots.assign(p, c.prompt, c.min_ids)
             stops = frozenset(p.stop_token_ids) | (
-                {self._eos} if self._eos is not None and not p.ignore_eos else set()
+                {self.eos_token_id} if self.eos_token_id is not None and not p.ignore_eos else set()
             )
             req = Request(rid, p, slot, len(c.prompt), stops, variant_rank(p))
             if self.detokenize:
@@ -434,24 +349,7 @@ class DecodeExecutor:
             self.masks.add(slot, p, c.bad_words)
         try:
             self.slots.flush()
-            prompt = torch.tensor(c.prompt, dtype=torch.int64)
-            first = reqs[0].slot
-            lp_n = c.params.prompt_logprobs
-            if lp_n is None:
-                logits = self.model.prefill(first, prompt)
-                logits = check_logits(logits, (self.model.vocab_size,), self.model, "prefill")
-                prompt_lp = None
-            else:
-                all_logits = self.model.prefill(first, prompt, all_logits=True)
-                shape = (len(c.prompt), self.model.vocab_size)
-                all_logits = check_logits(all_logits, shape, self.model, "prefill")
-                logits = all_logits[-1]
-                prompt_lp = prompt_logprobs(all_logits[:, : self.vocab_size], c.prompt, lp_n)
-            for r in reqs[1:]:
-                if hasattr(self.model, "fork"):
-                    self.model.fork(first, r.slot, len(c.prompt))
-                else:
-                    self.model.prefill(r.slot, prompt)
+            logits, prompt_lp = prefill(self.model, c, [r.slot for r in reqs], self.vocab_size)
             mask_slots = [r.slot for r in reqs if self.masks.has(r.slot)]
             if mask_slots:
                 self._upload_masks(mask_slots)
@@ -493,9 +391,7 @@ class DecodeExecutor:
     def _free_slot(self, req: Request) -> None:
         self.slots.release(req.slot)
         self.masks.remove(req.slot)
-        with self._lock:
-            self._reserved -= 1
-            self._ended.add(req.request_id)
+        self._queue.ended(req.request_id)
 
     def _release(self, req: Request) -> None:
         self._retire_plan()
@@ -523,12 +419,7 @@ class DecodeExecutor:
             done = [o.request_id for o in outs.ready if o.finished]
             done += [r.request_id for i, r in enumerate(outs._rows) if i in outs._reasons]
             if done:
-                with self._lock:
-                    self._live.difference_update(done)
-                    self._ended.difference_update(done)
-                    for parent in [p for p, ids in self._groups.items()
-                                   if not self._live.intersection(ids)]:  # fmt: skip
-                        del self._groups[parent]
+                self._queue.reported(done)
             return outs
 
     def _step(self, mode: str | None) -> StepOutputs:
@@ -597,7 +488,7 @@ class DecodeExecutor:
         return outs
 
     def _finish(self, plan: BatchPlan, errors: dict[int, str] | None = None) -> StepOutputs:
-        outs, ended = finish_rows(plan, self._host_out, self._eos, self.masks, errors or {})
+        outs, ended = finish_rows(plan, self._host_out, self.eos_token_id, self.masks, errors or {})
         for f in ended:
             self._release(plan.rows[f.row])
         return outs
@@ -605,7 +496,7 @@ class DecodeExecutor:
     def _finish_runs(self, plan: BatchPlan, keys, ready, errors) -> StepOutputs:
         """Speculative steps report runs: every output goes in `ready`, in row order."""
         chunks, plan.chunks = plan.chunks, keys
-        runs, ended = self.spec.finish(plan, self._eos, self.masks, errors)
+        runs, ended = self.spec.finish(plan, self.eos_token_id, self.masks, errors)
         plan.chunks = chunks
         for f in ended:
             self._release(plan.rows[f.row])
