@@ -58,7 +58,13 @@ def test_inspect_dot_on_the_cpu_says_there_is_none_and_prints_the_table() -> Non
 def test_cpu_threads_counts_the_cores_this_process_may_use(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     assert cli.cpu_threads() == 3
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 0.0, 0.0))  # a core busy elsewhere
+    assert cli.cpu_threads() == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    assert cli.cpu_threads() == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cli.cpu_threads(7) == 7
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     assert cli.cpu_threads() == 64
