@@ -45,7 +45,8 @@ class BatchPlan:
     own_stops: list[int]  # rows with stop_token_ids of their own
     eos_stops: np.ndarray  # bool [n]: EOS stops the row (not ignore_eos)
     mask_rows: list[int]  # rows with a host-written token mask (grammar, allowed, bad words)
-    text_rows: list[int]  # rows whose output text is detokenised
+    has_text: np.ndarray  # bool [n]: the row's output text is detokenised
+    text_slow: np.ndarray  # bool [n]: its next token needs the decoder (OutputText.needs_push)
     logprobs: bool  # some row asked for logprobs
     uploaded: bool = False  # the device slot ids hold this plan's only chunk
 
@@ -66,7 +67,10 @@ class BatchPlan:
             own_stops=[i for i, r in enumerate(rows) if r.params.stop_token_ids],
             eos_stops=np.array([not r.params.ignore_eos for r in rows], dtype=bool),
             mask_rows=[i for i, r in enumerate(rows) if has_mask(r.slot)],
-            text_rows=[i for i, r in enumerate(rows) if r.text is not None],
+            has_text=np.array([r.text is not None for r in rows], dtype=bool),
+            text_slow=np.array(
+                [r.text is not None and r.text.needs_push for r in rows], dtype=bool
+            ),  # fmt: skip
             logprobs=any(r.params.logprobs is not None for r in rows),
         )
 
@@ -82,11 +86,13 @@ class Finished:
     reason: str  # "stop", "length", "error"
 
 
-def finish_rows(plan: BatchPlan, host, eos: int | None, masks,
-                errors: dict[int, str]) -> tuple[StepOutputs, list]:  # fmt: skip
+def finish_rows(plan: BatchPlan, host, eos: int | None, masks, errors: dict[int, str],
+                plain: list | None = None) -> tuple[StepOutputs, list]:  # fmt: skip
     """Advance the plan's counters by the step's host outputs and decide who ends.
 
     `host` is a SamplerOutput on the host whose first n rows belong to the plan's rows.
+    `plain`: the tokenizer's `plain_texts` and a bool array of where they exist; a row
+    whose text needs no decoder gets its token's plain text when its output is read.
     Returns the step's outputs and the rows that finished (the caller releases them).
     """
     n = len(plan.rows)
@@ -105,17 +111,18 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, masks,
             stop[i] = True
     texts = None
     matched = set()  # rows cut at a stop string: nothing held back to flush
-    if plan.text_rows:
+    if plain is not None and plan.has_text.any():
         texts = {}
-        for i in plan.text_rows:
-            if valid[i]:
-                text = plan.rows[i].text
-                texts[i], hit = text.push(int(toks[i]), int(plan.generated[i]))
-                if hit:
-                    matched.add(i)
-                    if not stop[i]:
-                        stop[i] = True
-                        stop_reason[i] = text.stop_reason
+        slow = plan.has_text & valid & (plan.text_slow | ~plain[1][np.maximum(toks, 0)])
+        for i in np.flatnonzero(slow).tolist():
+            text = plan.rows[i].text
+            texts[i], hit = text.push(int(toks[i]), int(plan.generated[i]))
+            plan.text_slow[i] = text.needs_push
+            if hit:
+                matched.add(i)
+                if not stop[i]:
+                    stop[i] = True
+                    stop_reason[i] = text.stop_reason
     done = ~valid | stop | (plan.generated >= plan.limit)
     ended = []
     for i in np.flatnonzero(done).tolist():
@@ -130,6 +137,8 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, masks,
     outs = StepOutputs(plan.rows, plan.chunks, toks, positions,
                        {f.row: f.reason for f in ended}, lp)  # fmt: skip
     outs._texts, outs._stop_reasons, outs._errors = texts, stop_reason, errors
+    if texts is not None:
+        outs._plain, outs._has_text = plain[0], plan.has_text.copy()
     return outs, ended
 
 
@@ -149,7 +158,9 @@ class StepOutputs(Sequence[RequestOutput]):
         self._positions = positions
         self._reasons = reasons
         self._lp = logprobs
-        self._texts: dict[int, str] | None = None  # row -> its token's text
+        self._texts: dict[int, str] | None = None  # row -> its token's text (slow rows)
+        self._plain: list | None = None  # id -> plain text, for the other text rows
+        self._has_text = None
         self._stop_reasons: dict[int, str | int] = {}
         self._errors: dict[int, str] = {}
 
@@ -190,10 +201,15 @@ class StepOutputs(Sequence[RequestOutput]):
             lps, ranks, top_ids, top_lps = self._lp
             lp, rank = float(lps[i]), int(ranks[i])
             top = list(zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist(), strict=True))
-        text = None if self._texts is None else self._texts.get(i)
         return RequestOutput(req.request_id, code, pos, seed, lp, rank, top, reason is not None,
-                             reason, key=self._key(i), text=text,
+                             reason, key=self._key(i), text=self._text(i, code),
                              stop_reason=self._stop_reasons.get(i))  # fmt: skip
+
+    def _text(self, i: int, tok: int) -> str | None:
+        if self._texts is None or not self._has_text[i]:
+            return None
+        t = self._texts.get(i)
+        return self._plain[tok] if t is None else t
 
     def __iter__(self) -> Iterator[RequestOutput]:
         yield from self.ready
@@ -202,11 +218,10 @@ class StepOutputs(Sequence[RequestOutput]):
         toks, pos = self.row_token_ids.tolist(), self._positions.tolist()
         keys = [key for key, _, n in self._chunks for _ in range(n)] or [None] * len(toks)
         skip = len(self.ready)
-        texts = self._texts or {}
         for i, req in enumerate(self._rows):
             p = req.params
             if toks[i] < 0 or p.logprobs is not None or i in self._reasons:
                 yield self[skip + i]  # the full path: logprobs, an end
             else:
                 yield RequestOutput(req.request_id, toks[i], pos[i], p.seed, key=keys[i],
-                                    text=texts.get(i))  # fmt: skip
+                                    text=self._text(i, toks[i]))  # fmt: skip

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -157,6 +158,11 @@ class DecodeExecutor:
         self.grammar = grammar
         self.masks = TokenMasks(self.vocab_size, max_batch_size, runs, grammar)
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        self._plain = None  # (Tokenizer.plain_texts, where they exist): the text fast path
+        if self.detokenize:
+            texts = tokenizer.plain_texts
+            texts = texts + [None] * (self.vocab_size - len(texts))
+            self._plain = (texts, np.array([t is not None for t in texts], dtype=bool))
         largest = self.buckets[-1]
         self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
         self.sampler = StepSampler.build(self.backend, self.device, largest * runs,
@@ -417,7 +423,7 @@ class DecodeExecutor:
         with self._step_thread():
             outs = self._step(mode)
             done = [o.request_id for o in outs.ready if o.finished]
-            done += [r.request_id for i, r in enumerate(outs._rows) if i in outs._reasons]
+            done += [outs._rows[i].request_id for i in outs._reasons or ()]
             if done:
                 self._queue.reported(done)
             return outs
@@ -488,7 +494,8 @@ class DecodeExecutor:
         return outs
 
     def _finish(self, plan: BatchPlan, errors: dict[int, str] | None = None) -> StepOutputs:
-        outs, ended = finish_rows(plan, self._host_out, self.eos_token_id, self.masks, errors or {})
+        outs, ended = finish_rows(plan, self._host_out, self.eos_token_id, self.masks,
+                                  errors or {}, self._plain)  # fmt: skip
         for f in ended:
             self._release(plan.rows[f.row])
         return outs

@@ -24,6 +24,12 @@ class OutputText:
         self._unsent = ""
         self.stop_reason: str | None = None
 
+    @property
+    def needs_push(self) -> bool:
+        """False when the next token's text is simply its plain text (`Tokenizer.
+        plain_texts`): no stop strings to match and no partial character held."""
+        return bool(self._stop) or self._stream.pending
+
     def push(self, token_id: int, generated: int) -> tuple[str, bool]:
         """(the text to report for this token, True when a stop string matched). `generated`
         counts the request's tokens including this one."""

@@ -140,10 +140,10 @@ def step_masks(slots: SlotTable, slot_ids: torch.Tensor, pos: torch.Tensor) -> t
 def flag_inf(logits: torch.Tensor, out: SamplerOutput) -> None:
     """Step 4: mark rows that drew a token whose raw logit is +inf (only such rows can:
     the sampler keeps just the +inf tokens of a row that has any)."""
-    tok = out.token_ids
-    hit = torch.isposinf(logits.gather(1, tok.clamp(min=0).unsqueeze(1)).squeeze(1)) & out.valid
-    tok.copy_(torch.where(hit, INF_TOKEN, tok))
-    out.valid &= ~hit
+    # an invalid row (-1) reads column 0: if that is +inf, the model is broken all the same
+    hit = logits.gather(1, out.token_ids.clamp(min=0).unsqueeze(1)).squeeze(1) == torch.inf
+    out.token_ids.masked_fill_(hit, INF_TOKEN)
+    out.valid.masked_fill_(hit, False)
 
 
 def first_token(

@@ -124,6 +124,20 @@ class Tokenizer:
             return False
         return not (skip_special_tokens and token_id in self.special_token_ids)
 
+    @cached_property
+    def plain_texts(self) -> list[str | None]:
+        """Per id: its text when it is an ordinary token whose bytes are whole UTF-8
+        characters, else None. A detokeniser holding no partial character may emit these
+        without running its decoder (the executor's fast path for most tokens)."""
+        out: list[str | None] = [None] * self.vocab_size
+        for i in self._valid_ids:
+            if i < self.vocab_size and self._shows(i, True):
+                try:
+                    out[i] = self._enc.decode_single_token_bytes(i).decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+        return out
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (b"" for ids that map to nothing)."""
         if not self.has(token_id):
@@ -155,6 +169,11 @@ class DecodeStream:
     def flush(self) -> str:
         """Whatever bytes are held (an unfinished character), as U+FFFD; the stream can go on."""
         return self._emit(self._utf8.decode(b"", final=True))
+
+    @property
+    def pending(self) -> bool:
+        """Bytes of an unfinished character are held."""
+        return bool(self._utf8.getstate()[0])
 
     @property
     def text(self) -> str:
