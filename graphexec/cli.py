@@ -11,6 +11,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("graphexec.cli")
@@ -31,16 +32,37 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def idle_cores() -> int:
-    """Available cores minus the ones other processes keep busy (the 1-minute load
-    average): on shared cores a pool as wide as the machine waits on the others' work
-    (measured on 2 busy cores: 2 threads 311-1625 ms a step, 1 thread 147-161 ms)."""
-    cores = available_cores()
+def cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """{cpu: (idle ticks, all ticks)} from /proc/stat for the cpus in `cpus`."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *vals = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                v = [int(x) for x in vals]
+                out[int(name[3:])] = (v[3] + v[4], sum(v))  # idle + iowait
+    return out
+
+
+def idle_cores(read=cpu_times, sample_s: float = 0.2) -> int:
+    """The available cores that are idle now (sampled over `sample_s`, at least 1): on
+    cores other processes keep busy, a pool as wide as the machine waits on their work
+    (measured on 2 busy cores: 2 threads 311-1625 ms a step, 1 thread 147-161 ms). Load
+    averages lag by minutes (a pip install just before would count), so this samples."""
     try:
-        busy = int(os.getloadavg()[0])  # whole cores kept busy
+        cpus = set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        busy = 0
-    return max(1, cores - busy)
+        cpus = set(range(os.cpu_count() or 1))
+    try:
+        a = read(cpus)
+        time.sleep(sample_s)
+        b = read(cpus)
+    except OSError:
+        return len(cpus)
+    if not b:
+        return len(cpus)
+    idle = sum((b[c][0] - a[c][0]) / max(1, b[c][1] - a[c][1]) for c in b if c in a)
+    return max(1, min(len(cpus), round(idle)))
 
 
 def cpu_threads(requested: int | None = None) -> int:
@@ -62,7 +84,7 @@ def configure_threads(device: str, requested: int | None) -> int | None:
         return None
     n = cpu_threads(requested)
     torch.set_num_threads(n)
-    why = "--threads" if requested is not None else f"{available_cores()} cores, load-adjusted"
+    why = "--threads" if requested is not None else f"idle cores of {available_cores()}"
     log.info("torch intra-op threads: %d (%s)", n, why)
     return n
 

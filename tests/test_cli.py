@@ -55,25 +55,35 @@ def test_inspect_dot_on_the_cpu_says_there_is_none_and_prints_the_table() -> Non
     assert "torch intra-op threads: 1 (--threads)" in r.stderr
 
 
-def test_cpu_threads_counts_the_cores_this_process_may_use(monkeypatch) -> None:
+def test_cpu_threads_counts_the_idle_cores_this_process_may_use(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+
+    def ticks(idle: dict[int, float]):  # per cpu: the idle share of 100 ticks
+        calls = []
+
+        def read(cpus):
+            calls.append(cpus)
+            n = len(calls) - 1
+            return {c: (int(idle.get(c, 1.0) * 100 * n), 100 * n) for c in cpus}
+
+        return read
+
+    assert cli.idle_cores(ticks({}), 0) == 3
+    assert cli.idle_cores(ticks({0: 0.0, 3: 0.1}), 0) == 1  # two cores busy elsewhere
+    assert cli.idle_cores(ticks({0: 0.0, 3: 0.0, 5: 0.0}), 0) == 1  # never below one
+    assert cli.idle_cores(ticks({0: 0.5, 3: 0.6}), 0) == 2
+    monkeypatch.setattr(cli, "idle_cores", lambda: 3)
     assert cli.cpu_threads() == 3
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 0.0, 0.0))  # a core busy elsewhere
-    assert cli.cpu_threads() == 2
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
-    assert cli.cpu_threads() == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cli.cpu_threads(7) == 7
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
-    assert cli.cpu_threads() == 64
     with pytest.raises(ValueError, match="threads"):
         cli.cpu_threads(0)
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    assert cli.available_cores() == 64
 
 
 def test_configure_threads_sets_torch_on_the_cpu_only(restore_threads, monkeypatch) -> None:
-    monkeypatch.setattr(cli, "available_cores", lambda: 1)
+    monkeypatch.setattr(cli, "idle_cores", lambda: 1)
     torch.set_num_threads(2)
     assert cli.configure_threads("cpu", None) == 1 and torch.get_num_threads() == 1
     assert cli.configure_threads("cuda", None) is None and torch.get_num_threads() == 1
