@@ -78,6 +78,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=[] if eos is None else [eos])  # fmt: skip
         self.vocab_size = vocab_size
+        self.has_stop_token = eos is not None
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=4)
         self._cache: dict[tuple[str, str], Any] = {}
@@ -176,9 +177,12 @@ class GrammarSlots:
 
     def accept(self, slot: int, token_id: int) -> bool:
         """Feed `token_id` to the slot's matcher; True when the grammar has terminated
-        (or rejects the token, which the mask should have made impossible)."""
+        (or rejects the token, which the mask should have made impossible). Without a
+        stop token (a tokenizer with no EOS) nothing could end a complete match, so the
+        request stops at the first point where the grammar is complete."""
         m = self._matchers.get(slot)
         if m is None:
             return False
         ok = m.accept_token(int(token_id))
-        return (not ok) or m.is_terminated()
+        done = m.is_terminated() or (not self.compiler.has_stop_token and m.is_completed())
+        return (not ok) or done

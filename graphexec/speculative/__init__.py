@@ -2,8 +2,8 @@
 
 `verify_drafts` / `verify_step` (verify.py) check K drafts per row against the target's
 logits; `SpeculativeConfig` (config.py) turns speculation on in the executor; drafters
-propose the drafts: prompt lookup (ngram.py) on the host, or a draft model (draft.py)
-inside the step.
+propose the drafts: prompt lookup (ngram.py) on the host, or a draft model run inside
+the step (step.py); runner.py is the executor's host side.
 """
 
 from graphexec.speculative.config import SpeculativeConfig

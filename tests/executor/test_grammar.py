@@ -137,5 +137,10 @@ def test_a_tokenizer_without_eos_compiles_grammars() -> None:
     enc = tiktoken.Encoding("bytes", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
     tok = gx.Tokenizer(enc)
     assert tok.eos_token_id is None
-    m = GrammarCompiler(tok, 256).matcher(gx.Grammar.regex("ab+"))
+    compiler = GrammarCompiler(tok, 256)
+    m = compiler.matcher(gx.Grammar.regex("ab+"))
     assert all(m.accept_token(t) for t in b"abb") and not m.accept_token(ord("c"))
+    # with no EOS to end it, a request stops where its grammar is first complete
+    slots = GrammarSlots(compiler, max_rows=1)
+    slots.add(0, gx.Grammar.regex("ab+"))
+    assert [slots.accept(0, t) for t in b"ab"] == [False, True]
