@@ -1,19 +1,28 @@
 """Admission: what `add_request` checks on the caller's thread (it validates and queues;
-no device work) and the prefill the stepping thread runs for a queued request (one per
-prompt, shared by its n streams; prompt logprobs)."""
+no device work), and what the stepping thread does with the queue at the start of a step
+(`drain`): each queued request gets its slots, one prefill shared by its n streams,
+prompt logprobs, and its first tokens drawn with the step's sampler; queued aborts
+release their slots. Both work on the executor's state (`ex`)."""
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 
 import torch
 
+from graphexec.batch import BatchPlan
 from graphexec.masks import bad_word_ids
 from graphexec.models.protocol import check_logits
-from graphexec.params import SamplingParams, token_ids
-from graphexec.request import PromptLogprob
+from graphexec.output_text import OutputText
+from graphexec.params import SamplingParams, token_ids, variant_rank
+from graphexec.request import PromptLogprob, Request, RequestOutput, chunk_key
+from graphexec.request_queue import Aborted, Admit
 from graphexec.state import min_id_words
+from graphexec.step import first_token
+
+log = logging.getLogger(__name__)
 
 
 def check_prompt(prompt_token_ids, vocab_size: int, max_seq_len: int) -> list[int]:
@@ -105,3 +114,96 @@ def prefill(model, c, slots: list[int], vocab_size: int):
         else:
             model.prefill(s, prompt)
     return logits, prompt_lp
+
+
+def drain(ex) -> None:
+    """Run the commands queued since the last step (on the stepping thread)."""
+    for c in ex._queue.take():
+        if isinstance(c, Admit):
+            if c.ids:
+                _admit(ex, c)
+        elif isinstance(c, Aborted):
+            ex._pending.append(
+                RequestOutput(c.request_id, None, 0, c.seed, finished=True, finish_reason="abort")
+            )
+        else:
+            for rid in c.ids:
+                req = ex._running.get(rid)
+                if req is not None:  # else it ended meanwhile: a no-op
+                    ex._retire_plan()
+                    ex._release(req)
+                    ex._pending.append(
+                        RequestOutput(
+                            rid,
+                            None,
+                            req.generated,
+                            req.params.seed,
+                            finished=True,
+                            finish_reason="abort",
+                        )  # fmt: skip
+                    )
+
+
+def _admit(ex, c: Admit) -> None:
+    """Prefill `c` once, give each stream a slot, draw first tokens (-> ex._pending)."""
+    reqs = []
+    for i, rid in enumerate(c.ids):
+        p = c.stream_params(i)
+        slot = ex.slots.assign(p, c.prompt, c.min_ids)
+        stops = frozenset(p.stop_token_ids) | (
+            {ex.eos_token_id} if ex.eos_token_id is not None and not p.ignore_eos else set()
+        )
+        req = Request(rid, p, slot, len(c.prompt), stops, variant_rank(p))
+        if ex.detokenize:
+            req.text = OutputText(ex.tokenizer, p)
+        reqs.append(req)
+        ex.masks.add(slot, p, c.bad_words)
+    try:
+        ex.slots.flush()
+        logits, prompt_lp = prefill(ex.model, c, [r.slot for r in reqs], ex.vocab_size)
+        mask_slots = [r.slot for r in reqs if ex.masks.has(r.slot)]
+        if mask_slots:
+            ex._upload_masks(mask_slots)
+        for r in reqs:
+            if ex.spec is not None:
+                ex.spec.admit(r, r.slot, c.prompt)
+        logits = logits.to(ex.device)
+        for r in reqs:
+            _first_token(ex, r, logits, prompt_lp)
+    except Exception as e:
+        log.exception("admission of %r failed", c.request_id)
+        for r in reqs:
+            if r.request_id in ex._running:
+                continue
+            ex._free_slot(r)
+            ex._pending.append(
+                RequestOutput(
+                    r.request_id,
+                    None,
+                    0,
+                    r.params.seed,
+                    finished=True,
+                    finish_reason="error",
+                    message=f"prefill failed: {e}",
+                )  # fmt: skip
+            )
+
+
+def _first_token(ex, req: Request, logits: torch.Tensor, prompt_lp) -> None:
+    out = ex._first[req.wants_logprobs]
+    key = chunk_key([req], 1)
+    first_token(logits, ex.slots, req.slot, out, key, ex.sampler)
+    ex._copy_out(out, key, 0, 1)
+    if ex.device.type == "cuda":
+        torch.cuda.current_stream(ex.device).synchronize()
+    ex._running[req.request_id] = req
+    req.fresh = True
+    ex._admitted += 1
+    ex._retire_plan()  # it joins the decode rows at the next step
+    plan = BatchPlan.build([req], (1,), ex.model.max_seq_len, ex.masks.has)
+    plan.chunks = []  # no graph key: drawn at admission
+    outs = list(ex._finish(plan))
+    plan.retire()
+    if prompt_lp is not None:
+        outs[0].prompt_logprobs = prompt_lp
+    ex._pending += outs

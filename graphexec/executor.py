@@ -39,22 +39,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from graphexec.admission import check_request, prefill
+from graphexec.admission import check_request, drain
 from graphexec.batch import BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
 from graphexec.masks import TokenMasks
 from graphexec.models.protocol import check_logits
-from graphexec.output_text import OutputText
-from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams, variant_rank
-from graphexec.request import Request, RequestOutput, chunk_key
-from graphexec.request_queue import Aborted, Admit, RequestQueue
+from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
+from graphexec.request import Request, RequestOutput
+from graphexec.request_queue import RequestQueue
 from graphexec.sampling.pipeline import BACKENDS, default_backend
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.config import SpeculativeConfig
 from graphexec.speculative.runner import SpecRunner
 from graphexec.state import SlotTable
 from graphexec.stats import ExecutorStats, StepTiming
-from graphexec.step import StepBuffers, StepSampler, decode_step, first_token
+from graphexec.step import StepBuffers, StepSampler, decode_step
 
 log = logging.getLogger(__name__)
 
@@ -319,81 +318,7 @@ class DecodeExecutor:
         and already reported)."""
         return self._queue.abort(request_id)
 
-    # ---- admission (the step thread) -------------------------------------------------
-    def _drain(self) -> None:
-        for c in self._queue.take():
-            if isinstance(c, Admit):
-                if c.ids:
-                    self._admit(c)
-            elif isinstance(c, Aborted):
-                self._pending.append(RequestOutput(c.request_id, None, 0, c.seed, finished=True,
-                                                   finish_reason="abort"))  # fmt: skip
-            else:
-                for rid in c.ids:
-                    req = self._running.get(rid)
-                    if req is not None:  # else it ended meanwhile: a no-op
-                        self._retire_plan()
-                        self._release(req)
-                        self._pending.append(
-                            RequestOutput(rid, None, req.generated, req.params.seed,
-                                          finished=True, finish_reason="abort")
-                        )  # fmt: skip
-
-    def _admit(self, c: Admit) -> None:
-        """Prefill `c` once, give each stream a slot, draw first tokens (-> _pending)."""
-        reqs = []
-        for i, rid in enumerate(c.ids):
-            p = c.stream_params(i)
-            slot = self.slots.assign(p, c.prompt, c.min_ids)
-            stops = frozenset(p.stop_token_ids) | (
-                {self.eos_token_id} if self.eos_token_id is not None and not p.ignore_eos else set()
-            )
-            req = Request(rid, p, slot, len(c.prompt), stops, variant_rank(p))
-            if self.detokenize:
-                req.text = OutputText(self.tokenizer, p)
-            reqs.append(req)
-            self.masks.add(slot, p, c.bad_words)
-        try:
-            self.slots.flush()
-            logits, prompt_lp = prefill(self.model, c, [r.slot for r in reqs], self.vocab_size)
-            mask_slots = [r.slot for r in reqs if self.masks.has(r.slot)]
-            if mask_slots:
-                self._upload_masks(mask_slots)
-            for r in reqs:
-                if self.spec is not None:
-                    self.spec.admit(r, r.slot, c.prompt)
-            logits = logits.to(self.device)
-            for r in reqs:
-                self._first_token(r, logits, prompt_lp)
-        except Exception as e:
-            log.exception("admission of %r failed", c.request_id)
-            for r in reqs:
-                if r.request_id in self._running:
-                    continue
-                self._free_slot(r)
-                self._pending.append(RequestOutput(r.request_id, None, 0, r.params.seed,
-                                                   finished=True, finish_reason="error",
-                                                   message=f"prefill failed: {e}"))  # fmt: skip
-
-    def _first_token(self, req: Request, logits: torch.Tensor, prompt_lp) -> None:
-        out = self._first[req.wants_logprobs]
-        key = chunk_key([req], 1)
-        first_token(logits, self.slots, req.slot, out, key, self.sampler)
-        self._copy_out(out, key, 0, 1)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._running[req.request_id] = req
-        req.fresh = True
-        self._admitted += 1
-        self._retire_plan()  # it joins the decode rows at the next step
-        plan = BatchPlan.build([req], (1,), self.model.max_seq_len, self.masks.has)
-        plan.chunks = []  # no graph key: drawn at admission
-        outs = list(self._finish(plan))
-        plan.retire()
-        if prompt_lp is not None:
-            outs[0].prompt_logprobs = prompt_lp
-        self._pending += outs
-
+    # ---- admission (the step thread: `admission.drain`) -------------------------------
     def _free_slot(self, req: Request) -> None:
         self.slots.release(req.slot)
         self.masks.remove(req.slot)
@@ -430,7 +355,7 @@ class DecodeExecutor:
 
     def _step(self, mode: str | None) -> StepOutputs:
         t0 = time.perf_counter()
-        self._drain()
+        drain(self)
         ready, self._pending = self._pending, []
         plan = self._plan
         if plan is None:
