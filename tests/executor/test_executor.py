@@ -11,6 +11,7 @@ import graphexec as gx
 from graphexec import workload as wl
 from graphexec.graphs import GraphKey
 from graphexec.params import SamplerVariant as SV
+from tests.executor.scripted import drain, tokens
 
 P = gx.SamplingParams
 V = 300
@@ -22,18 +23,6 @@ def make(max_batch_size: int = 8, **kw) -> gx.DecodeExecutor:
     if ex.cuda_graphs:
         ex.capture(progress=False)
     return ex
-
-
-def drain(ex: gx.DecodeExecutor, mode: str | None = None) -> dict[str, list[gx.RequestOutput]]:
-    outs: dict[str, list[gx.RequestOutput]] = {}
-    while not ex.idle:
-        for o in ex.step(mode):
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
-
-
-def tokens(outs: list[gx.RequestOutput]) -> list[int]:
-    return [o.token_id for o in outs if o.token_id is not None]
 
 
 def test_capture_makes_every_key_largest_bucket_first() -> None:
