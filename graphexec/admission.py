@@ -130,8 +130,7 @@ def drain(ex) -> None:
             for rid in c.ids:
                 req = ex._running.get(rid)
                 if req is not None:  # else it ended meanwhile: a no-op
-                    ex._retire_plan()
-                    ex._release(req)
+                    ex._release(req)  # retires the plan first: req.generated is current
                     ex._pending.append(
                         RequestOutput(
                             rid,

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from graphexec.params import SamplingParams
 from graphexec.request import RequestOutput
+from graphexec.request_queue import stream_ids
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class AsyncDecodeExecutor:
         when params.n > 1). Errors of `add_request` raise here, before the first output."""
         if self._closed:
             raise RuntimeError("this AsyncDecodeExecutor is closed")
-        ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        ids = stream_ids(request_id, params.n)
         q: asyncio.Queue = asyncio.Queue()
         for i in ids:
             self._queues[i] = q

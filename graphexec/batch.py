@@ -23,14 +23,17 @@ INVALID_MESSAGE = (
     "allowed_token_ids, bad_words, min_tokens) allowed none"
 )
 INF_MESSAGE = "the model's logits hold +inf for the sampled token: the model is broken"
+# host token ids of rows with no token (the sampler writes -1 for nothing samplable)
+INF_TOKEN = -2  # the sampled token's raw logit was +inf (flagged inside the step)
+CHUNK_FAILED = -3  # the chunk's step raised (the message says why)
 
 
 def error_message(code: int, row: int, chunks, errors: dict[int, str]) -> str:
     """Why a row with token id `code` (< 0) has no token: -1 the sampler found nothing
     samplable, -2 +inf logits, -3 its chunk's step raised (`errors`: chunk start -> why)."""
-    if code == -2:
+    if code == INF_TOKEN:
         return INF_MESSAGE
-    if code == -3:
+    if code == CHUNK_FAILED:
         start = max((s for _, s, _ in chunks if s <= row), default=0)
         return f"the step failed: {errors.get(start, 'unknown error')}"
     return INVALID_MESSAGE

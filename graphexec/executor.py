@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphexec.admission import check_request, drain
-from graphexec.batch import BatchPlan, StepOutputs, finish_rows
+from graphexec.batch import CHUNK_FAILED, BatchPlan, StepOutputs, finish_rows
 from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
 from graphexec.masks import TokenMasks
 from graphexec.models.protocol import check_logits
@@ -56,8 +56,6 @@ from graphexec.stats import ExecutorStats, StepTiming
 from graphexec.step import StepBuffers, StepSampler, decode_step
 
 log = logging.getLogger(__name__)
-
-CHUNK_FAILED = -3  # host token id of rows whose chunk raised (the message says why)
 
 
 def _device(device) -> torch.device:

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from graphexec.params import SamplingParams
 
 
+def stream_ids(request_id: str, n: int) -> list[str]:
+    """The request ids a request of n streams reports under."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
 class ExecutorFullError(RuntimeError):
     """add_request when max_batch_size requests are already running or queued."""
 
@@ -79,7 +84,7 @@ class RequestQueue:
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
             bad_words: list[tuple[int, ...]], min_ids: tuple[int, ...]) -> None:  # fmt: skip
         n = params.n
-        ids = [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+        ids = stream_ids(request_id, n)
         with self._lock:
             taken = [i for i in {request_id, *ids} if i in self._live or i in self._groups]
             if taken:

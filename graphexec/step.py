@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from graphexec.batch import INF_TOKEN
 from graphexec.graphs import GraphKey
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
@@ -34,8 +35,6 @@ from graphexec.state import SlotTable
 
 if TYPE_CHECKING:
     from graphexec.sampling.triton.config import SamplerConfig, Workspace
-
-INF_TOKEN = -2  # token id of a row the model gave +inf (the sampler's invalid rows: -1)
 
 
 @dataclass(frozen=True)

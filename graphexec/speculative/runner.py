@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from graphexec.batch import BatchPlan, Finished, error_message
+from graphexec.batch import CHUNK_FAILED, BatchPlan, Finished, error_message
 from graphexec.graphs import GraphKey
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import RequestOutput
@@ -153,12 +153,12 @@ class SpecRunner:
                 getattr(h, f)[start : start + n].copy_(getattr(out, f)[:n], non_blocking=True)
 
     def fail_rows(self, errors: dict[int, str], keys) -> None:
-        """Rows of chunks whose step raised emit nothing (token -3, see `error_message`)."""
+        """Rows of chunks whose step raised emit nothing (`CHUNK_FAILED`)."""
         for key, start, n in keys:
             if start in errors:
                 h = self._host[key.spec_k]
                 h.num_tokens[start : start + n] = 0
-                h.token_ids[start : start + n, 0] = -3
+                h.token_ids[start : start + n, 0] = CHUNK_FAILED
 
     def finish(self, plan: BatchPlan, eos: int | None, masks, errors: dict[int, str]):
         """(outputs in row then position order, rows that finished) after the step."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphexec.batch import INF_TOKEN
 from graphexec.graphs import GraphKey
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
@@ -152,8 +153,6 @@ def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
 
 def flag_inf_runs(logits: torch.Tensor, out: VerifyOutput) -> None:
     """Step 4: a run holding a token whose raw logit is +inf emits nothing (token -2)."""
-    from graphexec.step import INF_TOKEN
-
     t = out.token_ids
     emitted = torch.arange(t.shape[1], device=t.device).unsqueeze(0) < out.num_tokens.unsqueeze(1)
     raw = logits.gather(2, t.clamp(min=0).unsqueeze(2)).squeeze(2)
