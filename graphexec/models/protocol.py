@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -32,6 +34,64 @@ def check_logits(logits, shape: tuple[int, ...], model, method: str):
     return logits
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A ragged batch of prompt segments for `DecodeModel.prefill_batch`.
+
+    Segment r is the tokens at sequence positions [starts[r], starts[r] + lengths[r]) of
+    the sequence held in slot `slots[r]`; positions before starts[r] are already in that
+    slot's state (an earlier chunk). Its tokens are token_ids[offsets[r] : offsets[r] +
+    lengths[r]]. Device tensors live on the model's device; host tuples give shapes
+    without a sync.
+    """
+
+    token_ids: torch.Tensor  # i64 [N]: every segment's tokens, concatenated
+    positions: torch.Tensor  # i64 [N]: each token's index in its sequence
+    segment_ids: torch.Tensor  # i64 [N]: the segment (0..R-1) of each token
+    slot_ids: torch.Tensor  # i64 [R]: the slot of each segment
+    slots: tuple[int, ...]  # [R] host copy of slot_ids
+    starts: tuple[int, ...]  # [R] sequence position of each segment's first token
+    lengths: tuple[int, ...]  # [R] tokens per segment (>= 1)
+    logit_rows: torch.Tensor | None = None  # i64 [M]: tokens (indices into N) to return logits of
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, o = [], 0
+        for n in self.lengths:
+            out.append(o)
+            o += n
+        return tuple(out)
+
+    @classmethod
+    def build(cls, segments: Sequence[tuple[int, int, Sequence[int]]], device,
+              logit_rows: Sequence[int] | None = None) -> PrefillBatch:  # fmt: skip
+        """From host segments (slot, start, token ids); one host-to-device copy."""
+        if not segments:
+            raise ValueError("a PrefillBatch needs at least one segment")
+        slots = tuple(int(s) for s, _, _ in segments)
+        starts = tuple(int(a) for _, a, _ in segments)
+        lengths = tuple(len(ids) for _, _, ids in segments)
+        if min(lengths) < 1:
+            raise ValueError("every prefill segment needs at least one token")
+        n, r = sum(lengths), len(segments)
+        rows = list(logit_rows) if logit_rows is not None else []
+        host = torch.empty(3 * n + r + len(rows), dtype=torch.int64)
+        host[:n] = torch.tensor([t for _, _, ids in segments for t in ids], dtype=torch.int64)
+        host[n : 2 * n] = torch.cat(
+            [torch.arange(a, a + k) for a, k in zip(starts, lengths, strict=True)]
+        )
+        host[2 * n : 3 * n] = torch.repeat_interleave(torch.arange(r), torch.tensor(lengths))
+        host[3 * n : 3 * n + r] = torch.tensor(slots, dtype=torch.int64)
+        if rows:
+            host[3 * n + r :] = torch.tensor(rows, dtype=torch.int64)
+        dev = host.to(device)
+        return cls(
+            token_ids=dev[:n], positions=dev[n : 2 * n], segment_ids=dev[2 * n : 3 * n],
+            slot_ids=dev[3 * n : 3 * n + r], slots=slots, starts=starts, lengths=lengths,
+            logit_rows=dev[3 * n + r :] if logit_rows is not None else None,
+        )  # fmt: skip
+
+
 @runtime_checkable
 class DecodeModel(Protocol):
     """What the executor needs of a model.
@@ -42,7 +102,12 @@ class DecodeModel(Protocol):
     shape and dtype (`check_logits`). `vocab_size` may exceed the tokenizer's (a padded
     embedding): the padding columns are never sampled.
 
-    Optional: `fork(src_slot, dst_slot, length)` copies the state of the first `length`
+    Optional: `prefill_batch(batch: PrefillBatch) -> logits [M, V] or None` runs a ragged
+    batch of prompt segments (several prompts, and chunks of a long one continuing at
+    `starts[r]`) into their slots' state in one pass, returning the logits of the tokens
+    `batch.logit_rows` (None when that is None); the executor prefills through it when
+    present (chunked to its token budget), else one `prefill` per prompt, unchunked.
+    `fork(src_slot, dst_slot, length)` copies the state of the first `length`
     positions of one slot into another, so n streams of one prompt share one prefill;
     `prefill(..., all_logits=True)` returns [n, V] logits (for prompt_logprobs).
     """
