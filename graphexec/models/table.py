@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from graphexec.models.protocol import PrefillBatch
 from graphexec.rng import Stream, random_bits
 
 _MIX = 0x9E3779B97F4A7C15 & (2**62 - 1)  # spreads token ids over the 62-bit key space
@@ -68,6 +69,15 @@ class TableModel:
             return self.logits(torch.arange(n, device=self.device), ids)
         pos = torch.tensor([n - 1], device=self.device)
         return self.logits(pos, ids[-1:])[0]
+
+    def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
+        """The logits of the tokens `batch.logit_rows` (no state to fill: None without)."""
+        if max(a + n for a, n in zip(batch.starts, batch.lengths, strict=True)) > self.max_seq_len:
+            raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
+        rows = batch.logit_rows
+        if rows is None:
+            return None
+        return self.logits(batch.positions[rows], batch.token_ids[rows])
 
     def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
         del src_slot, dst_slot, length  # stateless: every slot already sees the same rows

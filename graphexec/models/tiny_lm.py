@@ -3,11 +3,14 @@
 It exists to give the executor a real decode forward to capture: embeddings, attention
 over a per-slot cache, an MLP and an LM head, at the bundled tokenizer's vocabulary.
 Its weights are random (seeded), so its text is noise; what matters is the shape of the
-work. `decode` is graph-capturable: static shapes, cache writes by index, attention over
-the whole cache row with a position mask, no host sync. `verify` runs its T tokens as T
-decode calls: the same kernels at the same shapes, so its logits are bitwise those of
-decode and speculation never moves a token by a rounding difference (a real model's
-batched verify forward agrees with its decode only to rounding).
+work. `prefill_batch` runs a ragged batch of prompts and chunks in one pass (one matmul
+per projection over all their tokens, padded attention over each slot's cache); `prefill`
+is its one-segment case. `decode` is graph-capturable: static shapes, cache writes by
+index, attention over the whole cache row with a position mask, no host sync. `verify`
+runs its T tokens as T decode calls: the same kernels at the same shapes, so its logits
+are bitwise those of decode and speculation never moves a token by a rounding
+difference (a real model's batched verify forward agrees with its decode only to
+rounding).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from graphexec.models.protocol import PrefillBatch
 
 
 class TinyLM:
@@ -103,23 +108,81 @@ class TinyLM:
         self.v_cache[:, dst_slot, :length] = self.v_cache[:, src_slot, :length]
 
     def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One prompt from position 0: a one-segment `prefill_batch`."""
         if self.k_cache is None:
             raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill")
         ids = token_ids.reshape(-1).to(self.device)
         n = int(ids.numel())
         if not 0 < n <= self.max_seq_len:
             raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
-        x = self.embed[ids] + self.pos_embed[:n]
+        d = self.device
+        positions = torch.arange(n, device=d)
+        batch = PrefillBatch(
+            token_ids=ids, positions=positions, segment_ids=torch.zeros_like(positions),
+            slot_ids=torch.full((1,), slot, dtype=torch.int64, device=d), slots=(slot,),
+            starts=(0,), lengths=(n,), logit_rows=positions if all_logits else positions[-1:],
+        )  # fmt: skip
+        logits = self.prefill_batch(batch)
+        return logits if all_logits else logits[0]
+
+    def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
+        """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`).
+
+        Projections and MLP run once over the concatenated N tokens; each layer writes
+        their K/V into the cache by (slot, position), then attends as a padded batch:
+        queries [R, Lmax] against their slot's cache rows [R, C] (C = the furthest
+        position written), masked causally, so a chunk sees its slot's earlier chunks.
+        A layer writes every token's K/V before any attends, so two chunks of one slot
+        may even share a batch. Shapes come from the host tuples: no sync. With
+        `logit_rows` None the last layer stops after its K/V (nothing after it is read)
+        and there is no LM head; with rows, its out-projection and MLP run on them alone.
+        """
+        if self.k_cache is None:
+            raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill_batch")
+        starts, lengths = batch.starts, batch.lengths
+        ends = [a + n for a, n in zip(starts, lengths, strict=True)]
+        if min(starts) < 0 or max(ends) > self.max_seq_len:
+            raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
+        num_slots = self.k_cache.shape[1]
+        if not all(0 <= s < num_slots for s in batch.slots):
+            raise ValueError(f"prefill slots must be in [0, {num_slots})")
+        R, Lmax, C = len(lengths), max(lengths), max(ends)
+        d, hd = self.device, self.dim // self.heads
+        ids, pos, seg = batch.token_ids, batch.positions, batch.segment_ids
+        tok_slot = batch.slot_ids[seg]  # [N]
+        # each segment's first position, on the device (no host-to-device copy)
+        first = torch.full((R,), self.max_seq_len, dtype=torch.int64, device=d)
+        first = first.scatter_reduce(0, seg, pos, reduce="amin")
+        j = pos - first[seg]  # [N]: index of each token within its segment
+        # query positions of the padded rows [R, Lmax]; a padding row (j >= lengths[r])
+        # still sees key 0 (an all-masked row would be NaN); its output is dropped
+        q_pos = first[:, None] + torch.arange(Lmax, device=d)
+        visible = torch.arange(C, device=d) <= q_pos[:, :, None]  # [R, Lmax, C]
+        visible = visible[:, None]  # [R, 1, Lmax, C]: one mask for every head
+        rows = batch.logit_rows
+        x = self.embed[ids] + self.pos_embed[pos]  # [N, D]
+        last = self.num_layers - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x)  # [n, H, hd]
-            self.k_cache[i, slot, :n] = k
-            self.v_cache[i, slot, :n] = v
-            a = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-            )  # [H, n, hd]
-            x = x + a.transpose(0, 1).reshape(n, self.dim) @ layer["out"]
+            q, k, v = self._qkv(layer, x)  # [N, H, hd]
+            self.k_cache[i, tok_slot, pos] = k
+            self.v_cache[i, tok_slot, pos] = v
+            if i == last and rows is None:
+                return None
+            q_pad = q.new_zeros(R, self.heads, Lmax, hd)
+            q_pad.transpose(1, 2)[seg, j] = q
+            keys = self.k_cache[i][batch.slot_ids, :C].transpose(1, 2)  # [R, H, C, hd]
+            vals = self.v_cache[i][batch.slot_ids, :C].transpose(1, 2)
+            a = F.scaled_dot_product_attention(q_pad, keys, vals, attn_mask=visible)
+            a = a.transpose(1, 2)  # [R, Lmax, H, hd]
+            if i == last:  # only the logit rows go on to the head
+                x, a = x[rows], a[seg[rows], j[rows]]
+            else:
+                a = a[seg, j]
+            x = x + a.reshape(-1, self.dim) @ layer["out"]
             x = x + self._mlp(layer, x)
-        return self._head(x if all_logits else x[-1])
+        if rows is None:  # a model of no layers
+            return None
+        return self._head(x if self.num_layers else x[rows])
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
