@@ -1,6 +1,7 @@
-"""CPU tests of the sampler benchmark tooling: bench_sampler.py (rows, --append, --resume,
---time-budget) and plot_sampler.targets_table. Only torch.* methods and synthetic results;
-the graphexec methods are not run here (they are slow under the Triton interpreter)."""
+"""CPU tests of the benchmark tooling: bench_sampler.py (rows, --append, --resume,
+--time-budget) and plot_sampler.targets_table (only torch.* methods and synthetic results;
+the graphexec methods are slow under the Triton interpreter); bench_step.py's churn loop
+on a small TableModel executor (its numbers are not performance, only its bookkeeping)."""
 
 import glob
 import json
@@ -11,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import bench_sampler  # noqa: E402
+import bench_step  # noqa: E402
 import plot_sampler  # noqa: E402
 
 CPU_ARGS = ["--device", "cpu", "--vocab", "600", "--quick", "--methods", "torch.no_filter"]
@@ -182,16 +184,24 @@ def test_targets_are_judged_on_the_worst_shape():
     assert t[("`graphexec.top_p`", big)] == ("<= 3x floor", "not measured", "not measured")
     # partly measured and within the limit: not met, the missing points counted
     assert t[("`graphexec.min_p`", big)] == (
-        "<= 2x floor", "1.70x floor at B=128, V=128256; 2 not measured", "no")
+        "<= 2x floor",
+        "1.70x floor at B=128, V=128256; 2 not measured",
+        "no",
+    )
     assert t[("`graphexec.min_p`", one)] == ("<= 12 us", "20.0 us at B=1, V=128256", "no")
     lp = f"`+logprobs20` over `{BASE}`"
     assert t[(lp, big)][2] == "yes" and t[(lp, big)][1].startswith("0.35x floor")
     # speed-ups shape by shape: cake's worst is 2.0x (flat, B = 256, V = 151936): met
     assert t[(f"`{BASE}` vs `flashinfer.cake`", every)] == (
-        ">= 2x faster", "2.00x at B=256, V=151936, flat", "yes")
+        ">= 2x faster",
+        "2.00x at B=256, V=151936, flat",
+        "yes",
+    )
     # min-p: 1.76x at B >= 128 but 1.25x at B = 1 (25 vs 20 us): not met
     assert t[("`graphexec.min_p` vs `flashinfer.min_p`", every)][1:] == (
-        "1.25x at B=1, V=128256, flat", "no")
+        "1.25x at B=1, V=128256, flat",
+        "no",
+    )
     assert t[("`graphexec.top_p` vs `flashinfer.top_p`", every)][1] == "not measured"
     assert text.splitlines()[0].startswith("Targets, float32 logits, CUDA-graph replay, worst "
                                            "shape, on Test GPU, 2026-01-01: ")  # fmt: skip
@@ -211,3 +221,104 @@ def test_plot_sampler_targets_cli_needs_no_matplotlib(tmp_path, capsys):
     assert plot_sampler.main([str(path), "--targets", "--no-png"]) == 0
     assert capsys.readouterr().out.strip() == plot_sampler.targets_table(synthetic())
     assert not list(tmp_path.glob("*.png"))
+
+
+# ----------------------------------------------------------------------------- churn
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: a pool as wide as a busy CI machine made this test 15x slower."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_churn_section_ends_every_request_once_and_measures_it(one_thread):
+    import graphexec as gx
+
+    ex = gx.DecodeExecutor(gx.models.TableModel(1000, seed=0), max_batch_size=8, device="cpu",
+                           seed=0)  # fmt: skip
+    churn = bench_step.Churn("t", (1, 12), grammar_frac=0.0, abort_frac=0.25)
+    section = bench_step.churn_section(ex, (churn,), steps=30, warmup=4, ref_steps=6)
+    json.dumps(section)  # the JSON's "churn" section (run_churn adds model, keys, capture)
+    assert {"max_batch_size", "steps", "warmup", "ref_steps", "targets"} < set(section)
+    (w,) = section["workloads"]
+    assert set(w) == {"workload", "churn", "steady", "throughput_ratio", "gap_ratio",
+                      "admit_mean_us", "met"}  # fmt: skip
+    c, s = w["churn"], w["steady"]
+    # every request added ended exactly once (finished or aborted), none overran max_tokens
+    assert c["problems"] == [] and s["problems"] == []
+    assert c["requests"] == c["ended"] > 8 and c["unended"] == 0
+    assert ex.idle and ex.free_slots == 8
+    assert c["finished"].get("abort", 0) > 0 and c["finished"].get("length", 0) > 0
+    assert c["steps"] == 30 and c["tokens_per_s"] > 0 and c["steps_per_s"] > 0
+    assert 1 <= c["mean_batch"] <= 8
+    # each measured token is a first token or follows one (a gap), one gap per decode row
+    assert c["tokens"] == c["gaps"] + c["first_tokens"] and c["first_tokens"] > 0
+    assert c["gaps"] == round(c["mean_batch"] * c["steps"])
+    assert 0 < c["gap_mean_us"] <= c["gap_p99_us"]
+    assert c["admitted"] > 0 and 0 < c["admit_mean_us"] <= c["admit_p99_us"]
+    # the reference: the churn's mean batch, every step, nobody arriving or leaving
+    assert s["batch"] == round(c["mean_batch"]) == s["min_batch"] == s["mean_batch"]
+    assert s["steps"] == 6 and s["tokens"] == 6 * s["batch"] and s["step_us"] > 0
+    assert w["throughput_ratio"] == pytest.approx(c["tokens_per_s"] / s["tokens_per_s"])
+    assert w["gap_ratio"] == pytest.approx(c["gap_p99_us"] / s["step_us"])
+    assert w["met"]["gap_ratio"] == (w["gap_ratio"] <= 3)
+    row = bench_step.churn_markdown(section).splitlines()[-1]
+    assert row.startswith("| t | 1..12 | ") and row.count("|") == 13
+
+
+def test_tracker_flags_second_ends_and_short_length_ends():
+    from graphexec import SamplingParams as P
+    from graphexec.request import RequestOutput as O
+
+    class Ex:
+        def add_request(self, *args):
+            pass
+
+    tr = bench_step.Tracker(measuring=True)
+    tr.add(Ex(), "a", [1], P(max_tokens=2))
+    tr.add(Ex(), "b", [1], P(max_tokens=3))
+    end = dict(finished=True, finish_reason="length")
+    tr.observe([O("a", 5, 0, 0), O("b", 5, 0, 0)], 1.0)
+    tr.observe([O("a", 6, 1, 0, **end), O("b", 6, 1, 0, **end)], 1.5)
+    tr.observe([O("a", None, 2, 0, finished=True, finish_reason="abort")], 2.0)
+    assert tr.ended == {"a", "b"} and not tr.live
+    assert tr.bad == ["b: 'length' after 2 tokens, max_tokens 3",
+                      "a: output abort after its end or never added"]  # fmt: skip
+    assert tr.rows == [0, 2, 0] and tr.gaps == [0.5, 0.5] and len(tr.ttft) == 2
+    assert tr.tokens == 4 and tr.reasons == {"length": 2} and len(tr.admit) == 2
+
+
+def test_prefill_budget_is_passed_only_when_given(monkeypatch):
+    class WithBudget:
+        def __init__(self, model, prefill_budget: int = 512):
+            pass
+
+    class Without:
+        def __init__(self, model):
+            pass
+
+    monkeypatch.setattr(bench_step.gx, "DecodeExecutor", WithBudget)
+    assert bench_step.prefill_budget(None) == ({}, 512)
+    assert bench_step.prefill_budget(64) == ({"prefill_budget": 64}, 64)
+    monkeypatch.setattr(bench_step.gx, "DecodeExecutor", Without)
+    assert bench_step.prefill_budget(None) == ({}, None)
+    with pytest.raises(SystemExit, match="no prefill_budget"):
+        bench_step.prefill_budget(64)
+
+
+def test_churn_only_run_keeps_the_days_steady_rows(tmp_path):
+    head = dict(device="Test GPU", date="2026-01-01", torch="t")
+    path, _ = bench_step.write(dict(head, rows=[{"batch": 1}], churn={"old": 1}), str(tmp_path),
+                               keep_rows=False)  # fmt: skip
+    _, merged = bench_step.write(dict(head, torch="u", churn={"new": 1}), str(tmp_path),
+                                 keep_rows=True)  # fmt: skip
+    with open(path) as f:
+        assert json.load(f) == merged == dict(head, torch="u", rows=[{"batch": 1}],
+                                              churn={"new": 1})  # fmt: skip
+    assert path.endswith("step-test-gpu-2026-01-01.json")
