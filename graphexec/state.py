@@ -8,9 +8,14 @@ go. The last row is the padding slot: padding rows of a bucket point at it, it i
 given to a request, and nothing a padding row writes reaches a real slot.
 
 Writes are staged on the host (`assign`, `release`) and reach the device in one `flush`
-per step, a few batched copies with no sync. A released slot is reset completely at the
-next flush (parameters to plain sampling, counts, prompt mask, position), so nothing leaks
-into the request that gets it next.
+per step: one packed copy from a pinned buffer (`graphexec.slot_writes`), then a fixed
+handful of scatters, no sync. A released slot is reset completely at the next flush
+(parameters to plain sampling, counts, prompt mask, position), so nothing leaks into the
+request that gets it next.
+
+Storage: the [S] columns of one dtype (the sampling table's and the decode state) are
+rows of one [k, S'] block, so a flush scatters each dtype with one `index_copy_`; each
+column stays a contiguous [S] view (S' rounds S up to 16 elements to keep alignment).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import torch
 
 from graphexec.params import SamplingParams
 from graphexec.sampling.tensors import SamplingTensors
+from graphexec.slot_writes import PackedUpload
 
 _PLAIN = SamplingParams(seed=0)
+_DECODE = ("positions", "last_token", "prompt_lens", "min_tokens")  # SlotTable's own [S] i64
+_BLOCK_DTYPES = (torch.int64, torch.float32, torch.int32, torch.bool)
 
 
 class SlotTable:
@@ -47,10 +55,16 @@ class SlotTable:
 
     Decode state, advanced inside the step by `graphexec.step.advance`:
         positions   i64 [S]  output position of the next token (the noise counter)
-        last_token  i64 [S]  the last sampled token (the next decode input)
+        last_token  i64 [S]  the last sampled token (the next decode input); a flush sets
+                             it to the prompt's last token (0 for an empty prompt)
         prompt_lens i64 [S]  prompt length; the model position of the input is
                              prompt_len + position - 1
     """
+
+    positions: torch.Tensor
+    last_token: torch.Tensor
+    prompt_lens: torch.Tensor
+    min_tokens: torch.Tensor
 
     def __init__(
         self,
@@ -70,19 +84,36 @@ class SlotTable:
         rows = max_slots + 1
         self.tensors = SamplingTensors.allocate(rows, vocab_size, self.device, max_bias, penalties)
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(rows, **i64)
-        self.last_token = torch.zeros(rows, **i64)
-        self.prompt_lens = torch.zeros(rows, **i64)
         words = (vocab_size + 31) // 32
         shape = (rows, words) if offsets == 1 else (rows, offsets, words)
         self.bitmask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        self.min_tokens = torch.zeros(rows, **i64)
         self.min_words = torch.zeros((rows, max(1, max_min_ids)), **i64)
         self.min_bits = torch.zeros((rows, max(1, max_min_ids)), dtype=torch.int32,
                                     device=self.device)  # fmt: skip
+        # the table's scalar columns (whatever host_columns writes) and the decode state,
+        # grouped by dtype into blocks: {dtype: (block [k, S'], [(owner, name)])}
+        owners: dict[torch.dtype, list[tuple[object, str]]] = {d: [] for d in _BLOCK_DTYPES}
+        for name in SamplingTensors.host_columns([_PLAIN], vocab_size):
+            dtype = getattr(self.tensors, name).dtype
+            if dtype not in owners:
+                raise TypeError(f"SamplingTensors.{name}: no block for dtype {dtype}")
+            owners[dtype].append((self.tensors, name))
+        for name in _DECODE:
+            setattr(self, name, torch.zeros(rows, **i64))
+            owners[torch.int64].append((self, name))
+        self._blocks: dict[torch.dtype, tuple[torch.Tensor, list[tuple[object, str]]]] = {}
+        stride = -(-rows // 16) * 16
+        for dtype, cols in owners.items():
+            if cols:
+                block = torch.zeros((len(cols), stride), dtype=dtype, device=self.device)
+                for i, (owner, name) in enumerate(cols):
+                    block[i, :rows] = getattr(owner, name)  # keep allocate's initial values
+                    setattr(owner, name, block[i, :rows])
+                self._blocks[dtype] = (block, cols)
+        self._upload = PackedUpload(self.device)
         self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._params: dict[int, SamplingParams] = {}
-        self._staged: dict[int, tuple[SamplingParams, Sequence[int], Sequence[int]]] = {}
+        self._staged: dict[int, tuple[SamplingParams, tuple[int, ...], list[tuple[int, int]]]] = {}
         self._resets: set[int] = set()
 
     @property
@@ -130,48 +161,64 @@ class SlotTable:
         self._free.sort(reverse=True)
 
     def flush(self) -> None:
-        """Write every staged change to the device: a few batched copies, no sync."""
+        """Write every staged change to the device: one packed host->device copy and a
+        fixed number of scatters (about 15 ops whatever the number of slots), no sync."""
         dirty = sorted(self._resets | set(self._staged))
         if not dirty:
             return
-        params = [self._staged[s][0] if s in self._staged else _PLAIN for s in dirty]
-        idx = torch.tensor(dirty, dtype=torch.int64)
-        t = self.tensors
-        t.write_rows(idx, params, self.vocab_size)
-        dev_idx = idx.to(self.device)
-        self.positions.index_fill_(0, dev_idx, 0)
-        self.last_token.index_fill_(0, dev_idx, 0)
-        lens = [len(self._staged[s][1]) if s in self._staged else 0 for s in dirty]
-        self.prompt_lens.index_copy_(0, dev_idx, torch.tensor(lens).to(self.device))
-        self.bitmask.index_fill_(0, dev_idx, -1)
-        m = self.min_words.shape[1]
-        words = torch.zeros((len(dirty), m), dtype=torch.int64)
-        bits = torch.zeros((len(dirty), m), dtype=torch.int32)
-        for i, s in enumerate(dirty):
-            pairs = self._staged[s][2] if s in self._staged else []
-            if pairs:  # padding entries repeat the first: a scatter of equal values
-                pairs = pairs + [pairs[0]] * (m - len(pairs))
-                words[i] = torch.tensor([w for w, _ in pairs])
-                bits[i] = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(torch.int32)
-        self.min_tokens.index_copy_(
-            0, dev_idx, torch.tensor([p.min_tokens for p in params]).to(self.device)
-        )
-        self.min_words.index_copy_(0, dev_idx, words.to(self.device))
-        self.min_bits.index_copy_(0, dev_idx, bits.to(self.device))
-        if t.token_counts is not None:
-            t.token_counts.index_fill_(0, dev_idx, 0)
-            t.prompt_mask.index_fill_(0, dev_idx, False)
-            rows, cols = [], []
-            for s in dirty:
-                ids = self._staged[s][1] if s in self._staged else ()
-                rows += [s] * len(ids)
-                cols += list(ids)
-            if rows:
-                t.prompt_mask[
-                    torch.tensor(rows).to(self.device), torch.tensor(cols).to(self.device)
-                ] = True
+        self._upload_writes(dirty, self._pieces(dirty))
         self._staged.clear()
         self._resets.clear()
+
+    def _pieces(self, dirty: list[int]) -> dict[str, torch.Tensor]:
+        """The host tensors of a flush of `dirty` (released slots get plain values)."""
+        staged = [self._staged.get(s) for s in dirty]
+        params = [_PLAIN if st is None else st[0] for st in staged]
+        prompts = [() if st is None else st[1] for st in staged]
+        t = self.tensors
+        n, m = len(dirty), self.min_words.shape[1]
+        vals = SamplingTensors.host_columns(params, self.vocab_size)
+        vals["positions"] = torch.zeros(n, dtype=torch.int64)
+        vals["last_token"] = torch.tensor([p[-1] if p else 0 for p in prompts], dtype=torch.int64)
+        vals["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        vals["min_tokens"] = torch.tensor([p.min_tokens for p in params], dtype=torch.int64)
+        pieces = {"idx": torch.tensor(dirty, dtype=torch.int64)}
+        for dtype, (_, cols) in self._blocks.items():
+            pieces[f"block_{dtype}"] = torch.stack([vals[name] for _, name in cols])
+        pieces["bias_ids"], pieces["bias_values"] = t.host_bias(params, t.bias_ids.shape[1])
+        words = torch.zeros((n, m), dtype=torch.int64)
+        bits = torch.zeros((n, m), dtype=torch.int32)
+        for i, st in enumerate(staged):
+            pairs = [] if st is None else list(st[2])
+            if pairs:  # padding entries repeat the first: a scatter of equal values
+                pairs += [pairs[0]] * (m - len(pairs))
+                words[i] = torch.tensor([w for w, _ in pairs])
+                bits[i] = torch.tensor([b for _, b in pairs], dtype=torch.int32)
+        pieces["min_words"], pieces["min_bits"] = words, bits
+        if t.prompt_mask is not None:
+            # the (slot, token) pairs as flat indices into prompt_mask: one index_fill_
+            v = self.vocab_size
+            flat = [s * v + tok for s, p in zip(dirty, prompts, strict=True) for tok in p]
+            pieces["prompt"] = torch.tensor(flat, dtype=torch.int64)
+        return pieces
+
+    def _upload_writes(self, dirty: list[int], pieces: dict[str, torch.Tensor]) -> None:
+        dev = self._upload.upload(pieces)  # the one host->device copy
+        idx = dev["idx"]
+        for dtype, (block, _) in self._blocks.items():  # 4 ops: one per dtype block
+            block.index_copy_(1, idx, dev[f"block_{dtype}"])
+        t = self.tensors
+        t.bias_ids.index_copy_(0, idx, dev["bias_ids"])
+        t.bias_values.index_copy_(0, idx, dev["bias_values"])
+        self.min_words.index_copy_(0, idx, dev["min_words"])
+        self.min_bits.index_copy_(0, idx, dev["min_bits"])
+        self.bitmask.index_fill_(0, idx, -1)
+        if t.token_counts is not None:
+            t.token_counts.index_fill_(0, idx, 0)
+        if t.prompt_mask is not None:
+            t.prompt_mask.index_fill_(0, idx, False)
+            if dev["prompt"].numel():
+                t.prompt_mask.view(-1).index_fill_(0, dev["prompt"], True)
 
     def min_token_masks(self, masks: torch.Tensor, slot_ids: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
