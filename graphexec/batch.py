@@ -146,8 +146,8 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, masks, errors: dict[int,
 
 
 class StepOutputs(Sequence[RequestOutput]):
-    """One step's outputs: first the ones that were waiting (`ready`: first tokens drawn at
-    admission, aborts), then one per decode row. Decode rows are held as columns and each
+    """One step's outputs: first the ones that were waiting (`ready`: aborts, failed
+    prefills), then one per decode row. Decode rows are held as columns and each
     `RequestOutput` is built when it is read, so the step does no per-row Python work.
     Engines that want columns read `row_request_ids` / `row_token_ids` (numpy, -1 where
     invalid) for the decode rows."""
@@ -178,7 +178,7 @@ class StepOutputs(Sequence[RequestOutput]):
         for key, start, n in self._chunks:
             if start <= i < start + n:
                 return key
-        return None  # drawn at admission
+        return None
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -206,7 +206,8 @@ class StepOutputs(Sequence[RequestOutput]):
             top = list(zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist(), strict=True))
         return RequestOutput(req.request_id, code, pos, seed, lp, rank, top, reason is not None,
                              reason, key=self._key(i), text=self._text(i, code),
-                             stop_reason=self._stop_reasons.get(i))  # fmt: skip
+                             stop_reason=self._stop_reasons.get(i),
+                             prompt_logprobs=req.prompt_logprobs if pos == 0 else None)  # fmt: skip
 
     def _text(self, i: int, tok: int) -> str | None:
         if self._texts is None or not self._has_text[i]:
@@ -223,7 +224,9 @@ class StepOutputs(Sequence[RequestOutput]):
         skip = len(self.ready)
         for i, req in enumerate(self._rows):
             p = req.params
-            if toks[i] < 0 or p.logprobs is not None or i in self._reasons:
+            if toks[i] < 0 or p.logprobs is not None or i in self._reasons or (
+                pos[i] == 0 and req.prompt_logprobs is not None
+            ):
                 yield self[skip + i]  # the full path: logprobs, an end
             else:
                 yield RequestOutput(req.request_id, toks[i], pos[i], p.seed, key=keys[i],

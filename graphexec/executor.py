@@ -1,19 +1,23 @@
 """DecodeExecutor: the decode loop. add_request / step / abort over captured graphs.
 
 A step, in order:
-  1. drain the commands queued since the last step (`add_request`, `abort`): admissions
-     prefill (one prefill per prompt, shared by its n streams) and draw their first
-     tokens; aborts release their slots;
-  2. flush staged slot writes (admissions, releases) and upload the token-mask rows of
-     requests with a grammar, allowed_token_ids or bad_words (pinned host rows, copied
-     without blocking);
+  1. drain the commands queued since the last step (`add_request`, `abort`), host
+     bookkeeping only: admissions take slots (staged writes) and queue their prompts for
+     prefill; aborts release their slots;
+  2. upload the token-mask rows of decode rows with a grammar, allowed_token_ids or
+     bad_words (pinned host rows, copied without blocking);
   3. for each chunk of at most the largest bucket: pick its `GraphKey` from host copies
      (variant, smallest bucket that fits, logprobs if any row asked), write its slot ids
      (padding rows -> the padding slot), replay the key's graph or run the same step
      function eagerly, and queue a non-blocking copy of its outputs to pinned host memory;
      a chunk whose eager step raises (a model returning the wrong shape) ends its
      requests with "error" instead of wedging the executor;
-  4. wait once for the outputs, then per row: feed the masks, detokenise and match stop
+  4. behind the decode graphs: flush the staged slot writes (one packed copy) and
+     prefill the queued prompts in one ragged batch, cut to `prefill_budget` tokens
+     (`graphexec.prefill`); a request whose prompt is complete decodes from the next step
+     on, its last prompt token being the input of the row that draws its first token.
+     (When nothing is decoding, 4 runs first and the new rows decode in this step.)
+  5. wait once for the outputs, then per row: feed the masks, detokenise and match stop
      strings, check stop conditions, report, and release finished slots.
 With speculation (`graphexec.speculative.runner`), step 3 also writes each chunk's drafts
 and per-offset masks and gives its key spec_k, and step 4 reports runs of 1..K+1 tokens
@@ -45,6 +49,7 @@ from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, 
 from graphexec.masks import TokenMasks
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
+from graphexec.prefill import Prefiller
 from graphexec.request import Request, RequestOutput
 from graphexec.request_queue import RequestQueue
 from graphexec.sampling.pipeline import BACKENDS, default_backend
@@ -92,6 +97,9 @@ class DecodeExecutor:
         detokenize: with a tokenizer, report each token's text (`RequestOutput.text`);
             stop strings need it.
         max_min_ids: the most bitmask words of ids one request's min_tokens holds back.
+        prefill_budget: prompt tokens prefilled per step; a longer prompt is prefilled in
+            chunks over several steps, so running streams never wait for more than this.
+            (A model without `prefill_batch` gets whole prompts, one `prefill` each.)
     """
 
     def __init__(
@@ -110,9 +118,16 @@ class DecodeExecutor:
         vocab_size: int | None = None,
         detokenize: bool = True,
         max_min_ids: int = 16,
+        prefill_budget: int = 1024,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if (
+            isinstance(prefill_budget, bool)
+            or not isinstance(prefill_budget, int)
+            or (prefill_budget < 1)
+        ):
+            raise ValueError(f"prefill_budget must be an int >= 1, got {prefill_budget!r}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
         for attr in ("vocab_size", "max_seq_len", "bind", "prefill", "decode"):
@@ -169,8 +184,8 @@ class DecodeExecutor:
             self.spec = SpecRunner(speculative, model, self.slots, self.device, largest,
                                    max_batch_size)  # fmt: skip
             self.spec.sampler = self.sampler
-        self._first = {lp: SamplerOutput.allocate(1, self.device, MAX_TOP_LOGPROBS if lp else None)
-                       for lp in (False, True)}  # fmt: skip
+        self.prefiller = Prefiller(model, prefill_budget, self.vocab_size, self.device,
+                                   self.spec.draft if self.spec else None)  # fmt: skip
         pin = self.device.type == "cuda"
         n = max_batch_size + largest  # chunk staging at each chunk's first row
         self._host_slots = torch.empty(n, dtype=torch.int64, pin_memory=pin)
@@ -198,12 +213,15 @@ class DecodeExecutor:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Requests (streams) holding a slot: decoding, or with their prompt still
+        being prefilled."""
+        return len(self._running) + sum(len(p.reqs) for p in self.prefiller.pending)
 
     @property
     def idle(self) -> bool:
         """Nothing queued, running, or waiting to be reported."""
-        return not self._running and not self._pending and self._queue.empty
+        return (not self._running and not self._pending and self._queue.empty
+                and not self.prefiller.pending)  # fmt: skip
 
     @property
     def graph_keys(self) -> list[GraphKey]:
@@ -355,25 +373,49 @@ class DecodeExecutor:
         t0 = time.perf_counter()
         drain(self)
         ready, self._pending = self._pending, []
+        prefilled = False
+        if not self._running and self.prefiller.pending:
+            ready += self._prefill()  # nothing decodes yet: the new rows decode now
+            prefilled = True
         plan = self._plan
         if plan is None:
-            rows = [r for r in self._running.values() if not r.fresh]
-            fresh = len(rows) < len(self._running)
-            for r in self._running.values():
-                r.fresh = False
-            plan = BatchPlan.build(rows, self.buckets, self.model.max_seq_len, self.masks.has)
-            self._plan = None if fresh else plan  # fresh requests join at the next step
+            plan = self._plan = BatchPlan.build(list(self._running.values()), self.buckets,
+                                                self.model.max_seq_len, self.masks.has)  # fmt: skip
+        keys: list[tuple[GraphKey, int, int]] = []
+        errors: dict[int, str] = {}
+        if plan.rows:
+            self._steps += 1
+            keys = self._launch(plan, mode, errors)
+        if not prefilled:
+            # launched behind the decode graphs: the host's launch time overlaps the
+            # device's decode, and the new requests decode from the next step on
+            ready += self._prefill()
+        t1 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t2 = time.perf_counter()
         if not plan.rows:
             outs = StepOutputs()
-            outs.ready = ready
-            return outs
-        self._steps += 1
-        self.slots.flush()
+        elif self.spec is not None:
+            self.spec.fail_rows(errors, keys)
+            outs = self._finish_runs(plan, keys, [], errors)
+        else:
+            for start, n in ((s, n) for _, s, n in keys if s in errors):
+                self._host_out.token_ids[start : start + n] = CHUNK_FAILED
+            outs = self._finish(plan, errors)
+        if plan is not self._plan:
+            plan.retire()  # requests joined during the step: keep its counters
+        outs.ready = ready + outs.ready
+        self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outs
+
+    def _launch(self, plan: BatchPlan, mode: str | None, errors: dict[int, str]) -> list:
+        """Replay (or run eagerly) each chunk of the plan and queue its output copies;
+        [(key, start, n)]. A chunk whose step raises is recorded in `errors`."""
         if plan.mask_rows and self.spec is None:  # the runner writes masks per offset
             self._upload_masks([plan.rows[i].slot for i in plan.mask_rows])
         replay = mode != "eager" and self.cuda_graphs
         keys = []
-        errors: dict[int, str] = {}
         for key, start, n in plan.chunks:
             if self.spec is not None:
                 key = self.spec.prepare(plan, key, start, n, self.masks)
@@ -398,22 +440,27 @@ class DecodeExecutor:
             else:
                 self._copy_out(self.buffers.out, key, start, n)
         plan.uploaded = True
-        t1 = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        t2 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.fail_rows(errors, keys)
-            outs = self._finish_runs(plan, keys, ready, errors)
-            ready = outs.ready
-        else:
-            for start, n in ((s, n) for _, s, n in keys if s in errors):
-                self._host_out.token_ids[start : start + n] = CHUNK_FAILED
-            outs = self._finish(plan, errors)
-        if plan is not self._plan:
-            plan.retire()  # a one-off plan (a request joins next step): keep its counters
-        outs.ready = ready
-        self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return keys
+
+    def _prefill(self) -> list[RequestOutput]:
+        """Flush the staged slot writes and run the step's prefill; completed prompts
+        join the decode rows. The ends of requests whose prefill failed."""
+        self.slots.flush()
+        if not self.prefiller.pending:
+            return []
+        res = self.prefiller.run()
+        outs = []
+        for p, why in res.failed:
+            for r in p.reqs:
+                self._free_slot(r)
+                outs.append(RequestOutput(r.request_id, None, 0, r.params.seed, finished=True,
+                                          finish_reason="error", message=why))  # fmt: skip
+        if res.complete:
+            self._plan = None  # rebuilt with them at the next plan (the step's is retired)
+            for p in res.complete:
+                for r in p.reqs:
+                    self._running[r.request_id] = r
+                    self._admitted += 1
         return outs
 
     def _finish(self, plan: BatchPlan, errors: dict[int, str] | None = None) -> StepOutputs:

@@ -25,8 +25,7 @@ class RequestOutput:
         "error" (see `message`).
     seed: the request's seed (drawn at admission when the params had none), so any stream
         can be replayed.
-    key: the graph key of the step that drew the token; None for the first token (drawn
-        at admission) and for ends without a token.
+    key: the graph key of the step that drew the token; None for ends without a token.
     text: the text this token adds to the output (when the executor has a tokenizer and
         detokenises): never a partial UTF-8 character; held back while it could still be
         the start of a stop string; cut before a matched stop string.
@@ -73,7 +72,7 @@ class Request:
     stop_ids: frozenset[int]
     variant_rank: int  # params.variant_rank: a chunk takes the max over its rows
     generated: int = 0
-    fresh: bool = True  # admitted since the last step: its first token is not out yet
+    prompt_logprobs: Any = None  # reported with its first token (params.prompt_logprobs)
     history: Any = None  # n-gram speculation: its prompt and output (a TokenHistory)
     text: Any = None  # its detokenised output and stop strings (an OutputText)
 

@@ -143,22 +143,3 @@ def flag_inf(logits: torch.Tensor, out: SamplerOutput) -> None:
     hit = logits.gather(1, out.token_ids.clamp(min=0).unsqueeze(1)).squeeze(1) == torch.inf
     out.token_ids.masked_fill_(hit, INF_TOKEN)
     out.valid.masked_fill_(hit, False)
-
-
-def first_token(
-    logits: torch.Tensor,
-    slots: SlotTable,
-    slot: int,
-    out: SamplerOutput,
-    key: GraphKey,
-    sampler: StepSampler,
-) -> None:
-    """Sample a request's first token (position 0) from its prefill logits [V], with the
-    same sampler and state update as a decode step (eager: prefill is not captured)."""
-    slot_ids = torch.tensor([slot], dtype=torch.int64, device=logits.device)
-    pos = slots.positions[slot_ids]
-    bitmask = step_masks(slots, slot_ids, pos)
-    logits = logits[None, : slots.vocab_size]
-    sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
-    flag_inf(logits, out)
-    advance(slots, slot_ids, out)

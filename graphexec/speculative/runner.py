@@ -91,10 +91,10 @@ class SpecRunner:
         self.accepted = 0
 
     # ---- admission ---------------------------------------------------------------------
-    def admit(self, req, slot: int, prompt: list[int]) -> None:
-        if self.draft is not None:
-            self.draft.prefill(slot, torch.tensor(prompt, dtype=torch.int64))
-        else:
+    def admit(self, req, prompt: list[int]) -> None:
+        """n-gram drafting keeps the request's history (a draft model is prefilled with
+        the target, by the executor's `Prefiller`)."""
+        if self.draft is None:
             req.history = TokenHistory(prompt, len(prompt) + req.params.max_tokens + 1)
 
     # ---- the step ----------------------------------------------------------------------
@@ -213,7 +213,9 @@ class SpecRunner:
                                h.top_logprobs[r, j, :k].tolist(), strict=True))  # fmt: skip
             outs.append(RequestOutput(req.request_id, t, pos0 + j, req.params.seed, lp, rank, top,
                                       reason is not None, reason, key=key, text=text,
-                                      stop_reason=stop_reason))  # fmt: skip
+                                      stop_reason=stop_reason,
+                                      prompt_logprobs=req.prompt_logprobs if pos0 + j == 0
+                                      else None))  # fmt: skip
             if reason is not None:
                 break
         plan.generated[r] += len(emitted)

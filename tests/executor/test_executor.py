@@ -46,9 +46,8 @@ def test_step_replays_the_key_of_the_batch(params: list[gx.SamplingParams], key:
     ex = make(8)
     for i, p in enumerate(params):
         ex.add_request(f"r{i}", [i + 1], dataclasses.replace(p, max_tokens=3))
-    ex.step()  # first tokens, drawn at admission
-    outs = ex.step()
-    assert {o.key for o in outs} == {key}
+    outs = ex.step()  # the prefill, then the first tokens drawn by the key's graph
+    assert {o.key for o in outs} == {key} and {o.position for o in outs} == {0}
     assert ex.stats.replays[key] == 1 and sum(ex.stats.replays.values()) == 1
 
 
@@ -260,7 +259,7 @@ def test_cuda_graphs_off_runs_eagerly() -> None:
     ex = make(2, cuda_graphs=False)
     ex.add_request("a", [1], P(seed=1, max_tokens=3))
     drain(ex)
-    assert ex.graph_keys == [] and sum(ex.stats.eager_steps.values()) == 2
+    assert ex.graph_keys == [] and sum(ex.stats.eager_steps.values()) == 3
     with pytest.raises(RuntimeError, match="cuda_graphs=False"):
         ex.capture()
 

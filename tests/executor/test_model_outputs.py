@@ -48,25 +48,36 @@ def test_a_wrong_model_output_ends_its_requests_with_error(how: str, graphs: boo
     ex.add_request("b", [2], P(seed=2, max_tokens=5))
     outs = drain(ex)  # ends: the executor is not wedged
     for rid in "ab":
-        first, last = outs[rid][0], outs[rid][-1]
-        assert first.token_id is not None  # the prefill is fine
-        assert last.finish_reason == "error" and last.token_id is None
+        (last,) = outs[rid]  # the first token is the decode row's: it fails
+        assert last.finish_reason == "error" and last.token_id is None and last.position == 0
         assert re.search(EXPECT[how], last.message), last.message
-    ex.add_request("a", [1], P(seed=1, max_tokens=1))  # still usable
-    assert drain(ex)["a"][-1].finish_reason == "length"
+    ex.add_request("a", [1], P(seed=1, max_tokens=1))  # not wedged: it ends again
+    assert drain(ex)["a"][-1].finish_reason == "error" and ex.idle and ex.free_slots == 4
 
 
 class WrongPrefill(gx.models.TableModel):
-    def prefill(self, slot, token_ids, all_logits=False):
-        return torch.zeros(V + 1)
+    """prefill_batch returns logits one column too wide, and raises on token 13."""
+
+    def prefill_batch(self, batch):
+        if (batch.token_ids == 13).any():
+            raise RuntimeError("token 13")
+        x = super().prefill_batch(batch)
+        return None if x is None else torch.zeros(x.shape[0], V + 1)
 
 
-def test_a_wrong_prefill_output_ends_that_request_only() -> None:
-    ex = gx.DecodeExecutor(WrongPrefill(V, seed=0), max_batch_size=2, device="cpu")
-    ex.add_request("a", [1], P(seed=1))
-    (o,) = ex.step()
-    assert o.finish_reason == "error" and "WrongPrefill.prefill" in o.message
-    assert ex.idle and ex.free_slots == 2
+def test_a_wrong_or_failing_prefill_ends_those_requests_only() -> None:
+    ex = gx.DecodeExecutor(WrongPrefill(V, seed=0), max_batch_size=4, device="cpu")
+    ex.add_request("ok", [1, 2], P(seed=1, max_tokens=4))
+    ex.step()
+    ex.add_request("lp", [1, 2, 3], P(seed=1, prompt_logprobs=1))  # its logits are checked
+    ex.add_request("raises", [13, 2], P(seed=1))
+    outs = drain(ex)
+    for rid, msg in (("lp", "WrongPrefill.prefill_batch returned logits of shape"),
+                     ("raises", "prefill failed: RuntimeError: token 13")):  # fmt: skip
+        (o,) = outs[rid]
+        assert o.finish_reason == "error" and msg in o.message and o.position == 0
+    assert len(tokens(outs["ok"])) == 3 and outs["ok"][-1].finish_reason == "length"
+    assert ex.idle and ex.free_slots == 4
 
 
 class Padded(gx.models.TableModel):

@@ -17,18 +17,20 @@ def test_step_outputs_sequence_and_columns() -> None:
     ex.capture(progress=False)
     for i in range(3):
         ex.add_request(f"r{i}", [i + 1], P(seed=i, max_tokens=4, logprobs=1 if i else None))
-    first = ex.step()
-    assert len(first) == 3 and [o.key for o in first] == [None] * 3  # drawn at admission
+    first = ex.step()  # prefill, then the first tokens drawn by the step's graph
+    assert len(first) == 3 and all(o.key is not None and o.position == 0 for o in first)
     ex.add_request("late", [9], P(seed=9, max_tokens=2))
     ex.abort("r2")
     outs = ex.step()
     ids = [o.request_id for o in outs]
-    assert ids == ["late", "r2", "r0", "r1"]  # waiting outputs first, then decode rows
-    assert outs[1].finish_reason == "abort" and outs[-1] == outs[3] and outs[1:3] == list(outs)[1:3]
+    assert ids == ["r2", "r0", "r1"]  # waiting outputs first, then decode rows
+    assert outs[0].finish_reason == "abort" and outs[-1] == outs[2] and outs[0:2] == list(outs)[0:2]
     assert outs.row_request_ids == ["r0", "r1"]
-    assert outs.row_token_ids.tolist() == [outs[2].token_id, outs[3].token_id]
-    assert outs[2].logprob is None and outs[3].top_logprobs is not None
-    assert all(o.position == 1 for o in outs[2:])
+    assert outs.row_token_ids.tolist() == [outs[1].token_id, outs[2].token_id]
+    assert outs[1].logprob is None and outs[2].top_logprobs is not None
+    assert all(o.position == 1 for o in outs[1:])
+    late = ex.step()  # prefilled behind the last step's graph, it decodes now
+    assert [(o.request_id, o.position) for o in late] == [("r0", 2), ("r1", 2), ("late", 0)]
     assert list(outs) == [outs[i] for i in range(len(outs))]  # the bulk and the single path
 
 

@@ -131,9 +131,9 @@ def test_masked_parameters_with_speculation_equal_without() -> None:
 class CountingTable(gx.models.TableModel):
     prefills = 0
 
-    def prefill(self, slot, token_ids, all_logits=False):
+    def prefill_batch(self, batch):
         self.prefills += 1
-        return super().prefill(slot, token_ids, all_logits)
+        return super().prefill_batch(batch)
 
 
 def test_n_streams_share_one_prefill_and_equal_separate_requests() -> None:
