@@ -1,7 +1,8 @@
 """CPU tests of the benchmark tooling: bench_sampler.py (rows, --append, --resume,
 --time-budget) and plot_sampler.targets_table (only torch.* methods and synthetic results;
-the graphexec methods are slow under the Triton interpreter); bench_step.py's churn loop
-on a small TableModel executor (its numbers are not performance, only its bookkeeping)."""
+the graphexec methods are slow under the Triton interpreter); the churn loop of
+step_churn.py (bench_step.py --scenario churn) on a small TableModel executor (its numbers
+are not performance, only its bookkeeping)."""
 
 import glob
 import json
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 import bench_sampler  # noqa: E402
 import bench_step  # noqa: E402
 import plot_sampler  # noqa: E402
+import step_churn  # noqa: E402
 
 CPU_ARGS = ["--device", "cpu", "--vocab", "600", "--quick", "--methods", "torch.no_filter"]
 F32 = ["--dtypes", "float32", "--shapes", "randn3"]
@@ -242,8 +244,8 @@ def test_churn_section_ends_every_request_once_and_measures_it(one_thread):
 
     ex = gx.DecodeExecutor(gx.models.TableModel(1000, seed=0), max_batch_size=8, device="cpu",
                            seed=0)  # fmt: skip
-    churn = bench_step.Churn("t", (1, 12), grammar_frac=0.0, abort_frac=0.25)
-    section = bench_step.churn_section(ex, (churn,), steps=30, warmup=4, ref_steps=6)
+    churn = step_churn.Churn("t", (1, 12), grammar_frac=0.0, abort_frac=0.25)
+    section = step_churn.churn_section(ex, (churn,), steps=30, warmup=4, ref_steps=6)
     json.dumps(section)  # the JSON's "churn" section (run_churn adds model, keys, capture)
     assert {"max_batch_size", "steps", "warmup", "ref_steps", "targets"} < set(section)
     (w,) = section["workloads"]
@@ -268,7 +270,7 @@ def test_churn_section_ends_every_request_once_and_measures_it(one_thread):
     assert w["throughput_ratio"] == pytest.approx(c["tokens_per_s"] / s["tokens_per_s"])
     assert w["gap_ratio"] == pytest.approx(c["gap_p99_us"] / s["step_us"])
     assert w["met"]["gap_ratio"] == (w["gap_ratio"] <= 3)
-    row = bench_step.churn_markdown(section).splitlines()[-1]
+    row = step_churn.churn_markdown(section).splitlines()[-1]
     assert row.startswith("| t | 1..12 | ") and row.count("|") == 13
 
 
@@ -280,7 +282,7 @@ def test_tracker_flags_second_ends_and_short_length_ends():
         def add_request(self, *args):
             pass
 
-    tr = bench_step.Tracker(measuring=True)
+    tr = step_churn.Tracker(measuring=True)
     tr.add(Ex(), "a", [1], P(max_tokens=2))
     tr.add(Ex(), "b", [1], P(max_tokens=3))
     end = dict(finished=True, finish_reason="length")
