@@ -160,10 +160,9 @@ def test_equal_draft_model_emits_k_plus_1_tokens_per_row(tok):
                            tokenizer=tok, seed=0, speculative=spec)  # fmt: skip
     ex.capture(progress=False)
     for i in range(B):
-        p = gx.SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=1 + 10 * (K + 1))
+        p = gx.SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=10 * (K + 1))
         ex.add_request(f"q{i}", [i + 1, 7, 9], p)
-    ex.step()  # first tokens
-    for _ in range(10):
+    for _ in range(10):  # the first step prefills, then runs from the last prompt token
         outs = list(ex.step())
         per_row = {o.request_id: 0 for o in outs}
         for o in outs:
