@@ -4,7 +4,7 @@ A request's token depends only on its processed logits row, its sampling paramet
 seed and its output position: not on batch, bucket, row, variant, or eager vs replay.
 """
 
-from graphexec import models
+from graphexec import distributed, models
 from graphexec.async_executor import AsyncDecodeExecutor
 from graphexec.executor import DecodeExecutor, ExecutorStats
 from graphexec.grammar import Grammar

@@ -76,36 +76,39 @@ def process_logits(
     table: SamplingTensors,
     bitmask: torch.Tensor | None = None,
     count_ids: torch.Tensor | None = None,
+    lo: int = 0,
 ) -> torch.Tensor:
     """Steps 1-2: the processed fp32 logits x [B, V] (before temperature). count_ids
     [B, NE] (-1 = none): ids each row counts once more on top of its slot's counts
-    (speculative drafts before an offset); only where the table has token counts."""
+    (speculative drafts before an offset); only where the table has token counts.
+    lo: the logits are the vocabulary slice [lo, lo + V) of wider rows (a tensor-parallel
+    shard): bitmask, bias ids, counts and count_ids keep their full-vocabulary ids."""
     x = sanitize(logits).clone()
     B, V = x.shape
     neg_inf = torch.tensor(-torch.inf, device=x.device)
     if bitmask is not None:
-        x = torch.where(unpack_bitmask(bitmask, V), x, neg_inf)
+        x = torch.where(unpack_bitmask(bitmask, lo + V)[:, lo:], x, neg_inf)
     # padding ids (-1) add their 0 to an extra column that is dropped: no host sync
-    ids = table.bias_ids[slot_ids].to(torch.int64)
-    cols = torch.where(ids >= 0, ids, V)
+    ids = table.bias_ids[slot_ids].to(torch.int64) - lo
+    cols = torch.where((ids >= 0) & (ids < V), ids, V)
     wide = torch.cat([x, torch.zeros((B, 1), dtype=x.dtype, device=x.device)], dim=1)
     biased = wide.gather(1, cols) + table.bias_values[slot_ids]
     x = wide.scatter(1, cols, biased)[:, :V]
     if table.token_counts is not None or table.prompt_mask is not None:
         counts = (
-            table.token_counts[slot_ids]
+            table.token_counts[slot_ids, lo : lo + V]
             if table.token_counts is not None
             else torch.zeros((B, V), dtype=torch.int32, device=x.device)
         )
         if count_ids is not None and table.token_counts is not None and count_ids.shape[1]:
-            ids = count_ids.to(torch.int64)
+            ids = count_ids.to(torch.int64) - lo
             extra = torch.zeros((B, V + 1), dtype=torch.int32, device=x.device)
             extra.scatter_add_(1, torch.where((ids >= 0) & (ids < V), ids, V),
                                torch.ones_like(ids, dtype=torch.int32))  # fmt: skip
             counts = counts + extra[:, :V]
         seen = counts > 0
         if table.prompt_mask is not None:
-            seen = seen | table.prompt_mask[slot_ids]
+            seen = seen | table.prompt_mask[slot_ids, lo : lo + V]
         rep = table.repetition_penalty[slot_ids].unsqueeze(1)
         inv_rep = table.inv_repetition_penalty[slot_ids].unsqueeze(1)
         x = torch.where(seen, torch.where(x > 0, x * inv_rep, x * rep), x)

@@ -1,0 +1,185 @@
+"""Sampling across tensor-parallel ranks: vocabulary-sharded logits, the tokens of one rank.
+
+A tensor-parallel model ends with each rank holding a contiguous slice of the vocabulary
+(`vocab_slices`: ranks in order, sizes differing by at most one). Two methods give every
+rank the `SamplerOutput` that `graphexec.sample_logits` gives for the full rows:
+
+    method           moves                                      module
+    all_to_all       rows: B/T full rows per rank, then tokens  distributed.all_to_all
+    vocab_parallel   a few values per row, no rows              distributed.vocab_parallel
+
+Both hold because the noise is keyed on (seed, position, global token id), never on the
+rank or the row: `all_to_all` samples each row exactly as one GPU would; `vocab_parallel`
+follows the reference sampler's definition on slices (block masses and selections
+combine exactly across ranks as they do across blocks). `auto` picks per batch from an
+estimate of bytes and collectives (`choose_method`). Both are static-shaped with no host
+sync, so a CUDA graph can capture them over an NCCL group.
+
+Route map (which method serves what):
+    all_to_all       every variant and backend (Triton on CUDA), logprobs, B < T
+                     (padded to a multiple of T)
+    vocab_parallel   every variant, torch ops (the reference's arithmetic, exactly)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from graphexec.params import SamplerVariant, SamplingParams
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+
+METHODS = ("all_to_all", "vocab_parallel", "auto")
+
+
+def vocab_slices(vocab_size: int, world: int) -> tuple[tuple[int, int], ...]:
+    """[lo, hi) of each rank's vocabulary slice: contiguous, in rank order, the first
+    V % T ranks one id wider."""
+    if world < 1 or vocab_size < world:
+        raise ValueError(f"cannot cut a vocabulary of {vocab_size} into {world} slices")
+    base, extra = divmod(vocab_size, world)
+    out, lo = [], 0
+    for r in range(world):
+        hi = lo + base + (r < extra)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A process group and the vocabulary slice of this rank."""
+
+    group: object
+    rank: int
+    world: int
+    vocab_size: int
+    slices: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def create(cls, group, vocab_size: int) -> TensorParallel:
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialised (init_process_group first)")
+        g = group if group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(g), dist.get_rank(g)
+        return cls(g, rank, world, vocab_size, vocab_slices(vocab_size, world))
+
+    @property
+    def slice(self) -> tuple[int, int]:
+        return self.slices[self.rank]
+
+
+@dataclass(frozen=True)
+class MethodCosts:
+    """The estimate `auto` uses: time = bytes / bandwidth + collectives * latency."""
+
+    bandwidth: float = 100e9  # bytes/s a rank moves in a collective
+    latency: float = 20e-6  # seconds per collective
+    torch_op: float = 4e-6  # seconds per torch op of vocab_parallel (it is many small ops)
+
+
+def choose_method(batch: int, vocab_size: int, world: int, variant: SamplerVariant,
+                  itemsize: int = 2, logprobs: bool = False,
+                  costs: MethodCosts = MethodCosts()) -> str:  # fmt: skip
+    """The method `auto` picks for a batch: the one with the lower estimated time."""
+    nb = -(-vocab_size // 128)
+    filtered = variant is not SamplerVariant.NO_FILTER
+    a2a_bytes = batch * vocab_size * itemsize * (world - 1) / world
+    a2a = a2a_bytes / costs.bandwidth + 2 * costs.latency
+    vp_bytes = batch * (12 * nb + (8 * nb + 4 * 256 * 24 if filtered else 0) + 64)
+    n_coll = 6 + (13 if filtered else 0) + (6 if logprobs else 0)
+    n_ops = 60 + (150 if filtered else 0) + (40 if logprobs else 0)
+    vp = 2 * vp_bytes / costs.bandwidth + n_coll * costs.latency + n_ops * costs.torch_op
+    return "vocab_parallel" if vp < a2a else "all_to_all"
+
+
+def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                table: SamplingTensors, out: SamplerOutput, bitmask=None,
+                variant: SamplerVariant = SamplerVariant.DEFAULT, backend: str | None = None,
+                *, tp: TensorParallel, method: str = "auto", config=None, workspace=None,
+                count_ids=None, flag_inf: bool = False) -> SamplerOutput:  # fmt: skip
+    """`graphexec.sampling.pipeline.sample_step` over vocabulary slices: `shard` [B, w]
+    is this rank's slice of B rows; `table`, `bitmask` [B, ceil(V/32)] and `count_ids`
+    keep full-vocabulary ids. Every rank gets the same `out`. flag_inf: mark rows whose
+    sampled token's raw logit is +inf (the executor's `step.flag_inf`)."""
+    if method == "auto":
+        method = choose_method(shard.shape[0], tp.vocab_size, tp.world, variant,
+                               shard.element_size(), out.logprobs is not None)  # fmt: skip
+    if method == "all_to_all":
+        from graphexec.distributed import all_to_all
+
+        return all_to_all.sample(shard, slot_ids, positions, table, out, bitmask, variant,
+                                 backend, tp=tp, count_ids=count_ids, config=config,
+                                 workspace=workspace, flag_inf=flag_inf)  # fmt: skip
+    if method == "vocab_parallel":
+        from graphexec.distributed import vocab_parallel
+
+        return vocab_parallel.sample(shard, slot_ids, positions, table, out, bitmask, variant,
+                                     tp=tp, count_ids=count_ids, flag_inf=flag_inf)  # fmt: skip
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def sample_logits(logits_shard: torch.Tensor, params: Sequence[SamplingParams],
+                  positions: Sequence[int] | torch.Tensor, group=None,
+                  token_counts: torch.Tensor | None = None,
+                  prompt_mask: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                  variant: SamplerVariant | str | None = None, backend: str | None = None,
+                  method: str = "auto") -> SamplerOutput:  # fmt: skip
+    """`graphexec.sample_logits` for vocabulary-sharded logits; call it on every rank.
+
+    Args:
+        logits_shard: [B, V_r] this rank's slice of the logits (`vocab_slices(V, T)[rank]`;
+            V is the sum of the ranks' widths, exchanged once here).
+        params, positions, token_counts [B, V], prompt_mask [B, V], bitmask
+            [B, ceil(V/32)], variant, backend: as `graphexec.sample_logits` (full-vocabulary
+            tensors; every rank passes the same).
+        group: the torch.distributed group (None = WORLD).
+        method: "all_to_all", "vocab_parallel" or "auto" (module docstring).
+
+    Returns: the `SamplerOutput` of the full rows, the same on every rank.
+
+    Example (on each of T ranks, after init_process_group):
+        >>> lo, hi = gx.distributed.vocab_slices(V, T)[rank]
+        >>> out = gx.distributed.sample_logits(full[:, lo:hi], params, positions)
+
+    CUDA graphs: this call allocates; capture `sample_step` over static buffers instead.
+    """
+    from graphexec.sampling.pipeline import check_batch, check_logits
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_logits(logits_shard, 2, "[B, V_r]", "logits_shard")
+    B, w = logits_shard.shape
+    dev = logits_shard.device
+    g = group if group is not None else dist.group.WORLD if dist.is_initialized() else None
+    if g is None:
+        raise ValueError("torch.distributed is not initialised (init_process_group first)")
+    widths = torch.tensor([w], device=dev if dist.get_backend(g) == "nccl" else "cpu")
+    from graphexec.distributed.comm import all_gather
+
+    ws = all_gather(widths, g).reshape(-1).tolist()
+    tp = TensorParallel.create(g, sum(ws))
+    if ws != [hi - lo for lo, hi in tp.slices]:
+        raise ValueError(f"logits_shard widths {ws} are not vocab_slices({tp.vocab_size}, "
+                         f"{tp.world}) = {[hi - lo for lo, hi in tp.slices]}")  # fmt: skip
+    V = tp.vocab_size
+    params, pos, token_counts, variant, backend = check_batch(
+        B, V, dev, params, positions, token_counts, prompt_mask, variant, backend
+    )
+    if bitmask is not None and tuple(bitmask.shape) != (B, (V + 31) // 32):
+        raise ValueError(
+            f"bitmask must have shape {[B, (V + 31) // 32]}, got {list(bitmask.shape)}"
+        )
+    table = SamplingTensors.from_params(params, V, dev, token_counts, prompt_mask)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    out = SamplerOutput.allocate(B, dev, max(asked) if asked else None)
+    slot_ids = torch.arange(B, device=dev)
+    return sample_step(logits_shard, slot_ids, pos.to(dev), table, out, bitmask, variant,
+                       backend, tp=tp, method=method)  # fmt: skip
+
+
+__all__ = ["METHODS", "MethodCosts", "TensorParallel", "choose_method", "sample_logits",
+           "sample_step", "vocab_slices"]  # fmt: skip

@@ -1,0 +1,46 @@
+"""Run a function on T gloo ranks (processes) and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, path: str, fn, args, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        results[rank] = ("ok", fn(rank, world, *args))
+    except Exception:
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> list:
+    """fn(rank, world, *args) on `world` processes; their return values in rank order
+    (an exception in any rank is re-raised here with its traceback)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d, ctx.Manager() as manager:
+        results = manager.dict()
+        store = os.path.join(d, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world, store, fn, args, results))
+                 for r in range(world)]  # fmt: skip
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"a rank did not finish in {timeout} s")
+        out = [results.get(r, ("error", "no result")) for r in range(world)]
+    errors = [f"rank {r}: {v}" for r, (s, v) in enumerate(out) if s != "ok"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [v for _, v in out]
