@@ -37,6 +37,7 @@ __all__ = [
     "Tokenizer",
     "VerifyOutput",
     "choose_variant",
+    "distributed",
     "models",
     "sample_logits",
     "sample_step",

@@ -54,6 +54,8 @@ def check_request(ex, request_id, prompt_token_ids, params: SamplingParams):
     if len(params.logit_bias or {}) > nb:
         raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
                          "(max_logit_bias)")  # fmt: skip
+    if ex.tp is not None and params.prompt_logprobs is not None:
+        raise ValueError("params.prompt_logprobs is not served with tp_group")
     prompt = check_prompt(prompt_token_ids, ex.vocab_size, ex.model.max_seq_len)
     if params.grammar is not None:
         ex.grammar.compiler.compile(params.grammar)  # a bad grammar fails here

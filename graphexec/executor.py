@@ -73,6 +73,25 @@ def _device(device) -> torch.device:
     return d
 
 
+def _tensor_parallel(group, method: str, model, vocab_size: int, speculative):
+    """The executor's `distributed.TensorParallel`; ValueError for what it cannot serve."""
+    from graphexec import distributed
+
+    if method not in distributed.METHODS:
+        raise ValueError(f"tp_method must be one of {distributed.METHODS}, got {method!r}")
+    if int(model.vocab_size) != vocab_size:
+        raise ValueError(f"tp_group needs vocab_size == the model's ({model.vocab_size}), "
+                         f"got {vocab_size}")  # fmt: skip
+    tp = distributed.TensorParallel.create(group, vocab_size)
+    got = getattr(model, "vocab_slice", None)
+    if got is not None and tuple(got) != tp.slice:
+        raise ValueError(f"the model holds vocabulary slice {tuple(got)}; rank {tp.rank} of "
+                         f"{tp.world} samples {tp.slice}")  # fmt: skip
+    if speculative is not None and (speculative.uses_model or speculative.verify != "strict"):
+        raise ValueError("with tp_group, speculation needs drafter='ngram' and verify='strict'")
+    return tp
+
+
 class DecodeExecutor:
     """Runs the decode loop of up to `max_batch_size` requests (threads: module docstring).
 
@@ -100,6 +119,13 @@ class DecodeExecutor:
         prefill_budget: prompt tokens prefilled per step; a longer prompt is prefilled in
             chunks over several steps, so running streams never wait for more than this.
             (A model without `prefill_batch` gets whole prompts, one `prefill` each.)
+        tp_group: a torch.distributed group of tensor-parallel ranks: the model's decode
+            (and verify) return this rank's vocabulary slice (`distributed.vocab_slices`),
+            sampled with `distributed.sample_step` (`tp_method`: "all_to_all",
+            "vocab_parallel" or "auto"). Every rank runs its own executor with the same
+            requests in the same order (grammar masks are filled on every rank: the same
+            host work, no broadcast, since every rank draws the same tokens); speculation
+            needs an n-gram drafter and verify="strict"; prompt_logprobs is not served.
     """
 
     def __init__(
@@ -119,6 +145,8 @@ class DecodeExecutor:
         detokenize: bool = True,
         max_min_ids: int = 16,
         prefill_budget: int = 1024,
+        tp_group=None,
+        tp_method: str = "auto",
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -157,6 +185,9 @@ class DecodeExecutor:
             )
         if speculative is not None and not hasattr(model, "verify"):
             raise ValueError(f"speculative decoding needs {type(model).__name__}.verify")
+        self.tp = None
+        if tp_group is not None:
+            self.tp = _tensor_parallel(tp_group, tp_method, model, self.vocab_size, speculative)
         runs = 1 if speculative is None else speculative.num_draft_tokens + 1
         self.slots = SlotTable(max_batch_size, self.vocab_size, self.device, max_logit_bias,
                                offsets=runs, max_min_ids=max_min_ids)  # fmt: skip
@@ -178,7 +209,8 @@ class DecodeExecutor:
         largest = self.buckets[-1]
         self.buffers = StepBuffers.allocate(largest, self.slots.padding_slot, self.device)
         self.sampler = StepSampler.build(self.backend, self.device, largest * runs,
-                                         self.vocab_size, sampler_config)  # fmt: skip
+                                         self.vocab_size, sampler_config, self.tp,
+                                         tp_method)  # fmt: skip
         self.spec = None
         if speculative is not None:
             self.spec = SpecRunner(speculative, model, self.slots, self.device, largest,
@@ -293,7 +325,7 @@ class DecodeExecutor:
 
     def _probe_model(self) -> str | None:
         """Why the model's decode (and verify) outputs are wrong, on one padding row."""
-        m, w, pad = self.model, self.model.vocab_size, self.slots.padding_slot
+        m, w, pad = self.model, self.sampler.width(self.model), self.slots.padding_slot
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
         slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
         try:

@@ -20,8 +20,9 @@ real requests and the rest are *padding rows* pointing at the table's padding sl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,34 +41,66 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StepSampler:
     """How every step samples: the backend and, for "triton", its config and a workspace
-    allocated once for the largest bucket (so a step allocates and zeroes nothing)."""
+    allocated once for the largest bucket (so a step allocates and zeroes nothing).
+    With `tp` (a `distributed.TensorParallel`), the model's logits are this rank's
+    vocabulary slice and every draw goes through `distributed.sample_step` (`tp_method`)."""
 
     backend: str
     config: SamplerConfig | None = None
     workspace: Workspace | None = None
+    tp: Any = None
+    tp_method: str = "auto"
+
+    def width(self, model) -> int:
+        """The logits width the model returns: its vocabulary, or this rank's slice."""
+        if self.tp is None:
+            return model.vocab_size
+        lo, hi = self.tp.slice
+        return hi - lo
+
+    def clip(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Drop a padded model's columns past V (a slice has none)."""
+        return logits if self.tp is not None else logits[..., :vocab_size]
+
+    def flag_inf(self, logits: torch.Tensor, out: SamplerOutput) -> None:
+        if self.tp is None:  # (the distributed samplers flag while they draw)
+            flag_inf(logits, out)
 
     @classmethod
     def build(cls, backend: str, device: torch.device, rows: int, vocab_size: int,
-              config: SamplerConfig | None = None) -> StepSampler:  # fmt: skip
+              config: SamplerConfig | None = None, tp=None,
+              tp_method: str = "auto") -> StepSampler:  # fmt: skip
         if backend != "triton":
-            return cls(backend, config)
+            return cls(backend, config, tp=tp, tp_method=tp_method)
         from graphexec.sampling.triton.config import SamplerConfig, Workspace
 
         cfg = config or SamplerConfig.default()
-        return cls(backend, cfg, Workspace.allocate(rows, vocab_size, device, cfg, logprobs=True))
+        ws = Workspace.allocate(rows, vocab_size, device, cfg, logprobs=True)
+        return cls(backend, cfg, ws, tp, tp_method)
+
+    def _sample_fn(self):
+        if self.tp is None:
+            return sample_step
+        from graphexec import distributed
+
+        return functools.partial(distributed.sample_step, tp=self.tp, method=self.tp_method,
+                                 flag_inf=True)  # fmt: skip
 
     def __call__(self, logits, slot_ids, positions, table, out, bitmask, variant,
                  count_ids=None) -> None:  # fmt: skip
-        sample_step(logits, slot_ids, positions, table, out, bitmask, variant, self.backend,
-                    config=self.config, workspace=self.workspace, count_ids=count_ids)  # fmt: skip
+        self._sample_fn()(logits, slot_ids, positions, table, out, bitmask, variant,
+                          self.backend, config=self.config, workspace=self.workspace,
+                          count_ids=count_ids)  # fmt: skip
 
     def verify(self, logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
                method, variant) -> None:  # fmt: skip
         from graphexec.speculative.verify import verify_step
 
+        tp = self.tp
         verify_step(logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
-                    method, variant, self.backend, config=self.config,
-                    workspace=self.workspace)  # fmt: skip
+                    method, variant, self.backend, config=self.config, workspace=self.workspace,
+                    sample=None if tp is None else self._sample_fn(),
+                    vocab_size=None if tp is None else tp.vocab_size)  # fmt: skip
 
 
 @dataclass
@@ -120,11 +153,11 @@ def decode_step(
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
     raw = model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
-    logits = check_logits(raw, (slot_ids.shape[0], model.vocab_size), model, "decode")
-    logits = logits[:, : slots.vocab_size]
+    logits = check_logits(raw, (slot_ids.shape[0], sampler.width(model)), model, "decode")
+    logits = sampler.clip(logits, slots.vocab_size)
     bitmask = step_masks(slots, slot_ids, pos)
     sampler(logits, slot_ids, pos, slots.tensors, out, bitmask, key.variant)
-    flag_inf(logits, out)
+    sampler.flag_inf(logits, out)
     advance(slots, slot_ids, out)
 
 

@@ -1,4 +1,5 @@
-"""Shared pytest configuration: tests marked `gpu` are skipped where CUDA is unavailable."""
+"""Shared pytest configuration: tests marked `gpu` are skipped where CUDA is unavailable,
+tests marked `multigpu` where fewer than 2 GPUs are."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import torch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    skip_multi = pytest.mark.skip(reason="needs 2 or more GPUs (marked multigpu)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and n == 0:
             item.add_marker(skip_gpu)
+        elif "multigpu" in item.keywords and n < 2:
+            item.add_marker(skip_multi)

@@ -122,6 +122,18 @@ def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
+def is_posinf_at(shard: torch.Tensor, tokens: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """bool like `tokens` (global ids, -1 read as 0): the raw logit there is +inf. Each
+    rank reads the ids of its slice (`shard` [..., w] with `tokens`' leading dims)."""
+    from graphexec.distributed.comm import all_reduce
+
+    lo, hi = tp.slice
+    t = tokens.clamp(min=0)
+    own = (t >= lo) & (t < hi)
+    at = shard.gather(-1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
+    return all_reduce(own & torch.isposinf(at), "max", tp.group)
+
+
 def sample_logits(logits_shard: torch.Tensor, params: Sequence[SamplingParams],
                   positions: Sequence[int] | torch.Tensor, group=None,
                   token_counts: torch.Tensor | None = None,

@@ -25,6 +25,9 @@ class TableModel:
         max_seq_len: positions allowed (prompt + output).
         device: where logits are made.
         scale: logit spread; larger gives peakier rows.
+        shard: (rank, world): return only the rank's vocabulary slice
+            (`distributed.vocab_slices`) of every logits row, as a tensor-parallel
+            model's last layer does; its columns equal the unsharded model's.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class TableModel:
         max_seq_len: int = 4096,
         device: torch.device | str = "cpu",
         scale: float = 6.0,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -42,10 +46,12 @@ class TableModel:
         self.seed = seed
         self.device = torch.device(device)
         self.scale = scale
-        self._tokens = torch.arange(vocab_size, device=self.device)
+        self.vocab_slice = _slice(vocab_size, shard)
+        self._tokens = torch.arange(*self.vocab_slice, device=self.device)
 
     def logits(self, positions: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
-        """[B, V] float32 logits of rows (positions [B], last_tokens [B])."""
+        """[B, V] float32 logits of rows (positions [B], last_tokens [B]); [B, hi - lo]
+        with a shard."""
         key = (self.seed * 1_000_003 + last_tokens.to(torch.int64) * _MIX) & (2**62 - 1)
         bits = random_bits(
             key.unsqueeze(1), positions.to(torch.int64).unsqueeze(1), self._tokens.unsqueeze(0),
@@ -58,7 +64,7 @@ class TableModel:
     def bind(self, num_slots: int, device: torch.device | str) -> None:
         del num_slots  # stateless
         self.device = torch.device(device)
-        self._tokens = torch.arange(self.vocab_size, device=self.device)
+        self._tokens = torch.arange(*self.vocab_slice, device=self.device)
 
     def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         n = int(token_ids.numel())
@@ -95,3 +101,15 @@ class TableModel:
         B, T = input_ids.shape
         pos = positions.unsqueeze(1) + torch.arange(T, device=positions.device)
         return self.logits(pos.reshape(-1), input_ids.reshape(-1)).view(B, T, -1)
+
+
+def _slice(vocab_size: int, shard: tuple[int, int] | None) -> tuple[int, int]:
+    """[lo, hi) of the vocabulary a model with `shard` = (rank, world) returns."""
+    if shard is None:
+        return 0, vocab_size
+    from graphexec.distributed import vocab_slices
+
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {shard}")
+    return vocab_slices(vocab_size, world)[rank]

@@ -131,11 +131,11 @@ def spec_step(model, slots: SlotTable, slot_ids: torch.Tensor, spec_in: torch.Te
     inputs = torch.cat([slots.last_token[slot_ids].unsqueeze(1), drafts.clamp(min=0)], dim=1)
     raw = model.verify(inputs, model_pos, slot_ids)
     b = slot_ids.shape[0]
-    logits = check_logits(raw, (b, k + 1, model.vocab_size), model, "verify")
-    logits = logits[..., : slots.vocab_size]
+    logits = check_logits(raw, (b, k + 1, sampler.width(model)), model, "verify")
+    logits = sampler.clip(logits, slots.vocab_size)
     sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, method,
                    key.variant)  # fmt: skip
-    flag_inf_runs(logits, out)
+    flag_inf_runs(logits, out, sampler.tp)
     advance_run(slots, slot_ids, out)
 
 
@@ -151,12 +151,18 @@ def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
     return masks
 
 
-def flag_inf_runs(logits: torch.Tensor, out: VerifyOutput) -> None:
-    """Step 4: a run holding a token whose raw logit is +inf emits nothing (token -2)."""
+def flag_inf_runs(logits: torch.Tensor, out: VerifyOutput, tp=None) -> None:
+    """Step 4: a run holding a token whose raw logit is +inf emits nothing (token -2).
+    With `tp`, `logits` is this rank's vocabulary slice: its owner reads each token."""
     t = out.token_ids
     emitted = torch.arange(t.shape[1], device=t.device).unsqueeze(0) < out.num_tokens.unsqueeze(1)
-    raw = logits.gather(2, t.clamp(min=0).unsqueeze(2)).squeeze(2)
-    hit = (torch.isposinf(raw) & emitted).any(dim=1) & out.valid
+    if tp is None:
+        inf = torch.isposinf(logits.gather(2, t.clamp(min=0).unsqueeze(2)).squeeze(2))
+    else:
+        from graphexec.distributed import is_posinf_at
+
+        inf = is_posinf_at(logits, t, tp)
+    hit = (inf & emitted).any(dim=1) & out.valid
     t[:, 0] = torch.where(hit, INF_TOKEN, t[:, 0])
     out.num_tokens.copy_(torch.where(hit, 0, out.num_tokens))
     out.num_accepted.copy_(torch.where(hit, 0, out.num_accepted))

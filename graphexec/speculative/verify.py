@@ -177,6 +177,8 @@ def verify_step(
     *,
     config=None,
     workspace=None,
+    sample=None,
+    vocab_size: int | None = None,
 ) -> VerifyOutput:
     """Verify K drafts per row into `out`; CUDA-graph capturable (no host sync).
 
@@ -194,12 +196,17 @@ def verify_step(
         method: "strict" or "rejection" (module docstring).
         variant / backend / config / workspace: as `sample_step` (the workspace must hold
             B*(K+1) rows). Rejection mode computes p_j with the torch reference.
+        sample / vocab_size: tensor-parallel verification (strict only): `sample` replaces
+            `sample_step` for the B*(K+1) rows (`distributed.sample_step` bound to its
+            group) and `vocab_size` is the full V, the logits being a vocabulary slice.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     B, T, V = target_logits.shape
+    if sample is not None and method != "strict":
+        raise ValueError("tensor-parallel verification supports method='strict' only")
     backend = backend or default_backend(target_logits.device)
-    kernels = backend == "triton"
+    kernels = backend == "triton" and sample is None
     if kernels:
         from graphexec.speculative import verify_kernels
 
@@ -207,12 +214,12 @@ def verify_step(
             slot_ids, positions, draft_ids, V
         )
     else:
-        drafts = clean_drafts(draft_ids, V)
+        drafts = clean_drafts(draft_ids, vocab_size or V)
         rows_slot, rows_pos, count_ids = flatten_rows(slot_ids, positions, drafts)
     flat = target_logits.reshape(B * T, V)
     bm = None if bitmask is None else bitmask.reshape(B * T, bitmask.shape[-1])
-    sample_step(flat, rows_slot, rows_pos, table, out.sampled, bm, variant, backend,
-                config=config, workspace=workspace, count_ids=count_ids)  # fmt: skip
+    (sample or sample_step)(flat, rows_slot, rows_pos, table, out.sampled, bm, variant, backend,
+                            config=config, workspace=workspace, count_ids=count_ids)  # fmt: skip
     tok = out.sampled.token_ids.view(B, T)
     if method == "strict":
         if kernels:
