@@ -1,112 +1,117 @@
-"""Packed host->device uploads: many small host tensors reach the device as one copy.
+"""Host mirror uploads: a flush's writes reach the device as one copy and no scatter.
 
-`SlotTable.flush` writes a dozen fields for a handful of slots. Copied one by one, each
-field is a small synchronous transfer; packed, they are one flat int64 buffer (pinned on
-CUDA) copied without blocking, and the device reads each field back as a view of it.
+`SlotTable` keeps every host-owned per-slot tensor (sampling parameters, bias, min-token
+words) as a view of one fixed device buffer, and an exact host mirror of that buffer in
+pinned memory. A flush edits the mirror with numpy and copies it whole, plus a small
+payload after it (slot ids, decode-state values, prompt-mask indices), in one
+non-blocking copy: the host-owned state needs no device op of its own, whatever the
+number of slots. A few hundred bytes per slot, so the copy is a few microseconds of DMA.
 
-Encoding, so that one buffer holds every dtype and the device converts it in two ops:
-    int64     as is
-    int32     the value (sign-extended)
-    float32   its int32 bit pattern (sign-extended); back with .to(int32).view(float32)
-    bool      0 / 1
-Pieces are laid out grouped by encoding (int64, then the int32-range ones, then bool),
-so each group is one contiguous span and one conversion kernel.
+Slot values are packed with `struct`, one row per dirty slot (`RowFormat`): Python
+floats are rounded to float32 by struct "f" exactly as torch.tensor rounds them, and a
+float32 column living in an int32 block gets its bits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import struct
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-_GROUP = {torch.int64: 0, torch.float32: 1, torch.int32: 1, torch.bool: 2}
+_CODES = {torch.int64: "q", torch.int32: "if", torch.float32: "f", torch.bool: "?"}
+NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+         torch.bool: np.bool_}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each piece sits in the packed buffer (offsets in int64 elements)."""
+class RowFormat:
+    """The byte layout of one row: `fields` are (name, dtype, struct format of its
+    elements, e.g. "4q" or "ffi"), in the order given, element sizes non-increasing, so
+    that with rows 8-aligned every field is a plain view (rows padded to 8 bytes). A
+    field may mix float32 and int32 elements: read as int32, the float32 ones are bits."""
 
-    entries: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]  # name, dtype, shape, at
-    spans: tuple[tuple[int, int], ...]  # [start, end) of groups 0, 1, 2
-    size: int
+    def __init__(self, fields: Sequence[tuple[str, torch.dtype, str]]) -> None:
+        self.fields: dict[str, tuple[torch.dtype, int, int]] = {}  # name: dtype, at, nbytes
+        fmt, at, last = "<", 0, 8
+        for name, dtype, elems in fields:
+            codes = "".join(c for c in elems if not c.isdigit())
+            if dtype not in _CODES or not set(codes) <= set(_CODES[dtype]):
+                raise TypeError(f"field {name}: {elems!r} cannot be read as {dtype}")
+            if dtype.itemsize > last:
+                raise ValueError(f"field {name}: fields must go by element size (8, 4, 1)")
+            last, nbytes = dtype.itemsize, struct.calcsize("<" + elems)
+            self.fields[name] = (dtype, at, nbytes)
+            fmt, at = fmt + elems, at + nbytes
+        self.size = at + -at % 8
+        self.struct = struct.Struct(f"{fmt}{self.size - at}x")
 
-
-def layout(pieces: Mapping[str, torch.Tensor]) -> Layout:
-    """The layout of `pieces` (stable within a group, so the caller's order is kept)."""
-    for name, t in pieces.items():
-        if t.dtype not in _GROUP:
-            raise TypeError(f"cannot pack {name}: dtype {t.dtype} (int64/int32/float32/bool)")
-    order = sorted(pieces, key=lambda k: _GROUP[pieces[k].dtype])
-    entries, spans, at = [], [], 0
-    for g in range(3):
-        start = at
-        for name in order:
-            t = pieces[name]
-            if _GROUP[t.dtype] == g:
-                entries.append((name, t.dtype, tuple(t.shape), at))
-                at += t.numel()
-        spans.append((start, at))
-    return Layout(tuple(entries), tuple(spans), at)
-
-
-def pack(pieces: Mapping[str, torch.Tensor], lay: Layout, out: torch.Tensor) -> torch.Tensor:
-    """Write `pieces` (CPU tensors) into `out[:lay.size]` (int64) and return that view."""
-    flat = []
-    for name, dtype, _, _ in lay.entries:
-        t = pieces[name].reshape(-1)
-        if dtype == torch.float32:
-            t = t.contiguous().view(torch.int32)
-        flat.append(t if dtype == torch.int64 else t.to(torch.int64))
-    dst = out[: lay.size]
-    torch.cat(flat, out=dst)
-    return dst
+    def views(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The fields of `rows` ([n, size] uint8) as [n, k] typed views."""
+        return {
+            name: rows[:, at : at + nbytes].view(NUMPY[dtype])
+            for name, (dtype, at, nbytes) in self.fields.items()
+        }
 
 
-def unpack(buf: torch.Tensor, lay: Layout) -> dict[str, torch.Tensor]:
-    """The pieces as views of `buf` (the packed buffer, on any device), in their dtypes:
-    at most two conversion ops (the int32-range span, the bool span)."""
-    (a0, a1), (b0, b1), (c0, c1) = lay.spans
-    groups = (buf[a0:a1], buf[b0:b1].to(torch.int32), buf[c0:c1].to(torch.bool))
-    starts = (a0, b0, c0)
-    out = {}
-    for name, dtype, shape, at in lay.entries:
-        g = _GROUP[dtype]
-        n = 1
-        for d in shape:
-            n *= d
-        v = groups[g][at - starts[g] : at - starts[g] + n]
-        out[name] = (v.view(torch.float32) if dtype == torch.float32 else v).view(shape)
-    return out
+def place(sizes: Sequence[int], align: int = 256) -> tuple[list[int], int]:
+    """Offsets for buffers of `sizes` bytes laid out one after another, each `align`ed
+    (kernels get the alignment a fresh allocation has), and the end."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += n + -n % align
+    return offsets, at
 
 
 class PackedUpload:
-    """A reusable int64 staging buffer (pinned when `device` is CUDA) and the event of
-    the last copy out of it.
+    """A pinned host buffer of `nbytes` and its device twin (on the CPU, the same
+    buffer), both fixed for the owner's life so device views of the twin stay valid
+    under captured graphs, and the event of the last copy between them.
 
-    `upload(pieces)` waits for that copy (the only host sync: the buffer is about to be
-    overwritten), packs, copies once without blocking and returns the device views. On
-    the CPU the "copy" is the buffer itself, so the views hold until the next upload.
+    `host()` waits for that copy (the only host sync: the mirror is about to change;
+    usually long done, it was queued a step ago) and gives the host buffer as numpy
+    uint8; `send(nbytes)` copies its first `nbytes` once, without blocking, on the
+    current stream (so work queued there before has read the old values).
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, nbytes: int) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._buf = torch.empty(0, dtype=torch.int64)
-        self._copied: torch.cuda.Event | None = None
-
-    def upload(self, pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        lay = layout(pieces)
-        if self._copied is not None:
-            self._copied.synchronize()  # usually long done: it was queued a step ago
-        if self._buf.numel() < lay.size:
-            # grow geometrically (reused otherwise); no copy reads the old one now
-            size = max(lay.size, 2 * self._buf.numel(), 256)
-            self._buf = torch.empty(size, dtype=torch.int64, pin_memory=self._cuda)
-        host = pack(pieces, lay, self._buf)
-        dev = host.to(self.device, non_blocking=True)
+        self.host_buf = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        self.dev_buf = self.host_buf
         if self._cuda:
-            if self._copied is None:
-                self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.device))
-        return unpack(dev, lay)
+            self.dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            # an int: current_stream(int) costs half what current_stream(device) does
+            self._index = (
+                self.device.index if self.device.index is not None else torch.cuda.current_device()
+            )
+        self._host = self.host_buf.numpy()
+        self._copied: torch.cuda.Event | None = None
+        self._spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # KiB: (dst, src)
+
+    def host(self) -> np.ndarray:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
+
+    def send(self, nbytes: int) -> None:
+        if not self._cuda:
+            return
+        k = -(-nbytes // 1024)  # whole KiB (at most the buffer): a few slices, made once
+        span = self._spans.get(k)
+        if span is None:
+            end = min(1024 * k, self.host_buf.numel())
+            span = self._spans[k] = (self.dev_buf[:end], self.host_buf[:end])
+        span[0].copy_(span[1], non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record(torch.cuda.current_stream(self._index))
+
+    def extra(self, values: np.ndarray) -> torch.Tensor:
+        """`values` on the device by a copy of their own (for what does not fit the
+        buffer): from a fresh pinned tensor, which the caching host allocator keeps
+        until the copy is done."""
+        t = torch.empty(values.shape, dtype=torch.int64, pin_memory=self._cuda)
+        t.numpy()[...] = values
+        return t.to(self.device, non_blocking=True)

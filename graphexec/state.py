@@ -8,29 +8,40 @@ go. The last row is the padding slot: padding rows of a bucket point at it, it i
 given to a request, and nothing a padding row writes reaches a real slot.
 
 Writes are staged on the host (`assign`, `release`) and reach the device in one `flush`
-per step: one packed copy from a pinned buffer (`graphexec.slot_writes`), then a fixed
-handful of scatters, no sync. A released slot is reset completely at the next flush
+per step, with no sync. A released slot is reset completely at the next flush
 (parameters to plain sampling, counts, prompt mask, position), so nothing leaks into the
 request that gets it next.
 
-Storage: the [S] columns of one dtype (the sampling table's and the decode state) are
-rows of one [k, S'] block, so a flush scatters each dtype with one `index_copy_`; each
-column stays a contiguous [S] view (S' rounds S up to 16 elements to keep alignment).
+Storage: what only the host writes (the sampling table's [S] columns, prompt_lens,
+min_tokens, bias and min-token words) lives in one fixed device buffer with an exact host
+mirror (`graphexec.slot_writes`): a flush edits the mirror with numpy and copies it whole
+in one copy, so none of it costs a device op. The [S] columns of one element size are
+rows of one [k, S'] block (float32 columns view rows of the int32 block); each column
+stays a contiguous [S] view (S' rounds S up to 16 elements). What the device writes
+(positions and last_token, advanced by the step; token counts, prompt mask, bitmask) is
+scattered after that copy: 6 device ops in all, however many slots a flush touches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
+import numpy as np
 import torch
 
 from graphexec.params import SamplingParams
-from graphexec.sampling.tensors import SamplingTensors
-from graphexec.slot_writes import PackedUpload
+from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
+from graphexec.slot_writes import NUMPY, PackedUpload, RowFormat, place
 
 _PLAIN = SamplingParams(seed=0)
-_DECODE = ("positions", "last_token", "prompt_lens", "min_tokens")  # SlotTable's own [S] i64
-_BLOCK_DTYPES = (torch.int64, torch.float32, torch.int32, torch.bool)
+_OWN = ("prompt_lens", "min_tokens")  # SlotTable's own host-owned [S] i64 columns
+_FLAT = 1 << 16  # prompt tokens a flush carries in the buffer (more take a second copy)
+# block of each column dtype (float32 columns view int32 rows: one scatter for both)
+_BLOCK_OF = {torch.int64: torch.int64, torch.int32: torch.int32, torch.float32: torch.int32,
+             torch.bool: torch.bool}  # fmt: skip
+_FIELD = {torch.int64: "block_int64", torch.int32: "block_int32", torch.bool: "block_bool"}
+_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "?"}
 
 
 class SlotTable:
@@ -59,6 +70,9 @@ class SlotTable:
                              it to the prompt's last token (0 for an empty prompt)
         prompt_lens i64 [S]  prompt length; the model position of the input is
                              prompt_len + position - 1
+
+    Only positions, last_token, token counts, the prompt mask and the bitmask may be
+    written on the device: each flush copies the host mirror over the rest.
     """
 
     positions: torch.Tensor
@@ -82,39 +96,70 @@ class SlotTable:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         rows = max_slots + 1
-        self.tensors = SamplingTensors.allocate(rows, vocab_size, self.device, max_bias, penalties)
-        i64 = dict(dtype=torch.int64, device=self.device)
+        t = self.tensors = SamplingTensors.allocate(rows, vocab_size, "cpu", max_bias)
+        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64)
+        if penalties:
+            t.token_counts = torch.zeros((rows, vocab_size), **i32)
+            t.prompt_mask = torch.zeros((rows, vocab_size), dtype=torch.bool, device=self.device)
         words = (vocab_size + 31) // 32
         shape = (rows, words) if offsets == 1 else (rows, offsets, words)
-        self.bitmask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        self.min_words = torch.zeros((rows, max(1, max_min_ids)), **i64)
-        self.min_bits = torch.zeros((rows, max(1, max_min_ids)), dtype=torch.int32,
-                                    device=self.device)  # fmt: skip
-        # the table's scalar columns (whatever host_columns writes) and the decode state,
-        # grouped by dtype into blocks: {dtype: (block [k, S'], [(owner, name)])}
-        owners: dict[torch.dtype, list[tuple[object, str]]] = {d: [] for d in _BLOCK_DTYPES}
-        for name in SamplingTensors.host_columns([_PLAIN], vocab_size):
-            dtype = getattr(self.tensors, name).dtype
-            if dtype not in owners:
-                raise TypeError(f"SamplingTensors.{name}: no block for dtype {dtype}")
-            owners[dtype].append((self.tensors, name))
-        for name in _DECODE:
-            setattr(self, name, torch.zeros(rows, **i64))
-            owners[torch.int64].append((self, name))
-        self._blocks: dict[torch.dtype, tuple[torch.Tensor, list[tuple[object, str]]]] = {}
+        self.bitmask = torch.full(shape, -1, **i32)
         stride = -(-rows // 16) * 16
-        for dtype, cols in owners.items():
-            if cols:
-                block = torch.zeros((len(cols), stride), dtype=dtype, device=self.device)
-                for i, (owner, name) in enumerate(cols):
-                    block[i, :rows] = getattr(owner, name)  # keep allocate's initial values
-                    setattr(owner, name, block[i, :rows])
-                self._blocks[dtype] = (block, cols)
-        self._upload = PackedUpload(self.device)
+        # device-written decode state: [2, S'] (positions, last_token)
+        self._decode = torch.zeros((2, stride), device=self.device, **i64)
+        self.positions, self.last_token = self._decode[0, :rows], self._decode[1, :rows]
+        m = max(1, max_min_ids)
+        own = {"min_words": torch.zeros((rows, m), **i64),
+               "min_bits": torch.zeros((rows, m), dtype=torch.int32)}  # fmt: skip
+        self._host_owned(rows, stride, own)
+        nb = t.bias_ids.shape[1]
+        self._rows, self._pick = self._row_format(nb, m)
+        self._scratch = np.zeros((max_slots, self._rows.size), dtype=np.uint8)
+        self._no_bias = ((0.0,) * nb, (-1,) * nb)
+        self._no_words = (0,) * m
+        self._plain_row = self._row(_PLAIN, (), [])  # what a released slot gets
+        self._views: dict[int, tuple] = {}  # _flush_views, by n
+        self._mask = t.prompt_mask is not None
+        self._mask_flat = t.prompt_mask.view(-1) if self._mask else None
         self._free = list(range(max_slots - 1, -1, -1))  # pop() gives the lowest slot
         self._params: dict[int, SamplingParams] = {}
         self._staged: dict[int, tuple[SamplingParams, tuple[int, ...], list[tuple[int, int]]]] = {}
         self._resets: set[int] = set()
+
+    def _host_owned(self, rows: int, stride: int, own: dict[str, torch.Tensor]) -> None:
+        """Move the host-owned tensors (initial values kept) into one buffer with a host
+        mirror: blocks of [S] columns by element size, then the [S, k] tensors."""
+        t = self.tensors
+        cols = {n: getattr(t, n) for n in HOST_FIELDS}
+        cols |= {n: torch.zeros(rows, dtype=torch.int64) for n in _OWN}
+        groups: dict[torch.dtype, list[str]] = {d: [] for d in _FIELD}
+        for name, col in cols.items():
+            if col.dtype not in _BLOCK_OF:
+                raise TypeError(f"column {name}: no block for dtype {col.dtype}")
+            groups[_BLOCK_OF[col.dtype]].append(name)
+        self._blocks = {d: g for d, g in groups.items() if g}  # {block dtype: column names}
+        wide = {"bias_ids": t.bias_ids, "bias_values": t.bias_values, **own}
+        specs = [(_FIELD[d], d, (len(g), stride)) for d, g in self._blocks.items()]
+        specs += [(n, x.dtype, tuple(x.shape)) for n, x in wide.items()]
+        sizes = [d.itemsize * shape[0] * shape[1] for _, d, shape in specs]
+        offs, self._state_bytes = place(sizes)
+        self._upload = PackedUpload(self.device, self._state_bytes + 8 * (3 * rows + _FLAT))
+        host, dev = self._upload.host(), self._upload.dev_buf
+        self._dst: dict[str, np.ndarray] = {}  # field name: its mirror, as [k, S]
+        for (name, dtype, shape), at, size in zip(specs, offs, sizes, strict=True):
+            mirror = host[at : at + size].view(NUMPY[dtype]).reshape(shape)
+            view = dev[at : at + size].view(dtype).view(shape)
+            if name in wide:
+                mirror[...] = wide[name].numpy()
+                self._dst[name] = mirror.T
+                setattr(self if name in own else t, name, view)
+            else:
+                self._dst[name] = mirror
+                for i, col in enumerate(self._blocks[dtype]):
+                    mirror[i, :rows] = cols[col].view(dtype).numpy()
+                    setattr(self if col in _OWN else t, col, view[i, :rows].view(cols[col].dtype))
+        self._upload.send(self._state_bytes)
+        self._payload = host[self._state_bytes :].view(np.int64)  # ids, decode values, prompts
 
     @property
     def padding_slot(self) -> int:
@@ -161,64 +206,111 @@ class SlotTable:
         self._free.sort(reverse=True)
 
     def flush(self) -> None:
-        """Write every staged change to the device: one packed host->device copy and a
-        fixed number of scatters (about 15 ops whatever the number of slots), no sync."""
-        dirty = sorted(self._resets | set(self._staged))
+        """Write every staged change to the device: one host->device copy, then 5 ops
+        on the device-written state (6 in all, whatever the number of slots), no sync."""
+        dirty = sorted(self._resets | self._staged.keys())
         if not dirty:
             return
-        self._upload_writes(dirty, self._pieces(dirty))
+        n = len(dirty)
+        scatters, idx, decode, flat_dev = self._flush_views(n)
+        self._upload.host()  # the mirror and payload are about to change
+        pay, rows, size = self._payload, self._scratch, self._rows.size
+        pack, v, mask = self._rows.struct.pack_into, self.vocab_size, self._mask
+        flat_n = sum(len(st[1]) for st in self._staged.values()) if mask else 0
+        fits = 3 * n + flat_n <= len(pay)
+        # payload: slot ids, positions (0), last tokens, prompt-mask indices
+        flat = pay[3 * n : 3 * n + flat_n] if fits else np.empty(flat_n, np.int64)
+        last, at = [0] * n, 0
+        for i, s in enumerate(dirty):
+            st = self._staged.get(s)
+            if st is None:
+                pack(rows, i * size, *self._plain_row)
+                continue
+            prompt = st[1]
+            pack(rows, i * size, *self._row(*st))
+            if prompt:
+                last[i] = prompt[-1]
+                if mask:  # the (slot, token) pairs as flat indices into prompt_mask
+                    seg = flat[at : at + len(prompt)]
+                    np.add(np.fromiter(prompt, np.int64, len(prompt)), s * v, out=seg)
+                    at += len(prompt)
+        pay[: 3 * n] = dirty + [0] * n + last
+        ids = pay[:n]
+        for dst, src in scatters:  # the rows into the mirror
+            dst[:, ids] = src
+        self._upload.send(self._state_bytes + 8 * (3 * n + (flat_n if fits else 0)))
+        self._decode.index_copy_(1, idx, decode)
+        self.bitmask.index_fill_(0, idx, -1)
+        t = self.tensors
+        if t.token_counts is not None:
+            t.token_counts.index_fill_(0, idx, 0)
+        if mask:
+            t.prompt_mask.index_fill_(0, idx, False)
+            if flat_n:
+                flat_dev = flat_dev[:flat_n] if fits else self._upload.extra(flat)
+                self._mask_flat.index_fill_(0, flat_dev, True)
         self._staged.clear()
         self._resets.clear()
 
-    def _pieces(self, dirty: list[int]) -> dict[str, torch.Tensor]:
-        """The host tensors of a flush of `dirty` (released slots get plain values)."""
-        staged = [self._staged.get(s) for s in dirty]
-        params = [_PLAIN if st is None else st[0] for st in staged]
-        prompts = [() if st is None else st[1] for st in staged]
-        t = self.tensors
-        n, m = len(dirty), self.min_words.shape[1]
-        vals = SamplingTensors.host_columns(params, self.vocab_size)
-        vals["positions"] = torch.zeros(n, dtype=torch.int64)
-        vals["last_token"] = torch.tensor([p[-1] if p else 0 for p in prompts], dtype=torch.int64)
-        vals["prompt_lens"] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        vals["min_tokens"] = torch.tensor([p.min_tokens for p in params], dtype=torch.int64)
-        pieces = {"idx": torch.tensor(dirty, dtype=torch.int64)}
-        for dtype, (_, cols) in self._blocks.items():
-            pieces[f"block_{dtype}"] = torch.stack([vals[name] for _, name in cols])
-        pieces["bias_ids"], pieces["bias_values"] = t.host_bias(params, t.bias_ids.shape[1])
-        words = torch.zeros((n, m), dtype=torch.int64)
-        bits = torch.zeros((n, m), dtype=torch.int32)
-        for i, st in enumerate(staged):
-            pairs = [] if st is None else list(st[2])
-            if pairs:  # padding entries repeat the first: a scatter of equal values
-                pairs += [pairs[0]] * (m - len(pairs))
-                words[i] = torch.tensor([w for w, _ in pairs])
-                bits[i] = torch.tensor([b for _, b in pairs], dtype=torch.int32)
-        pieces["min_words"], pieces["min_bits"] = words, bits
-        if t.prompt_mask is not None:
-            # the (slot, token) pairs as flat indices into prompt_mask: one index_fill_
-            v = self.vocab_size
-            flat = [s * v + tok for s, p in zip(dirty, prompts, strict=True) for tok in p]
-            pieces["prompt"] = torch.tensor(flat, dtype=torch.int64)
-        return pieces
+    def _flush_views(self, n: int) -> tuple:
+        """What a flush of `n` slots works through, made once per n: (mirror [k, S] view,
+        scratch field [k, n]) pairs, and on the device slot ids [n], decode values [2, n]
+        (positions, last tokens), prompt indices (from 3n on)."""
+        v = self._views.get(n)
+        if v is None:
+            fields = self._rows.views(self._scratch[:n])
+            scatters = [(self._dst[name], f.T) for name, f in fields.items()]
+            pay = self._upload.dev_buf[self._state_bytes :].view(torch.int64)
+            v = self._views[n] = (scatters, pay[:n], pay[n : 3 * n].view(2, n), pay[3 * n :])
+        return v
 
-    def _upload_writes(self, dirty: list[int], pieces: dict[str, torch.Tensor]) -> None:
-        dev = self._upload.upload(pieces)  # the one host->device copy
-        idx = dev["idx"]
-        for dtype, (block, _) in self._blocks.items():  # 4 ops: one per dtype block
-            block.index_copy_(1, idx, dev[f"block_{dtype}"])
-        t = self.tensors
-        t.bias_ids.index_copy_(0, idx, dev["bias_ids"])
-        t.bias_values.index_copy_(0, idx, dev["bias_values"])
-        self.min_words.index_copy_(0, idx, dev["min_words"])
-        self.min_bits.index_copy_(0, idx, dev["min_bits"])
-        self.bitmask.index_fill_(0, idx, -1)
-        if t.token_counts is not None:
-            t.token_counts.index_fill_(0, idx, 0)
-        if t.prompt_mask is not None:
-            t.prompt_mask.index_fill_(0, idx, False)
-            if dev["prompt"].numel():
-                t.prompt_mask.view(-1).index_fill_(0, dev["prompt"], True)
+    def _row(self, p: SamplingParams, prompt: tuple[int, ...], words: list[tuple[int, int]]):
+        """The struct row of a slot given `p`, `prompt` and its min-token words."""
+        if words:  # padding entries repeat the first: a scatter of equal values
+            pad = [words[0]] * (len(self._no_words) - len(words))
+            ws, bs = zip(*words, *pad, strict=True)
+        else:
+            ws = bs = self._no_words
+        if p.logit_bias:
+            bias = sorted(p.logit_bias.items())
+            k = len(self._no_bias[0]) - len(bias)
+            bids = tuple(t for t, _ in bias) + (-1,) * k
+            bvals = tuple(b for _, b in bias) + (0.0,) * k
+        else:
+            bvals, bids = self._no_bias
+        own = (len(prompt), p.min_tokens)  # in _OWN's order
+        return self._pick(
+            SamplingTensors.host_row(p, self.vocab_size) + own + ws + bvals + bids + bs
+        )
+
+    def _row_format(self, nb: int, m: int) -> tuple[RowFormat, itemgetter]:
+        """One struct row per dirty slot, and the getter that orders what `_row` gathers
+        (host_row's values, _OWN's, min words, bias values, bias ids, min bits) into the
+        row's fields: 8-byte ones, 4-byte ones, then bools."""
+        cols = HOST_FIELDS + _OWN
+        h, at = len(cols), {n: i for i, n in enumerate(cols)}
+        spans = {"min_words": (h, m), "bias_values": (h + m, nb), "bias_ids": (h + m + nb, nb),
+                 "min_bits": (h + m + 2 * nb, m)}  # fmt: skip
+        fields, order = [], []
+        for name, dtype in ((_FIELD[torch.int64], torch.int64), ("min_words", torch.int64),
+                            (_FIELD[torch.int32], torch.int32), ("bias_values", torch.float32),
+                            ("bias_ids", torch.int32), ("min_bits", torch.int32),
+                            (_FIELD[torch.bool], torch.bool)):  # fmt: skip
+            if name in spans:
+                a, k = spans[name]
+                codes, idx = f"{k}{_CODE[dtype]}", range(a, a + k)
+            elif dtype in self._blocks:
+                group = self._blocks[dtype]
+                codes = "".join(_CODE[self._column(c).dtype] for c in group)
+                idx = [at[c] for c in group]
+            else:
+                continue
+            fields.append((name, dtype, codes))
+            order.extend(idx)
+        return RowFormat(fields), itemgetter(*order)
+
+    def _column(self, name: str) -> torch.Tensor:
+        return getattr(self if name in _OWN else self.tensors, name)
 
     def min_token_masks(self, masks: torch.Tensor, slot_ids: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor:  # fmt: skip

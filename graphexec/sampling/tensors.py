@@ -17,12 +17,38 @@ Normalised encodings (so kernels test one thing):
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from graphexec.params import SamplingParams
+
+# host_columns' keys, in order: the order of `SamplingTensors.host_row`'s values
+HOST_FIELDS = ("temperature", "inv_temperature", "top_k", "top_p", "min_p", "log_min_p", "seed",
+               "repetition_penalty", "inv_repetition_penalty", "presence_penalty",
+               "frequency_penalty", "logprobs", "logprobs_processed")  # fmt: skip
+_F32 = struct.Struct("<f")
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _f32(x: float) -> float:
+    """`x` rounded to float32 as torch.tensor(x, dtype=float32) rounds it (to nearest,
+    inf past the range), back as a Python float."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:  # struct refuses what float32 cannot hold; torch gives inf
+        return math.copysign(math.inf, x)
+
+
+def _recip32(x: float) -> float:
+    """fp32(1 / x) for a float32 value `x`, clamped to the float32 max: the double quotient,
+    rounded to float32 later, is the float32 quotient (53 >= 2 * 24 + 2 bits: double
+    rounding of a division is harmless)."""
+    q = 1.0 / x
+    return _F32_MAX if q >= _F32_MAX else q
 
 
 @dataclass
@@ -131,6 +157,30 @@ class SamplingTensors:
                 [-1 if p.logprobs is None else p.logprobs for p in params], dtype=torch.int32
             ),
             logprobs_processed=torch.tensor([p.logprobs_mode == "processed" for p in params]),
+        )
+
+    @staticmethod
+    def host_row(p: SamplingParams, vocab_size: int) -> tuple:
+        """`host_columns` of one request without torch, for hot paths (SlotTable.flush):
+        the values in HOST_FIELDS order as Python scalars; rounding a float to float32
+        (torch.tensor(..., dtype=float32), struct "f") gives host_columns' bits exactly.
+        `p` must be checked already (seed set, check_vocab)."""
+        t = _f32(p.temperature)
+        rep = _f32(p.repetition_penalty)
+        return (
+            t,
+            1.0 if t == 0.0 else _recip32(t),
+            p.top_k if 0 < p.top_k < vocab_size else 0,
+            p.top_p,
+            p.min_p,
+            math.log(p.min_p) if p.min_p > 0.0 else -math.inf,  # float64 log, as host_columns
+            p.seed,
+            rep,
+            _recip32(rep),
+            p.presence_penalty,
+            p.frequency_penalty,
+            -1 if p.logprobs is None else p.logprobs,
+            p.logprobs_mode == "processed",
         )
 
     @staticmethod

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import random
+
+import numpy as np
 import pytest
 import torch
 
 import graphexec as gx
-from graphexec.sampling.tensors import SamplingTensors
-from graphexec.slot_writes import PackedUpload, layout, pack, unpack
+from graphexec import state
+from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
+from graphexec.slot_writes import PackedUpload, RowFormat
 from graphexec.state import SlotTable, min_id_words
 
 P = gx.SamplingParams
@@ -190,60 +195,114 @@ def test_flush_without_changes_writes_nothing() -> None:
 def test_scalar_columns_share_one_block_per_dtype() -> None:
     st = SlotTable(5, V, "cpu")
     f32 = st.tensors.temperature
-    for col in (st.tensors.top_p, st.tensors.log_min_p, st.tensors.frequency_penalty):
+    # host-owned: one buffer (the flush copies its mirror whole); float32 columns are
+    # rows of the int32 block
+    t = st.tensors
+    owned = [t.top_p, t.log_min_p, t.top_k, t.seed, t.logprobs_processed, t.bias_ids]
+    owned += [t.bias_values, st.prompt_lens, st.min_tokens, st.min_words, st.min_bits]
+    for col in owned:
         assert col.untyped_storage().data_ptr() == f32.untyped_storage().data_ptr()
-    for col in (st.positions, st.last_token, st.prompt_lens, st.min_tokens, st.tensors.seed):
-        assert col.is_contiguous() and col.shape == (6,)
-        assert col.untyped_storage().data_ptr() == st.positions.untyped_storage().data_ptr()
-        assert col.storage_offset() % 16 == 0
+        assert col.is_contiguous() and col.shape[0] == 6
+    for col in (st.tensors.seed, st.prompt_lens, st.min_tokens, st.positions, st.last_token):
+        assert col.dtype == torch.int64 and col.storage_offset() % 16 == 0
+    # device-written decode state: its own [2, S'] block
+    assert st.last_token.data_ptr() - st.positions.data_ptr() == 16 * 8
     # initial values are allocate's: plain sampling
     assert st.tensors.log_min_p.eq(-torch.inf).all() and st.tensors.logprobs.eq(-1).all()
     assert st.tensors.temperature.eq(1).all() and not st.tensors.logprobs_processed.any()
+    assert st.tensors.bias_ids.eq(-1).all() and st.tensors.top_p.eq(1).all()
+
+
+def test_prompts_past_the_buffer_take_a_second_copy(monkeypatch) -> None:
+    monkeypatch.setattr(state, "_FLAT", 3)  # room for 3 prompt tokens past ids and decode
+    st = SlotTable(4, V, "cpu", max_min_ids=3)
+    writes = {}
+    for p, prompt, min_ids in MIX[:4]:
+        writes[st.assign(p, prompt, min_ids)] = (p, tuple(prompt), tuple(min_ids))
+    before = snapshot(st)
+    st.flush()  # 7 prompt tokens: more than fits
+    assert_state(st, reference_flush(st, before, writes))
+    st.release(0)
+    before = snapshot(st)
+    st.flush()  # and the buffer serves the next flush as before
+    assert_state(st, reference_flush(st, before, {0: None}))
 
 
 # --- the packing itself ----------------------------------------------------------------
 
 
-def test_pack_round_trips_every_dtype_bit_exactly() -> None:
-    f = torch.tensor([0.0, -0.0, 1.5, -torch.inf, torch.inf, torch.nan, 1e-45, 3.4e38])
-    pieces = {
-        "idx": torch.tensor([4, 0, 2]),
-        "flags": torch.tensor([True, False, True]),
-        "f": f,
-        "f2": torch.tensor([[1.0, -2.0], [0.5, torch.nan]]),
-        "i32": torch.tensor([[-(2**31), 2**31 - 1, -1]], dtype=torch.int32),
-        "i64": torch.tensor([-(2**63), 2**63 - 1, 0]),
-        "empty": torch.zeros(0, dtype=torch.int64),
-    }
-    lay = layout(pieces)
-    assert lay.size == sum(t.numel() for t in pieces.values())
-    # grouped: int64 first, then the int32-range ones, then bool (one conversion each)
-    assert [e[0] for e in lay.entries] == ["idx", "i64", "empty", "f", "f2", "i32", "flags"]
-    buf = torch.full((lay.size + 5,), 123, dtype=torch.int64)
-    packed = pack(pieces, lay, buf)
-    assert packed.data_ptr() == buf.data_ptr() and buf[lay.size :].eq(123).all()
-    back = unpack(packed.clone(), lay)
-    for name, t in pieces.items():
-        got = back[name]
-        assert got.dtype == t.dtype and got.shape == t.shape, name
-        if t.is_floating_point():
-            assert torch.equal(got.view(torch.int32), t.view(torch.int32)), name
-        else:
-            assert torch.equal(got, t), name
-    with pytest.raises(TypeError, match="float64"):
-        layout({"x": torch.zeros(2, dtype=torch.float64)})
+def test_row_format_round_trips_every_dtype_bit_exactly() -> None:
+    f = [0.0, -0.0, 1.5, -math.inf, math.inf, math.nan, 1e-45, 3.4e38]
+    fmt = RowFormat([("i64", torch.int64, "3q"), ("f", torch.float32, "8f"),
+                     ("mixed", torch.int32, "fi"), ("flags", torch.bool, "2?")])  # fmt: skip
+    assert fmt.size == 24 + 32 + 8 + 8  # 2 bools padded to 8 bytes
+    rows = [(-(2**63), 2**63 - 1, 0, *f, -2.5, -(2**31), True, False),
+            (1, 2, 3, *f[::-1], 1.0, 2**31 - 1, False, True)]  # fmt: skip
+    buf = np.zeros(8 + 2 * fmt.size, dtype=np.uint8)
+    for i, r in enumerate(rows):
+        fmt.struct.pack_into(buf, 8 + i * fmt.size, *r)
+    got = fmt.views(buf[8:].reshape(2, fmt.size))  # offset rows, as in a flush's scratch
+    assert got["i64"].tolist() == [list(r[:3]) for r in rows]
+    want = torch.tensor([r[3:11] for r in rows], dtype=torch.float32)
+    assert got["f"].dtype == np.float32
+    assert np.array_equal(got["f"].view(np.int32), want.view(torch.int32).numpy())
+    mixed = got["mixed"]  # one int32 view: the float as its bits
+    assert mixed.dtype == np.int32 and mixed[:, 1].tolist() == [-(2**31), 2**31 - 1]
+    assert mixed[:, :1].view(np.float32).ravel().tolist() == [-2.5, 1.0]
+    assert got["flags"].tolist() == [[True, False], [False, True]]
+    with pytest.raises(ValueError, match="element size"):
+        RowFormat([("a", torch.int32, "i"), ("b", torch.int64, "q")])
+    with pytest.raises(TypeError, match="cannot be read"):
+        RowFormat([("a", torch.float32, "i")])
 
 
-def test_packed_upload_reuses_its_buffer_and_grows_when_needed() -> None:
-    up = PackedUpload("cpu")
-    a = up.upload({"x": torch.arange(10), "y": torch.ones(3)})
-    assert torch.equal(a["x"], torch.arange(10)) and torch.equal(a["y"], torch.ones(3))
-    ptr, cap = up._buf.data_ptr(), up._buf.numel()
-    up.upload({"x": torch.arange(4)})
-    assert up._buf.data_ptr() == ptr  # reused
-    b = up.upload({"x": torch.arange(cap + 1)})
-    assert up._buf.numel() >= cap + 1 and torch.equal(b["x"], torch.arange(cap + 1))
-    assert not up._buf.is_pinned()  # pinned only for CUDA
+def test_packed_upload_copies_a_prefix_of_its_fixed_buffer() -> None:
+    up = PackedUpload("cpu", 64)
+    assert up.dev_buf is up.host_buf and not up.host_buf.is_pinned()  # on the CPU: one buffer
+    up.host()[:16] = range(16)
+    up.send(16)
+    assert up.dev_buf[:16].tolist() == list(range(16))
+    extra = up.extra(np.arange(5))
+    assert extra.dtype == torch.int64 and extra.tolist() == list(range(5))
+
+
+F32_MAX = torch.finfo(torch.float32).max
+F32_TINY = torch.finfo(torch.float32).smallest_normal
+
+
+def test_host_row_is_host_columns_bit_for_bit() -> None:
+    """SlotTable.flush packs host_row's values; they must give host_columns' bits."""
+    rng = random.Random(0)
+    edge = [0.0, 5e-324, 1e-300, 1e-50, 1e-46, 7e-46, 1.4e-45, 1e-40, F32_TINY, 3e-39,
+            1e-30, 0.1, 1 / 3, 1.0, 2.0, 1e30, 1e38, F32_MAX, F32_MAX * (1 + 2**-25),
+            F32_MAX * (1 + 2**-23), 1e39, 1e300]  # fmt: skip
+    unit = [x for x in edge if x <= 1.0] + [1.0 - 2**-30, 1.0 - 2**-53]
+    n = 1000
+    temps = edge + [rng.uniform(0, 2) for _ in range(n)] + [10 ** rng.uniform(-50, 50)
+                                                           for _ in range(n)]  # fmt: skip
+    min_ps = unit + [rng.random() for _ in range(n)] + [10 ** -rng.uniform(0, 330)
+                                                       for _ in range(n)]  # fmt: skip
+    reps = [1e-30, 1e30, 1.0] + [10 ** rng.uniform(-30, 30) for _ in range(n)]
+    params = [
+        P(temperature=t, min_p=min_ps[i % len(min_ps)], top_p=max(unit[i % len(unit)], 1e-9),
+          repetition_penalty=reps[i % len(reps)], presence_penalty=rng.uniform(-2, 2),
+          frequency_penalty=rng.uniform(-2, 2), top_k=rng.choice([-1, 0, 5, V, V + 9]),
+          seed=rng.randrange(2**63), logprobs=rng.choice([None, 0, 20]),
+          logprobs_mode=rng.choice(["raw", "processed"]))
+        for i, t in enumerate(temps)
+    ]  # fmt: skip
+    cols = SamplingTensors.host_columns(params, V + 10)
+    assert tuple(cols) == HOST_FIELDS
+    rows = [SamplingTensors.host_row(p, V + 10) for p in params]
+    for j, (name, col) in enumerate(cols.items()):
+        got = torch.tensor([r[j] for r in rows], dtype=col.dtype)
+        if col.is_floating_point():
+            col, got = col.view(torch.int32), got.view(torch.int32)
+        bad = (got != col).nonzero().flatten().tolist()
+        assert not bad, (name, [(params[i], got[i], col[i]) for i in bad[:3]])
+    # the clamps were hit: 1/T of a tiny temperature, T rounding to 0 and to inf
+    assert cols["inv_temperature"].eq(F32_MAX).any() and cols["temperature"].eq(0).sum() > 1
+    assert cols["temperature"].isinf().any() and cols["log_min_p"].isinf().any()
 
 
 @pytest.mark.gpu
