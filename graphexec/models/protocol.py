@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,6 +46,12 @@ class PrefillBatch:
     slot's state (an earlier chunk). Its tokens are token_ids[offsets[r] : offsets[r] +
     lengths[r]]. Device tensors live on the model's device; host tuples give shapes
     without a sync.
+
+    The *padded layout* puts segment r in row r of an [R, Lmax] grid (Lmax =
+    max(lengths)), its token j in column j; columns j >= lengths[r] are padding. `build`
+    also ships the index tensors of that layout (computed on the host, in the same copy)
+    so a model needs no kernels to derive them; they are None in a batch made by hand
+    (`with_layout` adds them) and a model may ignore them.
     """
 
     token_ids: torch.Tensor  # i64 [N]: every segment's tokens, concatenated
@@ -53,6 +62,13 @@ class PrefillBatch:
     starts: tuple[int, ...]  # [R] sequence position of each segment's first token
     lengths: tuple[int, ...]  # [R] tokens per segment (>= 1)
     logit_rows: torch.Tensor | None = None  # i64 [M]: tokens (indices into N) to return logits of
+    # the padded layout (None unless made by `build` or `with_layout`):
+    token_slots: torch.Tensor | None = None  # i64 [N]: slot of each token (slot_ids[segment_ids])
+    padded_index: torch.Tensor | None = None  # i64 [N]: each token's r * Lmax + j
+    padded_tokens: torch.Tensor | None = None  # i64 [R, Lmax]: token (index into N) at (r, j);
+    # a padding column repeats its segment's last token
+    padded_positions: torch.Tensor | None = None  # i64 [R, Lmax]: starts[r] + j (padding too)
+    logit_padded: torch.Tensor | None = None  # i64 [M]: padded_index[logit_rows]
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -65,31 +81,96 @@ class PrefillBatch:
     @classmethod
     def build(cls, segments: Sequence[tuple[int, int, Sequence[int]]], device,
               logit_rows: Sequence[int] | None = None) -> PrefillBatch:  # fmt: skip
-        """From host segments (slot, start, token ids); one host-to-device copy."""
+        """From host segments (slot, start, token ids): every device tensor, the padded
+        layout's too, is a view of one int64 buffer filled on the host (numpy) and copied
+        once; on CUDA from a fresh pinned buffer without blocking (the caching host
+        allocator keeps that buffer from reuse until the copy is done). No sync."""
         if not segments:
             raise ValueError("a PrefillBatch needs at least one segment")
-        slots = tuple(int(s) for s, _, _ in segments)
-        starts = tuple(int(a) for _, a, _ in segments)
-        lengths = tuple(len(ids) for _, _, ids in segments)
+        slots, starts, ids = zip(*segments, strict=True)
+        slots, starts = tuple(map(int, slots)), tuple(map(int, starts))
+        lengths = tuple(map(len, ids))
         if min(lengths) < 1:
             raise ValueError("every prefill segment needs at least one token")
-        n, r = sum(lengths), len(segments)
-        rows = list(logit_rows) if logit_rows is not None else []
-        host = torch.empty(3 * n + r + len(rows), dtype=torch.int64)
-        host[:n] = torch.tensor([t for _, _, ids in segments for t in ids], dtype=torch.int64)
-        host[n : 2 * n] = torch.cat(
-            [torch.arange(a, a + k) for a, k in zip(starts, lengths, strict=True)]
-        )
-        host[2 * n : 3 * n] = torch.repeat_interleave(torch.arange(r), torch.tensor(lengths))
-        host[3 * n : 3 * n + r] = torch.tensor(slots, dtype=torch.int64)
-        if rows:
-            host[3 * n + r :] = torch.tensor(rows, dtype=torch.int64)
-        dev = host.to(device)
+        rows = None if logit_rows is None else np.asarray(logit_rows, dtype=np.int64).reshape(-1)
+        n, r, lmax = sum(lengths), len(lengths), max(lengths)
+        m = 0 if rows is None else len(rows)
+        sizes = (n, n, n, n, n, r, r * lmax, r * lmax, m, m)  # the fields, in _fill's order
+        pinned = torch.device(device).type == "cuda"
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=pinned)
+        buf = host.numpy()
+        buf[:n] = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=n)
+        _fill(buf, slots, starts, lengths, n, lmax, rows)
+        dev = host.to(device, non_blocking=True) if pinned else host.to(device)
+        parts = dev.split_with_sizes(sizes)
+        tok, pos, seg, tok_slot, pidx, slot_ids, ptok, ppos, lrows, lpad = parts
         return cls(
-            token_ids=dev[:n], positions=dev[n : 2 * n], segment_ids=dev[2 * n : 3 * n],
-            slot_ids=dev[3 * n : 3 * n + r], slots=slots, starts=starts, lengths=lengths,
-            logit_rows=dev[3 * n + r :] if logit_rows is not None else None,
+            token_ids=tok, positions=pos, segment_ids=seg, slot_ids=slot_ids, slots=slots,
+            starts=starts, lengths=lengths, logit_rows=None if rows is None else lrows,
+            token_slots=tok_slot, padded_index=pidx, padded_tokens=ptok.view(r, lmax),
+            padded_positions=ppos.view(r, lmax), logit_padded=None if rows is None else lpad,
         )  # fmt: skip
+
+    def with_layout(self) -> PrefillBatch:
+        """This batch with the padded layout's tensors, from its host tuples (one copy;
+        logit_padded by one gather on the device)."""
+        if self.padded_tokens is not None:
+            return self
+        n, r, lmax = sum(self.lengths), len(self.lengths), max(self.lengths)
+        buf = np.empty(5 * n + r + 2 * r * lmax, dtype=np.int64)
+        _fill(buf, self.slots, self.starts, self.lengths, n, lmax, None)
+        dev = torch.from_numpy(buf).to(self.token_ids.device)
+        tok_slot, pidx, _, ptok, ppos = dev[3 * n :].split((n, n, r, r * lmax, r * lmax))
+        rows = self.logit_rows
+        return dataclasses.replace(
+            self, token_slots=tok_slot, padded_index=pidx, padded_tokens=ptok.view(r, lmax),
+            padded_positions=ppos.view(r, lmax), logit_padded=None if rows is None else pidx[rows],
+        )  # fmt: skip
+
+
+def _fill(buf: np.ndarray, slots, starts, lengths, n: int, lmax: int, rows) -> None:
+    """A `PrefillBatch`'s host values but its token ids (buf[:n]) into `buf`: positions,
+    segment_ids, token_slots, padded_index [N each], slot_ids [R], padded_tokens,
+    padded_positions [R * Lmax each], then logit_rows, logit_padded [M each] if `rows`.
+
+    A few whole-array numpy ops, none per segment or token: a grid [6, R, Lmax] of
+    per-segment values, plus the column j where it counts, whose valid columns
+    (j < lengths[r]) are the token rows."""
+    r = len(lengths)
+    offsets = tuple(itertools.accumulate(lengths, initial=0))
+    lasts = tuple(e - 1 for e in offsets[1:])  # each segment's last token
+    # rows: start (+ j: position), segment, slot, r * Lmax (+ j: padded index),
+    # offset (+ j: token index), last token
+    per_seg = starts + tuple(range(r)) + slots + tuple(range(0, r * lmax, lmax))
+    per_seg = np.array(per_seg + offsets[:-1] + lasts, dtype=np.int64).reshape(6, r, 1)
+    grid = per_seg + _columns(lmax)
+    valid = grid[4] <= grid[5]
+    np.compress(valid.reshape(-1), grid[:4].reshape(4, -1), axis=1,
+                out=buf[n : 5 * n].reshape(4, n))  # fmt: skip
+    buf[5 * n : 5 * n + r] = slots
+    at = 5 * n + r
+    pad = buf[at : at + 2 * r * lmax].reshape(2, r, lmax)
+    np.minimum(grid[4], grid[5], out=pad[0])  # padding repeats the last token
+    pad[1] = grid[0]
+    if rows is not None and len(rows):
+        at += 2 * r * lmax
+        m = len(rows)
+        buf[at : at + m] = rows
+        np.take(buf[4 * n : 5 * n], rows, out=buf[at + m : at + 2 * m])
+
+
+_COLUMNS = np.zeros((6, 1, 0), dtype=np.int64)
+
+
+def _columns(lmax: int) -> np.ndarray:
+    """[6, 1, lmax]: j in rows 0, 3 and 4 (what `_fill` adds to its per-segment rows), 0
+    in the others; a view of one array grown as needed."""
+    global _COLUMNS
+    if _COLUMNS.shape[2] < lmax:
+        cols = np.zeros((6, 1, max(lmax, 2 * _COLUMNS.shape[2], 64)), dtype=np.int64)
+        cols[[0, 3, 4], 0] = np.arange(cols.shape[2])
+        _COLUMNS = cols
+    return _COLUMNS[:, :, :lmax]
 
 
 @runtime_checkable

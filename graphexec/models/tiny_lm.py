@@ -16,6 +16,7 @@ rounding).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,10 @@ class TinyLM:
             for _ in range(layers)
         ]
         self.device = torch.device("cpu")
-        self.k_cache: torch.Tensor | None = None  # [L, S, T, H, hd]
+        # one tensor [L, 2, S, T, H, hd] holds both (one op writes or reads a layer's K
+        # and V); k_cache and v_cache are its halves [L, S, T, H, hd]
+        self.kv_cache: torch.Tensor | None = None
+        self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
@@ -86,9 +90,15 @@ class TinyLM:
         self.lm_head = self.lm_head.to(d)
         self.layers = [{k: v.to(d) for k, v in layer.items()} for layer in self.layers]
         hd = self.dim // self.heads
-        shape = (self.num_layers, num_slots, self.max_seq_len, self.heads, hd)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=d)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=d)
+        shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.heads, hd)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
+        self.k_cache, self.v_cache = self.kv_cache[:, 0], self.kv_cache[:, 1]
+        # per layer, its K and V as [2, S, T, D] (prefill_batch's view)
+        self._kv_layers = [kv.flatten(3) for kv in self.kv_cache]
+        # constants of prefill_batch's mask
+        self._key_positions = torch.arange(self.max_seq_len, device=d)
+        self._zero = torch.zeros((), dtype=self.dtype, device=d)
+        self._ninf = torch.full((), float("-inf"), dtype=self.dtype, device=d)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (self.dim,))
@@ -104,8 +114,7 @@ class TinyLM:
 
     def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the cache of the first `length` positions (n streams of one prompt)."""
-        self.k_cache[:, dst_slot, :length] = self.k_cache[:, src_slot, :length]
-        self.v_cache[:, dst_slot, :length] = self.v_cache[:, src_slot, :length]
+        self.kv_cache[:, :, dst_slot, :length] = self.kv_cache[:, :, src_slot, :length]
 
     def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """One prompt from position 0: a one-segment `prefill_batch`."""
@@ -136,50 +145,60 @@ class TinyLM:
         may even share a batch. Shapes come from the host tuples: no sync. With
         `logit_rows` None the last layer stops after its K/V (nothing after it is read)
         and there is no LM head; with rows, its out-projection and MLP run on them alone.
+
+        Few ops, since at prefill sizes the host launching them is the cost: the
+        padded layout's indices come with the batch (`PrefillBatch.build`; a batch made
+        by hand gets them by `with_layout`), the additive mask is made once for every
+        layer, and a layer is 13 launches: norm, QKV matmul, one indexed write of its K
+        and V, one gather each of the padded queries, its slots' K and V and the
+        unpadded output, attention, out-projection and MLP (each matmul and residual add
+        one in-place addmm_).
         """
         if self.k_cache is None:
             raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill_batch")
-        starts, lengths = batch.starts, batch.lengths
-        ends = [a + n for a, n in zip(starts, lengths, strict=True)]
-        if min(starts) < 0 or max(ends) > self.max_seq_len:
+        C = max(map(operator.add, batch.starts, batch.lengths))
+        if min(batch.starts) < 0 or C > self.max_seq_len:
             raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
-        num_slots = self.k_cache.shape[1]
-        if not all(0 <= s < num_slots for s in batch.slots):
+        num_slots = self.kv_cache.shape[2]
+        if min(batch.slots) < 0 or max(batch.slots) >= num_slots:
             raise ValueError(f"prefill slots must be in [0, {num_slots})")
-        R, Lmax, C = len(lengths), max(lengths), max(ends)
-        d, hd = self.device, self.dim // self.heads
-        ids, pos, seg = batch.token_ids, batch.positions, batch.segment_ids
-        tok_slot = batch.slot_ids[seg]  # [N]
-        # each segment's first position, on the device (no host-to-device copy)
-        first = torch.full((R,), self.max_seq_len, dtype=torch.int64, device=d)
-        first = first.scatter_reduce(0, seg, pos, reduce="amin")
-        j = pos - first[seg]  # [N]: index of each token within its segment
-        # query positions of the padded rows [R, Lmax]; a padding row (j >= lengths[r])
-        # still sees key 0 (an all-masked row would be NaN); its output is dropped
-        q_pos = first[:, None] + torch.arange(Lmax, device=d)
-        visible = torch.arange(C, device=d) <= q_pos[:, :, None]  # [R, Lmax, C]
-        visible = visible[:, None]  # [R, 1, Lmax, C]: one mask for every head
-        rows = batch.logit_rows
-        x = self.embed[ids] + self.pos_embed[pos]  # [N, D]
+        if batch.padded_tokens is None:
+            batch = batch.with_layout()
+        R, Lmax = batch.padded_tokens.shape
+        D, H, hd, norm = self.dim, self.heads, self.dim // self.heads, (self.dim,)
+        pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
+        key_pos = self._key_positions.narrow(0, 0, C)
+        # additive mask [R, 1, Lmax, C], rows padded to 16 elements (so SDPA's
+        # memory-efficient kernel takes it as is); a padding row (j >= lengths[r]) still
+        # sees key 0 (an all-masked row would be NaN); its output is dropped
+        width = -(-C // 16) * 16
+        mask = torch.empty((R, 1, Lmax, width), dtype=self.dtype, device=self.device)
+        mask = mask.narrow(3, 0, C)
+        visible = key_pos <= batch.padded_positions.view(R, 1, Lmax, 1)
+        torch.where(visible, self._zero, self._ninf, out=mask)
+        x = self.embed.index_select(0, batch.token_ids) + self.pos_embed.index_select(0, pos)
+        qrows = batch.padded_tokens.view(-1)  # [R * Lmax]
+        # [R, H, Lmax | C, hd] views of index_select's contiguous [R * (Lmax | C), D]
+        q_shape, q_stride = (R, H, Lmax, hd), (Lmax * D, hd, D, 1)
+        k_shape, k_stride = (R, H, C, hd), (C * D, hd, D, 1)
         last = self.num_layers - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x)  # [N, H, hd]
-            self.k_cache[i, tok_slot, pos] = k
-            self.v_cache[i, tok_slot, pos] = v
+            kv_i = self._kv_layers[i]  # [2, S, T, D]
+            qkv = torch.rms_norm(x, norm).mm(layer["qkv"]).view(-1, 3, D)  # [N, 3, D]
+            kv_i[:, slots, pos] = qkv.narrow(1, 1, 2).transpose(0, 1)
             if i == last and rows is None:
                 return None
-            q_pad = q.new_zeros(R, self.heads, Lmax, hd)
-            q_pad.transpose(1, 2)[seg, j] = q
-            keys = self.k_cache[i][batch.slot_ids, :C].transpose(1, 2)  # [R, H, C, hd]
-            vals = self.v_cache[i][batch.slot_ids, :C].transpose(1, 2)
-            a = F.scaled_dot_product_attention(q_pad, keys, vals, attn_mask=visible)
-            a = a.transpose(1, 2)  # [R, Lmax, H, hd]
+            q = qkv.select(1, 0).index_select(0, qrows).as_strided(q_shape, q_stride)
+            k, v = kv_i.narrow(2, 0, C).index_select(1, batch.slot_ids).unbind(0)  # [R, C, D]
+            k, v = k.as_strided(k_shape, k_stride), v.as_strided(k_shape, k_stride)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [R, H, Lmax, hd]
+            a = a.transpose(1, 2).reshape(R * Lmax, D)
             if i == last:  # only the logit rows go on to the head
-                x, a = x[rows], a[seg[rows], j[rows]]
+                x, a = x.index_select(0, rows), a.index_select(0, batch.logit_padded)
             else:
-                a = a[seg, j]
-            x = x + a.reshape(-1, self.dim) @ layer["out"]
-            x = x + self._mlp(layer, x)
+                a = a.index_select(0, batch.padded_index)
+            x.addmm_(a, layer["out"])  # x is this call's own tensor: in place
+            x.addmm_(F.gelu(torch.rms_norm(x, norm).mm(layer["up"])), layer["down"])
         if rows is None:  # a model of no layers
             return None
         return self._head(x if self.num_layers else x[rows])

@@ -124,3 +124,59 @@ def test_table_model_prefill_batch_is_logits_of_each_token() -> None:
     assert m.prefill_batch(batch(segs, rows=None)) is None
     with pytest.raises(ValueError, match="positions"):
         m.prefill_batch(batch([(0, T - 1, [1, 2])]))
+
+
+def test_build_ships_the_padded_layout_in_one_buffer() -> None:
+    segs = [(4, 0, [5, 6, 7]), (1, 9, [8]), (4, 3, [9, 10, 11, 12, 13]), (0, 2, [14, 15])]
+    b = PrefillBatch.build(segs, "cpu", [7, 0, 3])
+    Lmax = 5
+    want_tok, want_pos, want_seg, want_pidx = [], [], [], []
+    want_ptok, want_ppos = [[0] * Lmax for _ in segs], [[0] * Lmax for _ in segs]
+    at = 0
+    for r, (_, a, ids) in enumerate(segs):
+        for j in range(Lmax):
+            want_ptok[r][j] = at + min(j, len(ids) - 1)  # padding repeats the last token
+            want_ppos[r][j] = a + j
+        for j, t in enumerate(ids):
+            want_tok.append(t)
+            want_pos.append(a + j)
+            want_seg.append(r)
+            want_pidx.append(r * Lmax + j)
+        at += len(ids)
+    assert b.token_ids.tolist() == want_tok and b.positions.tolist() == want_pos
+    assert b.segment_ids.tolist() == want_seg and b.padded_index.tolist() == want_pidx
+    assert b.token_slots.tolist() == [segs[r][0] for r in want_seg]
+    assert b.slot_ids.tolist() == [4, 1, 4, 0]
+    assert b.padded_tokens.tolist() == want_ptok and b.padded_positions.tolist() == want_ppos
+    assert b.logit_rows.tolist() == [7, 0, 3] and b.logit_padded.tolist() == [13, 0, 5]
+    assert (b.slots, b.starts, b.lengths, b.offsets) == ((4, 1, 4, 0), (0, 9, 3, 2),
+                                                          (3, 1, 5, 2), (0, 3, 4, 9))  # fmt: skip
+    # every tensor is a view of one buffer (one host-to-device copy on CUDA)
+    base = b.token_ids.untyped_storage().data_ptr()
+    for name in ("positions", "segment_ids", "slot_ids", "logit_rows",
+                 "token_slots", "padded_index", "padded_tokens", "padded_positions",
+                 "logit_padded"):  # fmt: skip
+        assert getattr(b, name).untyped_storage().data_ptr() == base, name
+    assert PrefillBatch.build(segs, "cpu").logit_rows is None
+    assert PrefillBatch.build(segs, "cpu").logit_padded is None
+    # a batch made by hand gets the same layout from its host tuples
+    bare = PrefillBatch(token_ids=b.token_ids, positions=b.positions, segment_ids=b.segment_ids,
+                        slot_ids=b.slot_ids, slots=b.slots, starts=b.starts, lengths=b.lengths,
+                        logit_rows=b.logit_rows)  # fmt: skip
+    assert bare.padded_tokens is None
+    full = bare.with_layout()
+    for name in ("token_slots", "padded_index", "padded_tokens",
+                 "padded_positions", "logit_padded"):  # fmt: skip
+        assert torch.equal(getattr(full, name), getattr(b, name)), name
+    assert full.with_layout() is full
+
+
+def test_tiny_lm_hand_made_batch_equals_built_batch() -> None:
+    segs = [(3, 0, prompt(7, 13)), (1, 0, prompt(4, 14))]
+    b = batch(segs)
+    bare = PrefillBatch(token_ids=b.token_ids, positions=b.positions, segment_ids=b.segment_ids,
+                        slot_ids=b.slot_ids, slots=b.slots, starts=b.starts, lengths=b.lengths,
+                        logit_rows=b.logit_rows)  # fmt: skip
+    m, hand = tiny(), tiny()
+    assert torch.equal(m.prefill_batch(b), hand.prefill_batch(bare))
+    assert torch.equal(m.kv_cache, hand.kv_cache)
