@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from graphexec.models.protocol import PrefillBatch
+from graphexec.models.table import _slice
 
 
 class TinyLM:
@@ -35,6 +36,9 @@ class TinyLM:
         max_seq_len: positions per slot (prompt + output).
         logit_scale: spread of the logits (their std over a row is about this).
         dtype: weight and activation dtype; logits are returned as float32.
+        shard: (rank, world): the LM head keeps only the rank's vocabulary slice
+            (`distributed.vocab_slices`), so logits are [.., hi - lo], the unsharded
+            model's columns lo..hi (for `DecodeExecutor(tp_group=)`).
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class TinyLM:
         max_seq_len: int = 256,
         logit_scale: float = 3.0,
         dtype: torch.dtype = torch.float32,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -66,6 +71,9 @@ class TinyLM:
         self.embed = w(vocab_size, dim, std=1.0)
         self.pos_embed = w(max_seq_len, dim, std=0.5)
         self.lm_head = w(vocab_size, dim, std=1.0)  # untied: a tied head repeats its input
+        # a vocabulary-parallel head: this rank's rows of the same seeded weights
+        self.vocab_slice = _slice(vocab_size, shard)
+        self.lm_head = self.lm_head[slice(*self.vocab_slice)].clone()
         self.layers = [
             dict(
                 qkv=w(dim, 3 * dim, std=s),
