@@ -184,7 +184,8 @@ def main() -> None:
                   graphexec=os.environ.get("GRAPHEXEC_COMMIT", "unknown"), date=today,
                   local=bool(args.local or torch.cuda.device_count() < 2), rows=rows)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"distributed-{name}-{today}.json")
+    kind = "distributed-local" if result["local"] else "distributed"
+    path = os.path.join(args.out, f"{kind}-{name}-{today}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
