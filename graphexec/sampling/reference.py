@@ -85,7 +85,7 @@ def process_logits(
     shard): bitmask, bias ids, counts and count_ids keep their full-vocabulary ids."""
     x = sanitize(logits).clone()
     B, V = x.shape
-    neg_inf = torch.tensor(-torch.inf, device=x.device)
+    neg_inf = torch.full((), -torch.inf, device=x.device)  # no host copy: capturable
     if bitmask is not None:
         x = torch.where(unpack_bitmask(bitmask, lo + V)[:, lo:], x, neg_inf)
     # padding ids (-1) add their 0 to an extra column that is dropped: no host sync
