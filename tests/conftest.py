@@ -3,8 +3,14 @@ tests marked `multigpu` where fewer than 2 GPUs are."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` on a 2-core machine: one torch thread a worker, or they fight for cores
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
