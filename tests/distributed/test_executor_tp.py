@@ -78,3 +78,7 @@ def test_each_rank_gets_the_one_rank_streams(world, cases) -> None:
 def test_tp_group_refuses_what_it_cannot_serve() -> None:
     with pytest.raises(ValueError, match="not initialised"):
         gx.DecodeExecutor(model("table"), device="cpu", tp_group=object())
+    with pytest.raises(ValueError, match="tp_method"):
+        gx.DecodeExecutor(model("table"), device="cpu", tp_group=object(), tp_method="bogus")
+    with pytest.raises(ValueError, match="rank"):
+        gx.models.TableModel(V, shard=(2, 2))

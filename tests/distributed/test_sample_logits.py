@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, cases) -> list[str]:
     for kind, B, seed in cases:
         x, params, pos, counts, prompt, bitmask = batch(kind, B, seed)
         want = gx.sample_logits(x, params, pos, counts, prompt, bitmask, backend="torch")
-        for method in ("all_to_all", "vocab_parallel"):
+        for method in ("all_to_all", "vocab_parallel") + (("auto",) if world == 2 else ()):
             got = gx.distributed.sample_logits(x[:, lo:hi].contiguous(), params, pos,
                                                token_counts=counts, prompt_mask=prompt,
                                                bitmask=bitmask, backend="torch",
