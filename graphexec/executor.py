@@ -41,13 +41,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from graphexec.admission import check_request, drain
 from graphexec.batch import CHUNK_FAILED, BatchPlan, StepOutputs, finish_rows
-from graphexec.graphs import CapturedGraphs, GraphKey, all_keys, check_buckets, default_buckets
+from graphexec.graphs import CapturedGraphs, GraphKey, check_buckets, default_buckets
+from graphexec.launch import capture_keys, launch_chunks
 from graphexec.masks import TokenMasks
-from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS, SamplingParams
 from graphexec.prefill import Prefiller
 from graphexec.request import Request, RequestOutput
@@ -71,25 +70,6 @@ def _device(device) -> torch.device:
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available (use device='cpu')")
     return d
-
-
-def _tensor_parallel(group, method: str, model, vocab_size: int, speculative):
-    """The executor's `distributed.TensorParallel`; ValueError for what it cannot serve."""
-    from graphexec import distributed
-
-    if method not in distributed.METHODS:
-        raise ValueError(f"tp_method must be one of {distributed.METHODS}, got {method!r}")
-    if int(model.vocab_size) != vocab_size:
-        raise ValueError(f"tp_group needs vocab_size == the model's ({model.vocab_size}), "
-                         f"got {vocab_size}")  # fmt: skip
-    tp = distributed.TensorParallel.create(group, vocab_size)
-    got = getattr(model, "vocab_slice", None)
-    if got is not None and tuple(got) != tp.slice:
-        raise ValueError(f"the model holds vocabulary slice {tuple(got)}; rank {tp.rank} of "
-                         f"{tp.world} samples {tp.slice}")  # fmt: skip
-    if speculative is not None and (speculative.uses_model or speculative.verify != "strict"):
-        raise ValueError("with tp_group, speculation needs drafter='ngram' and verify='strict'")
-    return tp
 
 
 class DecodeExecutor:
@@ -187,7 +167,9 @@ class DecodeExecutor:
             raise ValueError(f"speculative decoding needs {type(model).__name__}.verify")
         self.tp = None
         if tp_group is not None:
-            self.tp = _tensor_parallel(tp_group, tp_method, model, self.vocab_size, speculative)
+            from graphexec.distributed import for_executor
+
+            self.tp = for_executor(tp_group, tp_method, model, self.vocab_size, speculative)
         runs = 1 if speculative is None else speculative.num_draft_tokens + 1
         self.slots = SlotTable(max_batch_size, self.vocab_size, self.device, max_logit_bias,
                                offsets=runs, max_min_ids=max_min_ids)  # fmt: skip
@@ -290,54 +272,7 @@ class DecodeExecutor:
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
         with self._step_thread():
-            self._capture(keys, progress)
-
-    def _capture(self, keys, progress: bool) -> None:
-        spec_ks = self.spec.spec_ks if self.spec else (0,)
-        keys = sorted(keys or all_keys(self.buckets, spec_ks), key=lambda k: -k.bucket)
-        self.slots.flush()
-        self._retire_plan()  # the slot ids buffer is about to hold padding
-        self.buffers.slot_ids.fill_(self.slots.padding_slot)
-        cuda = self.device.type == "cuda"
-        mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
-        t0 = time.perf_counter()
-        # a real capture warms each key up, which checks the model's outputs; emulation
-        # checks them once, on one padding row
-        bad = None if self.graphs.cuda else self._probe_model()
-        for key in tqdm(keys, desc="capture", unit="graph", disable=not progress):
-            if key.bucket > self.buckets[-1]:
-                raise ValueError(f"key {key} has a bucket larger than the largest bucket")
-            if key in self.graphs.steps:
-                continue
-            if key.spec_k not in spec_ks:
-                raise ValueError(f"key {key} has spec_k {key.spec_k}; this executor runs {spec_ks}")
-            if bad is not None:
-                self.graphs.fail(key, bad)
-            else:
-                self.graphs.capture(key, self._step_fn(key))
-        self.slots.reset_padding()
-        grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
-        log.info(
-            "captured %d graphs (%d failed) in %.1f s, reserved CUDA memory +%.1f MiB%s",
-            len(self.graphs.steps), len(self.graphs.failed), time.perf_counter() - t0,
-            grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
-        )  # fmt: skip
-
-    def _probe_model(self) -> str | None:
-        """Why the model's decode (and verify) outputs are wrong, on one padding row."""
-        m, w, pad = self.model, self.sampler.width(self.model), self.slots.padding_slot
-        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-        slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
-        try:
-            check_logits(m.decode(ids, ids, slot), (1, w), m, "decode")
-            if self.spec is not None:
-                t = self.spec.k + 1
-                check_logits(m.verify(ids.expand(1, t), ids, slot), (1, t, w), m, "verify")
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
-        finally:
-            self.slots.reset_padding()
-        return None
+            capture_keys(self, keys, progress)
 
     def _step_fn(self, key: GraphKey):
         slot_ids, out = self.buffers.view(key)
@@ -417,7 +352,7 @@ class DecodeExecutor:
         errors: dict[int, str] = {}
         if plan.rows:
             self._steps += 1
-            keys = self._launch(plan, mode, errors)
+            keys = launch_chunks(self, plan, mode, errors)
         if not prefilled:
             # launched behind the decode graphs: the host's launch time overlaps the
             # device's decode, and the new requests decode from the next step on
@@ -440,39 +375,6 @@ class DecodeExecutor:
         outs.ready = ready + outs.ready
         self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outs
-
-    def _launch(self, plan: BatchPlan, mode: str | None, errors: dict[int, str]) -> list:
-        """Replay (or run eagerly) each chunk of the plan and queue its output copies;
-        [(key, start, n)]. A chunk whose step raises is recorded in `errors`."""
-        if plan.mask_rows and self.spec is None:  # the runner writes masks per offset
-            self._upload_masks([plan.rows[i].slot for i in plan.mask_rows])
-        replay = mode != "eager" and self.cuda_graphs
-        keys = []
-        for key, start, n in plan.chunks:
-            if self.spec is not None:
-                key = self.spec.prepare(plan, key, start, n, self.masks)
-            keys.append((key, start, n))
-            if not plan.uploaded:
-                host = self._host_slots[start : start + key.bucket]
-                host.fill_(self.slots.padding_slot)
-                host[:n] = torch.tensor([r.slot for r in plan.rows[start : start + n]])
-            if not plan.uploaded or len(plan.chunks) > 1:
-                src = self._host_slots[start : start + key.bucket]
-                self.buffers.slot_ids[: key.bucket].copy_(src, non_blocking=True)
-            try:
-                if not (replay and self.graphs.replay(key)):
-                    self._eager[key] += 1
-                    self._step_fn(key)()
-            except Exception as e:  # the chunk's requests end; the executor goes on
-                log.exception("step of %s failed; its %d requests end with 'error'", key, n)
-                errors[start] = f"{type(e).__name__}: {e}"
-                continue
-            if self.spec is not None:
-                self.spec.copy_out(key, start, n)
-            else:
-                self._copy_out(self.buffers.out, key, start, n)
-        plan.uploaded = True
-        return keys
 
     def _prefill(self) -> list[RequestOutput]:
         """Flush the staged slot writes and run the step's prefill; completed prompts
@@ -512,22 +414,3 @@ class DecodeExecutor:
         outs = StepOutputs()
         outs.ready = ready + runs
         return outs
-
-    def _copy_out(self, out: SamplerOutput, key: GraphKey, start: int, n: int) -> None:
-        """Queue the copy of rows [:n] of `out` to the host buffers at `start`."""
-        h = self._host_out
-        # token_ids is < 0 exactly where valid is False, so it alone tells both
-        h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
-        if key.logprobs:
-            for name in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
-                getattr(h, name)[start : start + n].copy_(getattr(out, name)[:n], non_blocking=True)
-
-    def _upload_masks(self, g: list[int]) -> None:
-        """Fill the mask rows of slots `g` on the host and copy them to the slots."""
-        host_rows = self.masks.fill(g)
-        idx = self._host_mask_idx[: len(g)]
-        idx.copy_(torch.tensor(g, dtype=torch.int64))
-        dev_idx = idx.to(self.device, non_blocking=True)
-        rows_dev = host_rows.to(self.device, non_blocking=True)
-        bm = self.slots.bitmask
-        (bm if bm.dim() == 2 else bm[:, 0]).index_copy_(0, dev_idx, rows_dev)

@@ -134,6 +134,23 @@ def is_posinf_at(shard: torch.Tensor, tokens: torch.Tensor, tp: TensorParallel) 
     return all_reduce(own & torch.isposinf(at), "max", tp.group)
 
 
+def for_executor(group, method: str, model, vocab_size: int, speculative) -> TensorParallel:
+    """The executor's `distributed.TensorParallel`; ValueError for what it cannot serve."""
+    if method not in METHODS:
+        raise ValueError(f"tp_method must be one of {METHODS}, got {method!r}")
+    if int(model.vocab_size) != vocab_size:
+        raise ValueError(f"tp_group needs vocab_size == the model's ({model.vocab_size}), "
+                         f"got {vocab_size}")  # fmt: skip
+    tp = TensorParallel.create(group, vocab_size)
+    got = getattr(model, "vocab_slice", None)
+    if got is not None and tuple(got) != tp.slice:
+        raise ValueError(f"the model holds vocabulary slice {tuple(got)}; rank {tp.rank} of "
+                         f"{tp.world} samples {tp.slice}")  # fmt: skip
+    if speculative is not None and (speculative.uses_model or speculative.verify != "strict"):
+        raise ValueError("with tp_group, speculation needs drafter='ngram' and verify='strict'")
+    return tp
+
+
 def sample_logits(logits_shard: torch.Tensor, params: Sequence[SamplingParams],
                   positions: Sequence[int] | torch.Tensor, group=None,
                   token_counts: torch.Tensor | None = None,
@@ -193,5 +210,5 @@ def sample_logits(logits_shard: torch.Tensor, params: Sequence[SamplingParams],
                        backend, tp=tp, method=method)  # fmt: skip
 
 
-__all__ = ["METHODS", "MethodCosts", "TensorParallel", "choose_method", "sample_logits",
-           "sample_step", "vocab_slices"]  # fmt: skip
+__all__ = ["METHODS", "MethodCosts", "TensorParallel", "choose_method", "for_executor",
+           "sample_logits", "sample_step", "vocab_slices"]  # fmt: skip
