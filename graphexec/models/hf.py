@@ -1,0 +1,345 @@
+"""HFTransformer: Llama / Qwen2 / Mistral decoder-only checkpoints as a `DecodeModel`.
+
+The forward is written here (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
+rather than wrapping transformers' modules, so the KV cache can be a static slot-indexed
+tensor and `decode` graph-capturable, as in TinyLM: cache writes by index, attention over
+the whole cache row masked by position, no host sync. Weights come from a checkpoint
+folder (config.json + safetensors, as `save_pretrained` writes them) or a transformers
+model object; transformers itself is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphexec.models.protocol import PrefillBatch
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "MistralForCausalLM": "mistral"}  # fmt: skip
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] (float32), scaled as the config says."""
+    # transformers 5 writes rope_parameters; older configs rope_theta + rope_scaling
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        factor, lo, hi = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling {rope!r}: HFTransformer supports none, "
+                     "'linear' and 'llama3'")  # fmt: skip
+
+
+def _model_type(cfg: dict[str, Any]) -> str:
+    mt = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if mt in ARCHITECTURES.values():
+        return mt
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    raise ValueError(f"unsupported architecture (model_type {mt!r}, architectures {archs}): "
+                     f"HFTransformer supports {sorted(ARCHITECTURES)}")  # fmt: skip
+
+
+class HFTransformer:
+    """A Llama-family decoder with a static KV cache [layers, 2, slots, T, kv_heads, hd].
+
+    Args:
+        model_or_config: a transformers model object (its config and state_dict are
+            taken), or a config dict (then `state_dict` is required).
+        state_dict: weights by transformers' names (model.layers.N.self_attn.q_proj...).
+        device: where the weights go now (`bind` moves them to the executor's device).
+        dtype: weight/activation dtype (float32, bfloat16, float16); None = the config's
+            dtype when one of those, else float32. Logits are always float32.
+        max_seq_len: positions per slot; None = min(max_position_embeddings, 4096).
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        max_seq_len: int | None = None,
+        progress: bool = False,
+    ) -> None:
+        if isinstance(model_or_config, dict):
+            cfg = dict(model_or_config)
+        elif hasattr(model_or_config, "config") and hasattr(model_or_config, "state_dict"):
+            cfg = model_or_config.config.to_dict()
+            if state_dict is None:
+                state_dict = model_or_config.state_dict()
+        else:
+            raise ValueError("HFTransformer takes a transformers model or a config dict, got "
+                             f"{type(model_or_config).__name__}")  # fmt: skip
+        if state_dict is None:
+            raise ValueError("HFTransformer(config) needs state_dict (or use from_pretrained)")
+        self.model_type = _model_type(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only 'silu')")
+        if dtype is None:
+            dtype = DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")), torch.float32)
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.dtype = dtype
+        self.dim = D = int(cfg["hidden_size"])
+        self.heads = H = int(cfg["num_attention_heads"])
+        self.kv_heads = KV = int(cfg.get("num_key_value_heads") or H)
+        if H % KV:
+            raise ValueError(f"num_attention_heads ({H}) must be a multiple of "
+                             f"num_key_value_heads ({KV})")  # fmt: skip
+        self.head_dim = hd = int(cfg.get("head_dim") or D // H)
+        self.num_layers = int(cfg["num_hidden_layers"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        limit = int(cfg.get("max_position_embeddings", 4096))
+        self.max_seq_len = int(max_seq_len or min(limit, 4096))
+        bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        self.inv_freq = _rope_inv_freq(cfg, hd)
+        inter = int(cfg["intermediate_size"])
+        V = self.vocab_size
+        shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+        if not tied:
+            shapes["lm_head.weight"] = (V, D)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            for name, n in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
+                shapes[f"{p}self_attn.{name}_proj.weight"] = (n, D)
+                if bias:
+                    shapes[f"{p}self_attn.{name}_proj.bias"] = (n,)
+            shapes[f"{p}self_attn.o_proj.weight"] = (D, H * hd)
+            shapes[f"{p}mlp.gate_proj.weight"] = (inter, D)
+            shapes[f"{p}mlp.up_proj.weight"] = (inter, D)
+            shapes[f"{p}mlp.down_proj.weight"] = (D, inter)
+            shapes[f"{p}input_layernorm.weight"] = (D,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (D,)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        w: dict[str, torch.Tensor] = {}
+        for name, shape in shapes.items():
+            t = state_dict.get(name)
+            if t is None:
+                raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weight {name!r} has shape {list(t.shape)}; the config "
+                                 f"expects {list(shape)}")  # fmt: skip
+            w[name] = t.detach().to(dev, dtype)
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if tied else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = [w[f"{a}{n}_proj.weight"] for n in "qkv"]
+            # fused, transposed projections: one matmul for q/k/v and one for gate/up
+            self.layers.append(dict(
+                qkv=torch.cat(qkv).T.contiguous(),
+                qkv_bias=torch.cat([w[f"{a}{n}_proj.bias"] for n in "qkv"]) if bias else None,
+                o=w[a + "o_proj.weight"].T.contiguous(),
+                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"],
+                                   w[p + "mlp.up_proj.weight"]]).T.contiguous(),
+                down=w[p + "mlp.down_proj.weight"].T.contiguous(),
+                ln1=w[p + "input_layernorm.weight"],
+                ln2=w[p + "post_attention_layernorm.weight"],
+            ))  # fmt: skip
+        self.device = dev
+        self.kv_cache: torch.Tensor | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        max_seq_len: int | None = None,
+    ) -> HFTransformer:
+        """From a checkpoint folder: config.json and model.safetensors (or shards listed in
+        model.safetensors.index.json)."""
+        from safetensors import safe_open
+        from tqdm.auto import tqdm
+
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {str(folder)!r}")
+        cfg = json.loads((folder / "config.json").read_text())
+        _model_type(cfg)  # fail on the architecture before reading any weights
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            if not (folder / f).is_file():
+                raise FileNotFoundError(f"weight shard {f!r} missing from {str(folder)!r}")
+        with tqdm(desc="loading weights", unit="tensor", disable=None) as bar:
+            for f in files:
+                with safe_open(str(folder / f), framework="pt") as sf:
+                    for k in sf.keys():
+                        state[k] = sf.get_tensor(k)
+                        bar.update()
+        return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len)
+
+    def bind(self, num_slots: int, device: torch.device | str) -> None:
+        d = torch.device(device)
+        self.device = d
+        self.embed, self.norm = self.embed.to(d), self.norm.to(d)
+        self.lm_head = self.lm_head.to(d)
+        self.layers = [{k: None if v is None else v.to(d) for k, v in layer.items()}
+                       for layer in self.layers]  # fmt: skip
+        shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
+        # cos/sin tables [T, hd] computed in float32 (as transformers does), then cast
+        t = torch.arange(self.max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos = emb.cos().to(d, self.dtype)
+        self._sin = emb.sin().to(d, self.dtype)
+        self._key_positions = torch.arange(self.max_seq_len, device=d)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers normalises in float32, then casts back before the weight
+        return weight * F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, hd] at positions pos [N]."""
+        cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def _qkv(self, layer: dict, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Normed, projected, rotated q [N, H, hd], k and v [N, KV, hd]."""
+        h = self._rms(x, layer["ln1"])
+        qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(
+            layer["qkv_bias"], h, layer["qkv"])  # fmt: skip
+        hd, H, KV = self.head_dim, self.heads, self.kv_heads
+        q, k, v = qkv.split((H * hd, KV * hd, KV * hd), dim=-1)
+        q, k = self._rope(q.view(-1, H, hd), pos), self._rope(k.view(-1, KV, hd), pos)
+        return q, k, v.reshape(-1, KV, hd)
+
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (self._rms(x, layer["ln2"]) @ layer["gate_up"]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer["down"]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._rms(x, self.norm) @ self.lm_head.T).float()
+
+    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy the cache of the first `length` positions (n streams of one prompt)."""
+        self.kv_cache[:, :, dst_slot, :length] = self.kv_cache[:, :, src_slot, :length]
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One prompt from position 0: a one-segment `prefill_batch`."""
+        if self.kv_cache is None:
+            raise RuntimeError("HFTransformer.bind(num_slots, device) must run before prefill")
+        ids = token_ids.reshape(-1).to(self.device)
+        n = int(ids.numel())
+        if not 0 < n <= self.max_seq_len:
+            raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
+        positions = torch.arange(n, device=self.device)
+        batch = PrefillBatch(
+            token_ids=ids, positions=positions, segment_ids=torch.zeros_like(positions),
+            slot_ids=torch.full((1,), slot, dtype=torch.int64, device=self.device),
+            slots=(slot,), starts=(0,), lengths=(n,),
+            logit_rows=positions if all_logits else positions[-1:],
+        )  # fmt: skip
+        logits = self.prefill_batch(batch)
+        return logits if all_logits else logits[0]
+
+    def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
+        """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
+        projections over all N tokens at once; each layer writes every token's K/V, then
+        attends as a padded batch [R, Lmax] over its slot's cache rows [R, C] (C = the
+        furthest position written), masked causally, so chunks see earlier chunks."""
+        if self.kv_cache is None:
+            raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
+        C = max(map(operator.add, batch.starts, batch.lengths))
+        if min(batch.starts) < 0 or C > self.max_seq_len:
+            raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
+        num_slots = self.kv_cache.shape[2]
+        if min(batch.slots) < 0 or max(batch.slots) >= num_slots:
+            raise ValueError(f"prefill slots must be in [0, {num_slots})")
+        if batch.padded_tokens is None:
+            batch = batch.with_layout()
+        R, Lmax = batch.padded_tokens.shape
+        H, KV, hd = self.heads, self.kv_heads, self.head_dim
+        pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
+        # a padding row still sees key 0 (an all-masked row would be NaN); it is dropped
+        mask = self._key_positions[:C] <= batch.padded_positions.view(R, 1, Lmax, 1)
+        qrows = batch.padded_tokens.view(-1)
+        x = self.embed.index_select(0, batch.token_ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos)
+            kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
+            kv_i[:, slots, pos] = torch.stack([k, v])
+            if i == self.num_layers - 1 and rows is None:
+                return None  # the last layer's K/V is all that is kept
+            q = q.index_select(0, qrows).view(R, Lmax, H, hd).transpose(1, 2)
+            keys, vals = kv_i[:, :, :C].index_select(1, batch.slot_ids).transpose(2, 3)
+            g = H // KV  # grouped-query: each KV head serves g query heads
+            keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
+            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+            a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
+            x = x + a @ layer["o"]
+            x = x + self._mlp(layer, x)
+        if rows is None:
+            return None
+        return self._head(x.index_select(0, rows))
+
+    def decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        T, H, KV, hd = self.max_seq_len, self.heads, self.kv_heads, self.head_dim
+        B = input_ids.shape[0]
+        # a bad position never indexes out of the cache (the executor keeps them in range)
+        pos = positions.clamp(0, T - 1)
+        visible = self._key_positions[None, :] <= pos[:, None]  # [B, T]
+        x = self.embed[input_ids]  # [B, D]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos)
+            self.kv_cache[i, 0, slot_ids, pos] = k
+            self.kv_cache[i, 1, slot_ids, pos] = v
+            keys, vals = self.kv_cache[i, 0, slot_ids], self.kv_cache[i, 1, slot_ids]
+            q = q.view(B, KV, H // KV, hd)
+            scores = torch.einsum("bkgd,btkd->bkgt", q, keys) / math.sqrt(hd)
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
+            a = torch.einsum("bkgt,btkd->bkgd", probs, vals).reshape(B, H * hd)
+            x = x + a @ layer["o"]
+            x = x + self._mlp(layer, x)
+        return self._head(x)
+
+    def verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """T decode calls: the same kernels as decode, so its logits are decode's."""
+        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
+                 for t in range(input_ids.shape[1])]  # fmt: skip
+        return torch.stack(steps, dim=1)
