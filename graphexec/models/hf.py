@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from graphexec.models.protocol import PrefillBatch
+from graphexec.models.protocol import PrefillBatch, SlotKVCache
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}  # fmt: skip
@@ -62,7 +61,7 @@ def _model_type(cfg: dict[str, Any]) -> str:
                      f"HFTransformer supports {sorted(ARCHITECTURES)}")  # fmt: skip
 
 
-class HFTransformer:
+class HFTransformer(SlotKVCache):
     """A Llama-family decoder with a static KV cache [layers, 2, slots, T, kv_heads, hd].
 
     Args:
@@ -251,28 +250,6 @@ class HFTransformer:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return (self._rms(x, self.norm) @ self.lm_head.T).float()
 
-    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy the cache of the first `length` positions (n streams of one prompt)."""
-        self.kv_cache[:, :, dst_slot, :length] = self.kv_cache[:, :, src_slot, :length]
-
-    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """One prompt from position 0: a one-segment `prefill_batch`."""
-        if self.kv_cache is None:
-            raise RuntimeError("HFTransformer.bind(num_slots, device) must run before prefill")
-        ids = token_ids.reshape(-1).to(self.device)
-        n = int(ids.numel())
-        if not 0 < n <= self.max_seq_len:
-            raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
-        positions = torch.arange(n, device=self.device)
-        batch = PrefillBatch(
-            token_ids=ids, positions=positions, segment_ids=torch.zeros_like(positions),
-            slot_ids=torch.full((1,), slot, dtype=torch.int64, device=self.device),
-            slots=(slot,), starts=(0,), lengths=(n,),
-            logit_rows=positions if all_logits else positions[-1:],
-        )  # fmt: skip
-        logits = self.prefill_batch(batch)
-        return logits if all_logits else logits[0]
-
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
         projections over all N tokens at once; each layer writes every token's K/V, then
@@ -280,14 +257,7 @@ class HFTransformer:
         furthest position written), masked causally, so chunks see earlier chunks."""
         if self.kv_cache is None:
             raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
-        C = max(map(operator.add, batch.starts, batch.lengths))
-        if min(batch.starts) < 0 or C > self.max_seq_len:
-            raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
-        num_slots = self.kv_cache.shape[2]
-        if min(batch.slots) < 0 or max(batch.slots) >= num_slots:
-            raise ValueError(f"prefill slots must be in [0, {num_slots})")
-        if batch.padded_tokens is None:
-            batch = batch.with_layout()
+        batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
         R, Lmax = batch.padded_tokens.shape
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
@@ -335,11 +305,3 @@ class HFTransformer:
             x = x + a @ layer["o"]
             x = x + self._mlp(layer, x)
         return self._head(x)
-
-    def verify(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """T decode calls: the same kernels as decode, so its logits are decode's."""
-        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
-                 for t in range(input_ids.shape[1])]  # fmt: skip
-        return torch.stack(steps, dim=1)

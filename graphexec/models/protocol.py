@@ -111,6 +111,33 @@ class PrefillBatch:
             padded_positions=ppos.view(r, lmax), logit_padded=None if rows is None else lpad,
         )  # fmt: skip
 
+    @classmethod
+    def single(cls, slot: int, token_ids: torch.Tensor, max_seq_len: int,
+               all_logits: bool = False) -> PrefillBatch:  # fmt: skip
+        """One prompt [n] into `slot` from position 0, on its device: logits of every token
+        with `all_logits`, else of the last (what `DecodeModel.prefill` returns)."""
+        ids = token_ids.reshape(-1)
+        n = int(ids.numel())
+        if not 0 < n <= max_seq_len:
+            raise ValueError(f"prompt length must be in [1, {max_seq_len}], got {n}")
+        positions = torch.arange(n, device=ids.device)
+        return cls(
+            token_ids=ids, positions=positions, segment_ids=torch.zeros_like(positions),
+            slot_ids=torch.full((1,), slot, dtype=torch.int64, device=ids.device),
+            slots=(slot,), starts=(0,), lengths=(n,),
+            logit_rows=positions if all_logits else positions[-1:],
+        )  # fmt: skip
+
+    def checked(self, max_seq_len: int, num_slots: int) -> tuple[PrefillBatch, int]:
+        """(this batch with its padded layout, C = the furthest position it writes);
+        ValueError for a segment past max_seq_len or a slot outside [0, num_slots)."""
+        C = max(a + n for a, n in zip(self.starts, self.lengths, strict=True))
+        if min(self.starts) < 0 or C > max_seq_len:
+            raise ValueError(f"prefill segments must lie in positions [0, {max_seq_len})")
+        if min(self.slots) < 0 or max(self.slots) >= num_slots:
+            raise ValueError(f"prefill slots must be in [0, {num_slots})")
+        return self.with_layout(), C
+
     def with_layout(self) -> PrefillBatch:
         """This batch with the padded layout's tensors, from its host tuples (one copy;
         logit_padded by one gather on the device)."""
@@ -221,3 +248,35 @@ class DecodeModel(Protocol):
         token t sits at positions + t), slot_ids [B]; writes their cache entries and
         returns logits [B, T, V], row t as `decode` would give after tokens 0..t."""
         ...
+
+
+class SlotKVCache:
+    """What models whose per-slot state is one cache `kv_cache` [L, 2, S, T, ...] (keys and
+    values of every layer, slot and position) share: `prefill` as a one-segment
+    `prefill_batch`, `fork`, and `verify` as T decode calls. The model sets kv_cache in
+    `bind` and defines prefill_batch, decode and max_seq_len."""
+
+    kv_cache: torch.Tensor | None = None
+    device: torch.device
+
+    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy the cache of the first `length` positions (n streams of one prompt)."""
+        self.kv_cache[:, :, dst_slot, :length] = self.kv_cache[:, :, src_slot, :length]
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One prompt from position 0: a one-segment `prefill_batch`."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(num_slots, device) must run before "
+                               "prefill")  # fmt: skip
+        ids = token_ids.to(self.device)
+        logits = self.prefill_batch(PrefillBatch.single(slot, ids, self.max_seq_len, all_logits))
+        return logits if all_logits else logits[0]
+
+    def verify(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """T decode calls: the same kernels at the same shapes, so its logits are bitwise
+        decode's and speculation never moves a token by a rounding difference."""
+        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
+                 for t in range(input_ids.shape[1])]  # fmt: skip
+        return torch.stack(steps, dim=1)

@@ -16,16 +16,15 @@ rounding).
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
 
-from graphexec.models.protocol import PrefillBatch
+from graphexec.models.protocol import PrefillBatch, SlotKVCache
 from graphexec.models.table import _slice
 
 
-class TinyLM:
+class TinyLM(SlotKVCache):
     """A pre-norm decoder-only transformer with learned absolute positions.
 
     Args:
@@ -120,28 +119,6 @@ class TinyLM:
     def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(F.rms_norm(x, (self.dim,)) @ layer["up"]) @ layer["down"]
 
-    def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy the cache of the first `length` positions (n streams of one prompt)."""
-        self.kv_cache[:, :, dst_slot, :length] = self.kv_cache[:, :, src_slot, :length]
-
-    def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """One prompt from position 0: a one-segment `prefill_batch`."""
-        if self.k_cache is None:
-            raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill")
-        ids = token_ids.reshape(-1).to(self.device)
-        n = int(ids.numel())
-        if not 0 < n <= self.max_seq_len:
-            raise ValueError(f"prompt length must be in [1, {self.max_seq_len}], got {n}")
-        d = self.device
-        positions = torch.arange(n, device=d)
-        batch = PrefillBatch(
-            token_ids=ids, positions=positions, segment_ids=torch.zeros_like(positions),
-            slot_ids=torch.full((1,), slot, dtype=torch.int64, device=d), slots=(slot,),
-            starts=(0,), lengths=(n,), logit_rows=positions if all_logits else positions[-1:],
-        )  # fmt: skip
-        logits = self.prefill_batch(batch)
-        return logits if all_logits else logits[0]
-
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`).
 
@@ -164,14 +141,7 @@ class TinyLM:
         """
         if self.k_cache is None:
             raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill_batch")
-        C = max(map(operator.add, batch.starts, batch.lengths))
-        if min(batch.starts) < 0 or C > self.max_seq_len:
-            raise ValueError(f"prefill segments must lie in positions [0, {self.max_seq_len})")
-        num_slots = self.kv_cache.shape[2]
-        if min(batch.slots) < 0 or max(batch.slots) >= num_slots:
-            raise ValueError(f"prefill slots must be in [0, {num_slots})")
-        if batch.padded_tokens is None:
-            batch = batch.with_layout()
+        batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
         R, Lmax = batch.padded_tokens.shape
         D, H, hd, norm = self.dim, self.heads, self.dim // self.heads, (self.dim,)
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
@@ -232,10 +202,3 @@ class TinyLM:
             x = x + a.reshape(-1, self.dim) @ layer["out"]
             x = x + self._mlp(layer, x)
         return self._head(x)
-
-    def verify(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
-    ) -> torch.Tensor:
-        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
-                 for t in range(input_ids.shape[1])]  # fmt: skip
-        return torch.stack(steps, dim=1)
