@@ -361,6 +361,7 @@ class DecodeExecutor:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
+        self.prefiller.report_logprobs()
         if not plan.rows:
             outs = StepOutputs()
         elif self.spec is not None:

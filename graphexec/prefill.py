@@ -81,7 +81,10 @@ class Prefiller:
         self.vocab_size = vocab_size
         self.device = device
         self.draft = draft
+        # chunks need prefill_batch in every model the batch goes through
+        self.chunked = _chunks(model) and (draft is None or _chunks(draft))
         self.pending: list[Pending] = []
+        self._logprobs_due: list[Pending] = []  # complete, prompt logprobs not yet read
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -111,7 +114,7 @@ class Prefiller:
         left = self.budget
         for p in self.pending:
             if p.todo and left > 0:
-                k = p.todo if not _chunks(self.model) else min(p.todo, left)
+                k = min(p.todo, left) if self.chunked else p.todo
                 take.append((p, k))
                 left -= k
         failed = []
@@ -138,7 +141,7 @@ class Prefiller:
         """Run `take` through the model; chunk progress is recorded only on success."""
         if not take:
             return
-        if not _chunks(self.model):
+        if not self.chunked:
             for p, _ in take:
                 self._prefill_one(p)
             return
@@ -178,7 +181,8 @@ class Prefiller:
         p.done = len(ids)
 
     def _complete(self, p: Pending) -> None:
-        """Copy the prefilled state to the other streams; prompt logprobs."""
+        """Copy the prefilled state to the other streams; prompt logprobs are read later
+        (`report_logprobs`), after the step's one wait."""
         n = len(p.prompt) - 1
         src = p.reqs[0].slot
         for r in p.reqs[1:]:
@@ -190,10 +194,18 @@ class Prefiller:
                 else:
                     m.prefill(r.slot, torch.tensor(p.prompt[:-1], dtype=torch.int64))
         if p.logprobs is not None:
+            self._logprobs_due.append(p)
+
+    def report_logprobs(self) -> None:
+        """Give the requests completed since the last call their prompt logprobs (a host
+        read of their logits rows: the executor calls it after the step's wait)."""
+        for p in self._logprobs_due:
             rows = torch.cat(p.lp_rows) if p.lp_rows else None
             lp = prompt_logprobs(rows, p.prompt, p.logprobs)
+            p.lp_rows = []
             for r in p.reqs:
                 r.prompt_logprobs = lp
+        self._logprobs_due = []
 
 
 def _chunks(model) -> bool:
@@ -204,7 +216,7 @@ def prompt_logprobs(rows: torch.Tensor | None, prompt: list[int], n: int) -> lis
     """[None] + one `PromptLogprob` per prompt token after the first, from the logits
     rows [len(prompt) - 1, V] of the prompt's first tokens (row i predicts token i + 1):
     raw log_softmax in float32, rank 1 = most likely, top-n with ties to the lower id.
-    Runs on the host (a sync): only for requests that ask."""
+    Read on the host: only for requests that ask, after the step has waited."""
     out: list[PromptLogprob | None] = [None]
     if rows is None or len(prompt) < 2:
         return out

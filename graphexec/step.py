@@ -78,7 +78,9 @@ class StepSampler:
         ws = Workspace.allocate(rows, vocab_size, device, cfg, logprobs=True)
         return cls(backend, cfg, ws, tp, tp_method)
 
+    @functools.cached_property
     def _sample_fn(self):
+        """sample_step, or the distributed one bound to `tp` (made once, not per step)."""
         if self.tp is None:
             return sample_step
         from graphexec import distributed
@@ -88,9 +90,9 @@ class StepSampler:
 
     def __call__(self, logits, slot_ids, positions, table, out, bitmask, variant,
                  count_ids=None) -> None:  # fmt: skip
-        self._sample_fn()(logits, slot_ids, positions, table, out, bitmask, variant,
-                          self.backend, config=self.config, workspace=self.workspace,
-                          count_ids=count_ids)  # fmt: skip
+        self._sample_fn(logits, slot_ids, positions, table, out, bitmask, variant,
+                        self.backend, config=self.config, workspace=self.workspace,
+                        count_ids=count_ids)  # fmt: skip
 
     def verify(self, logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
                method, variant) -> None:  # fmt: skip
@@ -99,7 +101,7 @@ class StepSampler:
         tp = self.tp
         verify_step(logits, drafts, slot_ids, positions, table, out, bitmask, draft_probs,
                     method, variant, self.backend, config=self.config, workspace=self.workspace,
-                    sample=None if tp is None else self._sample_fn(),
+                    sample=None if tp is None else self._sample_fn,
                     vocab_size=None if tp is None else tp.vocab_size)  # fmt: skip
 
 

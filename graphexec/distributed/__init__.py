@@ -122,18 +122,6 @@ def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def is_posinf_at(shard: torch.Tensor, tokens: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """bool like `tokens` (global ids, -1 read as 0): the raw logit there is +inf. Each
-    rank reads the ids of its slice (`shard` [..., w] with `tokens`' leading dims)."""
-    from graphexec.distributed.comm import all_reduce
-
-    lo, hi = tp.slice
-    t = tokens.clamp(min=0)
-    own = (t >= lo) & (t < hi)
-    at = shard.gather(-1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
-    return all_reduce(own & torch.isposinf(at), "max", tp.group)
-
-
 def for_executor(group, method: str, model, vocab_size: int, speculative) -> TensorParallel:
     """The executor's `distributed.TensorParallel`; ValueError for what it cannot serve."""
     if method not in METHODS:

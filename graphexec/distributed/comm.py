@@ -43,6 +43,16 @@ def all_to_all(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group
     return out
 
 
+def value_at(x: torch.Tensor, tokens: torch.Tensor, tp) -> torch.Tensor:
+    """float32 like `tokens`: x's value at each global id (-1 read as 0), where x [..., w]
+    is this rank's slice (`tp.slice`) with tokens' leading dims. The id's owner reads it,
+    every rank gets it (one all-reduce max over -inf elsewhere)."""
+    lo, hi = tp.slice
+    t = tokens.clamp(min=0)
+    at = x.gather(-1, (t - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1).float()
+    return all_reduce(torch.where((t >= lo) & (t < hi), at, -torch.inf), "max", tp.group)
+
+
 def f32_bits(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int64 carrying its bits (to ride in an int64 collective)."""
     return x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)

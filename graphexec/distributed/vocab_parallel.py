@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.batch import INF_TOKEN
-from graphexec.distributed.comm import all_gather, all_reduce, bits_f32, f32_bits
+from graphexec.distributed.comm import all_gather, all_reduce, bits_f32, f32_bits, value_at
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.reference import (
@@ -226,10 +226,7 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
     tok = torch.where(s_all == top.unsqueeze(0), id_all, V).min(0).values
     tok = torch.where(valid, tok, -1)
     if flag_inf:  # as `step.flag_inf`: an invalid row reads id 0
-        t0 = tok.clamp(min=0)
-        own = (t0 >= lo) & (t0 < hi)
-        raw_at = shard.gather(1, (t0 - lo).clamp(0, w - 1).unsqueeze(1)).squeeze(1)
-        hit = all_reduce(own & (raw_at == _INF), "max", g)
+        hit = torch.isposinf(value_at(shard, tok, tp))
         tok = torch.where(hit, INF_TOKEN, tok)
         valid = valid & ~hit
     out.token_ids.copy_(tok)
@@ -241,7 +238,7 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
 
 def _logprobs(raw, y, slot_ids, table, tok, out: SamplerOutput, tp) -> None:
     """Step 7 across the slices (`reference.write_logprobs`' values)."""
-    g, (lo, hi) = tp.group, tp.slice
+    g, lo = tp.group, tp.slice[0]
     w = raw.shape[1]
     v = torch.where(table.logprobs_processed[slot_ids].unsqueeze(1), y, raw)
     has_inf = all_reduce((v == _INF).any(1), "max", g).unsqueeze(1)
@@ -250,9 +247,7 @@ def _logprobs(raw, y, slot_ids, table, tok, out: SamplerOutput, tp) -> None:
     shifted = v - m
     lse = torch.log(all_reduce(torch.exp(shifted).sum(1), "sum", g)).unsqueeze(1)
     valid = tok >= 0
-    own = (tok >= lo) & (tok < hi)
-    at = v.gather(1, (tok - lo).clamp(0, w - 1).unsqueeze(1)).squeeze(1)
-    tok_v = all_reduce(torch.where(own, at, -_INF), "max", g).unsqueeze(1)
+    tok_v = value_at(v, tok, tp).unsqueeze(1)
     out.logprobs.copy_(torch.where(valid, ((tok_v - m) - lse).squeeze(1), torch.nan))
     above = all_reduce((v > tok_v).sum(1), "sum", g)
     out.ranks.copy_(torch.where(valid, above + 1, 0))

@@ -159,9 +159,9 @@ def flag_inf_runs(logits: torch.Tensor, out: VerifyOutput, tp=None) -> None:
     if tp is None:
         inf = torch.isposinf(logits.gather(2, t.clamp(min=0).unsqueeze(2)).squeeze(2))
     else:
-        from graphexec.distributed import is_posinf_at
+        from graphexec.distributed.comm import value_at
 
-        inf = is_posinf_at(logits, t, tp)
+        inf = torch.isposinf(value_at(logits, t, tp))
     hit = (inf & emitted).any(dim=1) & out.valid
     t[:, 0] = torch.where(hit, INF_TOKEN, t[:, 0])
     out.num_tokens.copy_(torch.where(hit, 0, out.num_tokens))

@@ -208,3 +208,31 @@ def test_first_token_comes_from_the_decode_of_the_last_prompt_token() -> None:
     row = model.logits(torch.tensor([2]), torch.tensor([6]))[0]  # position 2, token 6
     assert o.token_id == int(row.argmax()) and o.key is not None
     assert o.logprob == pytest.approx(float(torch.log_softmax(row, -1).max()), abs=1e-6)
+
+
+class NoBatchDraft(gx.models.TableModel):
+    prefill_batch = None  # a draft model that only has `prefill`
+
+
+def test_a_draft_model_without_prefill_batch_gets_whole_prompts() -> None:
+    prompt = [(5 * i) % V for i in range(1, 30)]
+    spec = gx.SpeculativeConfig(2, drafter=NoBatchDraft(V, seed=0))
+    ex = executor(speculative=spec, prefill_budget=4)
+    assert not ex.prefiller.chunked  # chunks would not reach the draft's state
+    ex.add_request("r", prompt, P(seed=3, max_tokens=6))
+    ref = executor()
+    ref.add_request("r", prompt, P(seed=3, max_tokens=6))
+    got = drain(ex)["r"]
+    assert got[-1].finish_reason == "length" and tokens(got) == tokens(drain(ref)["r"])
+
+
+def test_prompt_logprobs_reach_a_request_admitted_while_others_run() -> None:
+    ex = executor()
+    ex.add_request("run", [1], P(seed=1, max_tokens=20))
+    ex.step()
+    ex.add_request("lp", [4, 5, 6, 7], P(seed=2, max_tokens=2, prompt_logprobs=1))
+    ex.step()  # prefilled behind the running request's decode
+    req = ex._running["lp"]  # its logprobs were read after that step's wait
+    assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == 4
+    first = [o for o in ex.step() if o.request_id == "lp"]
+    assert first[0].position == 0 and first[0].prompt_logprobs is req.prompt_logprobs
