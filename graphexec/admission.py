@@ -64,7 +64,7 @@ def check_request(ex, request_id, prompt_token_ids, params: SamplingParams):
         raise ValueError(f"bad_words tokenise to ids outside [0, {ex.vocab_size})")
     min_ids: tuple[int, ...] = ()
     if params.min_tokens:
-        eos = () if params.ignore_eos or ex.eos_token_id is None else (ex.eos_token_id,)
+        eos = () if params.ignore_eos else ex.eos_token_ids
         min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         if len(min_id_words(min_ids)) > ex.slots.min_words.shape[1]:
             raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
@@ -104,9 +104,7 @@ def _admit(ex, c: Admit) -> None:
     for i, rid in enumerate(c.ids):
         p = c.stream_params(i)
         slot = ex.slots.assign(p, c.prompt, c.min_ids)
-        stops = frozenset(p.stop_token_ids) | (
-            {ex.eos_token_id} if ex.eos_token_id is not None and not p.ignore_eos else set()
-        )
+        stops = frozenset(p.stop_token_ids) | frozenset(() if p.ignore_eos else ex.eos_token_ids)
         req = Request(rid, p, slot, len(c.prompt), stops, variant_rank(p))
         if ex.detokenize:
             req.text = OutputText(ex.tokenizer, p)

@@ -89,7 +89,7 @@ class Finished:
     reason: str  # "stop", "length", "error"
 
 
-def finish_rows(plan: BatchPlan, host, eos: int | None, masks, errors: dict[int, str],
+def finish_rows(plan: BatchPlan, host, eos: np.ndarray, masks, errors: dict[int, str],
                 plain: list | None = None) -> tuple[StepOutputs, list]:  # fmt: skip
     """Advance the plan's counters by the step's host outputs and decide who ends.
 
@@ -103,7 +103,7 @@ def finish_rows(plan: BatchPlan, host, eos: int | None, masks, errors: dict[int,
     valid = toks >= 0  # the sampler writes a negative id exactly where a row is invalid
     positions = plan.generated.copy()
     plan.generated += valid
-    stop = (toks == eos) & plan.eos_stops if eos is not None else np.zeros(n, dtype=bool)
+    stop = np.isin(toks, eos) & plan.eos_stops  # eos: the tokenizer's EOS ids (maybe none)
     stop_reason: dict[int, str | int] = {}
     for i in plan.own_stops:
         if valid[i] and int(toks[i]) in plan.rows[i].params.stop_token_ids:
@@ -224,8 +224,11 @@ class StepOutputs(Sequence[RequestOutput]):
         skip = len(self.ready)
         for i, req in enumerate(self._rows):
             p = req.params
-            if toks[i] < 0 or p.logprobs is not None or i in self._reasons or (
-                pos[i] == 0 and req.prompt_logprobs is not None
+            if (
+                toks[i] < 0
+                or p.logprobs is not None
+                or i in self._reasons
+                or (pos[i] == 0 and req.prompt_logprobs is not None)
             ):
                 yield self[skip + i]  # the full path: logprobs, an end
             else:

@@ -81,7 +81,8 @@ class DecodeExecutor:
         device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
         cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
         tokenizer: a `graphexec.Tokenizer`; needed for grammars, stop strings and bad
-            words given as text; its EOS stops requests (unless ignore_eos).
+            words given as text; each of its `eos_token_ids` stops requests (unless
+            ignore_eos).
         buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
             max_batch_size. Larger batches run as several chunks.
         backend: the sampler backend; None = "triton" on CUDA, "torch" elsewhere.
@@ -183,6 +184,9 @@ class DecodeExecutor:
         self.grammar = grammar
         self.masks = TokenMasks(self.vocab_size, max_batch_size, runs, grammar)
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        # every EOS id stops a request (Llama 3 instruct ends turns with <|eot_id|> too)
+        self.eos_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.eos_token_ids
+        self._eos = np.array(self.eos_token_ids, dtype=np.int64)
         self._plain = None  # (Tokenizer.plain_texts, where they exist): the text fast path
         if self.detokenize:
             texts = tokenizer.plain_texts
@@ -399,7 +403,7 @@ class DecodeExecutor:
         return outs
 
     def _finish(self, plan: BatchPlan, errors: dict[int, str] | None = None) -> StepOutputs:
-        outs, ended = finish_rows(plan, self._host_out, self.eos_token_id, self.masks,
+        outs, ended = finish_rows(plan, self._host_out, self._eos, self.masks,
                                   errors or {}, self._plain)  # fmt: skip
         for f in ended:
             self._release(plan.rows[f.row])
@@ -408,7 +412,7 @@ class DecodeExecutor:
     def _finish_runs(self, plan: BatchPlan, keys, ready, errors) -> StepOutputs:
         """Speculative steps report runs: every output goes in `ready`, in row order."""
         chunks, plan.chunks = plan.chunks, keys
-        runs, ended = self.spec.finish(plan, self.eos_token_id, self.masks, errors)
+        runs, ended = self.spec.finish(plan, self.masks, errors)
         plan.chunks = chunks
         for f in ended:
             self._release(plan.rows[f.row])

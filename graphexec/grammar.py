@@ -59,7 +59,7 @@ class GrammarCompiler:
 
     Args:
         tokenizer: a `graphexec.Tokenizer` (its raw token bytes form xgrammar's vocabulary;
-            its EOS is the stop token).
+            any of its EOS ids ends a grammar).
         vocab_size: the model's V (>= the tokenizer's; ids past it are never allowed).
     """
 
@@ -70,15 +70,15 @@ class GrammarCompiler:
             raise ValueError(
                 f"vocab_size ({vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"
             )
-        eos = tokenizer.eos_token_id
+        eos = set(tokenizer.eos_token_ids)  # any EOS ends a grammar's text
         # special tokens get no bytes, so a grammar never spells text with them (their
         # names would vanish from the decoded output)
-        vocab = [b"" if tokenizer.is_special(i) and i != eos else tokenizer.token_bytes(i)
+        vocab = [b"" if tokenizer.is_special(i) and i not in eos else tokenizer.token_bytes(i)
                  for i in range(tokenizer.vocab_size)]  # fmt: skip
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=[] if eos is None else [eos])  # fmt: skip
+                                 stop_token_ids=sorted(eos))  # fmt: skip
         self.vocab_size = vocab_size
-        self.has_stop_token = eos is not None
+        self.has_stop_token = bool(eos)
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info, max_threads=4)
         self._cache: dict[tuple[str, str], Any] = {}

@@ -142,7 +142,7 @@ class Tokenizer:
         return frozenset(ids)
 
     def _shows(self, token_id: int, skip_special_tokens: bool) -> bool:
-        if token_id == self.eos_token_id or not self.has(token_id):
+        if token_id in self.eos_token_ids or not self.has(token_id):
             return False
         return not (skip_special_tokens and token_id in self.special_token_ids)
 

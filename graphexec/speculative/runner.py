@@ -160,7 +160,7 @@ class SpecRunner:
                 h.num_tokens[start : start + n] = 0
                 h.token_ids[start : start + n, 0] = CHUNK_FAILED
 
-    def finish(self, plan: BatchPlan, eos: int | None, masks, errors: dict[int, str]):
+    def finish(self, plan: BatchPlan, masks, errors: dict[int, str]):
         """(outputs in row then position order, rows that finished) after the step."""
         outs: list[RequestOutput] = []
         ended: list[Finished] = []
@@ -170,14 +170,14 @@ class SpecRunner:
             toks = h.token_ids[start : start + n].tolist()
             for i in range(n):
                 r = start + i
-                if self._run(plan, r, key, ntok[i], toks[i], h, eos, masks, outs, errors):
+                if self._run(plan, r, key, ntok[i], toks[i], h, masks, outs, errors):
                     ended.append(Finished(r, outs[-1].finish_reason))
                 if key.spec_k:
                     self.drafted += int(self._allow[r])
                     self.accepted += max(0, ntok[i] - 1)
         return outs, ended
 
-    def _run(self, plan, r, key, n, toks, h, eos, masks, outs, errors) -> bool:
+    def _run(self, plan, r, key, n, toks, h, masks, outs, errors) -> bool:
         """Report row r's run; True when the request ended inside it."""
         req = plan.rows[r]
         pos0 = int(plan.generated[r])

@@ -159,6 +159,30 @@ def test_eos_of_the_tokenizer_stops() -> None:
     assert o.token_id == tok.eos_token_id and o.finish_reason == "stop" and ex.free_slots == 2
 
 
+def test_every_eos_id_of_the_tokenizer_stops_and_min_tokens_holds_them_back() -> None:
+    tok = gx.Tokenizer.cl100k()
+    second = 100  # an ordinary token made a second EOS, as a checkpoint's config may list
+    tok.eos_token_ids = (tok.eos_token_id, second)
+    ex = gx.DecodeExecutor(gx.models.TableModel(tok.vocab_size), max_batch_size=4, device="cpu",
+                           tokenizer=tok)  # fmt: skip
+    bias = {second: 50.0}
+    ex.add_request("stop", [1], P(seed=1, logit_bias=bias))
+    ex.add_request("ignore", [1], P(seed=1, logit_bias=bias, ignore_eos=True, max_tokens=3))
+    ex.add_request("min", [1], P(seed=1, logit_bias=bias, min_tokens=2, max_tokens=5))
+    outs: dict[str, list] = {}
+    for _ in range(8):
+        for o in ex.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert ex.free_slots == 4
+    assert [o.token_id for o in outs["stop"]] == [second] and outs["stop"][
+        0
+    ].finish_reason == "stop"
+    assert [o.token_id for o in outs["ignore"]] == [second] * 3
+    assert outs["ignore"][-1].finish_reason == "length"
+    m = [o.token_id for o in outs["min"]]
+    assert second not in m[:2] and m[2] == second and outs["min"][-1].finish_reason == "stop"
+
+
 def test_abort_reports_and_frees_the_slot() -> None:
     ex = make(2)
     ex.add_request("a", [1], P(seed=1, max_tokens=50))
