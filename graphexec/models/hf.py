@@ -2,10 +2,14 @@
 
 The forward is written here (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
 rather than wrapping transformers' modules, so the KV cache can be a static slot-indexed
-tensor and `decode` graph-capturable, as in TinyLM: cache writes by index, attention over
-the whole cache row masked by position, no host sync. Weights come from a checkpoint
-folder (config.json + safetensors, as `save_pretrained` writes them) or a transformers
-model object; transformers itself is never imported.
+tensor and `decode` graph-capturable, as in TinyLM: cache writes by index, no host sync.
+Decode attention reads only each row's live keys (`attention.decode_attention`, a
+split-KV Triton kernel) on CUDA, and is torch SDPA with a position mask elsewhere
+(`attention.decode_attention_reference`). Sliding windows (Mistral's `sliding_window`,
+Qwen2's `use_sliding_window` layers) are masks over absolute positions: the cache is
+not a ring buffer. Weights come from a checkpoint folder (config.json + safetensors, as
+`save_pretrained` writes them) or a transformers model object; transformers itself is
+never imported.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from graphexec.models.protocol import PrefillBatch, SlotKVCache
+
+if TYPE_CHECKING:  # attention imports triton: only when a model binds
+    from graphexec.models.attention import AttentionConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}  # fmt: skip
@@ -49,6 +56,34 @@ def _rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
                      "'linear' and 'llama3'")  # fmt: skip
 
 
+def _window(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be null or an integer >= 1, got {value!r}")
+    return value
+
+
+def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention), as transformers reads
+    the config: Mistral's `sliding_window` holds for every layer; Qwen2's only with
+    `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (when
+    absent: layers >= `max_window_layers`); Llama has none."""
+    if model_type == "mistral":
+        return [_window(cfg.get("sliding_window"), "sliding_window")] * layers
+    if model_type != "qwen2" or not cfg.get("use_sliding_window", False):
+        return [None] * layers
+    window = _window(cfg.get("sliding_window"), "sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list 'sliding_attention' or 'full_attention' for "
+                         f"each of the {layers} layers, got {types!r}")  # fmt: skip
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 def _model_type(cfg: dict[str, Any]) -> str:
     mt = cfg.get("model_type")
     archs = cfg.get("architectures") or []
@@ -72,6 +107,8 @@ class HFTransformer(SlotKVCache):
         dtype: weight/activation dtype (float32, bfloat16, float16); None = the config's
             dtype when one of those, else float32. Logits are always float32.
         max_seq_len: positions per slot; None = min(max_position_embeddings, 4096).
+        attention: tiles and splits of the CUDA decode-attention kernel
+            (`attention.AttentionConfig`); None = its default.
     """
 
     def __init__(
@@ -83,6 +120,7 @@ class HFTransformer(SlotKVCache):
         dtype: torch.dtype | None = None,
         max_seq_len: int | None = None,
         progress: bool = False,
+        attention: AttentionConfig | None = None,
     ) -> None:
         if isinstance(model_or_config, dict):
             cfg = dict(model_or_config)
@@ -115,6 +153,11 @@ class HFTransformer(SlotKVCache):
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         limit = int(cfg.get("max_position_embeddings", 4096))
         self.max_seq_len = int(max_seq_len or min(limit, 4096))
+        # per layer; a window of max_seq_len or more hides nothing, so it is dropped
+        windows = _sliding_windows(cfg, self.model_type, self.num_layers)
+        self.windows = [w if w is not None and w < self.max_seq_len else None for w in windows]
+        self.scale = hd**-0.5
+        self.attention = attention
         bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
         tied = bool(cfg.get("tie_word_embeddings", False))
         self.inv_freq = _rope_inv_freq(cfg, hd)
@@ -174,6 +217,7 @@ class HFTransformer(SlotKVCache):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_seq_len: int | None = None,
+        attention: AttentionConfig | None = None,
     ) -> HFTransformer:
         """From a checkpoint folder: config.json and model.safetensors (or shards listed in
         model.safetensors.index.json)."""
@@ -204,7 +248,8 @@ class HFTransformer(SlotKVCache):
                     for k in sf.keys():
                         state[k] = sf.get_tensor(k)
                         bar.update()
-        return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len)
+        return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                   attention=attention)  # fmt: skip
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
         d = torch.device(device)
@@ -222,6 +267,11 @@ class HFTransformer(SlotKVCache):
         self._cos = emb.cos().to(d, self.dtype)
         self._sin = emb.sin().to(d, self.dtype)
         self._key_positions = torch.arange(self.max_seq_len, device=d)
+        # imported here, not at the top: triton loads when a model binds, not on import
+        from graphexec.models import attention
+
+        cuda = d.type == "cuda"
+        self._attend = attention.decode_attention if cuda else attention.decode_attention_reference
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers normalises in float32, then casts back before the weight
@@ -254,7 +304,8 @@ class HFTransformer(SlotKVCache):
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
         projections over all N tokens at once; each layer writes every token's K/V, then
         attends as a padded batch [R, Lmax] over its slot's cache rows [R, C] (C = the
-        furthest position written), masked causally, so chunks see earlier chunks."""
+        furthest position written), masked causally (and by the layer's sliding window),
+        so chunks see earlier chunks."""
         if self.kv_cache is None:
             raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
         batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
@@ -262,7 +313,12 @@ class HFTransformer(SlotKVCache):
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
         # a padding row still sees key 0 (an all-masked row would be NaN); it is dropped
-        mask = self._key_positions[:C] <= batch.padded_positions.view(R, 1, Lmax, 1)
+        key_pos, qpos = self._key_positions[:C], batch.padded_positions.view(R, 1, Lmax, 1)
+        causal = key_pos <= qpos
+        # windowed: p - w < j <= p; a padding row (p >= C) keeps key C - 1
+        masks = {w: causal & (key_pos > qpos.clamp(max=C - 1) - w)
+                 for w in set(self.windows) - {None}}  # fmt: skip
+        masks[None] = causal
         qrows = batch.padded_tokens.view(-1)
         x = self.embed.index_select(0, batch.token_ids)
         for i, layer in enumerate(self.layers):
@@ -275,7 +331,7 @@ class HFTransformer(SlotKVCache):
             keys, vals = kv_i[:, :, :C].index_select(1, batch.slot_ids).transpose(2, 3)
             g = H // KV  # grouped-query: each KV head serves g query heads
             keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
-            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[self.windows[i]])
             a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
             x = x + a @ layer["o"]
             x = x + self._mlp(layer, x)
@@ -286,22 +342,19 @@ class HFTransformer(SlotKVCache):
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
-        T, H, KV, hd = self.max_seq_len, self.heads, self.kv_heads, self.head_dim
-        B = input_ids.shape[0]
+        """One token per row; each layer writes its K/V at (slot, pos), then attends over
+        the row's live keys only (`attention.decode_attention` on CUDA, the torch
+        reference elsewhere), within the layer's sliding window if it has one."""
+        B, H, hd = input_ids.shape[0], self.heads, self.head_dim
         # a bad position never indexes out of the cache (the executor keeps them in range)
-        pos = positions.clamp(0, T - 1)
-        visible = self._key_positions[None, :] <= pos[:, None]  # [B, T]
+        pos = positions.clamp(0, self.max_seq_len - 1)
         x = self.embed[input_ids]  # [B, D]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, pos)
-            self.kv_cache[i, 0, slot_ids, pos] = k
-            self.kv_cache[i, 1, slot_ids, pos] = v
-            keys, vals = self.kv_cache[i, 0, slot_ids], self.kv_cache[i, 1, slot_ids]
-            q = q.view(B, KV, H // KV, hd)
-            scores = torch.einsum("bkgd,btkd->bkgt", q, keys) / math.sqrt(hd)
-            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-            probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
-            a = torch.einsum("bkgt,btkd->bkgd", probs, vals).reshape(B, H * hd)
-            x = x + a @ layer["o"]
+            kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
+            kv_i[:, slot_ids, pos] = torch.stack([k, v])
+            a = self._attend(q.contiguous(), kv_i, slot_ids, pos, self.scale, self.windows[i],
+                             config=self.attention)  # fmt: skip
+            x = x + a.reshape(B, H * hd) @ layer["o"]
             x = x + self._mlp(layer, x)
         return self._head(x)

@@ -95,6 +95,82 @@ def test_model_object_and_greedy_generate_match(kind) -> None:
         assert outs[str(i)] == gen[0, len(p) :].tolist()
 
 
+def windowed(kind: str):
+    """A Mistral with a 4-key sliding window on every layer, or a Qwen2 with a 3-key
+    window on its layers from max_window_layers = 1 (layer 0 full, layer 1 windowed)."""
+    torch.manual_seed(1)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**BASE, sliding_window=4)
+        )
+    else:
+        cfg = transformers.Qwen2Config(
+            **BASE, use_sliding_window=True, sliding_window=3, max_window_layers=1
+        )
+        model = transformers.Qwen2ForCausalLM(cfg)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_matches_transformers(kind, tmp_path) -> None:
+    ref = windowed(kind)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    m = HFTransformer.from_pretrained(tmp_path, max_seq_len=64)
+    assert m.windows == ([4, 4] if kind == "mistral" else [None, 3])
+    m.bind(3, "cpu")
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9]  # longer than the window
+    ids = prompt + [11, 12, 13, 14, 15, 16]  # decode well past it
+    want = reference(ref, ids)
+    n = len(prompt)
+    torch.testing.assert_close(m.prefill(1, torch.tensor(prompt), all_logits=True), want[:n],
+                               **TOL)  # fmt: skip
+    for t in range(n, len(ids)):
+        got = m.decode(torch.tensor([ids[t], 0]), torch.tensor([t, 0]), torch.tensor([1, 2]))
+        torch.testing.assert_close(got[0], want[t], **TOL)
+    # chunks across the window's edge: the second chunk sees the first through the cache
+    b = PrefillBatch.build([(0, 0, ids[:6]), (2, 0, PROMPTS[1])], "cpu", range(6))
+    torch.testing.assert_close(m.prefill_batch(b), want[:6], **TOL)
+    got = m.prefill_batch(PrefillBatch.build([(0, 6, ids[6:])], "cpu", range(len(ids) - 6)))
+    torch.testing.assert_close(got, want[6:], **TOL)
+
+
+def test_sliding_window_config() -> None:
+    ref = make("mistral")
+    sd, cfg = ref.state_dict(), ref.config.to_dict()
+    # a window of max_seq_len or more hides nothing: dropped (MistralConfig's default 4096)
+    assert HFTransformer(cfg, sd, max_seq_len=64).windows == [None, None]
+    assert HFTransformer(dict(cfg, sliding_window=None), sd, max_seq_len=64).windows == [None] * 2
+    with pytest.raises(ValueError, match="sliding_window"):
+        HFTransformer(dict(cfg, sliding_window=0), sd)
+    q = make("qwen2")
+    qcfg, qsd = q.config.to_dict(), q.state_dict()
+    # Qwen2: only with use_sliding_window (its configs carry a window that is off)
+    off = dict(qcfg, use_sliding_window=False, sliding_window=8, layer_types=None)
+    assert HFTransformer(off, qsd, max_seq_len=64).windows == [None, None]
+    on = dict(off, use_sliding_window=True, max_window_layers=0)
+    assert HFTransformer(on, qsd, max_seq_len=64).windows == [8, 8]
+    with pytest.raises(ValueError, match="layer_types"):
+        HFTransformer(dict(on, layer_types=["full_attention"]), qsd)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_matches_cpu() -> None:
+    """The Triton decode attention (CUDA) against the CPU route, fp32, with a window."""
+    ref = windowed("mistral")
+    cpu, gpu = HFTransformer(ref, max_seq_len=64), HFTransformer(ref, max_seq_len=64)
+    cpu.bind(3, "cpu")
+    gpu.bind(3, "cuda")
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9]
+    for m in (cpu, gpu):
+        m.prefill(0, torch.tensor(prompt))
+        m.prefill(1, torch.tensor(prompt[:5]))
+    for t in range(6):
+        args = (torch.tensor([t + 1, t + 2]), torch.tensor([9 + t, 5 + t]), torch.tensor([0, 1]))
+        want = cpu.decode(*args)
+        got = gpu.decode(*(a.cuda() for a in args))
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+
+
 def test_bad_folders_and_weights_are_named(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         HFTransformer.from_pretrained(tmp_path / "nope")
