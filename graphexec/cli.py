@@ -1,4 +1,5 @@
-"""`python -m graphexec demo|inspect|bench`: the decode demo, the graphs' table, benchmarks.
+"""`python -m graphexec demo|inspect|bench`: the decode demo (TinyLM, or a checkpoint with
+--model PATH), the graphs' table, benchmarks.
 
 The CLI, not the library, chooses torch's CPU thread count: `import graphexec` changes no
 process-wide setting, so an embedding engine keeps its own.
@@ -17,7 +18,7 @@ from pathlib import Path
 log = logging.getLogger("graphexec.cli")
 
 BENCHES = {
-    "step": "the executor's decode step with TinyLM: replay vs eager, host overhead (CUDA)",
+    "step": "the executor's decode step (TinyLM or --model): replay vs eager, host overhead (CUDA)",
     "sampler": "one sampler call per method, side by side, against the memory floor",
     "verify": "speculative verification alone, side by side, against the memory floor",
 }
@@ -190,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphexec")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the decode loop on a mixed workload, replay vs eager")
+    d.add_argument("--model", default=None, metavar="PATH",
+                   help="a Llama / Qwen2 / Mistral checkpoint folder (config.json, "
+                   "*.safetensors, tokenizer.json); default: TinyLM, cl100k")  # fmt: skip
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: the checkpoint config's dtype on "
+                   "CUDA, float32 on the CPU)")  # fmt: skip
+    d.add_argument("--max-seq-len", type=_positive, default=None, metavar="N",
+                   help="positions per request, prompt + output (default: TinyLM 256; a "
+                   "checkpoint min(max_position_embeddings, 4096))")  # fmt: skip
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     d.add_argument("--max-batch-size", type=int, default=None, help="default 64 GPU, 16 CPU")
     d.add_argument("--requests", type=int, default=24)

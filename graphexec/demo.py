@@ -1,28 +1,35 @@
-"""`python -m graphexec demo`: the decode loop on a mixed workload, replay vs eager.
+"""`python -m graphexec demo [--model PATH]`: the decode loop on a mixed workload, replay vs
+eager.
 
-TinyLM (random weights, so its text is noise) at the bundled cl100k vocabulary, driven by
-the executor: greedy, top-k/top-p, top-p, min-p, penalties, logit bias, logprobs,
-JSON-schema and regex grammars, seeded and unseeded requests arriving over time. It
+TinyLM (random weights, so its text is noise) at the bundled cl100k vocabulary, or with
+`--model PATH` a Llama / Qwen2 / Mistral checkpoint folder and its own tokenizer
+(`graphexec.demo_model`), driven by the executor: greedy, top-k/top-p, top-p, min-p,
+penalties, logit bias, logprobs, JSON-schema and regex grammars, seeded and unseeded
+requests arriving over time (prompts encoded by the model's tokenizer). It
 prints the captured keys, throughput, step latency eager vs replay, the determinism
 check (the same workload in eager mode must give the same tokens and logprobs bit for
 bit), and every request's output, grammar outputs parsed. Then the same workload with
 speculation (strict verification, K = 4): an n-gram drafter and a draft model (a TinyLM
-made of the target's first layer: the same seed, one layer), with acceptance rate, tokens
-per request per step, step latency, and whether every stream equals the one without.
+made of the target's first layer: the same seed, one layer; TinyLM only, so a checkpoint
+gets the n-gram run alone), with acceptance rate, tokens per request per step, step
+latency, and whether every stream equals the one without.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import re
+import sys
 import time
 
 import torch
 
 import graphexec as gx
 from graphexec import workload as wl
+from graphexec.demo_model import DemoModel, ModelChoiceError, choose_model
 
 PROMPTS = [
     "The quick brown fox", "Once upon a time", "In a distant galaxy", "The recipe calls for",
@@ -30,10 +37,12 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-def _workload(tok: gx.Tokenizer, n: int, seed: int) -> list[wl.WorkItem]:
-    items = wl.mixed_workload(n, tok.vocab_size, seed=seed, grammars=True, max_tokens=(8, 24))
+def _workload(dm: DemoModel, n: int, seed: int) -> list[wl.WorkItem]:
+    """The mixed workload with the prompts above, encoded by the model's own tokenizer."""
+    items = wl.mixed_workload(n, dm.tokenizer.vocab_size, seed=seed, grammars=True,
+                              max_tokens=(8, 24))  # fmt: skip
     return [
-        dataclasses.replace(it, prompt=tuple(tok.encode(PROMPTS[i % len(PROMPTS)])))
+        dataclasses.replace(it, prompt=dm.encode(PROMPTS[i % len(PROMPTS)]))
         for i, it in enumerate(items)
     ]
 
@@ -43,7 +52,8 @@ def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | Non
     enough for speculative runs of several tokens a step)."""
     room = ex.model.max_seq_len - 1
     for i in range(batch):
-        ex.add_request(f"lat{i}", [i + 1], gx.SamplingParams(seed=i, max_tokens=room))
+        p = gx.SamplingParams(seed=i, max_tokens=room, ignore_eos=True)  # batch stays full
+        ex.add_request(f"lat{i}", [i + 1], p)
     ex.step(mode)  # first tokens
     ex.step(mode)  # warm
     sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
@@ -59,7 +69,8 @@ def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | Non
 
 
 def _show(tok: gx.Tokenizer, it: wl.WorkItem, outs: list[gx.RequestOutput]) -> str:
-    ids = [o.token_id for o in outs if o.token_id is not None and o.token_id != tok.eos_token_id]
+    eos = set(tok.eos_token_ids)
+    ids = [o.token_id for o in outs if o.token_id is not None and o.token_id not in eos]
     text = tok.decode(ids)
     last = outs[-1]
     head = f"{it.request_id:>4} {it.kind:12s} seed {outs[0].seed:<20d} {last.finish_reason:6s}"
@@ -80,19 +91,24 @@ def _show(tok: gx.Tokenizer, it: wl.WorkItem, outs: list[gx.RequestOutput]) -> s
 def demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
-    tok = gx.Tokenizer.cl100k()
+    try:
+        dm = choose_model(args.model, device, args.dtype, args.max_seq_len, seed=args.seed)
+    except ModelChoiceError as e:
+        print(f"graphexec demo: {e}", file=sys.stderr)
+        return 2
+    tok = dm.tokenizer
     batch = args.max_batch_size or (64 if cuda else 16)
-    model = gx.models.TinyLM(tok.vocab_size, seed=args.seed)
-    ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=tok, seed=0)
-    print(f"graphexec {gx.__version__} on {device}: TinyLM, vocabulary {tok.vocab_size} "
-          f"({tok.name}), max_batch_size {batch}, buckets {list(ex.buckets)}")  # fmt: skip
+    ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device, tokenizer=tok, seed=0)
+    print(f"graphexec {gx.__version__} on {device}: {dm.name}, vocabulary {tok.vocab_size} "
+          f"({tok.name}), EOS {list(tok.eos_token_ids)}, max_batch_size {batch}, "
+          f"buckets {list(ex.buckets)}")  # fmt: skip
     t0 = time.perf_counter()
     ex.capture(progress=not args.quiet)
     how = "CUDA graphs" if cuda else "emulated graphs (no CUDA: recorded calls)"
     print(f"captured {len(ex.graph_keys)} keys ({how}) in {time.perf_counter() - t0:.1f} s; "
           f"failed: {len(ex.stats.failed)}")  # fmt: skip
 
-    items = _workload(tok, args.requests, args.seed)
+    items = _workload(dm, args.requests, args.seed)
     replayed = wl.run(ex, items)
     print(f"\nreplay: {len(items)} requests, {replayed.tokens} tokens in {replayed.steps} steps, "
           f"{replayed.tokens / replayed.seconds:.0f} tokens/s")  # fmt: skip
@@ -117,23 +133,33 @@ def demo(args: argparse.Namespace) -> int:
           f"({eager_ms / replay_ms:.1f}x){note}")  # fmt: skip
 
     if args.speculative:
-        bad += _speculative(args, device, tok, items, replayed, batch)
+        del ex  # its graphs and cache: a checkpoint's model is bound again for the next runs
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        bad += _speculative(args, device, dm, items, replayed, batch)
 
-    print("\noutputs (TinyLM has random weights: its free text is noise):")
+    noise = " (random weights: the free text is noise)" if dm.random_weights else ""
+    print(f"\noutputs{noise}:")
     for it in sorted(items, key=lambda it: int(it.request_id[1:])):
         print("  " + _show(tok, it, replayed.outputs[it.request_id]))
     return 0 if not bad else 1
 
 
-def _speculative(args, device, tok, items, plain: wl.Trace, batch: int) -> list:
+def _speculative(args, device, dm: DemoModel, items, plain: wl.Trace, batch: int) -> list:
     """The workload again with speculation on; its token differences from `plain`."""
     print("\nspeculative decoding (strict: the streams must equal the ones above):")
-    draft = gx.models.TinyLM(tok.vocab_size, seed=args.seed, layers=1)
+    tok = dm.tokenizer
+    runs: list[tuple[str, object]] = [("n-gram", "ngram")]
+    if dm.draft is not None:
+        runs.append(("draft model (1-layer TinyLM)", dm.draft()))
+    else:
+        print("  draft-model run skipped: its 1-layer TinyLM draft is TinyLM-specific "
+              "(a checkpoint runs the n-gram drafter only)")  # fmt: skip
     bad = []
-    for name, drafter in (("n-gram", "ngram"), ("draft model (1-layer TinyLM)", draft)):
+    for name, drafter in runs:
         spec = gx.SpeculativeConfig(4, drafter=drafter)
-        model = gx.models.TinyLM(tok.vocab_size, seed=args.seed)
-        ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=tok,
+        ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device, tokenizer=tok,
                                seed=0, speculative=spec)  # fmt: skip
         ex.capture(progress=not args.quiet)
         trace = wl.run(ex, wl.with_reported_seeds(items, plain))

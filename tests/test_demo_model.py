@@ -1,0 +1,113 @@
+"""`graphexec demo --model PATH`: the demo's workload on a checkpoint folder (a tiny random
+Llama saved by transformers, with a byte-level BPE tokenizer.json trained here)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphexec import cli
+from graphexec.demo_model import choose_model
+from tests.test_hf_tokenizer import build
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer
+
+    folder = build(tmp_path_factory.mktemp("llama"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, eos_token_id=eos,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)  # overwrites config.json
+    return folder
+
+
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_demo_runs_the_workload_on_a_checkpoint(checkpoint, capsys, restore_threads) -> None:
+    rc = cli.main(["demo", "--model", str(checkpoint), "--device", "cpu", "--requests", "9",
+                   "--max-batch-size", "4", "--latency-steps", "1", "--threads", "1",
+                   "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "llama checkpoint" in out and "vocabulary 392" in out, out
+    assert "determinism check (replay vs eager, tokens and logprobs bit for bit): PASS" in out
+    # speculation: the n-gram run only, its streams equal to the ones without
+    assert re.search(r"n-gram .* streams equal: PASS", out), out
+    assert "draft-model run skipped" in out and "draft model (1-layer" not in out
+    parsed = re.findall(r"json schema .* parsed JSON: (.*)", out)
+    dates = re.findall(r"regex date .* regex matches: '(.*)'", out)
+    assert parsed and dates, out
+    assert "NOT JSON" not in out and "DOES NOT MATCH" not in out
+    for d in dates:
+        assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]", d)
+
+
+def test_prompts_use_the_checkpoint_tokenizer_and_its_bos(checkpoint, tmp_path) -> None:
+    from tokenizers import Tokenizer, processors
+
+    dm = choose_model(str(checkpoint), torch.device("cpu"))
+    assert dm.draft is None and dm.prompt_prefix == ()
+    text = "The quick brown fox"
+    ids = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(text).ids
+    assert dm.encode(text) == tuple(ids) and dm.tokenizer.eos_token_ids == (0,)
+    assert dm.make() is dm.make()  # the weights are read once
+    # a tokenizer.json whose post-processor adds BOS (Llama, Mistral): prompts start with it
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((checkpoint / name).read_bytes())
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    dm = choose_model(str(tmp_path), torch.device("cpu"), dtype="bfloat16", max_seq_len=64)
+    assert dm.prompt_prefix == (0,) and dm.encode(text) == (0, *ids)
+    m = dm.make()
+    assert m.dtype == torch.bfloat16 and m.max_seq_len == 64
+
+
+def test_bad_model_folders_exit_2_naming_the_problem(
+    checkpoint, tmp_path, capsys, restore_threads
+) -> None:
+    def demo(path: Path) -> str:
+        assert cli.main(["demo", "--model", str(path), "--device", "cpu", "--threads", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and str(path) in err, err
+        return err.strip().splitlines()[-1]
+
+    assert "does not exist" in demo(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    assert "is not a folder" in demo(tmp_path / "file")
+    assert "no config.json" in demo(tmp_path)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert "unsupported architecture" in demo(gpt2)
+    (gpt2 / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "awq"}})
+    )
+    assert "quantized checkpoints (awq)" in demo(gpt2)
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    assert "tokenizer.json" in demo(no_tok)
+    (no_tok / "tokenizer.json").write_bytes((checkpoint / "tokenizer.json").read_bytes())
+    assert "safetensors" in demo(no_tok)
