@@ -29,6 +29,14 @@ benchmarks/results/; a markdown table is printed last.
 
     python benchmarks/bench_step.py [--batches 1 8 32 128 256] [--steps 50] [--out DIR]
     python benchmarks/bench_step.py --scenario churn [--churn-steps 2000] [--prefill-budget N]
+
+Model (`--model PATH|CONFIG`; step_model.py): the steady scenario on a real model shape
+(a checkpoint folder, or a config with seeded random weights: `qwen2.5-0.5b`,
+`llama-3.2-1b` in benchmarks/configs/) instead of TinyLM, greedy, at B in 1 8 32 128:
+replay vs eager, decode tokens/s, host overhead, and transformers' own `generate` with its
+static cache on the same weights and batch; step-model-<name>-<device>-<date>.json.
+
+    python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import os
 import statistics
 import time
 
+import step_model
 import torch
 import triton
 from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn_section
@@ -58,11 +67,11 @@ WORKLOADS = {
 }
 
 
-def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None) -> dict:
+def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None,
+            prompts: list[list[int]] | None = None) -> dict:  # fmt: skip
     for i in range(B):
-        ex.add_request(
-            f"b{i}", [1 + i % 100, 2, 3], dataclasses.replace(make(i), max_tokens=steps + 30)
-        )
+        prompt = prompts[i] if prompts is not None else [1 + i % 100, 2, 3]
+        ex.add_request(f"b{i}", prompt, dataclasses.replace(make(i), max_tokens=steps + 30))
     for _ in range(3):  # first tokens, then warm steps
         ex.step(mode)
     gc.collect()
@@ -133,7 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scenario", choices=("steady", "churn", "all"), default="steady",
                     help="steady: the step at fixed batches (default); churn: the server "
                     "loop with arrivals (added to the day's JSON); all: both")  # fmt: skip
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="default 1 8 32 128 256 (with --model: 1 8 32 128)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=200,
                     help="timed steps per steady row and per churn reference")  # fmt: skip
     ap.add_argument("--churn-steps", type=int, default=2000, help="measured churn steps")
@@ -142,11 +152,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="DecodeExecutor(prefill_budget=) for the churn executor; default: "
                     "not passed (the executor's default)")  # fmt: skip
-    ap.add_argument("--seed", type=int, default=0, help="the churn arrivals' seed")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the churn arrivals' seed (--model: weights' and prompts')")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a smoke run (its timings are not performance)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
-    return ap.parse_args(argv)
+    m = ap.add_argument_group("model (--model: step_model.py)")
+    m.add_argument("--model", default=None, metavar="PATH|CONFIG",
+                   help="a checkpoint folder (config.json + safetensors), a config .json, "
+                   "or a name in benchmarks/configs (qwen2.5-0.5b, llama-3.2-1b: random "
+                   "weights)")  # fmt: skip
+    m.add_argument("--dtype", choices=sorted(step_model.DTYPES), default="bfloat16")
+    m.add_argument("--max-seq-len", type=int, default=512,
+                   help="positions per slot (ours), transformers' static cache length")  # fmt: skip
+    m.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    m.add_argument("--hf-modes", type=lambda s: [x for x in s.split(",") if x and x != "off"],
+                   default=list(step_model.MODES),
+                   help="transformers generate modes, comma-separated: default (as it runs: "
+                   "auto-compiled on CUDA), eager (disable_compile); 'off': none")  # fmt: skip
+    m.add_argument("--hf-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"),
+                   help="new tokens of the two timed generate calls (prefill cancels)")  # fmt: skip
+    m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
+    m.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="skip transformers rows that would start after S seconds")  # fmt: skip
+    args = ap.parse_args(argv)
+    bad = [x for x in args.hf_modes if x not in step_model.MODES]
+    if bad:
+        ap.error(f"--hf-modes: unknown {bad}; choose from {list(step_model.MODES)} or off")
+    if args.hf_tokens[0] >= args.hf_tokens[1] or args.hf_tokens[0] < 1:
+        ap.error("--hf-tokens N1 N2 needs 1 <= N1 < N2")
+    if args.batches is None:
+        args.batches = [1, 8, 32, 128] if args.model else [1, 8, 32, 128, 256]
+    return args
 
 
 def run_steady(args) -> dict:
@@ -202,6 +239,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
                          "(--device cpu runs a smoke test)")  # fmt: skip
     result = header(args.device)
+    if args.model is not None:
+        if args.scenario != "steady":
+            raise SystemExit("--model runs the steady scenario only")
+        path, result = step_model.run(args, measure, result)
+        print(f"wrote {path}")
+        print(step_model.markdown(result))
+        return
     if args.scenario != "churn":
         result.update(run_steady(args))
     if args.scenario != "steady":

@@ -1,0 +1,230 @@
+"""The model benchmark (bench_step.py --model, step_model.py) and the random weights it
+runs on (graphexec.models.hf_random): the bundled configs load in transformers and give
+the parameter names and shapes of transformers' own models; random weights load into
+both models and give the same logits; the bench runs end to end on the CPU with a tiny
+config (its numbers are not performance, only its rows and columns)."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from graphexec.models import HFTransformer
+from graphexec.models.hf_random import param_shapes, random_model, random_state_dict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import bench_step  # noqa: E402
+import step_model  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+NAMES = ("qwen2.5-0.5b", "llama-3.2-1b")
+# transformers' parameter counts of the public models (tied embeddings counted once)
+PARAMS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, vocab_size=300, bos_token_id=1,
+            eos_token_id=2, max_position_embeddings=256)  # fmt: skip
+
+
+def config(name: str, **over) -> dict:
+    return dict(step_model.resolve(name)[1], **over)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_configs_load_in_transformers_and_match_its_parameters(name):
+    cfg = config(name)
+    t0 = time.perf_counter()
+    c = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(c)
+    assert time.perf_counter() - t0 < 30
+    assert type(ref).__name__ == cfg["architectures"][0]
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    assert cfg["tie_word_embeddings"] and ref.lm_head.weight is ref.model.embed_tokens.weight
+    assert param_shapes(cfg) == want
+    assert sum(p.numel() for p in ref.parameters()) == PARAMS[name]
+    # HFTransformer accepts every shape (on the meta device: no memory)
+    state = random_state_dict(cfg, device="meta")
+    assert {k: tuple(v.shape) for k, v in state.items()} == want
+    m = HFTransformer(cfg, state, device="meta", max_seq_len=64)
+    assert m.dtype == torch.bfloat16 and m.vocab_size == cfg["vocab_size"]
+
+
+def test_public_config_facts():
+    q, ll = config("qwen2.5-0.5b"), config("llama-3.2-1b")
+    assert (q["hidden_size"], q["num_hidden_layers"], q["num_attention_heads"],
+            q["num_key_value_heads"], q["intermediate_size"], q["vocab_size"],
+            q["rope_theta"], q["rms_norm_eps"], q["max_position_embeddings"]) == (
+        896, 24, 14, 2, 4864, 151936, 1e6, 1e-6, 32768)  # fmt: skip
+    assert "q_proj.bias" in " ".join(param_shapes(q))
+    assert (ll["hidden_size"], ll["num_hidden_layers"], ll["num_attention_heads"],
+            ll["num_key_value_heads"], ll["head_dim"], ll["intermediate_size"],
+            ll["vocab_size"], ll["rope_theta"], ll["rms_norm_eps"]) == (
+        2048, 16, 32, 8, 64, 8192, 128256, 500000.0, 1e-5)  # fmt: skip
+    assert ll["rope_scaling"] == {"factor": 32.0, "high_freq_factor": 4.0,
+                                  "low_freq_factor": 1.0, "rope_type": "llama3",
+                                  "original_max_position_embeddings": 8192}  # fmt: skip
+    assert "bias" not in " ".join(param_shapes(ll))
+
+
+def test_random_state_dict_is_seeded_and_shaped():
+    cfg = config("qwen2.5-0.5b", **TINY)
+    a, b = random_state_dict(cfg, seed=3), random_state_dict(cfg, seed=3)
+    c = random_state_dict(cfg, seed=4, dtype=torch.float32)
+    assert a.keys() == b.keys() == c.keys() == param_shapes(cfg).keys()
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"].float(), c["model.embed_tokens.weight"])
+    assert torch.equal(a["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    assert c["model.layers.0.mlp.up_proj.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    untied = random_state_dict(dict(cfg, tie_word_embeddings=False))
+    assert untied["lm_head.weight"].shape == (300, 64)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_random_weights_give_transformers_logits(name):
+    cfg = config(name, **TINY)
+    m = random_model(cfg, seed=1, dtype=torch.float32, max_seq_len=32)
+    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=1, dtype=torch.float32),
+                                        None, "cpu", torch.float32)  # fmt: skip
+    m.bind(1, "cpu")
+    ids = [5, 17, 250, 3, 99]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    got = m.prefill(0, torch.tensor(ids), all_logits=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_resolve_names_paths_and_folders(tmp_path):
+    name, cfg, folder = step_model.resolve("llama-3.2-1b")
+    assert (name, folder, cfg["model_type"]) == ("llama-3.2-1b", None, "llama")
+    p = tmp_path / "tiny.json"
+    p.write_text(json.dumps(cfg))
+    assert step_model.resolve(str(p))[:1] == ("tiny",) and step_model.resolve(str(p))[2] is None
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(SystemExit, match="without config.json"):
+        step_model.resolve(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    assert step_model.resolve(str(tmp_path / "ckpt"))[::2] == ("ckpt", tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="qwen2.5-0.5b"):
+        step_model.resolve("gpt-17")
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_bench(tmp_path, *extra: str) -> tuple[dict, str]:
+    p = tmp_path / "tiny-qwen.json"
+    p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))
+    bench_step.main(["--device", "cpu", "--model", str(p), "--batches", "1", "2", "--steps",
+                     "3", "--max-seq-len", "96", "--hf-tokens", "2", "5", "--hf-reps", "1",
+                     "--out", str(tmp_path), *extra])  # fmt: skip
+    (path,) = tmp_path.glob("step-model-tiny-qwen-cpu-*.json")
+    return json.loads(path.read_text()), path
+
+
+def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
+    result, _ = run_bench(tmp_path)
+    assert result["scenario"] == "model" and result["device"] == "cpu"
+    assert result["transformers_version"] == transformers.__version__
+    assert result["model"]["name"] == "tiny-qwen" and result["model"]["dtype"] == "bfloat16"
+    assert result["model"]["config"]["hidden_size"] == 64 and result["model"]["params"] > 0
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        assert r["replay"]["wall_us"] > 0 and r["eager"]["wall_us"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["replay"]["wall_us"] * 1e6)
+        for mode in ("default", "eager"):
+            hf = r["transformers"][mode]
+            assert "error" not in hf, hf
+            assert hf["compiled"] is False  # transformers compiles on CUDA only
+            assert hf["tokens_per_s"] > 0 and hf["max_cache_len"] == 96
+            assert r["vs_transformers"][mode] == pytest.approx(
+                r["tokens_per_s"] / hf["tokens_per_s"]
+            )
+    assert not result["ours"]["capture_failed"] and result["ours"]["replays"]
+    assert set(result["met"]["values"]) == set(step_model.TARGETS)
+    assert result["met"]["met"]["vs_transformers_b32"] is None  # no B=32 row
+    out = capsys.readouterr().out
+    head = "| B | replay us | eager us | eager/replay | host us | our tok/s | transformers tok/s |"
+    assert head in out
+    assert "B=32 tokens/s >= 2x transformers generate (static cache): not measured" in out
+
+
+def test_model_bench_without_transformers_keeps_our_rows(tmp_path, monkeypatch, one_thread):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    result, _ = run_bench(tmp_path, "--batches", "1", "--hf-modes", "default")
+    assert "not importable" in result["transformers"]["error"]
+    assert result["transformers_version"] is None
+    (row,) = result["rows"]
+    assert row["replay"]["wall_us"] > 0 and "transformers" not in row
+    assert "| - | - |" in step_model.markdown(result)
+
+
+def test_targets_are_judged():
+    def row(B, speedup, host, vs=None):
+        r = dict(batch=B, speedup=speedup, replay=dict(wall_us=10.0, host_us=host),
+                 eager=dict(wall_us=10.0 * speedup), tokens_per_s=B * 1e5)  # fmt: skip
+        return dict(r, vs_transformers=dict(default=vs)) if vs else r
+
+    res = dict(rows=[row(1, 3.5, 20.0), row(32, 1.0, 30.0, vs=1.5), row(128, 1.0, 120.0)])
+    j = step_model.judge(res)
+    assert j["values"] == dict(replay_speedup_b1=3.5, vs_transformers_b32=1.5, host_us_b128=120.0)
+    assert j["met"] == dict(replay_speedup_b1=True, vs_transformers_b32=False, host_us_b128=False)
+
+
+def test_short_max_seq_len_and_bad_options_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="too short"):
+        bench_step.main(["--device", "cpu", "--model", "qwen2.5-0.5b", "--max-seq-len", "64",
+                         "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--model", "x", "--hf-modes", "compiled"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--model", "x", "--hf-tokens", "5", "5"])
+    assert bench_step.parse_args(["--model", "x"]).batches == [1, 8, 32, 128]
+    assert bench_step.parse_args([]).batches == [1, 8, 32, 128, 256]
+    assert bench_step.parse_args(["--hf-modes", "off"]).hf_modes == []
+
+
+def test_model_bench_reads_a_checkpoint_folder(tmp_path, one_thread):
+    cfg = config("llama-3.2-1b", **TINY)
+    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
+                                        torch.bfloat16)  # fmt: skip
+    ref.save_pretrained(tmp_path / "ckpt")
+    ckpt = str(tmp_path / "ckpt")
+    bench_step.main(["--device", "cpu", "--model", ckpt, "--batches", "1", "--steps", "2",
+                     "--max-seq-len", "80", "--hf-modes", "eager", "--hf-tokens", "1", "3",
+                     "--hf-reps", "1", "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("step-model-ckpt-cpu-*.json")
+    result = json.loads(path.read_text())
+    assert result["model"]["source"] == ckpt
+    assert result["model"]["config"]["model_type"] == "llama"
+    (row,) = result["rows"]
+    assert row["tokens_per_s"] > 0 and row["transformers"]["eager"]["tokens_per_s"] > 0
+    assert set(row["transformers"]) == {"eager"}
+
+
+def test_a_failing_batch_keeps_the_others(tmp_path, one_thread):
+    def measure(ex, B, make, steps, mode, prompts=None):
+        if B == 2:
+            raise torch.cuda.OutOfMemoryError("no room")
+        return bench_step.measure(ex, B, make, steps, mode, prompts=prompts)
+
+    p = tmp_path / "tiny.json"
+    p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))
+    args = bench_step.parse_args(["--device", "cpu", "--model", str(p), "--batches", "2", "1",
+                                  "--steps", "2", "--max-seq-len", "64", "--hf-modes", "eager",
+                                  "--hf-tokens", "1", "2", "--hf-reps", "1",
+                                  "--out", str(tmp_path)])  # fmt: skip
+    _, result = step_model.run(args, measure, bench_step.header("cpu"))
+    bad, good = result["rows"]
+    assert bad == dict(batch=2, error="OutOfMemoryError: no room", transformers=bad["transformers"])
+    assert good["batch"] == 1 and good["tokens_per_s"] > 0 and good["vs_transformers"]["eager"]
+    assert "| 2 | error: OutOfMemoryError: no room |" in step_model.markdown(result)
+    assert result["met"]["values"]["replay_speedup_b1"] == good["speedup"]
