@@ -9,6 +9,10 @@ import os
 import sys
 import time
 
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()  # bench_step imports triton: set the interpreter first (no CUDA here)
+
 import pytest
 import torch
 
