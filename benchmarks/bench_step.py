@@ -55,6 +55,7 @@ import step_model
 import torch
 import triton
 from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn_section
+from step_prefill import prefill_markdown, prefill_section
 
 import graphexec as gx
 from graphexec.graphs import GraphKey
@@ -134,14 +135,52 @@ def run_churn(args) -> dict:
                 keys=[str(k) for k in keys], model=model_info)  # fmt: skip
 
 
+def run_prefill(args) -> tuple[str, dict]:
+    """The long-prompt scenario (step_prefill.py) on TinyLM, or on --model's model; its
+    own JSON, step-prefill-<model>-<device>-<date>.json."""
+    streams, plen = args.prefill_streams, args.prefill_prompt_len
+    need = max(plen + 8, 2 * args.steps + 16)
+    if args.model is not None:
+        name, cfg, folder = step_model.resolve(args.model)
+        model, _ = step_model.load(cfg, folder, args.device, step_model.DTYPES[args.dtype],
+                                   need, args.seed)  # fmt: skip
+        tok = None
+    else:
+        name, tok = "tinylm", gx.Tokenizer.cl100k()
+        model = gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=need)
+    ex = gx.DecodeExecutor(model, max_batch_size=streams + 8, device=args.device,
+                           tokenizer=tok, seed=0)  # fmt: skip
+    ex.capture([GraphKey(SV("no_filter"), b, False) for b in ex.buckets], progress=False)
+    section = prefill_section(ex, args.prefill_budgets, streams, plen, args.prefill_every,
+                              args.steps, args.seed)  # fmt: skip
+    result = dict(header(args.device), scenario="prefill", model=name,
+                  max_seq_len=model.max_seq_len, prefill=section)  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    dev = result["device"].lower().replace(" ", "-")
+    path = os.path.join(args.out, f"step-prefill-{name}-{dev}-{result['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path, result
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=("steady", "churn", "all"), default="steady",
-                    help="steady: the step at fixed batches (default); churn: the server "
-                    "loop with arrivals (added to the day's JSON); all: both")  # fmt: skip
+    ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill"),
+                    default="steady", help="steady: the step at fixed batches (default); "
+                    "churn: the server loop with arrivals (added to the day's JSON); all: "
+                    "both; prefill: running streams' worst gap while long prompts arrive "
+                    "(TinyLM or --model)")  # fmt: skip
+    ap.add_argument("--prefill-budgets", type=int, nargs="+", default=[256, 1024, 4096],
+                    help="prefill scenario: the budgets compared")  # fmt: skip
+    ap.add_argument("--prefill-streams", type=int, default=32,
+                    help="prefill scenario: running streams")  # fmt: skip
+    ap.add_argument("--prefill-prompt-len", type=int, default=3000,
+                    help="prefill scenario: tokens per arriving prompt")  # fmt: skip
+    ap.add_argument("--prefill-every", type=int, default=8,
+                    help="prefill scenario: steps between arrivals")  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="default 1 8 32 128 256 (with --model: 1 8 32 128)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=200,
@@ -239,9 +278,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
                          "(--device cpu runs a smoke test)")  # fmt: skip
     result = header(args.device)
+    if args.scenario == "prefill":
+        path, result = run_prefill(args)
+        print(f"wrote {path}")
+        print(prefill_markdown(result["prefill"]))
+        return
     if args.model is not None:
         if args.scenario != "steady":
-            raise SystemExit("--model runs the steady scenario only")
+            raise SystemExit("--model runs the steady or the prefill scenario only")
         path, result = step_model.run(args, measure, result)
         print(f"wrote {path}")
         print(step_model.markdown(result))

@@ -258,6 +258,20 @@ def run_transformers(result: dict, cfg, state, folder, dtype, prompts, args, sav
 # ---------------------------------------------------------------------------- entry
 
 
+def load(cfg: dict, folder: Path | None, device: str, dtype: torch.dtype, max_seq_len: int,
+         seed: int = 0) -> tuple[gx.models.HFTransformer, dict | None]:  # fmt: skip
+    """Our model from the checkpoint folder, else random weights of `cfg`; and the random
+    state dict (None for a checkpoint), for transformers' copy."""
+    if folder is not None:
+        model = gx.models.HFTransformer.from_pretrained(folder, device=device, dtype=dtype,
+                                                        max_seq_len=max_seq_len)  # fmt: skip
+        return model, None
+    state = random_state_dict(cfg, seed=seed, device=device, dtype=dtype)
+    model = gx.models.HFTransformer(cfg, state, device=device, dtype=dtype,
+                                    max_seq_len=max_seq_len)  # fmt: skip
+    return model, state
+
+
 def run(args, measure, header: dict) -> tuple[str, dict]:
     """The model scenario: our rows, then transformers' (written after each), the targets.
     Returns the JSON's path and the result."""
@@ -269,14 +283,7 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
         raise SystemExit(f"--max-seq-len {args.max_seq_len} is too short: the prompt and "
                          f"{args.steps} steps need {need}")  # fmt: skip
     t0 = time.perf_counter()
-    if folder is not None:
-        state = None
-        model = gx.models.HFTransformer.from_pretrained(folder, device=args.device, dtype=dtype,
-                                                        max_seq_len=args.max_seq_len)  # fmt: skip
-    else:
-        state = random_state_dict(cfg, seed=args.seed, device=args.device, dtype=dtype)
-        model = gx.models.HFTransformer(cfg, state, device=args.device, dtype=dtype,
-                                        max_seq_len=args.max_seq_len)  # fmt: skip
+    model, state = load(cfg, folder, args.device, dtype, args.max_seq_len, args.seed)
     load_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(1, model.vocab_size, (max(args.batches), args.prompt_len),
