@@ -130,8 +130,14 @@ def bitmask_for(allowed: list[int], batch: int) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int32).expand(batch, -1).contiguous()
 
 
-def draw(row: torch.Tensor, case: Case, seed: int, backend: str = "torch", n: int = N,
-         draw_block: int = reference.DRAW_BLOCK) -> np.ndarray:
+def draw(
+    row: torch.Tensor,
+    case: Case,
+    seed: int,
+    backend: str = "torch",
+    n: int = N,
+    draw_block: int = reference.DRAW_BLOCK,
+) -> np.ndarray:
     """n tokens of one row at positions 0..n-1 (rows of a batch), blocks of draw_block."""
     params = gx.SamplingParams(seed=seed, **case.params)
     cfg = SamplerConfig.default().replace(draw_block=draw_block)

@@ -79,8 +79,12 @@ def test_top_k_past_the_live_tokens_and_min_p_above_the_bracket() -> None:
     bitmask = torch.zeros(B, (V + 31) // 32, dtype=torch.int32)
     bitmask[:2, 3] = 0x0F0F0F0F  # 16 live tokens
     bitmask[2:] = -1
-    params = [P(seed=1, top_k=50), P(seed=2, top_k=50, top_p=0.9),
-              P(seed=3, top_p=0.95, min_p=0.9), P(seed=4, top_k=500, top_p=0.99, min_p=0.8)]
+    params = [
+        P(seed=1, top_k=50),
+        P(seed=2, top_k=50, top_p=0.9),
+        P(seed=3, top_p=0.95, min_p=0.9),
+        P(seed=4, top_k=500, top_p=0.99, min_p=0.8),
+    ]
     both = run_both(params, logits, CONFIGS["gpu_preset"], bitmask=bitmask)
     assert_same(both.ref, both.tri)
     assert both.routes == [int(R_SELECT)] * B
@@ -104,8 +108,14 @@ def test_brackets_resolved_pairwise_and_by_search() -> None:
     B, V = 12, 3000
     cfg = CONFIGS["gpu_preset"].replace(bins=16)
     logits = torch.cat([logits_of("flat", B // 2, V, seed=5), logits_of("randn3", B // 2, V, 5)])
-    filters = [dict(top_p=0.9), dict(top_k=50), dict(top_k=300, top_p=0.9),
-               dict(top_p=0.7, min_p=0.02), dict(top_k=20, top_p=0.8), dict(top_p=0.5)]
+    filters = [
+        dict(top_p=0.9),
+        dict(top_k=50),
+        dict(top_k=300, top_p=0.9),
+        dict(top_p=0.7, min_p=0.02),
+        dict(top_k=20, top_p=0.8),
+        dict(top_p=0.5),
+    ]
     both = run_both([P(seed=i, temperature=0.8, **filters[i % 6]) for i in range(B)], logits, cfg)
     assert_same(both.ref, both.tri)
     assert both.routes == [int(R_SELECT)] * B

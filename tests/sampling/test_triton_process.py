@@ -44,6 +44,8 @@ def process(logits, slot_ids, table, bitmask=None, *, block: int = 1024) -> torc
         BLOCK=block, enable_fp_fusion=False,
     )  # fmt: skip
     return x
+
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
 V = 77  # not a multiple of 32 (last bitmask word partial) nor of the tile width

@@ -36,7 +36,7 @@ def test_block_stats_equal_the_reference(programs: int) -> None:
     r = 3
     blk = torch.isinf(logits[r]).nonzero().flatten() // cfg.draw_block
     assert (both.ws.xm[r, blk] == float("inf")).all()
-    n_inf = (logits[r, blk[0] * cfg.draw_block:][: cfg.draw_block] == float("inf")).sum()
+    n_inf = (logits[r, blk[0] * cfg.draw_block :][: cfg.draw_block] == float("inf")).sum()
     assert both.ws.q[r, blk[0]] == n_inf << 32
     # the block minimum of the finite values
     fin = torch.where(torch.isfinite(x), x, float("inf"))
@@ -57,10 +57,20 @@ def test_row_tail_routes() -> None:
     logits[4, ::3] = float("-inf")  # tied, some masked
     logits[5, [7, 300]] = float("inf")
     logits[6] = 0.5
-    params = [P(seed=1), P(seed=2, temperature=0.0), P(seed=3), P(seed=4, top_k=7, top_p=0.5),
-              P(seed=5, top_p=0.3), P(seed=6, top_k=1), P(seed=7, min_p=0.5, top_p=0.9),
-              P(seed=8, min_p=0.1), P(seed=9, top_k=10), P(seed=10, top_p=0.8),
-              P(seed=11, top_k=40, top_p=0.9, min_p=0.01), P(seed=12, temperature=0.0, top_k=3)]
+    params = [
+        P(seed=1),
+        P(seed=2, temperature=0.0),
+        P(seed=3),
+        P(seed=4, top_k=7, top_p=0.5),
+        P(seed=5, top_p=0.3),
+        P(seed=6, top_k=1),
+        P(seed=7, min_p=0.5, top_p=0.9),
+        P(seed=8, min_p=0.1),
+        P(seed=9, top_k=10),
+        P(seed=10, top_p=0.8),
+        P(seed=11, top_k=40, top_p=0.9, min_p=0.01),
+        P(seed=12, temperature=0.0, top_k=3),
+    ]
     both = run_both(params, logits, CONFIGS["interp16"])
     assert_same(both.ref, both.tri)
     done, cut, sel = int(R_DONE), int(R_CUT), int(R_SELECT)

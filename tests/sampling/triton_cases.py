@@ -26,8 +26,9 @@ CONFIGS = {
 def mixed(n: int, seed: int = 0, V: int = 1000) -> list[gx.SamplingParams]:
     """n rows cycling through every filter, penalty, bias and logprobs combination."""
     kinds = [
-        lambda i: P(seed=i, logit_bias={7: 3.0, V - 50: -2.0}, logprobs=3,
-                    logprobs_mode="processed"),  # fmt: skip
+        lambda i: P(
+            seed=i, logit_bias={7: 3.0, V - 50: -2.0}, logprobs=3, logprobs_mode="processed"
+        ),  # fmt: skip
         lambda i: P(temperature=0.0, seed=i, logprobs=2),
         lambda i: P(top_k=5, seed=i, temperature=0.8),
         lambda i: P(top_p=0.8, seed=i, presence_penalty=0.7, frequency_penalty=0.4),
@@ -97,8 +98,19 @@ class Both:
         return self.ws.rowi[:, 0].tolist()
 
 
-def run_both(params, logits, config: SamplerConfig, *, counts=None, prompt=None, bitmask=None,
-             variant=SamplerVariant.DEFAULT, slots=None, positions=None, num_top=None) -> Both:
+def run_both(
+    params,
+    logits,
+    config: SamplerConfig,
+    *,
+    counts=None,
+    prompt=None,
+    bitmask=None,
+    variant=SamplerVariant.DEFAULT,
+    slots=None,
+    positions=None,
+    num_top=None,
+) -> Both:
     """The torch reference and the Triton backend on the same inputs."""
     B, V = logits.shape
     table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
@@ -117,8 +129,9 @@ def run_both(params, logits, config: SamplerConfig, *, counts=None, prompt=None,
 def assert_same(ref: SamplerOutput, tri: SamplerOutput) -> None:
     assert torch.equal(ref.valid, tri.valid)
     bad = (ref.token_ids != tri.token_ids).nonzero().flatten().tolist()
-    assert not bad, f"rows {bad}: reference {ref.token_ids[bad].tolist()}, triton " \
-                    f"{tri.token_ids[bad].tolist()}"
+    assert not bad, (
+        f"rows {bad}: reference {ref.token_ids[bad].tolist()}, triton {tri.token_ids[bad].tolist()}"
+    )
     if ref.logprobs is not None:
         torch.testing.assert_close(tri.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5,
                                    equal_nan=True)  # fmt: skip

@@ -104,8 +104,16 @@ class SamplerConfig:
     def interpreter(cls) -> SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
-        return cls(programs=16, late_programs=16, gather_cap=256, bins=128, search_blocks=4,
-                   logprobs_cap=64, num_warps=4, tail_warps=4)
+        return cls(
+            programs=16,
+            late_programs=16,
+            gather_cap=256,
+            bins=128,
+            search_blocks=4,
+            logprobs_cap=64,
+            num_warps=4,
+            tail_warps=4,
+        )
 
     @classmethod
     def default(cls) -> SamplerConfig:

@@ -60,8 +60,9 @@ def _f(keys, w, c, base, mid, max2):
 
 
 @triton.jit
-def _search(keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexpr,
-            ITERS: tl.constexpr):
+def _search(
+    keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexpr, ITERS: tl.constexpr
+):
     """The largest v in [lo, hi] with F(v) >= target (F(lo) >= target on entry): v a key
     (the high 32 bits of a pack, on_keys) or a pack."""
     j = tl.arange(0, WAYS).to(tl.int64)
@@ -318,8 +319,21 @@ def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr
 
 
 @triton.jit
-def _kept_row(P, W, row, route, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
-              DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr):
+def _kept_row(
+    P,
+    W,
+    row,
+    route,
+    sp,
+    S,
+    NBLK,
+    NB_P2: tl.constexpr,
+    R: tl.constexpr,
+    DB: tl.constexpr,
+    NBINS: tl.constexpr,
+    WCAP: tl.constexpr,
+    FL: tl.constexpr,
+):
     """Slice sp of S of the row's listed blocks."""
     ri = W[cf.ROWI] + row * cf.NUM_I
     slot = tl.load(P[SLOTS] + row).to(tl.int64)

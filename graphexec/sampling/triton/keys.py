@@ -1,9 +1,9 @@
 """Order keys and fixed-point masses. A row's order is (value desc, token id asc):
 
-    okey(y)   int32 whose signed order is the float order (-0.0 folded into +0.0)
-    pack      (okey << 32) | (0xFFFFFFFF - id): distinct, larger where a token comes
-              earlier; a kept set is {pack >= C}, C its last element's pack
-    mass      trunc(exp(z) * 2**32), z <= 0, as int32 halves (exact 32-bit block sums)
+okey(y)   int32 whose signed order is the float order (-0.0 folded into +0.0)
+pack      (okey << 32) | (0xFFFFFFFF - id): distinct, larger where a token comes
+          earlier; a kept set is {pack >= C}, C its last element's pack
+mass      trunc(exp(z) * 2**32), z <= 0, as int32 halves (exact 32-bit block sums)
 """
 
 from __future__ import annotations

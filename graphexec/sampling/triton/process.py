@@ -39,9 +39,6 @@ TEMP, INV_TEMP, TOP_K, TOP_P, LOG_MIN_P, SEED, LP_PROC = (tl.constexpr(i) for i 
 EXTRA, S_EB, NEXTRA = (tl.constexpr(i) for i in range(31, 34))
 
 
-
-
-
 @triton.jit
 def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres):
     """Processed fp32 logit of one token (broadcasting tensors), as in the reference."""
