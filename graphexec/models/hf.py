@@ -109,6 +109,9 @@ class HFTransformer(SlotKVCache):
         max_seq_len: positions per slot; None = min(max_position_embeddings, 4096).
         attention: tiles and splits of the CUDA decode-attention kernel
             (`attention.AttentionConfig`); None = its default.
+        fused: decode's norms, rotary embeddings + cache writes and SwiGLU as the Triton
+            kernels of `fused` (True), or as their torch references (False); None = the
+            kernels on CUDA only. (True on the CPU needs TRITON_INTERPRET=1: for tests.)
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class HFTransformer(SlotKVCache):
         max_seq_len: int | None = None,
         progress: bool = False,
         attention: AttentionConfig | None = None,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(model_or_config, dict):
             cfg = dict(model_or_config)
@@ -158,6 +162,7 @@ class HFTransformer(SlotKVCache):
         self.windows = [w if w is not None and w < self.max_seq_len else None for w in windows]
         self.scale = hd**-0.5
         self.attention = attention
+        self.fused = fused
         bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
         tied = bool(cfg.get("tie_word_embeddings", False))
         self.inv_freq = _rope_inv_freq(cfg, hd)
@@ -218,6 +223,7 @@ class HFTransformer(SlotKVCache):
         dtype: torch.dtype | None = None,
         max_seq_len: int | None = None,
         attention: AttentionConfig | None = None,
+        fused: bool | None = None,
     ) -> HFTransformer:
         """From a checkpoint folder: config.json and model.safetensors (or shards listed in
         model.safetensors.index.json)."""
@@ -249,7 +255,7 @@ class HFTransformer(SlotKVCache):
                         state[k] = sf.get_tensor(k)
                         bar.update()
         return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                   attention=attention)  # fmt: skip
+                   attention=attention, fused=fused)  # fmt: skip
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
         d = torch.device(device)
@@ -268,10 +274,14 @@ class HFTransformer(SlotKVCache):
         self._sin = emb.sin().to(d, self.dtype)
         self._key_positions = torch.arange(self.max_seq_len, device=d)
         # imported here, not at the top: triton loads when a model binds, not on import
-        from graphexec.models import attention
+        from graphexec.models import attention, fused
 
         cuda = d.type == "cuda"
         self._attend = attention.decode_attention if cuda else attention.decode_attention_reference
+        kernels = cuda if self.fused is None else self.fused
+        ops = ("residual_rms_norm", "rope_kv_write", "silu_mul")
+        self._norm, self._rope_kv, self._silu_mul = (
+            getattr(fused, op if kernels else op + "_reference") for op in ops)  # fmt: skip
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers normalises in float32, then casts back before the weight
@@ -344,17 +354,26 @@ class HFTransformer(SlotKVCache):
     ) -> torch.Tensor:
         """One token per row; each layer writes its K/V at (slot, pos), then attends over
         the row's live keys only (`attention.decode_attention` on CUDA, the torch
-        reference elsewhere), within the layer's sliding window if it has one."""
+        reference elsewhere), within the layer's sliding window if it has one.
+
+        A layer is: norm (with the previous sublayer's residual add) -> q/k/v GEMM ->
+        rotary + cache write -> attention -> o GEMM -> norm (+ residual add) -> gate/up
+        GEMM -> silu * up -> down GEMM; the last residual add goes into the final norm
+        (`fused`: Triton kernels on CUDA, their torch references elsewhere)."""
         B, H, hd = input_ids.shape[0], self.heads, self.head_dim
         # a bad position never indexes out of the cache (the executor keeps them in range)
         pos = positions.clamp(0, self.max_seq_len - 1)
-        x = self.embed[input_ids]  # [B, D]
+        delta, res = self.embed[input_ids], None  # [B, D]: res = x, delta its next update
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, pos)
+            h, res = self._norm(delta, res, layer["ln1"], self.eps)
+            qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(
+                layer["qkv_bias"], h, layer["qkv"])  # fmt: skip
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-            kv_i[:, slot_ids, pos] = torch.stack([k, v])
-            a = self._attend(q.contiguous(), kv_i, slot_ids, pos, self.scale, self.windows[i],
+            q = self._rope_kv(qkv, pos, slot_ids, self._cos, self._sin, kv_i, H)
+            a = self._attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                              config=self.attention)  # fmt: skip
-            x = x + a.reshape(B, H * hd) @ layer["o"]
-            x = x + self._mlp(layer, x)
-        return self._head(x)
+            delta = a.reshape(B, H * hd) @ layer["o"]
+            h, res = self._norm(delta, res, layer["ln2"], self.eps)
+            delta = self._silu_mul(h @ layer["gate_up"]) @ layer["down"]
+        h, _ = self._norm(delta, res, self.norm, self.eps)
+        return (h @ self.lm_head.T).float()

@@ -1,0 +1,314 @@
+"""Fused elementwise kernels of `HFTransformer.decode`: fewer, larger launches per layer.
+
+A decode step at small batch is bound by kernel launches, not by bytes: the torch path
+launches ~35 small kernels a layer for its norms, rotary embeddings, cache writes,
+residual adds and SwiGLU. Three Triton kernels replace them:
+
+    _residual_rms_norm_kernel  grid (N,): new_residual = x + residual (rounded to the
+        dtype), then weight * rms_norm(new_residual) -- the residual add of the previous
+        sublayer fused into the next norm.
+    _rope_kv_write_kernel      grid (B,): the fused q/k/v projection of one row: rotates
+        q and k, writes q to an output buffer and k, v into the cache at (slot, pos).
+    _silu_mul_kernel           grid (N, I / block): silu(gate) * up.
+
+Each has a torch reference with the same signature (`*_reference`): the computation the
+torch path does, op for op, and the CPU route. The kernels round as those torch ops do:
+low-precision inputs are widened to float32, and each op's result is rounded to the
+dtype where torch rounds it (torch computes a bf16 / fp16 elementwise op in float32 and
+rounds its result). So the residual add, the rotary embedding and the cache write are
+bitwise the reference's; the norm's 1 / rms and silu's exp are float32 functions whose
+last bit may differ from torch's, so those two may differ by one unit in the last place
+of the dtype where the float32 value lies near a rounding boundary.
+
+Every launch has a grid and outputs fixed by shapes alone, no host sync and no branch on
+tensor values: capturable in a CUDA graph. A row's result depends on that row only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Launch settings of the fused kernels; none changes what they compute.
+
+    norm_warps, rope_warps, silu_warps: warps per program of each kernel.
+    silu_block: columns of the [N, I] output per silu_mul program (a power of two).
+    """
+
+    norm_warps: int = 4
+    rope_warps: int = 4
+    silu_warps: int = 4
+    silu_block: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.silu_block < 16 or self.silu_block & (self.silu_block - 1):
+            raise ValueError(f"FusedConfig.silu_block must be a power of two >= 16, got "
+                             f"{self.silu_block}")  # fmt: skip
+        for name in ("norm_warps", "rope_warps", "silu_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FusedConfig.{name} must be positive")
+
+
+DEFAULT = FusedConfig()
+
+
+@triton.jit
+def _rounded(x, DT: tl.constexpr):
+    """float32 x rounded to DT (to nearest, ties to even, as torch rounds), as float32.
+    bf16 by integer arithmetic: the same bits compiled and under the interpreter (whose
+    float32 -> bf16 cast truncates)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        y = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _residual_rms_norm_kernel(
+    X,  # [N, D] dtype (row stride sx, last dim contiguous)
+    RES,  # [N, D] dtype (row stride sr); read only with HAS_RES
+    W,  # [D] dtype
+    OUT,  # [N, D] dtype contiguous: the normed rows
+    RES_OUT,  # [N, D] dtype contiguous: x + residual; written only with HAS_RES
+    sx, sr, D, eps,
+    BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    dt = OUT.dtype.element_ty
+    x = tl.load(X + row * sx + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # the add in float32, rounded to the dtype (torch's x + residual)
+        r = tl.load(RES + row * sr + d, mask=mask, other=0.0).to(tl.float32)
+        x = _rounded(r + x, dt)
+        tl.store(RES_OUT + row * D + d, x.to(dt), mask=mask)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    n = _rounded(x * rstd, dt)  # normalised in float32, cast back, then * weight
+    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * D + d, _rounded(w * n, dt).to(dt), mask=mask)
+
+
+def _norm_args(x, residual, weight) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"residual_rms_norm takes x [N, D] and weight [D], got "
+                         f"{list(x.shape)} and {list(weight.shape)}")  # fmt: skip
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {list(residual.shape)} must match x {list(x.shape)}")
+    if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        raise ValueError("x, residual and weight must have one dtype")
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    config: FusedConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual): new_residual = residual + x in x's dtype (x itself when
+    residual is None), normed = weight * rms_norm(new_residual.float()).to(dtype), each
+    [N, D]. One program per row, float32 sum of squares (Triton)."""
+    _norm_args(x, residual, weight)
+    cfg = config or DEFAULT
+    N, D = x.shape
+    out = torch.empty((N, D), dtype=x.dtype, device=x.device)
+    new = x if residual is None else torch.empty_like(out)
+    if N == 0:
+        return out, new
+    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("residual_rms_norm needs x and residual contiguous in their last dim")
+    res = x if residual is None else residual
+    _residual_rms_norm_kernel[(N,)](
+        x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
+        BLOCK_D=triton.next_power_of_2(D), HAS_RES=residual is not None,
+        num_warps=cfg.norm_warps,
+    )  # fmt: skip
+    return out, new
+
+
+def residual_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    config: FusedConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual_rms_norm` in torch, as transformers computes it (`config` unused)."""
+    _norm_args(x, residual, weight)
+    new = x if residual is None else residual + x
+    normed = F.rms_norm(new.float(), (x.shape[1],), eps=eps).to(x.dtype)
+    return weight * normed, new
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    QKV,  # [B, (H + 2 KV) * HD] dtype (row stride s_qkv, last dim contiguous): q | k | v
+    POS,  # [B] int: positions, clamped into [0, T - 1] here
+    SLOT,  # [B] int: cache rows
+    COS,  # [T, HD] dtype contiguous
+    SIN,  # [T, HD] dtype contiguous
+    KV,  # [2, S, T, KV_HEADS, HD] dtype (strides s_kv, s_s, s_t, s_h, 1)
+    Q,  # [B, H, HD] dtype contiguous: the rotated queries
+    s_qkv, s_kv, s_s, s_t, s_h, T,
+    H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,
+    NH_PAD: tl.constexpr, HD_PAD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(tl.load(POS + b).to(tl.int64), 0), T - 1)
+    slot = tl.load(SLOT + b).to(tl.int64)
+    j = tl.arange(0, NH_PAD)[:, None]  # head of the fused projection: q, then k, then v
+    d = tl.arange(0, HD_PAD)[None, :]
+    dmask = d < HD
+    mask = (j < H + 2 * KV_HEADS) & dmask
+    row = QKV + b * s_qkv + j * HD
+    x = tl.load(row + d, mask=mask, other=0.0).to(tl.float32)
+    lower = d < HD // 2
+    partner = tl.where(lower, d + HD // 2, d - HD // 2)  # rotate_half: [-x2, x1]
+    xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+    rot = tl.where(lower, -xp, xp)
+    c = tl.load(COS + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
+    dt = Q.dtype.element_ty
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them
+    y = _rounded(_rounded(x * c, dt) + _rounded(rot * s, dt), dt).to(dt)
+    is_v = j >= H + KV_HEADS
+    y = tl.where(is_v, x.to(dt), y)  # v is written as it is
+    tl.store(Q + (b * H + j) * HD + d, y, mask=mask & (j < H))
+    head = tl.where(is_v, j - H - KV_HEADS, j - H).to(tl.int64)
+    dst = KV + is_v.to(tl.int64) * s_kv + slot * s_s + pos * s_t + head * s_h + d
+    tl.store(dst, y, mask=mask & (j >= H))
+
+
+def _rope_args(qkv, positions, slot_ids, cos, sin, kv, heads) -> None:
+    if kv.dim() != 5 or kv.shape[0] != 2 or qkv.dim() != 2:
+        raise ValueError(f"rope_kv_write takes qkv [B, (H + 2 KV) * hd] and kv [2, S, T, KV, "
+                         f"hd], got {list(qkv.shape)} and {list(kv.shape)}")  # fmt: skip
+    B, (T, KVH, hd) = qkv.shape[0], kv.shape[2:]
+    if qkv.shape[1] != (heads + 2 * KVH) * hd or hd % 2:
+        raise ValueError(f"qkv {list(qkv.shape)} does not hold {heads} q and {KVH} k, v heads "
+                         f"of even head_dim {hd}")  # fmt: skip
+    if cos.shape != (T, hd) or sin.shape != (T, hd):
+        raise ValueError(f"cos and sin must be [{T}, {hd}], got {list(cos.shape)}")
+    if len({qkv.dtype, cos.dtype, sin.dtype, kv.dtype}) != 1:
+        raise ValueError("qkv, cos, sin and kv must have one dtype")
+    if tuple(positions.shape) != (B,) or tuple(slot_ids.shape) != (B,):
+        raise ValueError(f"positions and slot_ids must be [{B}]")
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    heads: int,
+    *,
+    config: FusedConfig | None = None,
+) -> torch.Tensor:
+    """Rotary embeddings and the cache write of one decode token per row (Triton).
+
+    qkv [B, (H + 2 KV) * hd]: the fused projection (bias added); positions, slot_ids [B]
+    int (positions clamped into [0, T - 1]); cos, sin [T, hd] tables in the dtype; kv
+    [2, S, T, KV, hd] one layer's cache. Writes rotated k to kv[0, slot, pos] and v to
+    kv[1, slot, pos]; returns rotated q [B, H, hd]. Rows sharing a slot must differ in
+    position (two writes to one cache entry race, as with torch's index_put)."""
+    _rope_args(qkv, positions, slot_ids, cos, sin, kv, heads)
+    cfg = config or DEFAULT
+    B, (T, KVH, hd) = qkv.shape[0], kv.shape[2:]
+    q = torch.empty((B, heads, hd), dtype=qkv.dtype, device=qkv.device)
+    if B == 0:
+        return q
+    if qkv.stride(1) != 1 or kv.stride(4) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_kv_write needs qkv and kv contiguous in their last dim, cos "
+                         "and sin contiguous")  # fmt: skip
+    _rope_kv_write_kernel[(B,)](
+        qkv, positions, slot_ids, cos, sin, kv, q,
+        qkv.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), T,
+        H=heads, KV_HEADS=KVH, HD=hd, NH_PAD=triton.next_power_of_2(heads + 2 * KVH),
+        HD_PAD=triton.next_power_of_2(hd), num_warps=cfg.rope_warps,
+    )  # fmt: skip
+    return q
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd] * cos + rotate_half(x) * sin, cos and sin [N, 1, hd]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def rope_kv_write_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    heads: int,
+    *,
+    config: FusedConfig | None = None,
+) -> torch.Tensor:
+    """`rope_kv_write` in torch (`config` unused): gathers, `rotate`, an index_put."""
+    _rope_args(qkv, positions, slot_ids, cos, sin, kv, heads)
+    B, (T, KVH, hd) = qkv.shape[0], kv.shape[2:]
+    pos = positions.clamp(0, T - 1)
+    q, k, v = qkv.split((heads * hd, KVH * hd, KVH * hd), dim=-1)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    q, k = rotate(q.view(B, heads, hd), c, s), rotate(k.view(B, KVH, hd), c, s)
+    kv[:, slot_ids, pos] = torch.stack([k, v.reshape(B, KVH, hd)])
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(
+    GU,  # [N, 2 I] dtype (row stride s_gu, last dim contiguous): gate | up
+    OUT,  # [N, I] dtype contiguous
+    s_gu, inter,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < inter
+    dt = OUT.dtype.element_ty
+    g = tl.load(GU + row * s_gu + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * s_gu + inter + c, mask=mask, other=0.0).to(tl.float32)
+    a = _rounded(g / (1.0 + tl.exp(-g)), dt)  # F.silu: float32, then rounded
+    tl.store(OUT + row * inter + c, _rounded(a * u, dt).to(dt), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, *, config: FusedConfig | None = None) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2 I] (gate first), [N, I] in its dtype (Triton)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes gate_up [N, 2 I], got {list(gate_up.shape)}")
+    cfg = config or DEFAULT
+    N, I2 = gate_up.shape
+    out = torch.empty((N, I2 // 2), dtype=gate_up.dtype, device=gate_up.device)
+    if N == 0 or I2 == 0:
+        return out
+    if gate_up.stride(1) != 1:
+        raise ValueError("silu_mul needs gate_up contiguous in its last dim")
+    block = min(cfg.silu_block, triton.next_power_of_2(I2 // 2))
+    _silu_mul_kernel[(N, triton.cdiv(I2 // 2, block))](
+        gate_up, out, gate_up.stride(0), I2 // 2, BLOCK=block, num_warps=cfg.silu_warps
+    )
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor, *, config: FusedConfig | None = None) -> torch.Tensor:
+    """`silu_mul` in torch (`config` unused)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul takes gate_up [N, 2 I], got {list(gate_up.shape)}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
