@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphexec.models.protocol import PrefillBatch, SlotKVCache
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # attention imports triton: only when a model binds
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}  # fmt: skip
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -283,36 +285,10 @@ class HFTransformer(SlotKVCache):
         self._norm, self._rope_kv, self._silu_mul = (
             getattr(fused, op if kernels else op + "_reference") for op in ops)  # fmt: skip
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers normalises in float32, then casts back before the weight
-        return weight * F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(self.dtype)
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, hd] at positions pos [N]."""
-        cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-    def _qkv(self, layer: dict, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Normed, projected, rotated q [N, H, hd], k and v [N, KV, hd]."""
-        h = self._rms(x, layer["ln1"])
-        qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(
-            layer["qkv_bias"], h, layer["qkv"])  # fmt: skip
-        hd, H, KV = self.head_dim, self.heads, self.kv_heads
-        q, k, v = qkv.split((H * hd, KV * hd, KV * hd), dim=-1)
-        q, k = self._rope(q.view(-1, H, hd), pos), self._rope(k.view(-1, KV, hd), pos)
-        return q, k, v.reshape(-1, KV, hd)
-
-    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (self._rms(x, layer["ln2"]) @ layer["gate_up"]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ layer["down"]
-
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._rms(x, self.norm) @ self.lm_head.T).float()
-
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
-        projections over all N tokens at once; each layer writes every token's K/V, then
+        projections over all N tokens at once (the same norm, rotary + cache write and
+        silu kernels as `decode`); each layer writes every token's K/V, then
         attends as a padded batch [R, Lmax] over its slot's cache rows [R, C] (C = the
         furthest position written), masked causally (and by the layer's sliding window),
         so chunks see earlier chunks."""
@@ -330,24 +306,33 @@ class HFTransformer(SlotKVCache):
                  for w in set(self.windows) - {None}}  # fmt: skip
         masks[None] = causal
         qrows = batch.padded_tokens.view(-1)
-        x = self.embed.index_select(0, batch.token_ids)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, pos)
-            kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-            kv_i[:, slots, pos] = torch.stack([k, v])
-            if i == self.num_layers - 1 and rows is None:
-                return None  # the last layer's K/V is all that is kept
-            q = q.index_select(0, qrows).view(R, Lmax, H, hd).transpose(1, 2)
-            keys, vals = kv_i[:, :, :C].index_select(1, batch.slot_ids).transpose(2, 3)
-            g = H // KV  # grouped-query: each KV head serves g query heads
-            keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
-            a = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[self.windows[i]])
-            a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
-            x = x + a @ layer["o"]
-            x = x + self._mlp(layer, x)
+        delta, res = self.embed.index_select(0, batch.token_ids), None
+        # cuDNN's SDPA builds a plan per new shape (~50 ms each on an H200), and chunked
+        # prefill keeps making new (Lmax, C): the other backends have no per-shape setup
+        with sdpa_kernel(PREFILL_SDPA):
+            for i, layer in enumerate(self.layers):
+                h, res = self._norm(delta, res, layer["ln1"], self.eps)
+                qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(
+                    layer["qkv_bias"], h, layer["qkv"])  # fmt: skip
+                kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
+                q = self._rope_kv(qkv, pos, slots, self._cos, self._sin, kv_i, H)  # [N, H, hd]
+                if i == self.num_layers - 1 and rows is None:
+                    return None  # the last layer's K/V is all that is kept
+                q = q.index_select(0, qrows).view(R, Lmax, H, hd).transpose(1, 2)
+                keys, vals = kv_i[:, :, :C].index_select(1, batch.slot_ids).transpose(2, 3)
+                g = H // KV  # grouped-query: each KV head serves g query heads
+                keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)
+                a = F.scaled_dot_product_attention(q, keys, vals,
+                                                   attn_mask=masks[self.windows[i]])  # fmt: skip
+                a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
+                delta = a @ layer["o"]
+                h, res = self._norm(delta, res, layer["ln2"], self.eps)
+                delta = self._silu_mul(h @ layer["gate_up"]) @ layer["down"]
         if rows is None:
             return None
-        return self._head(x.index_select(0, rows))
+        h, _ = self._norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
+                          self.eps)  # fmt: skip
+        return (h @ self.lm_head.T).float()
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
