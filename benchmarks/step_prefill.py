@@ -27,22 +27,25 @@ import graphexec as gx
 P = gx.SamplingParams
 
 
-def _gaps(ex, streams: list[str], steps: int, arrive, every: int) -> tuple[list[float], int]:
+def _gaps(ex, streams: list[str], steps: int, arrive, every: int) -> tuple[list, list, int]:
     """`steps` steps; `arrive(i)` before step i when every > 0 and i % every == 0. Returns
-    the running streams' inter-token gaps (s) and the prompt tokens admitted."""
+    the running streams' inter-token gaps (s), each step's wall time (s) and the prompt
+    tokens admitted."""
+    gc.collect()  # before the clock starts: a collection is no gap of the executor's
     last = dict.fromkeys(streams, time.perf_counter())
-    gaps, admitted = [], 0
-    gc.collect()
+    gaps, walls, admitted = [], [], 0
     for i in range(steps):
         if every and i % every == 0:
             admitted += arrive(i)
+        t0 = time.perf_counter()
         outs = ex.step()
         now = time.perf_counter()
+        walls.append(now - t0)
         for o in outs:
             if o.request_id in last and o.token_id is not None:
                 gaps.append(now - last[o.request_id])
                 last[o.request_id] = now
-    return gaps, admitted
+    return gaps, walls, admitted
 
 
 def measure_budget(ex, budget: int, streams: int, prompt_len: int, every: int, steps: int,
@@ -69,17 +72,19 @@ def measure_budget(ex, budget: int, streams: int, prompt_len: int, every: int, s
         n += 1
         return prompt_len
 
-    steady, _ = _gaps(ex, ids, steps, arrive, 0)
-    busy, admitted = _gaps(ex, ids, steps, arrive, every)
+    steady, _, _ = _gaps(ex, ids, steps, arrive, 0)
+    busy, walls, admitted = _gaps(ex, ids, steps, arrive, every)
     for rid in ids:
         ex.abort(rid)
     while not ex.idle:
         ex.step()
     step = statistics.median(steady)
+    slowest = np.argsort(walls)[-5:][::-1].tolist()  # step indices (arrivals at i % every == 0)
     return dict(budget=budget, steady_step_us=step * 1e6,
                 gap_max_us=max(busy) * 1e6, gap_p99_us=float(np.percentile(busy, 99)) * 1e6,
                 gap_mean_us=statistics.fmean(busy) * 1e6, worst_over_step=max(busy) / step,
-                prompts=n, prompt_tokens=admitted)  # fmt: skip
+                prompts=n, prompt_tokens=admitted,
+                slowest_steps=[(i, round(walls[i] * 1e6)) for i in slowest])  # fmt: skip
 
 
 def prefill_section(ex, budgets=(256, 1024, 4096), streams: int = 32, prompt_len: int = 3000,
@@ -94,7 +99,8 @@ def prefill_section(ex, budgets=(256, 1024, 4096), streams: int = 32, prompt_len
         rows.append(r)
         print(f"prefill budget {b:5d}: worst gap {r['gap_max_us']:9.0f} us, p99 "
               f"{r['gap_p99_us']:9.0f} us, steady step {r['steady_step_us']:7.0f} us "
-              f"({r['worst_over_step']:.1f}x)", flush=True)  # fmt: skip
+              f"({r['worst_over_step']:.1f}x); slowest steps (index, us) "
+              f"{r['slowest_steps']}", flush=True)  # fmt: skip
     return dict(streams=streams, prompt_len=prompt_len, every=every, steps=steps, rows=rows)
 
 
