@@ -284,6 +284,10 @@ class HFTransformer(SlotKVCache):
         ops = ("residual_rms_norm", "rope_kv_write", "silu_mul")
         self._norm, self._rope_kv, self._silu_mul = (
             getattr(fused, op if kernels else op + "_reference") for op in ops)  # fmt: skip
+        # prefill route: on CUDA every prompt token is a row of the decode forward (the
+        # attention kernel reads only keys 0..pos of its slot); elsewhere a padded SDPA,
+        # as the reference attention would gather a whole cache row per token
+        self.prefill_rows = cuda
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
@@ -295,6 +299,9 @@ class HFTransformer(SlotKVCache):
         if self.kv_cache is None:
             raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
         batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
+        if self.prefill_rows:
+            return self._forward(batch.token_ids, batch.positions, batch.token_slots,
+                                 batch.logit_rows, prefill=True)  # fmt: skip
         R, Lmax = batch.padded_tokens.shape
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
@@ -345,6 +352,15 @@ class HFTransformer(SlotKVCache):
         rotary + cache write -> attention -> o GEMM -> norm (+ residual add) -> gate/up
         GEMM -> silu * up -> down GEMM; the last residual add goes into the final norm
         (`fused`: Triton kernels on CUDA, their torch references elsewhere)."""
+        return self._forward(input_ids, positions, slot_ids)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                 prefill: bool = False) -> torch.Tensor | None:  # fmt: skip
+        """`decode` over N token rows; logits [M, V] of `rows` (all rows when None, unless
+        `prefill`: then None, and the last layer stops after its cache write). Every
+        layer writes all rows' K/V before any attends, so prompt tokens of one slot
+        (a prefill segment) see each other causally."""
         B, H, hd = input_ids.shape[0], self.heads, self.head_dim
         # a bad position never indexes out of the cache (the executor keeps them in range)
         pos = positions.clamp(0, self.max_seq_len - 1)
@@ -355,10 +371,16 @@ class HFTransformer(SlotKVCache):
                 layer["qkv_bias"], h, layer["qkv"])  # fmt: skip
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
             q = self._rope_kv(qkv, pos, slot_ids, self._cos, self._sin, kv_i, H)
+            if prefill and rows is None and i == self.num_layers - 1:
+                return None  # the last layer's K/V is all that is kept
             a = self._attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                              config=self.attention)  # fmt: skip
             delta = a.reshape(B, H * hd) @ layer["o"]
             h, res = self._norm(delta, res, layer["ln2"], self.eps)
             delta = self._silu_mul(h @ layer["gate_up"]) @ layer["down"]
+        if rows is not None:
+            delta, res = delta.index_select(0, rows), res.index_select(0, rows)
+        elif prefill:
+            return None
         h, _ = self._norm(delta, res, self.norm, self.eps)
         return (h @ self.lm_head.T).float()

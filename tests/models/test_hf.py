@@ -41,8 +41,9 @@ def reference(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["padded", "token_rows"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_prefill_and_decode_match_transformers(kind, tmp_path) -> None:
+def test_prefill_and_decode_match_transformers(kind, rows, tmp_path) -> None:
     ref = make(kind)
     shard = {"max_shard_size": "50KB"} if kind == "mistral" else {}
     ref.save_pretrained(tmp_path, safe_serialization=True, **shard)
@@ -51,6 +52,7 @@ def test_prefill_and_decode_match_transformers(kind, tmp_path) -> None:
     m = HFTransformer.from_pretrained(tmp_path, max_seq_len=64)
     assert m.vocab_size == 300 and m.max_seq_len == 64
     m.bind(3, "cpu")
+    m.prefill_rows = rows  # both prefill routes (CUDA takes token rows)
     ids = PROMPTS[0] + [11, 12, 13]
     want = reference(ref, ids)
     n = len(PROMPTS[0])
@@ -111,13 +113,15 @@ def windowed(kind: str):
     return model.eval()
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["padded", "token_rows"])
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
-def test_sliding_window_matches_transformers(kind, tmp_path) -> None:
+def test_sliding_window_matches_transformers(kind, rows, tmp_path) -> None:
     ref = windowed(kind)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     m = HFTransformer.from_pretrained(tmp_path, max_seq_len=64)
     assert m.windows == ([4, 4] if kind == "mistral" else [None, 3])
     m.bind(3, "cpu")
+    m.prefill_rows = rows
     prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9]  # longer than the window
     ids = prompt + [11, 12, 13, 14, 15, 16]  # decode well past it
     want = reference(ref, ids)
@@ -155,14 +159,17 @@ def test_sliding_window_config() -> None:
 
 @pytest.mark.gpu
 def test_cuda_decode_matches_cpu() -> None:
-    """The Triton decode attention (CUDA) against the CPU route, fp32, with a window."""
+    """The Triton decode attention and the token-row prefill (CUDA) against the CPU
+    route, fp32, with a window."""
     ref = windowed("mistral")
     cpu, gpu = HFTransformer(ref, max_seq_len=64), HFTransformer(ref, max_seq_len=64)
     cpu.bind(3, "cpu")
     gpu.bind(3, "cuda")
     prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9]
+    assert gpu.prefill_rows and not cpu.prefill_rows
+    pre = [m.prefill(0, torch.tensor(prompt), all_logits=True) for m in (cpu, gpu)]
+    torch.testing.assert_close(pre[1].cpu(), pre[0], **TOL)
     for m in (cpu, gpu):
-        m.prefill(0, torch.tensor(prompt))
         m.prefill(1, torch.tensor(prompt[:5]))
     for t in range(6):
         args = (torch.tensor([t + 1, t + 2]), torch.tensor([9 + t, 5 + t]), torch.tensor([0, 1]))
