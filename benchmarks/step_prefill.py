@@ -1,10 +1,12 @@
 """The long-prompt scenario of `bench_step.py` (issue "Real models", item 3): how long
 running streams wait while long prompts arrive, at several prefill budgets.
 
-`streams` requests decode without end; after a steady stretch (`steps` timed steps,
-nobody arriving), a prompt of `prompt_len` tokens arrives every `every` steps (it asks
-for 2 tokens, so it leaves soon) for another `steps` steps. A running stream's gap is the
-time between the returns of the steps that carried two of its consecutive tokens. The
+`streams` requests decode without end; after one long prompt has gone through (the
+warm-up: kernels compile, prefill graphs are captured) and a steady stretch (`steps`
+timed steps, nobody arriving), a prompt of `prompt_len` tokens arrives every `every`
+steps (it asks for 2 tokens, so it leaves soon) for another `steps` steps. A running
+stream's gap is the time between the returns of the steps that carried two of its
+consecutive tokens. The
 executor prefills admitted prompts behind the step's decode, cut to `prefill_budget`
 tokens a step, so the worst gap should grow with the budget, not with the prompt: that
 is what the rows show, one per budget (the same executor, its Prefiller's budget set).
@@ -72,6 +74,13 @@ def measure_budget(ex, budget: int, streams: int, prompt_len: int, every: int, s
         n += 1
         return prompt_len
 
+    # warm-up: one long prompt through all its chunks (what a server does once at start:
+    # kernels compile, a model's prefill graphs are captured), then the measured runs
+    warm = f"long{n}"
+    arrive(-1)
+    for _ in range(4 * (prompt_len // budget + 2)):
+        if any(o.request_id == warm and o.finished for o in ex.step()):
+            break
     steady, _, _ = _gaps(ex, ids, steps, arrive, 0)
     busy, walls, admitted = _gaps(ex, ids, steps, arrive, every)
     for rid in ids:

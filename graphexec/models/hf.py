@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from graphexec.models.prefill_graphs import PrefillGraphs
 from graphexec.models.protocol import PrefillBatch, SlotKVCache
 
 if TYPE_CHECKING:  # attention imports triton: only when a model binds
@@ -288,6 +290,9 @@ class HFTransformer(SlotKVCache):
         # attention kernel reads only keys 0..pos of its slot); elsewhere a padded SDPA,
         # as the reference attention would gather a whole cache row per token
         self.prefill_rows = cuda
+        # ... replayed from CUDA graphs per token bucket (prefill_graphs.py), so a chunk
+        # costs the host microseconds instead of ~240 kernel launches
+        self.prefill_graphs = PrefillGraphs(self._forward, num_slots - 1, d) if cuda else None
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
@@ -300,8 +305,8 @@ class HFTransformer(SlotKVCache):
             raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
         batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
         if self.prefill_rows:
-            return self._forward(batch.token_ids, batch.positions, batch.token_slots,
-                                 batch.logit_rows, prefill=True)  # fmt: skip
+            run = self.prefill_graphs or partial(self._forward, prefill=True)
+            return run(batch.token_ids, batch.positions, batch.token_slots, batch.logit_rows)
         R, Lmax = batch.padded_tokens.shape
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
