@@ -128,7 +128,7 @@ def run_bench(tmp_path, *extra: str) -> tuple[dict, str]:
     p = tmp_path / "tiny-qwen.json"
     p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))
     bench_step.main(["--device", "cpu", "--model", str(p), "--batches", "1", "2", "--steps",
-                     "3", "--max-seq-len", "96", "--hf-tokens", "2", "5", "--hf-reps", "1",
+                     "3", "--max-seq-len", "96", "--hf-tokens", "2", "16", "--hf-reps", "1",
                      "--out", str(tmp_path), *extra])  # fmt: skip
     (path,) = tmp_path.glob("step-model-tiny-qwen-cpu-*.json")
     return json.loads(path.read_text()), path
@@ -203,7 +203,7 @@ def test_model_bench_reads_a_checkpoint_folder(tmp_path, one_thread):
     ref.save_pretrained(tmp_path / "ckpt")
     ckpt = str(tmp_path / "ckpt")
     bench_step.main(["--device", "cpu", "--model", ckpt, "--batches", "1", "--steps", "2",
-                     "--max-seq-len", "80", "--hf-modes", "eager", "--hf-tokens", "1", "3",
+                     "--max-seq-len", "80", "--hf-modes", "eager", "--hf-tokens", "2", "16",
                      "--hf-reps", "1", "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("step-model-ckpt-cpu-*.json")
     result = json.loads(path.read_text())
@@ -224,7 +224,7 @@ def test_a_failing_batch_keeps_the_others(tmp_path, one_thread):
     p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))
     args = bench_step.parse_args(["--device", "cpu", "--model", str(p), "--batches", "2", "1",
                                   "--steps", "2", "--max-seq-len", "64", "--hf-modes", "eager",
-                                  "--hf-tokens", "1", "2", "--hf-reps", "1",
+                                  "--hf-tokens", "2", "16", "--hf-reps", "1",
                                   "--out", str(tmp_path)])  # fmt: skip
     _, result = step_model.run(args, measure, bench_step.header("cpu"))
     bad, good = result["rows"]

@@ -100,6 +100,34 @@ def _model_type(cfg: dict[str, Any]) -> str:
                      f"HFTransformer supports {sorted(ARCHITECTURES)}")  # fmt: skip
 
 
+def param_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """transformers' parameter names and shapes for a Llama / Qwen2 / Mistral config (the
+    tied lm_head left out, as `HFTransformer` expects)."""
+    qwen2 = _model_type(config) == "qwen2"  # Qwen2 has q/k/v biases without saying so
+    D, H = int(config["hidden_size"]), int(config["num_attention_heads"])
+    KV = int(config.get("num_key_value_heads") or H)
+    hd = int(config.get("head_dim") or D // H)
+    V, inter = int(config["vocab_size"]), int(config["intermediate_size"])
+    bias = bool(config.get("attention_bias", qwen2))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D)}
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        for name, n in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
+            shapes[f"{p}self_attn.{name}_proj.weight"] = (n, D)
+            if bias:
+                shapes[f"{p}self_attn.{name}_proj.bias"] = (n,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (D, H * hd)
+        shapes[f"{p}mlp.gate_proj.weight"] = (inter, D)
+        shapes[f"{p}mlp.up_proj.weight"] = (inter, D)
+        shapes[f"{p}mlp.down_proj.weight"] = (D, inter)
+        shapes[f"{p}input_layernorm.weight"] = (D,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (D,)
+    shapes["model.norm.weight"] = (D,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
 class HFTransformer(SlotKVCache):
     """A Llama-family decoder with a static KV cache [layers, 2, slots, T, kv_heads, hd].
 
@@ -167,26 +195,10 @@ class HFTransformer(SlotKVCache):
         self.scale = hd**-0.5
         self.attention = attention
         self.fused = fused
-        bias = bool(cfg.get("attention_bias", self.model_type == "qwen2"))
         tied = bool(cfg.get("tie_word_embeddings", False))
         self.inv_freq = _rope_inv_freq(cfg, hd)
-        inter = int(cfg["intermediate_size"])
-        V = self.vocab_size
-        shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-        if not tied:
-            shapes["lm_head.weight"] = (V, D)
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            for name, n in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
-                shapes[f"{p}self_attn.{name}_proj.weight"] = (n, D)
-                if bias:
-                    shapes[f"{p}self_attn.{name}_proj.bias"] = (n,)
-            shapes[f"{p}self_attn.o_proj.weight"] = (D, H * hd)
-            shapes[f"{p}mlp.gate_proj.weight"] = (inter, D)
-            shapes[f"{p}mlp.up_proj.weight"] = (inter, D)
-            shapes[f"{p}mlp.down_proj.weight"] = (D, inter)
-            shapes[f"{p}input_layernorm.weight"] = (D,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (D,)
+        shapes = param_shapes(cfg)
+        bias = "model.layers.0.self_attn.q_proj.bias" in shapes
         dev = torch.device(device) if device is not None else torch.device("cpu")
         w: dict[str, torch.Tensor] = {}
         for name, shape in shapes.items():

@@ -14,37 +14,9 @@ from typing import Any
 
 import torch
 
-from graphexec.models.hf import HFTransformer
+from graphexec.models.hf import HFTransformer, param_shapes
 
-
-def param_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """transformers' parameter names and shapes for a Llama / Qwen2 / Mistral config (the
-    tied lm_head left out, as `HFTransformer` expects)."""
-    qwen2 = config.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in (
-        config.get("architectures") or ()
-    )  # Qwen2 has q/k/v biases without saying so
-    D, H = int(config["hidden_size"]), int(config["num_attention_heads"])
-    KV = int(config.get("num_key_value_heads") or H)
-    hd = int(config.get("head_dim") or D // H)
-    V, inter = int(config["vocab_size"]), int(config["intermediate_size"])
-    bias = bool(config.get("attention_bias", qwen2))
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D)}
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        for name, n in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
-            shapes[f"{p}self_attn.{name}_proj.weight"] = (n, D)
-            if bias:
-                shapes[f"{p}self_attn.{name}_proj.bias"] = (n,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (D, H * hd)
-        shapes[f"{p}mlp.gate_proj.weight"] = (inter, D)
-        shapes[f"{p}mlp.up_proj.weight"] = (inter, D)
-        shapes[f"{p}mlp.down_proj.weight"] = (D, inter)
-        shapes[f"{p}input_layernorm.weight"] = (D,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (D,)
-    shapes["model.norm.weight"] = (D,)
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (V, D)
-    return shapes
+__all__ = ["param_shapes", "random_model", "random_state_dict"]
 
 
 def random_state_dict(
