@@ -51,6 +51,7 @@ import os
 import statistics
 import time
 
+import plot_step
 import step_model
 import torch
 import triton
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.scenario == "prefill":
         path, result = run_prefill(args)
         print(f"wrote {path}")
+        plot_step.plot(path)
         print(prefill_markdown(result["prefill"]))
         return
     if args.model is not None:
@@ -288,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--model runs the steady or the prefill scenario only")
         path, result = step_model.run(args, measure, result)
         print(f"wrote {path}")
+        plot_step.plot(path)
         print(step_model.markdown(result))
         return
     if args.scenario != "churn":
