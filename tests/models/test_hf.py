@@ -198,3 +198,30 @@ def test_bad_folders_and_weights_are_named(tmp_path) -> None:
         HFTransformer(cfg, bad)
     with pytest.raises(ValueError, match="rope_scaling"):
         HFTransformer(dict(cfg, rope_parameters={"rope_type": "yarn", "factor": 2.0}), sd)
+
+
+def test_seeded_sampling_is_independent_of_the_batch() -> None:
+    """A seeded request's sampled tokens are the same alone, beside others, at another row
+    (fp32: the logits may move in their last bits with the batch, never a token here)."""
+    ref = make("qwen2")
+    probe = gx.SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=8, logprobs=2)
+
+    def run(before: int, after: int) -> list[gx.RequestOutput]:
+        ex = gx.DecodeExecutor(HFTransformer(ref, max_seq_len=64), max_batch_size=8,
+                               device="cpu", seed=0)  # fmt: skip
+        for i in range(before):
+            ex.add_request(f"a{i}", [i + 1, 2], gx.SamplingParams(seed=i, max_tokens=3 + i))
+        ex.add_request("probe", PROMPTS[0], probe)
+        for i in range(after):
+            ex.add_request(f"b{i}", [7, i], gx.SamplingParams(temperature=0.0, max_tokens=9))
+        outs = []
+        while not ex.idle:
+            outs += [o for o in ex.step() if o.request_id == "probe"]
+        return outs
+
+    alone = run(0, 0)
+    assert len(alone) == 8
+    for before, after in [(1, 0), (3, 4)]:
+        got = run(before, after)
+        assert [o.token_id for o in got] == [o.token_id for o in alone]
+        assert [o.logprob for o in got] == pytest.approx([o.logprob for o in alone], rel=1e-5)
