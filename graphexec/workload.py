@@ -124,6 +124,13 @@ def run(ex, items: list[WorkItem], mode: str | None = None, max_steps: int = 100
     return trace
 
 
+def replay_and_eager(ex, items: list[WorkItem]) -> tuple[Trace, Trace]:
+    """`items` run as the executor chooses (replay where captured), then again eagerly
+    with the seeds the first run reported: the two traces a determinism check compares."""
+    replayed = run(ex, items)
+    return replayed, run(ex, with_reported_seeds(items, replayed), mode="eager")
+
+
 def with_reported_seeds(items: list[WorkItem], trace: Trace) -> list[WorkItem]:
     """The same items, each with the seed `trace` reports for it (the executor draws one
     for unseeded requests), so a second run replays the same streams."""

@@ -13,6 +13,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def restore_threads():
+    """Put torch's intra-op thread count back after a test that sets it (the CLI does)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def one_thread(restore_threads):
+    """One torch thread for tests of tiny tensors: a pool as wide as a busy CI machine made
+    them many times slower."""
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu)")

@@ -116,14 +116,6 @@ def test_resolve_names_paths_and_folders(tmp_path):
         step_model.resolve("gpt-17")
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def run_bench(tmp_path, *extra: str) -> tuple[dict, str]:
     p = tmp_path / "tiny-qwen.json"
     p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))

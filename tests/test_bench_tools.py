@@ -228,17 +228,6 @@ def test_plot_sampler_targets_cli_needs_no_matplotlib(tmp_path, capsys):
 # ----------------------------------------------------------------------------- churn
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread: a pool as wide as a busy CI machine made this test 15x slower."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_churn_section_ends_every_request_once_and_measures_it(one_thread):
     import graphexec as gx
 

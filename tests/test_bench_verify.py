@@ -17,12 +17,8 @@ import verify_methods as vm  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def _one_thread(one_thread):
     """Tiny tensors: torch's intra-op threads only cost time (a lot on a loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_tables_choose_their_variant_and_flatten_per_offset():

@@ -19,13 +19,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_bench_help_lists_the_benchmarks_and_the_step_options() -> None:
     r = run_cli("bench", "--help")
     assert r.returncode == 0, r.stderr

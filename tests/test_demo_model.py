@@ -35,13 +35,6 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_demo_runs_the_workload_on_a_checkpoint(checkpoint, capsys, restore_threads) -> None:
     rc = cli.main(["demo", "--model", str(checkpoint), "--device", "cpu", "--requests", "9",
                    "--max-batch-size", "4", "--latency-steps", "1", "--threads", "1",

@@ -30,8 +30,7 @@ from graphexec.cli import add_threads_argument, configure_threads
 
 
 def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, list[wl.Mismatch]]:
-    replayed = wl.run(ex, items)
-    eager = wl.run(ex, wl.with_reported_seeds(items, replayed), mode="eager")
+    replayed, eager = wl.replay_and_eager(ex, items)
     return replayed, wl.compare(replayed, eager)
 
 

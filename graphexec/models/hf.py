@@ -154,7 +154,6 @@ class HFTransformer(SlotKVCache):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         max_seq_len: int | None = None,
-        progress: bool = False,
         attention: AttentionConfig | None = None,
         fused: bool | None = None,
     ) -> None:

@@ -24,21 +24,16 @@ def executor(model, tok, batch: int) -> gx.DecodeExecutor:
     return ex
 
 
-def replay_and_eager(ex, items) -> tuple[wl.Trace, wl.Trace]:
-    a = wl.run(ex, items)
-    return a, wl.run(ex, wl.with_reported_seeds(items, a), mode="eager")
-
-
 def test_replay_equals_eager_for_every_key(tok) -> None:
     ex = executor(gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=512), tok, 32)
     items = wl.mixed_workload(96, tok.vocab_size, seed=1, grammars=True, spread=220)
-    a, b = replay_and_eager(ex, items)
+    a, b = wl.replay_and_eager(ex, items)
     assert a.steps >= 200
     assert wl.compare(a, b) == []
     compared = wl.outputs_per_key(a)
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     for key in ex.graph_keys:
-        ka, kb = replay_and_eager(ex, wl.key_workload(key, ex.buckets, 6, grammar=grammar))
+        ka, kb = wl.replay_and_eager(ex, wl.key_workload(key, ex.buckets, 6, grammar=grammar))
         assert wl.compare(ka, kb) == [], key
         compared.update(wl.outputs_per_key(ka))
     assert all(compared[k] > 0 for k in ex.graph_keys)

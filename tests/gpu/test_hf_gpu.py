@@ -40,23 +40,18 @@ def model(cfg, weights, max_seq_len: int = 384) -> HFTransformer:
                          max_seq_len=max_seq_len)  # fmt: skip
 
 
-def replay_and_eager(ex, items) -> tuple[wl.Trace, wl.Trace]:
-    a = wl.run(ex, items)
-    return a, wl.run(ex, wl.with_reported_seeds(items, a), mode="eager")
-
-
 def test_replay_equals_eager_for_every_key(cfg, weights, tok) -> None:
     ex = gx.DecodeExecutor(model(cfg, weights), max_batch_size=16, device="cuda", tokenizer=tok,
                            seed=0)  # fmt: skip
     ex.capture(progress=False)
     assert ex.stats.failed == {} and len(ex.graph_keys) == 5 * 3 * 2
     items = wl.mixed_workload(40, tok.vocab_size, seed=1, grammars=True, spread=60)
-    a, b = replay_and_eager(ex, items)
+    a, b = wl.replay_and_eager(ex, items)
     assert wl.compare(a, b) == []
     compared = wl.outputs_per_key(a)
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     for key in ex.graph_keys:
-        ka, kb = replay_and_eager(ex, wl.key_workload(key, ex.buckets, 4, grammar=grammar))
+        ka, kb = wl.replay_and_eager(ex, wl.key_workload(key, ex.buckets, 4, grammar=grammar))
         assert wl.compare(ka, kb) == [], key
         compared.update(wl.outputs_per_key(ka))
     assert all(compared[k] > 0 for k in ex.graph_keys)
@@ -75,7 +70,7 @@ def test_speculative_replay_equals_eager(cfg, weights, tok) -> None:
             temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=24), 0, "spec")
         for i in range(8)
     ]  # fmt: skip
-    a, b = replay_and_eager(ex, items)
+    a, b = wl.replay_and_eager(ex, items)
     assert wl.compare(a, b) == []
     assert any(k.spec_k for k in wl.outputs_per_key(a))
     # (equality with the stream without speculation is tested with TinyLM: in bf16 a GEMM

@@ -142,8 +142,7 @@ def test_replay_equals_eager_with_speculation(tok, drafter):
     ex.capture(progress=False)
     assert ex.stats.failed == {}
     items = wl.mixed_workload(64, V, seed=1, grammars=True, spread=100)
-    a = wl.run(ex, items)
-    b = wl.run(ex, wl.with_reported_seeds(items, a), mode="eager")
+    a, b = wl.replay_and_eager(ex, items)
     assert wl.compare(a, b) == []
     assert any(k.spec_k == 3 for k, n in ex.stats.replays.items() if n)
     plain = gx.DecodeExecutor(gx.models.TinyLM(V, seed=0, max_seq_len=512), max_batch_size=32,
