@@ -77,7 +77,8 @@ def choose_model(
 def _checkpoint(
     folder: Path, device: torch.device, dtype: torch.dtype | None, max_seq_len: int | None
 ) -> DemoModel:
-    from graphexec.models.hf import HFTransformer, _model_type
+    from graphexec.models.hf import HFTransformer
+    from graphexec.models.hf_config import model_type
 
     where = repr(str(folder))
     if not folder.exists():
@@ -92,7 +93,7 @@ def _checkpoint(
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         if not isinstance(cfg, dict):
             raise ValueError("not a JSON object")
-        arch = _model_type(cfg)
+        arch = model_type(cfg)
     except ValueError as e:  # bad JSON or an unsupported architecture
         raise ModelChoiceError(f"{cfg_path}: {e}") from None
     quant = cfg.get("quantization_config")

@@ -67,8 +67,10 @@ def mixed_workload(
     max_tokens: tuple[int, int] = (4, 32),
     spread: int = 8,
     unseeded_every: int = 5,
+    prompt_tokens: tuple[int, int] = (1, 12),
 ) -> list[WorkItem]:
-    """`n` requests cycling through `request_kinds`, arriving over `spread` steps.
+    """`n` requests cycling through `request_kinds`, arriving over `spread` steps, with
+    prompts of `prompt_tokens` (lo, hi) seeded random tokens.
 
     Every `unseeded_every`-th request has no seed (the executor draws one; give it
     `seed=` to make those draws reproducible). Grammar requests get room to finish.
@@ -80,7 +82,8 @@ def mixed_workload(
         kind, p = kinds[i % len(kinds)]
         limit = 48 if p.grammar is not None else rng.randint(*max_tokens)
         s = None if unseeded_every and i % unseeded_every == unseeded_every - 1 else seed + i
-        prompt = tuple(rng.randrange(min(vocab_size, 50_000)) for _ in range(rng.randint(1, 12)))
+        length = rng.randint(*prompt_tokens)
+        prompt = tuple(rng.randrange(min(vocab_size, 50_000)) for _ in range(length))
         params = dataclasses.replace(p, seed=s, max_tokens=limit)
         items.append(WorkItem(f"r{i}", prompt, params, rng.randrange(spread + 1), kind))
     return sorted(items, key=lambda it: it.arrive)
@@ -129,6 +132,58 @@ def replay_and_eager(ex, items: list[WorkItem]) -> tuple[Trace, Trace]:
     with the seeds the first run reported: the two traces a determinism check compares."""
     replayed = run(ex, items)
     return replayed, run(ex, with_reported_seeds(items, replayed), mode="eager")
+
+
+def compositions(ex, items: list[WorkItem], waves: int = 4) -> dict[str, Trace]:
+    """The same seeded requests on `ex` as a serving engineer checks reproducibility:
+    "one batch" (all admitted at step 0), "alone" (one request at a time), "waves"
+    (`waves` consecutive groups, one after the other) and "reversed" (one batch admitted
+    in reverse order, so every request sits at another row and slot). Unseeded items get
+    the seeds the first run reported. On a batch-invariant model every trace equals the
+    first, bit for bit (`compare`)."""
+    together = [dataclasses.replace(it, arrive=0) for it in items]
+    first = run(ex, together)
+    together = with_reported_seeds(together, first)
+    size = -(-len(together) // waves)
+    groups = {"alone": [[it] for it in together],
+              "waves": [together[i : i + size] for i in range(0, len(together), size)]}  # fmt: skip
+    out = {"one batch": first}
+    for name, parts in groups.items():
+        merged = Trace()
+        for part in parts:
+            t = run(ex, part)
+            merged.outputs.update(t.outputs)
+            merged.steps, merged.tokens = merged.steps + t.steps, merged.tokens + t.tokens
+        out[name] = merged
+    out["reversed"] = run(ex, together[::-1])
+    return out
+
+
+def batch_invariance(make, items: list[WorkItem], speculative: dict | None = None,
+                     budgets: tuple[int, ...] = (), waves: int = 4) -> dict[str, list[Mismatch]]:
+    """Every comparison of a batch-invariance check, each against one reference: `items`
+    in one batch, replayed, on `make()` (an executor built and captured by the caller;
+    `make(**options)` passes DecodeExecutor options). Returns {comparison: mismatches}:
+
+    - "alone", "waves", "reversed" (`compositions`), and "eager": the reference's run
+      without graphs;
+    - "speculative NAME" and "speculative NAME, eager": with `speculative[NAME]` (a
+      SpeculativeConfig; strict verification emits exactly the stream without it);
+    - "prefill budget N": with prefill_budget=N (prompts chunked across steps).
+    """
+    ex = make()
+    traces = compositions(ex, items, waves)
+    ref = traces.pop("one batch")
+    seeded = with_reported_seeds([dataclasses.replace(it, arrive=0) for it in items], ref)
+    out = {name: compare(ref, t) for name, t in traces.items()}
+    out["eager"] = compare(ref, run(ex, seeded, mode="eager"))
+    for name, spec in (speculative or {}).items():
+        spec_ex = make(speculative=spec)
+        out[f"speculative {name}"] = compare(ref, run(spec_ex, seeded))
+        out[f"speculative {name}, eager"] = compare(ref, run(spec_ex, seeded, mode="eager"))
+    for budget in budgets:
+        out[f"prefill budget {budget}"] = compare(ref, run(make(prefill_budget=budget), seeded))
+    return out
 
 
 def with_reported_seeds(items: list[WorkItem], trace: Trace) -> list[WorkItem]:

@@ -1,4 +1,5 @@
-"""Replay vs eager, token for token and logprob for logprob, per graph key.
+"""Replay vs eager, token for token and logprob for logprob, per graph key; and, with
+`--model CONFIG`, a real model's batch invariance.
 
 Builds an executor (TinyLM by default), captures every key, then runs (1) a seeded mixed
 workload (grammars, logprobs, penalties, seeded and unseeded requests arriving over time)
@@ -9,14 +10,25 @@ smaller TinyLM as draft model, K = 3, strict): every spec_k key replayed vs eage
 the mixed workload's tokens equal to those without speculation. Prints compared tokens
 and mismatches per key; exit 1 on any mismatch.
 
-    python tools/determinism_check.py [--model tiny|table] [--max-batch-size N]
+`--model` also takes a Llama / Qwen2 / Mistral checkpoint folder or config (a .json, or
+`qwen2.5-0.5b` / `llama-3.2-1b` from benchmarks/configs/: seeded random weights) run by
+HFTransformer in `--dtype` (bfloat16 by default), batch-invariant. Then every request of
+the seeded mixed workload (greedy, top-k/top-p, min-p, penalties, logprobs, grammars;
+prompts up to 300 tokens) must give the same tokens and logprobs, bit for bit, as in one
+batch replayed: (a) alone, in four waves, admitted in reverse order; (b) with n-gram
+speculation and with a two-layer draft model of the same shape and vocabulary (strict,
+K = 3), replayed and eager; (c) with prefill budgets 64 and 256; (d) eagerly; then the
+per-key replay-vs-eager runs as above.
+
+    python tools/determinism_check.py [--model tiny|table|PATH|CONFIG] [--max-batch-size N]
         [--requests N] [--key-steps N] [--device cuda|cpu] [--speculative all|ngram|draft|none]
-        [--threads N]
+        [--dtype bfloat16|float16|float32] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -26,7 +38,9 @@ import torch
 
 import graphexec as gx
 from graphexec import workload as wl
-from graphexec.cli import add_threads_argument, configure_threads
+from graphexec.cli import add_threads_argument, benchmarks_dir, configure_threads
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, list[wl.Mismatch]]:
@@ -36,7 +50,9 @@ def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("tiny", "table"), default="tiny")
+    ap.add_argument("--model", default="tiny", metavar="tiny|table|PATH|CONFIG")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="--model PATH|CONFIG: the weights' dtype")  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-batch-size", type=int, default=None, help="default 256 GPU, 8 CPU")
     ap.add_argument("--requests", type=int, default=None, help="mixed workload size")
@@ -50,6 +66,8 @@ def main() -> int:
     cuda = device.type == "cuda"
     batch = args.max_batch_size or (256 if cuda else 8)
     tok = gx.Tokenizer.cl100k()
+    if args.model not in ("tiny", "table"):
+        return check_real_model(args, device, batch, tok)
 
     def model(small: bool = False):
         if args.model == "table":
@@ -107,6 +125,62 @@ def main() -> int:
           f"{'' if cuda else ' (graphs emulated)'}: {len(bad)} mismatches")  # fmt: skip
     for m in bad[:20]:
         print(f"  {m.request_id} position {m.position}: {m.what} differs (key {m.key})")
+    return 1 if bad else 0
+
+
+def check_real_model(args, device: torch.device, batch: int, tok: gx.Tokenizer) -> int:
+    """--model PATH|CONFIG: the batch-invariance comparisons (`workload.batch_invariance`),
+    then replay vs eager for every key."""
+    sys.path.insert(0, str(benchmarks_dir()))
+    from step_model import resolve  # the configs and checkpoints bench_step takes
+
+    from graphexec.models.hf_random import random_model
+
+    name, cfg, folder = resolve(args.model)
+    dtype = DTYPES[args.dtype]
+
+    def model(layers: int | None = None, seed: int = 0):
+        if folder is not None and layers is None:
+            return gx.models.HFTransformer.from_pretrained(folder, device, dtype, max_seq_len=512)
+        c = cfg if layers is None else dict(cfg, num_hidden_layers=layers)
+        return random_model(c, seed=seed, device=device, dtype=dtype, max_seq_len=512)
+
+    def make(**options) -> gx.DecodeExecutor:
+        ex = gx.DecodeExecutor(model(), max_batch_size=batch, device=device, tokenizer=tok,
+                               seed=0, **options)  # fmt: skip
+        ex.capture(progress=False)
+        return ex
+
+    t0 = time.perf_counter()
+    n = args.requests or batch
+    items = wl.mixed_workload(n, tok.vocab_size, seed=1, grammars=True, max_tokens=(24, 40),
+                              prompt_tokens=(1, 300))  # fmt: skip
+    items = [dataclasses.replace(it, arrive=0) for it in items]
+    specs = {"ngram": gx.SpeculativeConfig(3, drafter="ngram"),
+             "draft model": gx.SpeculativeConfig(3, drafter=model(layers=2, seed=1))}  # fmt: skip
+    specs = {k: v for k, v in specs.items() if args.speculative in ("all", k.split()[0])}
+    report = wl.batch_invariance(make, items, specs, budgets=(64, 256))
+    streams = len(items)
+    print(f"{name} ({'checkpoint' if folder else 'random weights'}, {args.dtype}) on {device}: "
+          f"{streams} requests, each compared with the same request in one batch, replayed")
+    print(f"\n{'comparison':32s} {'differing streams':>17s} {'mismatches':>10s}")
+    bad = 0
+    for what, mism in report.items():
+        print(f"{what:32s} {len({m.request_id for m in mism}):17d} {len(mism):10d}")
+        bad += len(mism)
+    ex = make()
+    grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
+    compared: Counter = Counter()
+    for key in ex.graph_keys:
+        a, b = wl.replay_and_eager(ex, wl.key_workload(key, ex.buckets, args.key_steps,
+                                                       grammar=grammar))  # fmt: skip
+        compared.update(wl.outputs_per_key(a))
+        mism = wl.compare(a, b)
+        bad += len(mism)
+        if mism:
+            print(f"key {key}: {len(mism)} replay/eager mismatches")
+    print(f"\nreplay vs eager over {len(ex.graph_keys)} keys: {sum(compared.values())} tokens "
+          f"compared; {bad} mismatches in all, {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 1 if bad else 0
 
 

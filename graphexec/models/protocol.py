@@ -253,11 +253,14 @@ class DecodeModel(Protocol):
 class SlotKVCache:
     """What models whose per-slot state is one cache `kv_cache` [L, 2, S, T, ...] (keys and
     values of every layer, slot and position) share: `prefill` as a one-segment
-    `prefill_batch`, `fork`, and `verify` as T decode calls. The model sets kv_cache in
-    `bind` and defines prefill_batch, decode and max_seq_len."""
+    `prefill_batch`, `fork`, and `verify`. The model sets kv_cache and `padding_slot`
+    in `bind` and defines prefill_batch, decode, max_seq_len and `_forward(input_ids
+    [N], positions [N], slot_ids [N]) -> logits [N, V]` over token rows."""
 
     kv_cache: torch.Tensor | None = None
     device: torch.device
+    batch_invariant: bool = False  # a row's logits do not depend on the rows beside it
+    padding_slot: int
 
     def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the cache of the first `length` positions (n streams of one prompt)."""
@@ -275,8 +278,22 @@ class SlotKVCache:
     def verify(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
-        """T decode calls: the same kernels at the same shapes, so its logits are bitwise
-        decode's and speculation never moves a token by a rounding difference."""
-        steps = [self.decode(input_ids[:, t], positions + t, slot_ids)
-                 for t in range(input_ids.shape[1])]  # fmt: skip
-        return torch.stack(steps, dim=1)
+        """T tokens per row [B, T], bitwise the logits of T decodes.
+
+        Batch-invariant: one forward over the B x T token rows (token t of row b at
+        positions[b] + t); every layer writes all rows' K/V before any attends, so row t
+        reads exactly the keys t + 1 decodes would have written. A row past the cache
+        writes the padding slot (clamped to the last position, it would race with a
+        real row there). Otherwise T decode calls: the same kernels at the same shapes,
+        since a forward over B x T rows would round differently than one over B."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(num_slots, device) must run before "
+                               "verify")  # fmt: skip
+        B, T = input_ids.shape
+        if not self.batch_invariant:
+            steps = [self.decode(input_ids[:, t], positions + t, slot_ids) for t in range(T)]
+            return torch.stack(steps, dim=1)
+        pos = positions.unsqueeze(1) + torch.arange(T, device=positions.device)  # [B, T]
+        slots = torch.where(pos < self.max_seq_len, slot_ids.unsqueeze(1), self.padding_slot)
+        logits = self._forward(input_ids.reshape(-1), pos.reshape(-1), slots.reshape(-1))
+        return logits.view(B, T, -1)

@@ -3,25 +3,44 @@
 It exists to give the executor a real decode forward to capture: embeddings, attention
 over a per-slot cache, an MLP and an LM head, at the bundled tokenizer's vocabulary.
 Its weights are random (seeded), so its text is noise; what matters is the shape of the
-work. `prefill_batch` runs a ragged batch of prompts and chunks in one pass (one matmul
-per projection over all their tokens, padded attention over each slot's cache); `prefill`
-is its one-segment case. `decode` is graph-capturable: static shapes, cache writes by
-index, attention over the whole cache row with a position mask, no host sync. `verify`
-runs its T tokens as T decode calls: the same kernels at the same shapes, so its logits
-are bitwise those of decode and speculation never moves a token by a rounding
-difference (a real model's batched verify forward agrees with its decode only to
-rounding).
+work. Its forward runs on token rows, as HFTransformer's does, through the same
+`ops.ForwardOps` route (batch-invariant by default): `decode` is one token per row,
+`verify` one forward over the B x (K + 1) tokens, `prefill_batch` one row per prompt
+token (replayed from CUDA graphs per token bucket on CUDA). Each layer writes every
+row's K/V before any row attends, so chunks, drafts and prompts see their earlier
+tokens through the cache, and a row's logits are the same bits in any batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from graphexec.models.prefill_graphs import PrefillGraphs
 from graphexec.models.protocol import PrefillBatch, SlotKVCache
 from graphexec.models.table import _slice
+
+if TYPE_CHECKING:  # these import triton: only when a model binds
+    from graphexec.models.matmul import MatmulConfig
+    from graphexec.models.ops import ForwardOps
+
+
+@dataclass(frozen=True)
+class TinyLayer:
+    """One layer's weights in nn.Linear's [out, in] layout."""
+
+    qkv: torch.Tensor  # [3 D, D]: q, k, v rows
+    out: torch.Tensor  # [D, D]
+    up: torch.Tensor  # [4 D, D]
+    down: torch.Tensor  # [D, 4 D]
+
+    def to(self, device: torch.device) -> TinyLayer:
+        return TinyLayer(self.qkv.to(device), self.out.to(device), self.up.to(device),
+                         self.down.to(device))  # fmt: skip
 
 
 class TinyLM(SlotKVCache):
@@ -38,6 +57,7 @@ class TinyLM(SlotKVCache):
         shard: (rank, world): the LM head keeps only the rank's vocabulary slice
             (`distributed.vocab_slices`), so logits are [.., hi - lo], the unsharded
             model's columns lo..hi (for `DecodeExecutor(tp_group=)`).
+        batch_invariant, matmul, fused: as `HFTransformer`'s (`ops` route map).
     """
 
     def __init__(
@@ -51,6 +71,10 @@ class TinyLM(SlotKVCache):
         logit_scale: float = 3.0,
         dtype: torch.dtype = torch.float32,
         shard: tuple[int, int] | None = None,
+        *,
+        batch_invariant: bool = True,
+        matmul: MatmulConfig | None = None,
+        fused: bool | None = None,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -61,6 +85,7 @@ class TinyLM(SlotKVCache):
         self.dim, self.heads, self.num_layers = dim, heads, layers
         self.logit_scale = logit_scale
         self.dtype = dtype
+        self.batch_invariant, self.matmul, self.fused = bool(batch_invariant), matmul, fused
         g = torch.Generator().manual_seed(seed)
 
         def w(*shape: int, std: float) -> torch.Tensor:
@@ -73,132 +98,91 @@ class TinyLM(SlotKVCache):
         # a vocabulary-parallel head: this rank's rows of the same seeded weights
         self.vocab_slice = _slice(vocab_size, shard)
         self.lm_head = self.lm_head[slice(*self.vocab_slice)].clone()
+        # drawn as [in, out] (the seeded values of earlier versions), kept as [out, in]
         self.layers = [
-            dict(
-                qkv=w(dim, 3 * dim, std=s),
-                out=w(dim, dim, std=s),
-                up=w(dim, 4 * dim, std=s),
-                down=w(4 * dim, dim, std=0.5 * s),
-            )
+            TinyLayer(*(m.T.contiguous() for m in (
+                w(dim, 3 * dim, std=s), w(dim, dim, std=s), w(dim, 4 * dim, std=s),
+                w(4 * dim, dim, std=0.5 * s))))
             for _ in range(layers)
-        ]
+        ]  # fmt: skip
         self.device = torch.device("cpu")
         # one tensor [L, 2, S, T, H, hd] holds both (one op writes or reads a layer's K
         # and V); k_cache and v_cache are its halves [L, S, T, H, hd]
         self.kv_cache: torch.Tensor | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.ops: ForwardOps | None = None
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
+        # imported here, not at the top: triton loads when a model binds, not on import
+        from graphexec.models.ops import ForwardOps
+
         d = torch.device(device)
+        self.ops = ForwardOps.select(d, self.batch_invariant, self.fused, self.matmul)
         self.device = d
         self.embed = self.embed.to(d)
         self.pos_embed = self.pos_embed.to(d)
         self.lm_head = self.lm_head.to(d)
-        self.layers = [{k: v.to(d) for k, v in layer.items()} for layer in self.layers]
+        self.layers = [layer.to(d) for layer in self.layers]
         hd = self.dim // self.heads
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.heads, hd)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
         self.k_cache, self.v_cache = self.kv_cache[:, 0], self.kv_cache[:, 1]
-        # per layer, its K and V as [2, S, T, D] (prefill_batch's view)
-        self._kv_layers = [kv.flatten(3) for kv in self.kv_cache]
-        # constants of prefill_batch's mask
-        self._key_positions = torch.arange(self.max_seq_len, device=d)
-        self._zero = torch.zeros((), dtype=self.dtype, device=d)
-        self._ninf = torch.full((), float("-inf"), dtype=self.dtype, device=d)
-
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x, (self.dim,))
-        return (h @ self.lm_head.T).float() * (self.logit_scale / math.sqrt(self.dim))
-
-    def _qkv(self, layer: dict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        hd = self.dim // self.heads
-        q, k, v = (F.rms_norm(x, (self.dim,)) @ layer["qkv"]).split(self.dim, dim=-1)
-        return tuple(t.reshape(*t.shape[:-1], self.heads, hd) for t in (q, k, v))
-
-    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(F.rms_norm(x, (self.dim,)) @ layer["up"]) @ layer["down"]
+        self._ones = torch.ones(self.dim, dtype=self.dtype, device=d)  # the norms' weight
+        self._eps = torch.finfo(self.dtype).eps  # F.rms_norm's default
+        self.padding_slot = num_slots - 1
+        cuda = d.type == "cuda"
+        self.prefill_graphs = PrefillGraphs(self._forward, self.padding_slot, d) if cuda else None
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
-        """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`).
-
-        Projections and MLP run once over the concatenated N tokens; each layer writes
-        their K/V into the cache by (slot, position), then attends as a padded batch:
-        queries [R, Lmax] against their slot's cache rows [R, C] (C = the furthest
-        position written), masked causally, so a chunk sees its slot's earlier chunks.
-        A layer writes every token's K/V before any attends, so two chunks of one slot
-        may even share a batch. Shapes come from the host tuples: no sync. With
-        `logit_rows` None the last layer stops after its K/V (nothing after it is read)
-        and there is no LM head; with rows, its out-projection and MLP run on them alone.
-
-        Few ops, since at prefill sizes the host launching them is the cost: the
-        padded layout's indices come with the batch (`PrefillBatch.build`; a batch made
-        by hand gets them by `with_layout`), the additive mask is made once for every
-        layer, and a layer is 13 launches: norm, QKV matmul, one indexed write of its K
-        and V, one gather each of the padded queries, its slots' K and V and the
-        unpadded output, attention, out-projection and MLP (each matmul and residual add
-        one in-place addmm_).
-        """
-        if self.k_cache is None:
+        """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`):
+        every prompt token a row of the forward (a chunk continues at its start, seeing
+        its slot's earlier chunks through the cache); logits of `batch.logit_rows`, or
+        None (then the last layer stops after its K/V). Shapes come from the host
+        tuples: no sync."""
+        if self.kv_cache is None:
             raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill_batch")
-        batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
-        R, Lmax = batch.padded_tokens.shape
-        D, H, hd, norm = self.dim, self.heads, self.dim // self.heads, (self.dim,)
-        pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
-        key_pos = self._key_positions.narrow(0, 0, C)
-        # additive mask [R, 1, Lmax, C], rows padded to 16 elements (so SDPA's
-        # memory-efficient kernel takes it as is); a padding row (j >= lengths[r]) still
-        # sees key 0 (an all-masked row would be NaN); its output is dropped
-        width = -(-C // 16) * 16
-        mask = torch.empty((R, 1, Lmax, width), dtype=self.dtype, device=self.device)
-        mask = mask.narrow(3, 0, C)
-        visible = key_pos <= batch.padded_positions.view(R, 1, Lmax, 1)
-        torch.where(visible, self._zero, self._ninf, out=mask)
-        x = self.embed.index_select(0, batch.token_ids) + self.pos_embed.index_select(0, pos)
-        qrows = batch.padded_tokens.view(-1)  # [R * Lmax]
-        # [R, H, Lmax | C, hd] views of index_select's contiguous [R * (Lmax | C), D]
-        q_shape, q_stride = (R, H, Lmax, hd), (Lmax * D, hd, D, 1)
-        k_shape, k_stride = (R, H, C, hd), (C * D, hd, D, 1)
-        last = self.num_layers - 1
-        for i, layer in enumerate(self.layers):
-            kv_i = self._kv_layers[i]  # [2, S, T, D]
-            qkv = torch.rms_norm(x, norm).mm(layer["qkv"]).view(-1, 3, D)  # [N, 3, D]
-            kv_i[:, slots, pos] = qkv.narrow(1, 1, 2).transpose(0, 1)
-            if i == last and rows is None:
-                return None
-            q = qkv.select(1, 0).index_select(0, qrows).as_strided(q_shape, q_stride)
-            k, v = kv_i.narrow(2, 0, C).index_select(1, batch.slot_ids).unbind(0)  # [R, C, D]
-            k, v = k.as_strided(k_shape, k_stride), v.as_strided(k_shape, k_stride)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [R, H, Lmax, hd]
-            a = a.transpose(1, 2).reshape(R * Lmax, D)
-            if i == last:  # only the logit rows go on to the head
-                x, a = x.index_select(0, rows), a.index_select(0, batch.logit_padded)
-            else:
-                a = a.index_select(0, batch.padded_index)
-            x.addmm_(a, layer["out"])  # x is this call's own tensor: in place
-            x.addmm_(F.gelu(torch.rms_norm(x, norm).mm(layer["up"])), layer["down"])
-        if rows is None:  # a model of no layers
-            return None
-        return self._head(x if self.num_layers else x[rows])
+        batch, _ = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
+        ids, pos, slots, rows = (batch.token_ids, batch.positions, batch.token_slots,
+                                 batch.logit_rows)  # fmt: skip
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs(ids, pos, slots, rows)
+        return self._forward(ids, pos, slots, rows, prefill=True)
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
-        T = self.max_seq_len
+        if self.kv_cache is None:
+            raise RuntimeError("TinyLM.bind(num_slots, device) must run before decode")
+        return self._forward(input_ids, positions, slot_ids)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                 prefill: bool = False) -> torch.Tensor | None:  # fmt: skip
+        """N token rows: logits [M, V] of `rows` (all rows when None, unless `prefill`:
+        then None). A layer: norm -> q/k/v GEMM -> K/V written at (slot, pos) for every
+        row -> attention over the row's keys 0..pos -> out GEMM (+ residual, fused into
+        the next norm) -> up GEMM -> GELU -> down GEMM."""
+        ops = self.ops
+        N, D, H = input_ids.shape[0], self.dim, self.heads
         # a bad position never indexes out of the cache (the executor keeps them in range)
-        pos = positions.clamp(0, T - 1)
-        x = self.embed[input_ids] + self.pos_embed[pos]  # [B, D]
-        visible = torch.arange(T, device=self.device)[None, :] <= pos[:, None]  # [B, T]
-        hd = self.dim // self.heads
+        pos = positions.clamp(0, self.max_seq_len - 1)
+        delta = self.embed[input_ids] + self.pos_embed[pos]  # [N, D]
+        res, scale = None, 1.0 / math.sqrt(D // H)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x)  # [B, H, hd]
-            self.k_cache[i, slot_ids, pos] = k
-            self.v_cache[i, slot_ids, pos] = v
-            keys = self.k_cache[i, slot_ids]  # [B, T, H, hd]
-            vals = self.v_cache[i, slot_ids]
-            scores = torch.einsum("bhd,bthd->bht", q, keys) / math.sqrt(hd)
-            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-            a = torch.einsum("bht,bthd->bhd", scores.softmax(-1), vals)
-            x = x + a.reshape(-1, self.dim) @ layer["out"]
-            x = x + self._mlp(layer, x)
-        return self._head(x)
+            h, res = ops.norm(delta, res, self._ones, self._eps)
+            qkv = ops.linear(h, layer.qkv).view(N, 3, H, D // H)
+            kv_i = self.kv_cache[i]  # [2, S, T, H, hd]
+            kv_i[:, slot_ids, pos] = qkv[:, 1:].transpose(0, 1)
+            if prefill and rows is None and i == self.num_layers - 1:
+                return None  # the last layer's K/V is all that is kept
+            a = ops.attend(qkv[:, 0], kv_i, slot_ids, pos, scale).reshape(N, D)
+            h, res = ops.norm(ops.linear(a, layer.out), res, self._ones, self._eps)
+            delta = ops.linear(F.gelu(ops.linear(h, layer.up)), layer.down)
+        if rows is not None:
+            delta = delta.index_select(0, rows)
+            res = None if res is None else res.index_select(0, rows)  # (a model of no layers)
+        elif prefill:
+            return None
+        h, _ = ops.norm(delta, res, self._ones, self._eps)
+        return ops.linear(h, self.lm_head).float() * (self.logit_scale / math.sqrt(D))

@@ -28,20 +28,24 @@ def batch(segments, rows="all") -> PrefillBatch:
 
 
 def reference_prefill(m: TinyLM, slot: int, ids: list[int]) -> torch.Tensor:
-    """TinyLM's prefill before prefill_batch: one prompt, causal attention over itself."""
+    """TinyLM's forward written plainly: one prompt, causal attention over itself."""
     ids_t = torch.tensor(ids)
-    n = len(ids)
+    n, D = len(ids), m.dim
     x = m.embed[ids_t] + m.pos_embed[:n]
+
+    def norm(t):
+        return F.rms_norm(t, (D,))
+
     for i, layer in enumerate(m.layers):
-        q, k, v = m._qkv(layer, x)
+        q, k, v = (norm(x) @ layer.qkv.T).view(n, 3, m.heads, D // m.heads).unbind(1)
         m.k_cache[i, slot, :n] = k
         m.v_cache[i, slot, :n] = v
         a = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
         )
-        x = x + a.transpose(0, 1).reshape(n, m.dim) @ layer["out"]
-        x = x + m._mlp(layer, x)
-    return m._head(x)
+        x = x + a.transpose(0, 1).reshape(n, D) @ layer.out.T
+        x = x + F.gelu(norm(x) @ layer.up.T) @ layer.down.T
+    return (norm(x) @ m.lm_head.T).float() * (m.logit_scale / D**0.5)
 
 
 def assert_same_cache(a: TinyLM, b: TinyLM, slots) -> None:

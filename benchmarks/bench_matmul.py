@@ -1,0 +1,234 @@
+"""The batch-invariant GEMM (`graphexec.models.matmul`) against cuBLAS, per weight shape
+of the model configs, at the row counts of decode, verify and prefill.
+
+For every linear layer of each `--models` config (q/k/v with its bias, o, gate/up with
+its SwiGLU, down, the LM head) and each M in `--rows`: the invariant kernel with the
+tile `MatmulConfig.gpu().tile(N, K)` gives, and the cuBLAS path HFTransformer takes with
+batch_invariant=False (F.linear; for gate/up, F.linear then `fused.silu_mul`). Each time
+is a CUDA-graph replay of calls cycling through copies of the weight (more bytes than L2
+holds, as a model's layers are: the weights come from HBM), the median of `--reps`
+replays, per call.
+
+`--sweep` also times candidate tiles per shape (compiled side by side in worker
+processes first) and reports the best by its worst ratio to cuBLAS over M <= 256 (the
+decode and verify rows), with prefill's M = 1024 for information.
+
+    python benchmarks/bench_matmul.py [--models qwen2.5-0.5b llama-3.2-1b] [--sweep]
+
+Results: matmul-<device>-<date>.json in --out, and a markdown table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from graphexec.models import fused
+from graphexec.models import matmul as mm
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+L2_BYTES = 160 << 20  # cycle through more weight bytes than any L2 holds
+
+
+def shapes(name: str) -> list[dict]:
+    """The linear layers of a config: name, N (output columns), K, bias, silu."""
+    c = json.loads((CONFIGS / f"{name}.json").read_text())
+    D, H = c["hidden_size"], c["num_attention_heads"]
+    KV = c.get("num_key_value_heads") or H
+    hd = c.get("head_dim") or D // H
+    bias = c.get("attention_bias", c["model_type"] == "qwen2")
+    inter = c["intermediate_size"]
+    return [dict(model=name, layer="qkv", N=(H + 2 * KV) * hd, K=D, bias=bias, silu=False),
+            dict(model=name, layer="o", N=D, K=H * hd, bias=False, silu=False),
+            dict(model=name, layer="gate_up+silu", N=inter, K=D, bias=False, silu=True),
+            dict(model=name, layer="down", N=D, K=inter, bias=False, silu=False),
+            dict(model=name, layer="lm_head", N=c["vocab_size"], K=D, bias=False,
+                 silu=False)]  # fmt: skip
+
+
+def operands(s: dict, M: int, copies: int):
+    wn = 2 * s["N"] if s["silu"] else s["N"]
+    x = torch.randn(M, s["K"], device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(wn, s["K"], device="cuda", dtype=torch.bfloat16) * 0.02
+          for _ in range(copies)]  # fmt: skip
+    b = torch.randn(wn, device="cuda", dtype=torch.bfloat16) if s["bias"] else None
+    return x, ws, b
+
+
+def calls(s: dict, x, ws, b, tile_cfg: mm.MatmulConfig | None):
+    """One callable per weight copy: the invariant kernel (tile_cfg) or cuBLAS (None)."""
+    if tile_cfg is None:
+        if s["silu"]:
+            return [lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws]
+        return [lambda w=w: F.linear(x, w, b) for w in ws]
+    if s["silu"]:
+        return [lambda w=w: mm.linear_silu_mul(x, w, config=tile_cfg) for w in ws]
+    return [lambda w=w: mm.linear(x, w, b, config=tile_cfg) for w in ws]
+
+
+def graph_time_us(fns, reps: int) -> float:
+    """Per-call time of the calls `fns` captured in one CUDA graph, median of reps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        z.record()
+        z.synchronize()
+        times.append(a.elapsed_time(z) * 1e3 / len(fns))
+    del g
+    return statistics.median(times)
+
+
+def candidates() -> list[mm.MatmulTile]:
+    out = []
+    for bm, bn, bk, (w, st) in itertools.product(
+        (16, 64), (16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4))
+    ):
+        if st * (bm + 2 * bn) * bk * 2 > 200 << 10:  # shared memory (silu: two w tiles)
+            continue
+        out.append(mm.MatmulTile(bm, bn, bk, w, st))
+    return out
+
+
+def _compile(job: tuple[list[dict], list[mm.MatmulTile]]) -> int:
+    """Worker: run every (shape, tile) once at M = 1 so Triton's disk cache holds it."""
+    shape_list, tiles = job
+    done = 0
+    for s, t in itertools.product(shape_list, tiles):
+        x, ws, b = operands(s, 1, 1)
+        try:
+            calls(s, x, ws, b, mm.MatmulConfig(tiles=((s["N"], s["K"], t),)))[0]()
+            done += 1
+        except Exception:  # out of resources: the sweep skips it too
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int) -> None:
+    # one shape per (bias, silu) kind: the compiled kernel depends on those, not on N, K
+    kinds = {(s["bias"], s["silu"]): s for s in shape_list}
+    jobs = [(list(kinds.values()), tiles[i::workers]) for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        n = sum(pool.map(_compile, jobs))
+    print(f"precompiled {n} kernels in {workers} processes", flush=True)
+
+
+def run(args) -> dict:
+    shape_list = [s for m in args.models for s in shapes(m)]
+    tiles = candidates() if args.sweep else []
+    if tiles:
+        t0 = time.perf_counter()
+        precompile(shape_list, tiles, args.workers)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    gpu = mm.MatmulConfig.gpu()
+    rows, t_start = [], time.perf_counter()
+    for s in shape_list:
+        wbytes = (2 if s["silu"] else 1) * s["N"] * s["K"] * 2
+        copies = max(2, min(48, math.ceil(L2_BYTES / wbytes)))
+        tile = gpu.tile(s["N"], s["K"])
+        r = dict(s, tile=vars(tile), copies=copies, by_m={}, sweep={})
+        for M in args.rows:
+            x, ws, b = operands(s, M, copies)
+            cub = graph_time_us(calls(s, x, ws, b, None), args.reps)
+            ours = graph_time_us(calls(s, x, ws, b, gpu), args.reps)
+            r["by_m"][M] = dict(cublas_us=cub, invariant_us=ours, ratio=ours / cub)
+            for t in tiles:
+                if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                    break
+                try:
+                    cfg = mm.MatmulConfig(tiles=((s["N"], s["K"], t),))
+                    us = graph_time_us(calls(s, x, ws, b, cfg), args.reps)
+                except Exception:
+                    continue
+                key = f"{t.block_m}x{t.block_n}x{t.block_k}/w{t.num_warps}s{t.num_stages}"
+                r["sweep"].setdefault(key, {})[M] = us / cub
+            del x, ws, b
+        if r["sweep"]:
+            decode = [M for M in args.rows if M <= 256]
+            full = {k: v for k, v in r["sweep"].items() if all(M in v for M in args.rows)}
+            best = min(full or r["sweep"], key=lambda k: max(r["sweep"][k].get(M, 9e9)
+                                                             for M in decode))  # fmt: skip
+            r["best"] = dict(tile=best, ratios=r["sweep"][best])
+        rows.append(r)
+        worst = max(v["ratio"] for M, v in r["by_m"].items() if M <= 256)
+        best = (f"; best swept {r['best']['tile']} {max(r['best']['ratios'].values()):.2f}"
+                if "best" in r else "")  # fmt: skip
+        print(f"{s['model']:14s} {s['layer']:13s} N={s['N']:6d} K={s['K']:5d} worst decode "
+              f"ratio {worst:.2f}{best}", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    return dict(rows=rows)
+
+
+def markdown(result: dict) -> str:
+    Ms = sorted({int(M) for r in result["rows"] for M in r["by_m"]})
+    head = ["model", "layer", "N", "K", "tile"] + [f"M={M}" for M in Ms]
+    lines = [f"invariant GEMM / cuBLAS time on {result['device']}, {result['date']} "
+             f"(bf16; cuBLAS us in brackets)", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]  # fmt: skip
+    for r in result["rows"]:
+        t = r["tile"]
+        cells = [r["model"], r["layer"], str(r["N"]), str(r["K"]),
+                 f"{t['block_m']}x{t['block_n']}x{t['block_k']}"]  # fmt: skip
+        for M in Ms:
+            v = r["by_m"].get(M) or r["by_m"].get(str(M))
+            cells.append(f"{v['ratio']:.2f} ({v['cublas_us']:.1f})" if v else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+        if "best" in r:
+            lines.append(f"|  | best swept: {r['best']['tile']} | | | | "
+                         + " | ".join(f"{r['best']['ratios'].get(M, float('nan')):.2f}"
+                                      for M in Ms) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.2-1b"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 256, 1024])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="stop sweeping candidates after S seconds")  # fmt: skip
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_matmul.py times CUDA kernels: it needs a GPU")
+    result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
+                  **run(args))  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    dev = result["device"].lower().replace(" ", "-")
+    path = os.path.join(args.out, f"matmul-{dev}-{result['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}\n\n{markdown(result)}")
+
+
+if __name__ == "__main__":
+    main()

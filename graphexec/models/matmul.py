@@ -1,0 +1,299 @@
+"""Batch-invariant matrix products: a row's bits never depend on the other rows of the call.
+
+cuBLAS chooses its GEMM kernel (tile shape, split-K, stream-K) by the number of rows M,
+so one row of activations is rounded differently alone, in a batch of 7 and in a batch
+of 256: a seeded request's logits, and so its tokens, would depend on what runs beside
+it. The kernels here fix the reduction order by the weight's shape alone:
+
+    _linear_kernel  grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): out = x @ w.T (+ bias)
+        for one [BLOCK_M, BLOCK_N] tile; the K loop walks k = 0, BLOCK_K, 2 BLOCK_K, ...
+        in one program (no split-K, no stream-K), each step one `tl.dot` of the same
+        shape, accumulated in float32; bias added in float32; one rounding to the dtype.
+        With SILU_MUL it computes the gate and up tiles of the same columns and writes
+        silu(gate) * up, rounded as `fused.silu_mul` rounds it (one launch fewer a layer).
+
+The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is `MatmulConfig.tile(N, K)`: a
+function of the weight's shape, never of M. M is a runtime argument the compiler never
+specialises on, so every M runs the same compiled kernel, and a row's sum is the same
+sequence of the same instructions whatever rows share its tile, whichever tile it sits
+in, and whether the call is a decode, a verify over K + 1 tokens or a prefill chunk.
+Small M fills the GPU by tiling N finely (`min_programs`), not by splitting K.
+
+`linear_reference` is the CPU route and the tests' definition: torch.mm over chunks of
+a fixed number of rows, so every call has one shape and a row's bits are a function of
+that row (and of torch's intra-op thread count, which the process fixes). The kernel
+and the reference agree to rounding (different summation orders), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from graphexec.models.fused import _rounded
+from graphexec.sampling.triton import interpreter_enabled
+
+
+@dataclass(frozen=True)
+class MatmulTile:
+    """One compiled kernel's tiling: rows x columns of a program, K per step, launch."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """How `linear` tiles a weight of shape [N, K]; `tile(N, K)` depends on nothing else.
+
+    block_m: rows per program (a power of two >= 16).
+    block_k: K per step of the loop, for K of at least `long_k`; `short_block_k` below.
+    min_programs: block_n is the largest power of two in [16, max_block_n] that still
+        gives at least this many column tiles (so a one-row call fills the GPU), 16
+        where none does.
+    num_warps, num_stages: of every tile.
+    tiles: tuned tiles by weight shape, ((N, K, tile), ...), taken before the rule.
+    """
+
+    block_m: int = 64
+    max_block_n: int = 128
+    block_k: int = 128
+    short_block_k: int = 64
+    long_k: int = 1024
+    min_programs: int = 264
+    num_warps: int = 4
+    num_stages: int = 4
+    tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "max_block_n", "block_k", "short_block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {v}")
+        for name in ("long_k", "min_programs", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MatmulConfig.{name} must be positive")
+
+    @classmethod
+    def gpu(cls) -> MatmulConfig:
+        return cls()
+
+    @classmethod
+    def interpreter(cls) -> MatmulConfig:
+        """Small tiles: the CPU interpreter pays per element and per program."""
+        return cls(block_m=16, max_block_n=32, block_k=32, short_block_k=16, long_k=64,
+                   min_programs=4, num_warps=1, num_stages=1)  # fmt: skip
+
+    @classmethod
+    def default(cls) -> MatmulConfig:
+        return cls.interpreter() if interpreter_enabled() else cls.gpu()
+
+    def replace(self, **kw) -> MatmulConfig:
+        return dataclasses.replace(self, **kw)
+
+    def tile(self, N: int, K: int) -> MatmulTile:
+        """The tile of every call with a [N, K] weight (shapes only: never M)."""
+        for n, k, tile in self.tiles:
+            if (n, k) == (N, K):
+                return tile
+        bn = 16
+        while bn < self.max_block_n and triton.cdiv(N, 2 * bn) >= self.min_programs:
+            bn *= 2
+        bk = self.block_k if K >= self.long_k else self.short_block_k
+        return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    X,  # [M, K] dtype (row stride sx, last dim contiguous)
+    W,  # [N_W, K] dtype (row stride sw, last dim contiguous); SILU_MUL: gate rows, then up
+    BIAS,  # [N_W] dtype; read only with HAS_BIAS
+    OUT,  # [M, N] dtype contiguous (N = N_W, or N_W / 2 with SILU_MUL)
+    M, N, K, sx, sw,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    # the programs of one column tile run side by side: its weights are read once from HBM
+    pid_m, pid_n = pid % tiles_m, pid // tiles_m
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    mmask, nmask = rm < M, rn < N
+    x_ptr = X + rm[:, None] * sx + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptr = W + rn[:, None] * sw + rk[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SILU_MUL:
+        up_ptr = w_ptr + N * sw
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # one order for every M: no split of K
+        kmask = rk[None, :] < K - k0
+        x = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
+        w = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
+        if F32_DOT:  # the interpreter multiplies bf16 as raw bits: exact fp32 products
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if SILU_MUL:
+            u = tl.load(up_ptr, mask=nmask[:, None] & kmask, other=0.0)
+            if F32_DOT:
+                u = u.to(tl.float32)
+            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
+            up_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+        w_ptr += BLOCK_K
+    dt = OUT.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(BIAS + N + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = _rounded(acc, dt)
+    if SILU_MUL:  # as fused.silu_mul on the rounded gate and up: F.silu(g) * u
+        a = _rounded(y / (1.0 + tl.exp(-y)), dt)
+        y = _rounded(a * _rounded(acc_up, dt), dt)
+    out_ptr = OUT + rm[:, None] * N + rn[None, :]
+    tl.store(out_ptr, y.to(dt), mask=mmask[:, None] & nmask[None, :])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
+    name = "linear_silu_mul" if silu_mul else "linear"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name} takes x [M, K] and w [N, K], got {list(x.shape)} and "
+                         f"{list(w.shape)}")  # fmt: skip
+    if silu_mul and w.shape[0] % 2:
+        raise ValueError(f"linear_silu_mul takes w [2 I, K] (gate rows, then up), got "
+                         f"{list(w.shape)}")  # fmt: skip
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ValueError(f"bias must be [{w.shape[0]}], got {list(bias.shape)}")
+    if w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x ({x.dtype}), w ({w.dtype}) and bias must have one dtype")
+
+
+def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None) -> torch.Tensor:
+    _check(x, w, bias, silu_mul)
+    M, K = x.shape
+    N = w.shape[0] // 2 if silu_mul else w.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        raise ValueError("linear needs K >= 1")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("linear needs x and w contiguous in their last dim")
+    t = (config or MatmulConfig.default()).tile(N, K)
+    f32_dot = interpreter_enabled() and x.dtype == torch.bfloat16
+    grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
+    _linear_kernel[grid](
+        x, w, x if bias is None else bias, out, M, N, K, x.stride(0), w.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        PRECISION="ieee" if x.dtype == torch.float32 or f32_dot else "tf32", F32_DOT=f32_dot,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``x @ w.T + bias`` with a row's bits independent of the batch (Triton).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[M, K]`` activations (float32 / bfloat16 / float16; last dim contiguous).
+    w : torch.Tensor
+        ``[N, K]`` weight in ``x``'s dtype (``nn.Linear``'s layout; last dim contiguous).
+    bias : torch.Tensor, optional
+        ``[N]`` in ``x``'s dtype, added in float32 before the one rounding.
+    config : MatmulConfig, optional
+        Tiling by ``(N, K)``; None = ``MatmulConfig.default()``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[M, N]`` in ``x``'s dtype: products accumulated in float32 (IEEE for float32
+        inputs, no TF32), over K in one order fixed by ``(N, K)``.
+
+    Example
+    -------
+    >>> w = torch.randn(1152, 896, dtype=torch.bfloat16, device="cuda")
+    >>> x = torch.randn(256, 896, dtype=torch.bfloat16, device="cuda")
+    >>> y = linear(x, w)  # [256, 1152]
+    >>> torch.equal(y[7:8], linear(x[7:8], w))  # the row alone: the same bits
+    True
+
+    Note
+    ----
+    CUDA graphs: one launch, grid and output fixed by shapes, no host sync. Row ``r``'s
+    result is bitwise the same for any M and any other rows (`MatmulConfig.tile` reads
+    only N and K, and M is never specialised on).
+    """
+    return _launch(x, w, bias, False, config)
+
+
+def linear_silu_mul(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    *,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``w_gate_up`` = [gate; up] ``[2 I, K]``:
+    `linear` and `fused.silu_mul` in one launch, [M, I] in x's dtype, each product
+    rounded to the dtype before the SwiGLU (so the bits are those of the two steps)."""
+    return _launch(x, w_gate_up, None, True, config)
+
+
+REFERENCE_ROWS = 8  # rows per torch.mm call of linear_reference
+
+
+def linear_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """`linear` in torch (the CPU route; `config` unused): the rows in chunks of exactly
+    REFERENCE_ROWS (the last padded with zero rows), one torch.mm (addmm) per chunk.
+
+    torch's CPU GEMM picks its kernel, blocking and threading by the shape, M included,
+    so a row computed in a batch is not the row computed alone. With every call of one
+    shape [REFERENCE_ROWS, K] x [K, N] the BLAS takes one path, and a row's result does
+    not depend on its place in the chunk or on the rows beside it (the tests check it at
+    every place, for each model shape, dtype and thread count they run)."""
+    _check(x, w, bias, False)
+    M, R = x.shape[0], REFERENCE_ROWS
+    pad = -M % R
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.empty((M + pad, w.shape[0]), dtype=x.dtype, device=x.device)
+    wt = w.t()
+    for i in range(0, M + pad, R):
+        if bias is None:
+            torch.mm(x[i : i + R], wt, out=out[i : i + R])
+        else:
+            torch.addmm(bias, x[i : i + R], wt, out=out[i : i + R])
+    return out[:M] if pad else out
+
+
+def linear_silu_mul_reference(
+    x: torch.Tensor, w_gate_up: torch.Tensor, *, config: MatmulConfig | None = None
+) -> torch.Tensor:
+    """`linear_silu_mul` in torch: `linear_reference`, then silu(gate) * up."""
+    _check(x, w_gate_up, None, True)
+    gate, up = linear_reference(x, w_gate_up).chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,115 @@
+"""The route map of a model's forward: which kernel runs each op, and why a row's bits
+never depend on the batch.
+
+`ForwardOps.select(device, batch_invariant)` binds, once, the functions HFTransformer
+and TinyLM call for every op of a forward over N token rows (each row: a token, its
+position, its slot):
+
+    op              CUDA, invariant (default)   CUDA, batch_invariant=False   CPU
+    linear          matmul.linear (Triton)      cuBLAS (F.linear)             linear_reference
+    gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
+                                                                              references
+    norm (+ add)    fused.residual_rms_norm     same                          its reference
+    rotary + cache  fused.rope_kv_write         same                          its reference
+    attention       attention.decode_attention  same                          its reference
+    prefill         token rows                  token rows                    token rows
+                                                                              (padded SDPA if
+                                                                              not invariant)
+
+Why a row's result is the same in any call (invariant routes):
+- GEMMs: the tile and the K loop's order are functions of the weight's shape (N, K)
+  alone (`matmul.MatmulConfig.tile`); on the CPU each row is its own one-row product.
+- Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
+- Attention: a row reads keys 0..pos of its own slot (within its window) in splits
+  whose size depends on the cache length T alone, combined in one fixed order.
+- Decode, verify and prefill are the same forward over token rows. A decode row is one
+  token per request; verify is B x (K + 1) rows in one call (row t of a request at
+  pos + t); a prefill chunk is one row per prompt token. Each layer writes every row's
+  K/V before any row attends, so row t sees rows 0..t of its request through the cache,
+  exactly the keys that t + 1 successive decodes would have written: verify's logits
+  are bitwise those of K + 1 decodes, and a prompt prefilled in chunks of any budget
+  writes the same cache as the whole prompt.
+
+The bits still depend on the device, the dtype, the model's shapes and the config
+(tiles, splits), and on the CPU on torch's thread count: all fixed for a process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from graphexec.models import attention, fused, matmul
+
+
+def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
+                          silu_mul: Callable) -> torch.Tensor:  # fmt: skip
+    return silu_mul(linear(x, w))
+
+
+def _reference_attention(q, kv, slot_ids, positions, scale, window=None, *, config=None,
+                         rows: int = 64):  # fmt: skip
+    """`attention.decode_attention_reference` over blocks of `rows` rows: it gathers a
+    whole cache row per query, so a prefill of thousands of tokens would otherwise
+    gather them all at once. A row's result does not depend on its block."""
+    if q.shape[0] <= rows:
+        return attention.decode_attention_reference(q, kv, slot_ids, positions, scale, window)
+    return torch.cat([
+        attention.decode_attention_reference(q[i : i + rows], kv, slot_ids[i : i + rows],
+                                             positions[i : i + rows], scale, window)
+        for i in range(0, q.shape[0], rows)
+    ])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ForwardOps:
+    """The functions of one forward route (module docstring). Signatures:
+
+    linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]
+    linear_silu_mul(x [M, K], w_gate_up [2 I, K]) -> silu(gate) * up [M, I]
+    norm(x [M, D], residual [M, D] | None, weight [D], eps) -> (normed, x + residual)
+    rope_kv(qkv [M, (H + 2 KV) hd], positions [M], slots [M], cos, sin, kv, H) -> q
+    attend(q [M, H, hd], kv, slots [M], positions [M], scale, window, config=) -> [M, H, hd]
+    """
+
+    linear: Callable
+    linear_silu_mul: Callable
+    norm: Callable
+    rope_kv: Callable
+    attend: Callable
+    batch_invariant: bool
+    token_rows: bool  # prefill as token rows of the decode forward (else a padded SDPA)
+
+    @classmethod
+    def select(
+        cls,
+        device: torch.device,
+        batch_invariant: bool = True,
+        fused_kernels: bool | None = None,
+        matmul_config: matmul.MatmulConfig | None = None,
+    ) -> ForwardOps:
+        """The route for `device` (module docstring). `fused_kernels`: the Triton norm,
+        rotary and SwiGLU kernels (True) or their torch references (False); None = on
+        CUDA only. Off CUDA, True needs TRITON_INTERPRET=1 (for tests)."""
+        cuda = device.type == "cuda"
+        kernels = cuda if fused_kernels is None else fused_kernels
+        if cuda and batch_invariant and not kernels:
+            raise ValueError("batch_invariant=True on CUDA needs the fused kernels (fused=None "
+                             "or True): torch's CUDA norm picks its launch by the batch")
+        names = ("residual_rms_norm", "rope_kv_write", "silu_mul")
+        norm, rope_kv, silu_mul = (getattr(fused, op if kernels else op + "_reference")
+                                   for op in names)  # fmt: skip
+        if cuda and batch_invariant:
+            lin = partial(matmul.linear, config=matmul_config)
+            lin_silu = partial(matmul.linear_silu_mul, config=matmul_config)
+        else:
+            lin = matmul.linear_reference if batch_invariant else F.linear
+            lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
+        attend = attention.decode_attention if cuda else _reference_attention
+        return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
+                   attend=attend, batch_invariant=batch_invariant,
+                   token_rows=cuda or batch_invariant)  # fmt: skip

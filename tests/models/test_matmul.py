@@ -1,0 +1,155 @@
+"""The batch-invariant GEMM: a row's bits are the same in any call, the kernel agrees with
+its torch reference, and bad arguments are named."""
+
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphexec.models import matmul as mm
+from graphexec.models.fused import silu_mul
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}  # fmt: skip
+
+
+def operands(M: int, N: int, K: int, dtype, seed: int = 0, bias: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+def assert_rows_invariant(fn, x: torch.Tensor, sizes=(1, 2, 7, 16, 37)) -> None:
+    """fn(x[rows]) row by row equals fn(x) for calls of every size in `sizes`, the rows
+    taken at other places (a permutation) so each sits beside other rows."""
+    full = fn(x)
+    g = torch.Generator().manual_seed(1)
+    for m in sizes:
+        pick = torch.randperm(x.shape[0], generator=g)[:m]
+        got = fn(x[pick])
+        bad = (got != full[pick]).any(dim=1).nonzero().flatten().tolist()
+        assert bad == [], f"M={m}: rows {bad} differ from the same rows in a call of {len(x)}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(48, 40), (100, 64), (33, 130), (16, 16)])
+def test_kernel_matches_reference(shape, dtype) -> None:
+    N, K = shape
+    x, w, b = operands(21, N, K, dtype, bias=True)
+    for bias in (None, b):
+        got, want = mm.linear(x, w, bias), mm.linear_reference(x, w, bias)
+        assert got.dtype == dtype and got.shape == (21, N)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+        torch.testing.assert_close(want.float(), F.linear(x.float(), w.float(), None if bias is
+                                   None else bias.float()), **TOL[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_kernel_matches_the_two_steps(dtype) -> None:
+    x, w, _ = operands(19, 2 * 40, 48, dtype)
+    got = mm.linear_silu_mul(x, w)
+    torch.testing.assert_close(got.float(), silu_mul(mm.linear(x, w)).float(), rtol=0, atol=0)
+    want = mm.linear_silu_mul_reference(x, w)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_do_not_depend_on_the_call(dtype) -> None:
+    """Under the interpreter: a row's bits alone, in calls of 2..37 rows and at any place
+    (the tiles hold 16 rows, so rows cross tile boundaries)."""
+    x, w, b = operands(40, 72, 80, dtype, bias=True)
+    assert_rows_invariant(lambda t: mm.linear(t, w, b), x)
+    assert_rows_invariant(lambda t: mm.linear_silu_mul(t, w), x, sizes=(1, 9, 33))
+
+
+# the weight shapes of the CPU-test models (tests/executor/test_batch_invariance.py) and
+# TinyLM's at the cl100k vocabulary
+REFERENCE_SHAPES = [(300, 64), (128, 64), (64, 64), (256, 64), (64, 128), (100277, 128),
+                    (384, 128), (512, 128), (128, 512), (97, 48)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reference_rows_do_not_depend_on_the_call(dtype, threads, restore_threads) -> None:
+    """The CPU route: a row's bits do not depend on the rows beside it or its place in
+    the fixed-size chunks, at every shape the CPU tests run."""
+    torch.set_num_threads(threads)
+    for N, K in REFERENCE_SHAPES:
+        x, w, b = operands(24 if N > 50_000 else 40, N, K, dtype, seed=N + K, bias=True)
+        assert_rows_invariant(lambda t, w=w, b=b: mm.linear_reference(t, w, b), x,
+                              sizes=(1, 3, 8, 13))  # fmt: skip
+
+
+def test_tile_depends_on_the_weight_shape_only() -> None:
+    cfg = mm.MatmulConfig.gpu()
+    t = cfg.tile(151936, 896)
+    assert t.block_n == cfg.max_block_n and t.block_k == cfg.short_block_k
+    assert cfg.tile(896, 4864).block_n == 16 and cfg.tile(896, 4864).block_k == cfg.block_k
+    tuned = mm.MatmulTile(32, 64, 256, 8, 3)
+    assert cfg.replace(tiles=((896, 4864, tuned),)).tile(896, 4864) == tuned
+    assert cfg.replace(tiles=((896, 4864, tuned),)).tile(896, 896) == cfg.tile(896, 896)
+
+
+def test_bad_arguments_are_named() -> None:
+    x, w, b = operands(4, 8, 16, torch.float32, bias=True)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        mm.linear(x, w.t())
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        mm.linear(x, w, b[:4])
+    with pytest.raises(ValueError, match="one dtype"):
+        mm.linear(x, w.double())
+    with pytest.raises(ValueError, match=r"\[2 I, K\]"):
+        mm.linear_silu_mul(x, w[:7])
+    with pytest.raises(ValueError, match="contiguous"):
+        mm.linear(x.t().contiguous().t(), w)
+    with pytest.raises(ValueError, match="block_m"):
+        mm.MatmulConfig(block_m=24)
+    with pytest.raises(ValueError, match="min_programs"):
+        mm.MatmulConfig(min_programs=0)
+    assert mm.linear(x[:0], w).shape == (0, 8)
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+QWEN_05B = [(1152, 896, True), (896, 896, False), (896, 4864, False), (151936, 896, False)]
+LLAMA_1B = [(3072, 2048, False), (2048, 2048, False), (2048, 8192, False), (128256, 2048, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,bias", QWEN_05B + LLAMA_1B)
+def test_cuda_rows_are_the_bits_of_the_row_alone(N, K, bias) -> None:
+    """bf16 at the real models' shapes: row r of a call of M rows equals the same row
+    computed alone (M = 1), for M = 1, 7, 64, 256, 1000 and every row; and the values
+    are cuBLAS's to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(1000, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
+    b = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16) if bias else None
+    alone = torch.cat([mm.linear(x[i : i + 1], w, b) for i in range(0, 1000, 37)])
+    for M in (1, 7, 64, 256, 1000):
+        got = mm.linear(x[:M], w, b)
+        idx = torch.arange(0, M, 37, device="cuda")
+        assert torch.equal(got[idx], alone[: idx.numel()]), M
+        if M > 1:  # every row, not only the sampled ones: against a call of 1000 rows
+            assert torch.equal(got, mm.linear(x, w, b)[:M]), M
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    err = (mm.linear(x, w, b).float() - want).norm() / want.norm()
+    assert err < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_silu_mul_rows_are_the_bits_of_the_row_alone() -> None:
+    for inter, K in ((4864, 896), (8192, 2048)):
+        g = torch.Generator(device="cuda").manual_seed(inter)
+        x = torch.randn(300, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        w = torch.randn(2 * inter, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
+        full = mm.linear_silu_mul(x, w)
+        for M in (1, 7, 64, 256):
+            assert torch.equal(mm.linear_silu_mul(x[:M], w), full[:M]), M
+        assert torch.equal(full, silu_mul(mm.linear(x, w)))
