@@ -32,9 +32,11 @@ benchmarks/results/; a markdown table is printed last.
 
 Model (`--model PATH|CONFIG`; step_model.py): the steady scenario on a real model shape
 (a checkpoint folder, or a config with seeded random weights: `qwen2.5-0.5b`,
-`llama-3.2-1b` in benchmarks/configs/) instead of TinyLM, greedy, at B in 1 8 32 128:
-replay vs eager, decode tokens/s, host overhead, and transformers' own `generate` with its
-static cache on the same weights and batch; step-model-<name>-<device>-<date>.json.
+`llama-3.2-1b` in benchmarks/configs/) instead of TinyLM, greedy, at B in 1 8 32 128 256:
+replay vs eager, the batch-invariant step against the cuBLAS one, the speculative step
+(n-gram, K = 3, every draft accepted) against the plain one, decode tokens/s, host
+overhead, and transformers' own `generate` with its static cache on the same weights and
+batch; step-model-<name>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 """
@@ -213,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"),
                    help="new tokens of the two timed generate calls (prefill cancels)")  # fmt: skip
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
+    m.add_argument("--spec-max-batch", type=int, default=32,
+                   help="the speculative step is timed at the batches up to this")  # fmt: skip
     m.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="skip transformers rows that would start after S seconds")  # fmt: skip
     args = ap.parse_args(argv)
@@ -222,7 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.hf_tokens[0] >= args.hf_tokens[1] or args.hf_tokens[0] < 1:
         ap.error("--hf-tokens N1 N2 needs 1 <= N1 < N2")
     if args.batches is None:
-        args.batches = [1, 8, 32, 128] if args.model else [1, 8, 32, 128, 256]
+        args.batches = [1, 8, 32, 128, 256]
     return args
 
 

@@ -21,6 +21,12 @@ def plot_model(result: dict, path: str, plt) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     ax[0].plot(bs, [r["tokens_per_s"] for r in rows], "o-", label="graphexec replay")
     ax[0].plot(bs, [r["eager_tokens_per_s"] for r in rows], "x--", label="graphexec eager")
+    cub = [(r["batch"], r["cublas"]["tokens_per_s"]) for r in rows if "cublas" in r]
+    if cub:
+        ax[0].plot(*zip(*cub, strict=True), "d-.", label="graphexec replay, cuBLAS (not invariant)")
+    spec = [(r["batch"], r["spec"]["tokens_per_s"]) for r in rows if "spec" in r]
+    if spec:
+        ax[0].plot(*zip(*spec, strict=True), "^-", label="graphexec replay, n-gram K=3")
     modes = sorted({m for r in rows for m in r.get("transformers", {})})
     for mode in modes:
         pts = [(r["batch"], r["transformers"][mode].get("tokens_per_s")) for r in rows

@@ -1,6 +1,7 @@
-"""The model scenario of `bench_step.py --model` (issue 19): the decode step of a real
-model shape, replay vs eager, side by side with transformers' own `generate` (static
-cache) on the same weights and batch.
+"""The model scenario of `bench_step.py --model`: the decode step of a real model shape,
+replay vs eager, the batch-invariant forward against the cuBLAS one, the speculative
+step against the plain one, and transformers' own `generate` (static cache) on the same
+weights and batch.
 
 `--model` names a checkpoint folder (config.json + safetensors: `HFTransformer.
 from_pretrained`), a config .json, or a config in benchmarks/configs/ by name
@@ -10,7 +11,18 @@ random weights (`graphexec.models.hf_random`) made on the device, in `--dtype`.
 Ours: `DecodeExecutor` over `HFTransformer`, buckets = the batches, the greedy
 `no_filter` key captured per bucket; B requests of `--prompt-len` seeded random tokens
 (temperature 0, no EOS); `bench_step.measure` times `ex.step()` replayed and eager (wall,
-and the host work around the replay). Decode tokens/s = B / replayed step wall.
+and the host work around the replay). Decode tokens/s = B / replayed step wall. Ours is
+the default, batch-invariant HFTransformer; the same executor over
+HFTransformer(batch_invariant=False) (cuBLAS GEMMs) is timed replayed beside it:
+invariant_cost = invariant step / cuBLAS step.
+
+Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
+K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,
+greedy), so the drafter proposes at every step (one draft: in a constant history the
+latest earlier match has one successor, which is accepted) and every timed step replays
+the spec_k = 3 key: one forward over K + 1 = 4 tokens a row, then verification (the
+rows' pads cost what drafts cost). spec_vs_plain = that step's replayed wall / the plain
+step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key.
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -23,8 +35,10 @@ decoding forward (`torch.compile`, its CompileConfig: mode "reduce-overhead", CU
 graphs) when the static cache allows (`_valid_auto_compile_criteria`); each row records
 whether it did and with which config. Mode `eager` passes `disable_compile=True`.
 
-Targets (TARGETS): replayed step at B=1 >= 3x faster than eager; at B=32 our tokens/s
->= 2x transformers' `default` generate; executor host overhead < 100 us at B=128.
+Targets (TARGETS): the invariant step within 1.10x of the cuBLAS step at every B; the
+speculative step (4 tokens a row) within 1.5x of the plain step at every B <= 32; at B=32
+our tokens/s >= 2x transformers' `default` generate; replayed step at B=1 >= 3x faster
+than eager; executor host overhead < 100 us at B=128.
 """
 
 from __future__ import annotations
@@ -47,7 +61,9 @@ from graphexec.params import SamplerVariant as SV
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODES = ("default", "eager")
-TARGETS = dict(replay_speedup_b1=3.0, vs_transformers_b32=2.0, host_us_b128=100.0)
+TARGETS = dict(invariant_cost=1.10, spec_vs_plain=1.5, vs_transformers_b32=2.0,
+               replay_speedup_b1=3.0, host_us_b128=100.0)  # fmt: skip
+AT_MOST = ("invariant_cost", "spec_vs_plain", "host_us_b128")
 
 
 def resolve(spec: str) -> tuple[str, dict, Path | None]:
@@ -81,8 +97,9 @@ def free(device: str) -> None:
 # ------------------------------------------------------------------------------ ours
 
 
-def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], dict]:
-    """Replay and eager rows per batch (bench_step.measure) on an executor over `model`."""
+def run_ours(args, measure, model, prompts: torch.Tensor,
+             eager: bool = True) -> tuple[list[dict], dict]:  # fmt: skip
+    """Replay (and eager) rows per batch (bench_step.measure) on an executor over `model`."""
     mb, plen = max(args.batches), prompts.shape[1]
     ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,
                            buckets=sorted(set(args.batches)),
@@ -99,6 +116,10 @@ def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], d
         r = dict(batch=B)
         try:
             r["replay"] = measure(ex, B, greedy, args.steps, None, prompts=listed)
+            if not eager:
+                rows.append(r)
+                print(f"cuBLAS B={B:4d} replay {r['replay']['wall_us']:9.1f} us", flush=True)
+                continue
             r["eager"] = measure(ex, B, greedy, args.steps, "eager", prompts=listed)
         except Exception as e:  # one batch failing (out of memory) keeps the others
             rows.append(dict(batch=B, error=f"{type(e).__name__}: {str(e)[:400]}"))
@@ -119,6 +140,49 @@ def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], d
     info["replays"] = {str(k): n for k, n in ex.stats.replays.items()}
     info["eager_steps"] = {str(k): n for k, n in ex.stats.eager_steps.items()}
     return rows, info
+
+
+def run_spec(args, model, batches: list[int]) -> list[dict]:
+    """The speculative step (module docstring): replayed wall per step and tokens per
+    step, at each B of `batches`."""
+    k, steps = 3, min(args.steps, 40)
+    mb = max(batches)
+    ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,
+                           buckets=sorted(set(batches)),
+                           speculative=gx.SpeculativeConfig(k, drafter="ngram"))  # fmt: skip
+    ex.capture([GraphKey(SV("no_filter"), b, False, s) for b in sorted(set(batches))
+                for s in (0, k)], progress=False)  # fmt: skip
+    rows = []
+    for B in batches:
+        for i in range(B):
+            t = 1 + 37 * i % (model.vocab_size - 1)
+            p = gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True, logit_bias={t: 100.0},
+                                  max_tokens=(steps + 8) * (k + 1))  # fmt: skip
+            ex.add_request(f"s{i}", [t] * args.prompt_len, p)
+        for _ in range(3):
+            ex.step()
+        before = sum(n for key, n in ex.stats.replays.items() if key.spec_k == k)
+        walls, emitted = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            outs = ex.step()
+            walls.append(time.perf_counter() - t0)
+            emitted.append(len(outs))
+        for i in range(B):
+            ex.abort(f"s{i}")
+        ex.step()
+        spec_steps = sum(n for key, n in ex.stats.replays.items() if key.spec_k == k) - before
+        wall = statistics.median(walls) * 1e6
+        r = dict(batch=B, k=k, wall_us=wall, tokens_per_step=statistics.median(emitted),
+                 tokens_per_s=statistics.median(emitted) / wall * 1e6, steps=steps,
+                 spec_key_steps=spec_steps)  # fmt: skip
+        rows.append(r)
+        print(f"spec   B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
+              f"step, {(k + 1) * B} rows verified; {spec_steps}/{steps} steps on the spec_k={k} "
+              "key", flush=True)  # fmt: skip
+    info = dict(drafted=ex.stats.drafted, accepted=ex.stats.accepted)
+    print(f"spec drafts accepted: {info['accepted']}/{info['drafted']}", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------- transformers
@@ -259,16 +323,19 @@ def run_transformers(result: dict, cfg, state, folder, dtype, prompts, args, sav
 
 
 def load(cfg: dict, folder: Path | None, device: str, dtype: torch.dtype, max_seq_len: int,
-         seed: int = 0) -> tuple[gx.models.HFTransformer, dict | None]:  # fmt: skip
-    """Our model from the checkpoint folder, else random weights of `cfg`; and the random
-    state dict (None for a checkpoint), for transformers' copy."""
+         seed: int = 0, state: dict | None = None,
+         **options) -> tuple[gx.models.HFTransformer, dict | None]:  # fmt: skip
+    """Our model from the checkpoint folder, else random weights of `cfg` (`state` when
+    given); and the random state dict (None for a checkpoint), for transformers' copy.
+    `options`: HFTransformer's keyword arguments (batch_invariant)."""
     if folder is not None:
-        model = gx.models.HFTransformer.from_pretrained(folder, device=device, dtype=dtype,
-                                                        max_seq_len=max_seq_len)  # fmt: skip
+        model = gx.models.HFTransformer.from_pretrained(
+            folder, device=device, dtype=dtype, max_seq_len=max_seq_len, **options)  # fmt: skip
         return model, None
-    state = random_state_dict(cfg, seed=seed, device=device, dtype=dtype)
+    if state is None:
+        state = random_state_dict(cfg, seed=seed, device=device, dtype=dtype)
     model = gx.models.HFTransformer(cfg, state, device=device, dtype=dtype,
-                                    max_seq_len=max_seq_len)  # fmt: skip
+                                    max_seq_len=max_seq_len, **options)  # fmt: skip
     return model, state
 
 
@@ -300,9 +367,25 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
         dtype=args.dtype, max_seq_len=args.max_seq_len, params=params, load_s=load_s,
         seed=args.seed), prompt_len=args.prompt_len, steps=args.steps, targets=TARGETS)  # fmt: skip
     rows, info = run_ours(args, measure, model, prompts)
-    result.update(rows=rows, ours=info)
+    spec_batches = [b for b in args.batches if b <= args.spec_max_batch]
+    spec = run_spec(args, model, spec_batches) if spec_batches else []
     del model
     free(args.device)
+    cublas, _ = load(cfg, folder, args.device, dtype, args.max_seq_len, args.seed, state,
+                     batch_invariant=False)  # fmt: skip
+    cub_rows, cub_info = run_ours(args, measure, cublas, prompts, eager=False)
+    del cublas
+    free(args.device)
+    for r in rows:
+        c = next((c for c in cub_rows if c["batch"] == r["batch"] and "replay" in c), None)
+        sp = next((x for x in spec if x["batch"] == r["batch"]), None)
+        if c is not None and "replay" in r:
+            r["cublas"] = dict(replay=c["replay"], tokens_per_s=r["batch"] / c["replay"][
+                "wall_us"] * 1e6)  # fmt: skip
+            r["invariant_cost"] = r["replay"]["wall_us"] / c["replay"]["wall_us"]
+        if sp is not None and "replay" in r:
+            r["spec"] = dict(sp, vs_plain=sp["wall_us"] / r["replay"]["wall_us"])
+    result.update(rows=rows, ours=info, cublas=cub_info)
     os.makedirs(args.out, exist_ok=True)
     dev = header["device"].lower().replace(" ", "-")
     path = os.path.join(args.out, f"step-model-{name}-{dev}-{header['date']}.json")
@@ -327,9 +410,12 @@ def judge(result: dict) -> dict:
     """Each target's measured value and whether it is met (None: not measured)."""
     b1, b32, b128 = _at(result, 1), _at(result, 32), _at(result, 128)
     ratio = (b32 or {}).get("vs_transformers", {}).get("default")
-    vals = dict(replay_speedup_b1=(b1 or {}).get("speedup"), vs_transformers_b32=ratio,
+    costs = [r["invariant_cost"] for r in result.get("rows", []) if "invariant_cost" in r]
+    specs = [r["spec"]["vs_plain"] for r in result.get("rows", []) if "spec" in r]
+    vals = dict(invariant_cost=max(costs, default=None), spec_vs_plain=max(specs, default=None),
+                vs_transformers_b32=ratio, replay_speedup_b1=(b1 or {}).get("speedup"),
                 host_us_b128=(b128 or {}).get("replay", {}).get("host_us"))  # fmt: skip
-    met = {k: None if v is None else (v < TARGETS[k] if k == "host_us_b128" else v >= TARGETS[k])
+    met = {k: None if v is None else (v <= TARGETS[k] if k in AT_MOST else v >= TARGETS[k])
            for k, v in vals.items()}  # fmt: skip
     return dict(values=vals, met=met)
 
@@ -345,9 +431,9 @@ def markdown(result: dict) -> str:
     m = result["model"]
     modes = [k for k in MODES if any(k in r.get("transformers", {}) for r in result["rows"])]
     extra = [k for k in modes if k != "default"]
-    head = ["B", "replay us", "eager us", "eager/replay", "host us", "our tok/s",
-            "transformers tok/s", "ours/transformers"] + [f"transformers {k} tok/s"
-                                                          for k in extra]  # fmt: skip
+    head = ["B", "replay us", "cuBLAS replay us", "invariant/cuBLAS", "spec K=3 step us",
+            "spec/plain", "eager us", "host us", "our tok/s", "transformers tok/s",
+            "ours/transformers"] + [f"transformers {k} tok/s" for k in extra]  # fmt: skip
     lines = [f"{m['name']} ({m['source']}, {m['dtype']}) on {result['device']}, "
              f"{result['date']}; transformers "
              f"{result.get('transformers', {}).get('version', 'missing')}",
@@ -358,8 +444,12 @@ def markdown(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['batch']} | error: {r['error'][:60]} |" + " |" * (len(head) - 2))
             continue
-        cells = [str(r["batch"]), f"{r['replay']['wall_us']:.0f}", f"{r['eager']['wall_us']:.0f}",
-                 f"{r['speedup']:.1f}x", f"{r['replay']['host_us']:.0f}",
+        cub, sp = r.get("cublas"), r.get("spec")
+        cells = [str(r["batch"]), f"{r['replay']['wall_us']:.0f}",
+                 f"{cub['replay']['wall_us']:.0f}" if cub else "-",
+                 f"{r['invariant_cost']:.3f}x" if cub else "-",
+                 f"{sp['wall_us']:.0f}" if sp else "-", f"{sp['vs_plain']:.2f}x" if sp else "-",
+                 f"{r['eager']['wall_us']:.0f}", f"{r['replay']['host_us']:.0f}",
                  f"{r['tokens_per_s']:.0f}", _cell(hf, "default"),
                  f"{ratio:.2f}x" if ratio else "-", *(_cell(hf, k) for k in extra)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -370,8 +460,11 @@ def markdown(result: dict) -> str:
         how = f", mode={cc.get('mode')}, fullgraph={cc.get('fullgraph')}" if cc else ""
         lines.append(f"\ntransformers generate (default): compiled={comp[0]['compiled']}{how}")
     j = judge(result)
-    names = dict(replay_speedup_b1="replayed decode at B=1 >= 3x faster than eager",
+    names = dict(invariant_cost="invariant step <= 1.10x the cuBLAS step at every B (worst)",
+                 spec_vs_plain="speculative step (4 tokens a row) <= 1.5x the plain step at "
+                               "B <= 32 (worst)",
                  vs_transformers_b32="B=32 tokens/s >= 2x transformers generate (static cache)",
+                 replay_speedup_b1="replayed decode at B=1 >= 3x faster than eager",
                  host_us_b128="executor host overhead per step < 100 us at B=128")  # fmt: skip
     lines.append("")
     for k, text in names.items():

@@ -136,6 +136,14 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
     for r in result["rows"]:
         assert r["replay"]["wall_us"] > 0 and r["eager"]["wall_us"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["replay"]["wall_us"] * 1e6)
+        # the cuBLAS route beside it, and the speculative step (every draft accepted)
+        assert r["invariant_cost"] == pytest.approx(
+            r["replay"]["wall_us"] / r["cublas"]["replay"]["wall_us"])
+        sp = r["spec"]  # one draft a step, accepted, and the bonus token
+        assert sp["k"] == 3 and sp["tokens_per_step"] == 2 * r["batch"]
+        assert sp["spec_key_steps"] == sp["steps"] == 3
+        assert r["spec"]["vs_plain"] == pytest.approx(r["spec"]["wall_us"]
+                                                      / r["replay"]["wall_us"])  # fmt: skip
         for mode in ("default", "eager"):
             hf = r["transformers"][mode]
             assert "error" not in hf, hf
@@ -148,7 +156,8 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
     assert set(result["met"]["values"]) == set(step_model.TARGETS)
     assert result["met"]["met"]["vs_transformers_b32"] is None  # no B=32 row
     out = capsys.readouterr().out
-    head = "| B | replay us | eager us | eager/replay | host us | our tok/s | transformers tok/s |"
+    head = ("| B | replay us | cuBLAS replay us | invariant/cuBLAS | spec K=3 step us | spec/plain "
+            "| eager us | host us | our tok/s | transformers tok/s |")
     assert head in out
     assert "B=32 tokens/s >= 2x transformers generate (static cache): not measured" in out
 
@@ -164,15 +173,21 @@ def test_model_bench_without_transformers_keeps_our_rows(tmp_path, monkeypatch, 
 
 
 def test_targets_are_judged():
-    def row(B, speedup, host, vs=None):
+    def row(B, speedup, host, cost, spec=None, vs=None):
         r = dict(batch=B, speedup=speedup, replay=dict(wall_us=10.0, host_us=host),
-                 eager=dict(wall_us=10.0 * speedup), tokens_per_s=B * 1e5)  # fmt: skip
+                 eager=dict(wall_us=10.0 * speedup), tokens_per_s=B * 1e5,
+                 invariant_cost=cost)  # fmt: skip
+        if spec:
+            r["spec"] = dict(vs_plain=spec)
         return dict(r, vs_transformers=dict(default=vs)) if vs else r
 
-    res = dict(rows=[row(1, 3.5, 20.0), row(32, 1.0, 30.0, vs=1.5), row(128, 1.0, 120.0)])
+    res = dict(rows=[row(1, 3.5, 20.0, 1.05, spec=1.2), row(32, 1.0, 30.0, 1.02, 1.6, vs=1.5),
+                     row(128, 1.0, 120.0, 1.08)])  # fmt: skip
     j = step_model.judge(res)
-    assert j["values"] == dict(replay_speedup_b1=3.5, vs_transformers_b32=1.5, host_us_b128=120.0)
-    assert j["met"] == dict(replay_speedup_b1=True, vs_transformers_b32=False, host_us_b128=False)
+    assert j["values"] == dict(invariant_cost=1.08, spec_vs_plain=1.6, replay_speedup_b1=3.5,
+                               vs_transformers_b32=1.5, host_us_b128=120.0)  # fmt: skip
+    assert j["met"] == dict(invariant_cost=True, spec_vs_plain=False, replay_speedup_b1=True,
+                            vs_transformers_b32=False, host_us_b128=False)  # fmt: skip
 
 
 def test_short_max_seq_len_and_bad_options_are_refused(tmp_path):
@@ -183,7 +198,7 @@ def test_short_max_seq_len_and_bad_options_are_refused(tmp_path):
         bench_step.parse_args(["--model", "x", "--hf-modes", "compiled"])
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--model", "x", "--hf-tokens", "5", "5"])
-    assert bench_step.parse_args(["--model", "x"]).batches == [1, 8, 32, 128]
+    assert bench_step.parse_args(["--model", "x"]).batches == [1, 8, 32, 128, 256]
     assert bench_step.parse_args([]).batches == [1, 8, 32, 128, 256]
     assert bench_step.parse_args(["--hf-modes", "off"]).hf_modes == []
 
@@ -222,5 +237,6 @@ def test_a_failing_batch_keeps_the_others(tmp_path, one_thread):
     bad, good = result["rows"]
     assert bad == dict(batch=2, error="OutOfMemoryError: no room", transformers=bad["transformers"])
     assert good["batch"] == 1 and good["tokens_per_s"] > 0 and good["vs_transformers"]["eager"]
+    assert "invariant_cost" in good and "invariant_cost" not in bad
     assert "| 2 | error: OutOfMemoryError: no room |" in step_model.markdown(result)
     assert result["met"]["values"]["replay_speedup_b1"] == good["speedup"]
