@@ -15,9 +15,13 @@
 #       its table (plot_verify.py --markdown); log: $OUT/bench-verify.log
 #   bash benchmarks/gpu/run.sh step [bench_step args...]
 #       benchmarks/bench_step.py --out $OUT; log: $OUT/bench-step.log
+#   bash benchmarks/gpu/run.sh matmul [bench_matmul args...]
+#       benchmarks/bench_matmul.py --out $OUT; log: $OUT/bench-matmul.log
+#   bash benchmarks/gpu/run.sh check [determinism_check args...]
+#       tools/determinism_check.py; log: $OUT/determinism-check.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step matmul check)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -82,6 +86,18 @@ step() {
     tail -n 25 "$OUT/bench-step.log"
 }
 
+matmul() {
+    python benchmarks/bench_matmul.py --out "$OUT" "$@" >"$OUT/bench-matmul.log" 2>&1
+    echo "bench_matmul exit code: $?"
+    tail -n 30 "$OUT/bench-matmul.log"
+}
+
+check() {
+    python tools/determinism_check.py "$@" >"$OUT/determinism-check.log" 2>&1
+    echo "determinism_check exit code: $?"
+    grep -v "^INFO" "$OUT/determinism-check.log" | tail -n 40
+}
+
 rc=0
 for phase in ${phases//,/ }; do
     case "$phase" in
@@ -89,6 +105,8 @@ for phase in ${phases//,/ }; do
     bench) bench "$@" || rc=1 ;;
     verify) verify "$@" || rc=1 ;;
     step) step "$@" || rc=1 ;;
+    matmul) matmul "$@" || rc=1 ;;
+    check) check "$@" || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac
 done
