@@ -104,12 +104,11 @@ def graph_time_us(fns, reps: int) -> float:
     return statistics.median(times)
 
 
-def candidates() -> list[mm.MatmulTile]:
+def candidates(args) -> list[mm.MatmulTile]:
     out = []
-    for bm, bn, bk, (w, st) in itertools.product(
-        (16, 64), (16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4))
-    ):
-        if st * (bm + 2 * bn) * bk * 2 > 200 << 10:  # shared memory (silu: two w tiles)
+    ws = [tuple(map(int, x.split(","))) for x in args.warps_stages]
+    for bm, bn, bk, (w, st) in itertools.product(args.block_m, args.block_n, args.block_k, ws):
+        if st * (bm + 2 * bn) * bk * 2 > 220 << 10:  # shared memory (silu: two w tiles)
             continue
         out.append(mm.MatmulTile(bm, bn, bk, w, st))
     return out
@@ -141,7 +140,7 @@ def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int)
 
 def run(args) -> dict:
     shape_list = [s for m in args.models for s in shapes(m)]
-    tiles = candidates() if args.sweep else []
+    tiles = candidates(args) if args.sweep else []
     if tiles:
         t0 = time.perf_counter()
         precompile(shape_list, tiles, args.workers)
@@ -213,6 +212,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--warps-stages", nargs="+", default=["4,3", "4,4", "8,4"],
+                    metavar="W,S", help="the sweep's (num_warps, num_stages) pairs")  # fmt: skip
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="stop sweeping candidates after S seconds")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")

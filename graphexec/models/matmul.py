@@ -50,6 +50,21 @@ class MatmulTile:
     num_stages: int
 
 
+# (N, K, (block_m, block_n, block_k, num_warps, num_stages)); gate/up's N is I (its output)
+GPU_TILES = (
+    (1152, 896, (64, 32, 128, 4, 4)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 16, 128, 4, 4)),  # o
+    (4864, 896, (64, 32, 64, 4, 4)),  # gate/up + SwiGLU
+    (896, 4864, (64, 16, 128, 4, 4)),  # down
+    (151936, 896, (64, 128, 64, 4, 3)),  # LM head
+    (3072, 2048, (64, 32, 128, 4, 3)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 32, 128, 4, 4)),  # o
+    (8192, 2048, (64, 64, 64, 4, 4)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 32, 128, 4, 4)),  # down
+    (128256, 2048, (64, 128, 64, 4, 3)),  # LM head
+)
+
+
 @dataclass(frozen=True)
 class MatmulConfig:
     """How `linear` tiles a weight of shape [N, K]; `tile(N, K)` depends on nothing else.
@@ -84,7 +99,10 @@ class MatmulConfig:
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
-        return cls()
+        """The rule, and tuned tiles for the weights of Qwen2.5-0.5B and Llama-3.2-1B
+        (benchmarks/bench_matmul.py --sweep on an H100: the tile of least worst ratio to
+        cuBLAS over M = 1..256)."""
+        return cls(tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES))
 
     @classmethod
     def interpreter(cls) -> MatmulConfig:
