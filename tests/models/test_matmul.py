@@ -87,13 +87,20 @@ def test_reference_rows_do_not_depend_on_the_call(dtype, threads, restore_thread
 
 
 def test_tile_depends_on_the_weight_shape_only() -> None:
-    cfg = mm.MatmulConfig.gpu()
-    t = cfg.tile(151936, 896)
-    assert t.block_n == cfg.max_block_n and t.block_k == cfg.short_block_k
-    assert cfg.tile(896, 4864).block_n == 16 and cfg.tile(896, 4864).block_k == cfg.block_k
+    """The rule: block_n the largest power of two that keeps min_programs column tiles,
+    block_k by K; a tuned tile of the table wins for its shape only."""
+    rule = mm.MatmulConfig(max_block_n=128, min_programs=264, block_k=128, short_block_k=64,
+                           long_k=1024)  # fmt: skip
+    assert (rule.tile(151936, 896).block_n, rule.tile(151936, 896).block_k) == (128, 64)
+    assert (rule.tile(896, 4864).block_n, rule.tile(896, 4864).block_k) == (16, 128)
+    assert rule.tile(16896, 2048).block_n == 64  # 264 tiles of 64; 132 of 128 would be too few
     tuned = mm.MatmulTile(32, 64, 256, 8, 3)
-    assert cfg.replace(tiles=((896, 4864, tuned),)).tile(896, 4864) == tuned
-    assert cfg.replace(tiles=((896, 4864, tuned),)).tile(896, 896) == cfg.tile(896, 896)
+    assert rule.replace(tiles=((896, 4864, tuned),)).tile(896, 4864) == tuned
+    assert rule.replace(tiles=((896, 4864, tuned),)).tile(896, 896) == rule.tile(896, 896)
+    gpu = mm.MatmulConfig.gpu()
+    assert {(n, k) for n, k, _ in gpu.tiles} == {(n, k) for n, k, _ in mm.GPU_TILES}
+    assert gpu.tile(151936, 896) == mm.MatmulTile(*dict(((n, k), t) for n, k, t in
+                                                        mm.GPU_TILES)[151936, 896])  # fmt: skip
 
 
 def test_bad_arguments_are_named() -> None:
