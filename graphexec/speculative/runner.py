@@ -27,7 +27,7 @@ from graphexec.graphs import GraphKey
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import RequestOutput
 from graphexec.speculative.config import SpeculativeConfig
-from graphexec.speculative.ngram import TokenHistory, ngram_drafts
+from graphexec.speculative.ngram import TokenHistory
 from graphexec.speculative.step import SpecBuffers, spec_step
 
 
@@ -113,7 +113,7 @@ class SpecRunner:
         if self.draft is None:
             cfg = self.config
             drafts = [
-                ngram_drafts(r.history.tokens, int(a), cfg.ngram_max, cfg.ngram_min) if a else []
+                r.history.drafts(int(a), cfg.ngram_max, cfg.ngram_min) if a else []
                 for r, a in zip(rows, allow.tolist(), strict=True)
             ]
         else:
@@ -135,9 +135,10 @@ class SpecRunner:
         host[:, 0] = 0
         host[:, 1:] = -1
         host[:n, 0] = torch.from_numpy(allow)
+        rows_np = host.numpy()  # the pinned buffer's memory: no tensor per row
         for i, d in enumerate(drafts):
             if d:
-                host[i, 1 : 1 + len(d)] = torch.tensor(d, dtype=torch.int64)
+                rows_np[i, 1 : 1 + len(d)] = d
         dev = self.buffers[spec_k].spec_in
         dev[: key.bucket].copy_(host[:, : dev.shape[1]], non_blocking=True)
         self._allow[start : start + n] = allow

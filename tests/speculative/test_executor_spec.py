@@ -206,6 +206,24 @@ def test_ngram_drafts_take_the_longest_latest_match():
     assert hist.tokens.tolist() == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("alphabet", [[1, 2, 3], [0, 1, 256, 65536, 65537, 16777216], [7]])
+def test_history_drafts_equal_the_array_definition(alphabet):
+    """TokenHistory.drafts (a backward byte search) against ngram_drafts on random
+    histories, grown as the executor grows them; the second alphabet makes byte patterns
+    that match across token boundaries (which must not count)."""
+    rng = np.random.default_rng(len(alphabet))
+    for _ in range(60):
+        tokens = rng.choice(alphabet, size=int(rng.integers(1, 12))).tolist()
+        hist = TokenHistory(tokens, capacity=4)
+        for _ in range(8):
+            for k, hi, lo in ((3, 4, 1), (2, 3, 2), (5, 2, 1)):
+                assert hist.drafts(k, hi, lo) == ngram_drafts(hist.tokens, k, hi, lo), (
+                    hist.tokens.tolist(), k, hi, lo)  # fmt: skip
+            hist.extend(rng.choice(alphabet, size=int(rng.integers(1, 4))).tolist())
+    h = TokenHistory([1, 0, 0, 0, 0, 1, 5, 256], capacity=8)  # bytes of "256" inside "1, 0"
+    assert h.drafts(2, 1, 1) == ngram_drafts(h.tokens, 2, 1, 1) == []
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
