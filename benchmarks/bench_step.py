@@ -215,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-tokens", type=int, nargs=2, default=[32, 160], metavar=("N1", "N2"),
                    help="new tokens of the two timed generate calls (prefill cancels)")  # fmt: skip
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
+    m.add_argument("--hf-batches", type=int, nargs="+", default=None,
+                   help="time transformers at these batches only (default: every one)")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
     m.add_argument("--time-budget", type=float, default=None, metavar="S",

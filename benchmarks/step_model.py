@@ -13,8 +13,9 @@ Ours: `DecodeExecutor` over `HFTransformer`, buckets = the batches, the greedy
 (temperature 0, no EOS); `bench_step.measure` times `ex.step()` replayed and eager (wall,
 and the host work around the replay). Decode tokens/s = B / replayed step wall. Ours is
 the default, batch-invariant HFTransformer; the same executor over
-HFTransformer(batch_invariant=False) (cuBLAS GEMMs) is timed replayed beside it:
-invariant_cost = invariant step / cuBLAS step.
+HFTransformer(batch_invariant=False) (cuBLAS GEMMs) is timed replayed beside it, the
+two executors' steps interleaved (`run_paired`): invariant_cost = invariant step /
+cuBLAS step, both from that paired run.
 
 Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
 K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,
@@ -44,6 +45,7 @@ than eager; executor host overhead < 100 us at B=128.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -97,29 +99,33 @@ def free(device: str) -> None:
 # ------------------------------------------------------------------------------ ours
 
 
-def run_ours(args, measure, model, prompts: torch.Tensor,
-             eager: bool = True) -> tuple[list[dict], dict]:  # fmt: skip
-    """Replay (and eager) rows per batch (bench_step.measure) on an executor over `model`."""
-    mb, plen = max(args.batches), prompts.shape[1]
+def steady_executor(args, model, prompt_len: int) -> tuple[gx.DecodeExecutor, dict]:
+    """An executor over `model` with the greedy no_filter key captured per batch."""
+    mb = max(args.batches)
     ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,
                            buckets=sorted(set(args.batches)),
-                           prefill_budget=max(1024, mb * plen))  # fmt: skip
+                           prefill_budget=max(1024, mb * prompt_len))  # fmt: skip
     keys = [GraphKey(SV("no_filter"), b, False) for b in sorted(set(args.batches))]
     t0 = time.perf_counter()
     ex.capture(keys, progress=False)
     info = dict(capture_s=time.perf_counter() - t0, keys=[str(k) for k in keys],
                 capture_failed={str(k): e for k, e in ex.stats.failed.items()})  # fmt: skip
-    greedy = lambda i: gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True)
+    return ex, info
+
+
+def greedy(i: int) -> gx.SamplingParams:
+    return gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True)
+
+
+def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], dict]:
+    """Replay and eager rows per batch (bench_step.measure) on an executor over `model`."""
+    ex, info = steady_executor(args, model, prompts.shape[1])
     listed = prompts.tolist()
     rows = []
     for B in args.batches:
         r = dict(batch=B)
         try:
             r["replay"] = measure(ex, B, greedy, args.steps, None, prompts=listed)
-            if not eager:
-                rows.append(r)
-                print(f"cuBLAS B={B:4d} replay {r['replay']['wall_us']:9.1f} us", flush=True)
-                continue
             r["eager"] = measure(ex, B, greedy, args.steps, "eager", prompts=listed)
         except Exception as e:  # one batch failing (out of memory) keeps the others
             rows.append(dict(batch=B, error=f"{type(e).__name__}: {str(e)[:400]}"))
@@ -140,6 +146,42 @@ def run_ours(args, measure, model, prompts: torch.Tensor,
     info["replays"] = {str(k): n for k, n in ex.stats.replays.items()}
     info["eager_steps"] = {str(k): n for k, n in ex.stats.eager_steps.items()}
     return rows, info
+
+
+def run_paired(args, models: dict, prompts: torch.Tensor) -> dict[int, dict[str, float]]:
+    """Replayed step wall per B of each model in `models` (name: model), their steps
+    interleaved (one of each in turn, the same requests) so that drift of the host or
+    the GPU's clocks lands on both alike; medians of --steps steps each."""
+    exs = {name: steady_executor(args, m, prompts.shape[1])[0] for name, m in models.items()}
+    listed, out = prompts.tolist(), {}
+    for B in args.batches:
+        try:
+            for ex in exs.values():
+                for i in range(B):
+                    ex.add_request(f"p{i}", listed[i], dataclasses.replace(
+                        greedy(i), max_tokens=args.steps + 8))  # fmt: skip
+            for _ in range(3):
+                for ex in exs.values():
+                    ex.step()
+            walls: dict[str, list[float]] = {name: [] for name in exs}
+            for _ in range(args.steps):
+                for name, ex in exs.items():
+                    t0 = time.perf_counter()
+                    ex.step()
+                    walls[name].append(time.perf_counter() - t0)
+        except Exception as e:  # out of memory at one B keeps the others
+            print(f"paired B={B:4d} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            walls = {}
+        for ex in exs.values():
+            with contextlib.suppress(Exception):
+                for i in range(B):
+                    ex.abort(f"p{i}")
+                ex.step()
+        if walls:
+            out[B] = {name: statistics.median(w) * 1e6 for name, w in walls.items()}
+            print(f"paired B={B:4d} " + "  ".join(f"{n} {us:9.1f} us" for n, us in
+                                                  out[B].items()), flush=True)  # fmt: skip
+    return out
 
 
 def run_spec(args, model, batches: list[int]) -> list[dict]:
@@ -299,6 +341,8 @@ def run_transformers(result: dict, cfg, state, folder, dtype, prompts, args, sav
     budget = args.time_budget
     for mode in args.hf_modes:
         for r in result["rows"]:
+            if args.hf_batches and r["batch"] not in args.hf_batches:
+                continue
             if budget is not None and time.perf_counter() - args.t_start > budget:
                 r.setdefault("transformers", {})[mode] = dict(mode=mode, skipped="time budget")
                 continue
@@ -369,23 +413,22 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
     rows, info = run_ours(args, measure, model, prompts)
     spec_batches = [b for b in args.batches if b <= args.spec_max_batch]
     spec = run_spec(args, model, spec_batches) if spec_batches else []
-    del model
     free(args.device)
     cublas, _ = load(cfg, folder, args.device, dtype, args.max_seq_len, args.seed, state,
                      batch_invariant=False)  # fmt: skip
-    cub_rows, cub_info = run_ours(args, measure, cublas, prompts, eager=False)
-    del cublas
+    paired = run_paired(args, dict(invariant=model, cublas=cublas), prompts)
+    del model, cublas
     free(args.device)
     for r in rows:
-        c = next((c for c in cub_rows if c["batch"] == r["batch"] and "replay" in c), None)
+        p = paired.get(r["batch"])
         sp = next((x for x in spec if x["batch"] == r["batch"]), None)
-        if c is not None and "replay" in r:
-            r["cublas"] = dict(replay=c["replay"], tokens_per_s=r["batch"] / c["replay"][
-                "wall_us"] * 1e6)  # fmt: skip
-            r["invariant_cost"] = r["replay"]["wall_us"] / c["replay"]["wall_us"]
+        if p is not None and "replay" in r:
+            r["cublas"] = dict(wall_us=p["cublas"], tokens_per_s=r["batch"] / p["cublas"] * 1e6,
+                               invariant_wall_us=p["invariant"])  # fmt: skip
+            r["invariant_cost"] = p["invariant"] / p["cublas"]
         if sp is not None and "replay" in r:
             r["spec"] = dict(sp, vs_plain=sp["wall_us"] / r["replay"]["wall_us"])
-    result.update(rows=rows, ours=info, cublas=cub_info)
+    result.update(rows=rows, ours=info)
     os.makedirs(args.out, exist_ok=True)
     dev = header["device"].lower().replace(" ", "-")
     path = os.path.join(args.out, f"step-model-{name}-{dev}-{header['date']}.json")
@@ -446,7 +489,7 @@ def markdown(result: dict) -> str:
             continue
         cub, sp = r.get("cublas"), r.get("spec")
         cells = [str(r["batch"]), f"{r['replay']['wall_us']:.0f}",
-                 f"{cub['replay']['wall_us']:.0f}" if cub else "-",
+                 f"{cub['wall_us']:.0f}" if cub else "-",
                  f"{r['invariant_cost']:.3f}x" if cub else "-",
                  f"{sp['wall_us']:.0f}" if sp else "-", f"{sp['vs_plain']:.2f}x" if sp else "-",
                  f"{r['eager']['wall_us']:.0f}", f"{r['replay']['host_us']:.0f}",

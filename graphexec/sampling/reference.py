@@ -292,6 +292,18 @@ def draw(
     return torch.where(valid, tok, -1), valid
 
 
+def block_ordered_sum(e: torch.Tensor, block: int = DRAW_BLOCK) -> torch.Tensor:
+    """[B] sums of the rows of e [B, V]: each block of `block` columns summed, then the
+    blocks. torch splits one long row's sum across threads when the batch is small and
+    gives each thread whole rows when it is large; short sums over many rows are summed
+    the same way at any B, so a row's bits do not depend on the batch."""
+    B, V = e.shape
+    pad = -V % block
+    if pad:
+        e = torch.cat([e, e.new_zeros(B, pad)], dim=1)
+    return e.view(B, -1, block).sum(dim=-1).sum(dim=-1)
+
+
 def write_logprobs(
     raw: torch.Tensor,
     y: torch.Tensor,
@@ -305,7 +317,7 @@ def write_logprobs(
     v = collapse_inf(torch.where(processed, y, raw))
     m = v.max(dim=-1, keepdim=True).values
     shifted = v - m
-    lse = torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))
+    lse = torch.log(block_ordered_sum(torch.exp(shifted))).unsqueeze(1)
     lp = shifted - lse
     valid = tokens >= 0
     safe = tokens.clamp(min=0).unsqueeze(1)

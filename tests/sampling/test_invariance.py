@@ -331,3 +331,25 @@ def test_half_rounding_ties_follow_the_rounded_values(dtype: torch.dtype, values
     counts = np.bincount(a.token_ids.numpy(), minlength=V)
     assert counts.sum() == counts[[10, 40, 90]].sum()
     assert counts[[10, 40, 90]].min() > 850
+
+
+@pytest.mark.parametrize("variant", ["no_filter", "top_k_top_p", "default"])
+def test_long_rows_logprobs_do_not_depend_on_batch_or_threads(variant, restore_threads) -> None:
+    """Rows of a real vocabulary with two threads: torch splits a lone row's sum across
+    threads and gives each thread whole rows in a batch, so the log-sum-exp is summed in
+    fixed blocks (`reference.block_ordered_sum`); logprobs and top logprobs of a row are
+    the same bits alone and in a batch of 32 (the plain sum differed in a few of them)."""
+    torch.set_num_threads(2)
+    Vr, B = 100_352, 32
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, Vr, generator=g) * 3
+    params = [P(temperature=0.7, top_k=40 if variant != "no_filter" else 0,
+                top_p=0.9 if variant != "no_filter" else 1.0, seed=i, logprobs=4)
+              for i in range(B)]  # fmt: skip
+    pos = torch.arange(B)
+    full = gx.sample_logits(logits, params, pos, variant=variant)
+    for lo, hi in [(i, i + 1) for i in range(B)] + [(3, 6)]:
+        part = gx.sample_logits(logits[lo:hi], params[lo:hi], pos[lo:hi], variant=variant)
+        assert torch.equal(part.token_ids, full.token_ids[lo:hi])
+        assert torch.equal(part.logprobs, full.logprobs[lo:hi])
+        assert torch.equal(part.top_logprobs, full.top_logprobs[lo:hi])
