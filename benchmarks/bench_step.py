@@ -146,7 +146,8 @@ def run_prefill(args) -> tuple[str, dict]:
     if args.model is not None:
         name, cfg, folder = step_model.resolve(args.model)
         model, _ = step_model.load(cfg, folder, args.device, step_model.DTYPES[args.dtype],
-                                   need, args.seed)  # fmt: skip
+                                   need, args.seed, batch_invariant=not args.cublas)  # fmt: skip
+        name += "-cublas" if args.cublas else ""
         tok = None
     else:
         name, tok = "tinylm", gx.Tokenizer.cl100k()
@@ -217,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
     m.add_argument("--hf-batches", type=int, nargs="+", default=None,
                    help="time transformers at these batches only (default: every one)")  # fmt: skip
+    m.add_argument("--cublas", action="store_true",
+                   help="prefill scenario: HFTransformer(batch_invariant=False), cuBLAS GEMMs")
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
     m.add_argument("--time-budget", type=float, default=None, metavar="S",
