@@ -26,7 +26,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from bench_distributed import time_graph
 
 from graphexec.models import fused
 from graphexec.models import matmul as mm
@@ -81,27 +81,7 @@ def calls(s: dict, x, ws, b, tile_cfg: mm.MatmulConfig | None):
 
 def graph_time_us(fns, reps: int) -> float:
     """Per-call time of the calls `fns` captured in one CUDA graph, median of reps."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        z.record()
-        z.synchronize()
-        times.append(a.elapsed_time(z) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
+    return time_graph(lambda: [f() for f in fns], reps) / len(fns)
 
 
 def candidates(args) -> list[mm.MatmulTile]:
