@@ -14,7 +14,6 @@ object; transformers itself is never imported.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from graphexec.models.hf_config import (
     sliding_windows,
 )
 from graphexec.models.prefill_graphs import PrefillGraphs
-from graphexec.models.protocol import PrefillBatch, SlotKVCache
+from graphexec.models.protocol import PrefillBatch, SlotKVCache, tensors_to
 
 if TYPE_CHECKING:  # these import triton: only when a model binds
     from graphexec.models.attention import AttentionConfig
@@ -53,11 +52,6 @@ class DecoderLayer:
     down: torch.Tensor  # [D, I]
     ln1: torch.Tensor  # [D] input_layernorm
     ln2: torch.Tensor  # [D] post_attention_layernorm
-
-    def to(self, device: torch.device) -> DecoderLayer:
-        return DecoderLayer(**{f.name: None if getattr(self, f.name) is None
-                               else getattr(self, f.name).to(device)
-                               for f in dataclasses.fields(self)})  # fmt: skip
 
 
 class HFTransformer(SlotKVCache):
@@ -217,7 +211,7 @@ class HFTransformer(SlotKVCache):
         self.device = d
         self.embed, self.norm = self.embed.to(d), self.norm.to(d)
         self.lm_head = self.lm_head.to(d)
-        self.layers = [layer.to(d) for layer in self.layers]
+        self.layers = [tensors_to(layer, d) for layer in self.layers]
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
         # cos/sin tables [T, hd] computed in float32 (as transformers does), then cast
@@ -236,11 +230,6 @@ class HFTransformer(SlotKVCache):
         cuda = d.type == "cuda"
         self.prefill_graphs = PrefillGraphs(self._forward, self.padding_slot, d) if cuda else None
 
-    def _bound(self) -> ForwardOps:
-        if self.kv_cache is None or self.ops is None:
-            raise RuntimeError("HFTransformer.bind(num_slots, device) must run first")
-        return self.ops
-
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`).
         Token rows (`ops.token_rows`): every prompt token a row of `_forward`, so a
@@ -248,11 +237,11 @@ class HFTransformer(SlotKVCache):
         CPU, not invariant): projections over all N tokens at once, then each layer
         attends as a padded batch [R, Lmax] over its slots' cache rows [R, C] (C = the
         furthest position written), masked causally and by the layer's window."""
-        ops = self._bound()
+        self._check_bound("prefill_batch")
+        ops = self.ops
         batch, C = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
         if self.prefill_rows:
-            run = self.prefill_graphs or self._prefill_rows
-            return run(batch.token_ids, batch.positions, batch.token_slots, batch.logit_rows)
+            return self._prefill_token_rows(batch)
         R, Lmax = batch.padded_tokens.shape
         H, KV, hd = self.heads, self.kv_heads, self.head_dim
         pos, slots, rows = batch.positions, batch.token_slots, batch.logit_rows
@@ -290,9 +279,6 @@ class HFTransformer(SlotKVCache):
                         self.eps)  # fmt: skip
         return ops.linear(h, self.lm_head).float()
 
-    def _prefill_rows(self, ids, positions, slots, rows) -> torch.Tensor | None:
-        return self._forward(ids, positions, slots, rows, prefill=True)
-
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -303,7 +289,7 @@ class HFTransformer(SlotKVCache):
         rotary + cache write -> attention -> o GEMM -> norm (+ residual add) -> gate/up
         GEMM + SwiGLU -> down GEMM; the last residual add goes into the final norm
         (`ops` route map: which kernel runs each)."""
-        self._bound()
+        self._check_bound("decode")
         return self._forward(input_ids, positions, slot_ids)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -155,6 +155,14 @@ class PrefillBatch:
         )  # fmt: skip
 
 
+def tensors_to(layer, device: torch.device):
+    """A frozen dataclass of tensors (a model's layer) with every tensor on `device`
+    (None fields stay None)."""
+    moved = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+    return dataclasses.replace(layer, **{k: None if v is None else v.to(device)
+                                         for k, v in moved.items()})  # fmt: skip
+
+
 def _fill(buf: np.ndarray, slots, starts, lengths, n: int, lmax: int, rows) -> None:
     """A `PrefillBatch`'s host values but its token ids (buf[:n]) into `buf`: positions,
     segment_ids, token_slots, padded_index [N each], slot_ids [R], padded_tokens,
@@ -261,6 +269,20 @@ class SlotKVCache:
     device: torch.device
     batch_invariant: bool = False  # a row's logits do not depend on the rows beside it
     padding_slot: int
+    prefill_graphs = None  # PrefillGraphs of `_forward` on CUDA (set in bind)
+
+    def _check_bound(self, method: str) -> None:
+        if self.kv_cache is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(num_slots, device) must run before "
+                               f"{method}")  # fmt: skip
+
+    def _prefill_token_rows(self, batch: PrefillBatch) -> torch.Tensor | None:
+        """A checked batch as token rows of `_forward`: replayed from `prefill_graphs`
+        when the model has them, else eagerly; logits of batch.logit_rows or None."""
+        args = (batch.token_ids, batch.positions, batch.token_slots, batch.logit_rows)
+        if self.prefill_graphs is not None:
+            return self.prefill_graphs(*args)
+        return self._forward(*args, prefill=True)
 
     def fork(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the cache of the first `length` positions (n streams of one prompt)."""
@@ -268,9 +290,7 @@ class SlotKVCache:
 
     def prefill(self, slot: int, token_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """One prompt from position 0: a one-segment `prefill_batch`."""
-        if self.kv_cache is None:
-            raise RuntimeError(f"{type(self).__name__}.bind(num_slots, device) must run before "
-                               "prefill")  # fmt: skip
+        self._check_bound("prefill")
         ids = token_ids.to(self.device)
         logits = self.prefill_batch(PrefillBatch.single(slot, ids, self.max_seq_len, all_logits))
         return logits if all_logits else logits[0]
@@ -286,9 +306,7 @@ class SlotKVCache:
         writes the padding slot (clamped to the last position, it would race with a
         real row there). Otherwise T decode calls: the same kernels at the same shapes,
         since a forward over B x T rows would round differently than one over B."""
-        if self.kv_cache is None:
-            raise RuntimeError(f"{type(self).__name__}.bind(num_slots, device) must run before "
-                               "verify")  # fmt: skip
+        self._check_bound("verify")
         B, T = input_ids.shape
         if not self.batch_invariant:
             steps = [self.decode(input_ids[:, t], positions + t, slot_ids) for t in range(T)]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from graphexec.models.prefill_graphs import PrefillGraphs
-from graphexec.models.protocol import PrefillBatch, SlotKVCache
+from graphexec.models.protocol import PrefillBatch, SlotKVCache, tensors_to
 from graphexec.models.table import _slice
 
 if TYPE_CHECKING:  # these import triton: only when a model binds
@@ -37,10 +37,6 @@ class TinyLayer:
     out: torch.Tensor  # [D, D]
     up: torch.Tensor  # [4 D, D]
     down: torch.Tensor  # [D, 4 D]
-
-    def to(self, device: torch.device) -> TinyLayer:
-        return TinyLayer(self.qkv.to(device), self.out.to(device), self.up.to(device),
-                         self.down.to(device))  # fmt: skip
 
 
 class TinyLM(SlotKVCache):
@@ -123,7 +119,7 @@ class TinyLM(SlotKVCache):
         self.embed = self.embed.to(d)
         self.pos_embed = self.pos_embed.to(d)
         self.lm_head = self.lm_head.to(d)
-        self.layers = [layer.to(d) for layer in self.layers]
+        self.layers = [tensors_to(layer, d) for layer in self.layers]
         hd = self.dim // self.heads
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.heads, hd)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
@@ -140,20 +136,14 @@ class TinyLM(SlotKVCache):
         its slot's earlier chunks through the cache); logits of `batch.logit_rows`, or
         None (then the last layer stops after its K/V). Shapes come from the host
         tuples: no sync."""
-        if self.kv_cache is None:
-            raise RuntimeError("TinyLM.bind(num_slots, device) must run before prefill_batch")
+        self._check_bound("prefill_batch")
         batch, _ = batch.checked(self.max_seq_len, self.kv_cache.shape[2])
-        ids, pos, slots, rows = (batch.token_ids, batch.positions, batch.token_slots,
-                                 batch.logit_rows)  # fmt: skip
-        if self.prefill_graphs is not None:
-            return self.prefill_graphs(ids, pos, slots, rows)
-        return self._forward(ids, pos, slots, rows, prefill=True)
+        return self._prefill_token_rows(batch)
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
     ) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError("TinyLM.bind(num_slots, device) must run before decode")
+        self._check_bound("decode")
         return self._forward(input_ids, positions, slot_ids)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
