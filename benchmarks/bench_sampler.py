@@ -10,8 +10,10 @@ eagerly and as a CUDA-graph replay and writes `<out>/sampler-<gpu-slug>-<YYYY-MM
 
 Shapes (`--shapes`, `sampler_methods.SHAPES`): "peaked" (-2 ln rank, as a real model's),
 "randn3" (randn * 3), "flat" (randn * 0.25: top-p 0.9 and min-p 0.05 keep more than half
-the vocabulary), "ties" (all equal). A sampler's time may depend on the shape; the
-README's tables report each method's worst.
+the vocabulary), "ties" (all equal). `--sweep` adds randn * s at temperature t for s in
+0.3, 1, 3, 10 and t in 0.5, 1, 1.5, their rows' top-p mixed (0.5 to 0.99, per row) in
+every method that takes one (`sampler_methods.SWEEP`). A sampler's time may depend on the
+shape; the README's tables report each method's worst.
 
 A row whose method failed has an "error" key and null timings; one method failing never
 stops the run, and the JSON is rewritten after every (dtype, V, B) block, so an interrupted
@@ -73,6 +75,7 @@ from sampler_methods import (
     MIN_P,
     NUM_LOGPROBS,
     SHAPES,
+    SWEEP,
     TEMPERATURE,
     TOP_K,
     TOP_P,
@@ -229,7 +232,7 @@ def time_block(methods, dname, shape, B, V, device, bw, timer, first_call, backe
         logits = make_logits(shape, B, V, DTYPES[dname], device, seed=B * 7 + V)
     except Exception as e:  # out of memory: record and go on
         return [dict(blank_row(m, B, V, dname), shape=shape, error=error_text(e)) for m in methods]
-    case = Case(logits, B, V, device, backend)
+    case = Case(logits, B, V, device, backend, shape)
     floor = round(B * V * logits.element_size() / bw * 1e6, 3)
     block = []
     for m in methods:
@@ -253,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=ints, default=[1, 8, 32, 128, 256])
     ap.add_argument("--vocab", type=ints, default=[128256, 151936])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    ap.add_argument(
+        "--sweep", action="store_true", help=f"also time the sweep shapes: {', '.join(SWEEP)}"
+    )
     ap.add_argument("--methods", default=None, help="comma list of names or substrings")
     ap.add_argument("--dtypes", default="float32", help=f"comma list of {list(DTYPES)}")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -304,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--dtypes: {d!r} is not one of {list(DTYPES)}")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
+        if s not in SHAPES and s not in SWEEP:
+            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES) + list(SWEEP)}")
+    if args.sweep:
+        shapes += [s for s in SWEEP if s not in shapes]
     if args.jit_only:
         args.batch, args.vocab, dtypes, args.quick = [1], args.vocab[:1], dtypes[:1], True
         shapes = shapes[:1]
@@ -332,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             top_p=TOP_P,
             min_p=MIN_P,
             logprobs=NUM_LOGPROBS,
-            shapes={s: SHAPES[s] for s in shapes},
+            shapes={s: SHAPES.get(s) or SWEEP[s] for s in shapes},
         ),
         "methods": {m: METHODS[m] for m in methods},
         "first_call_s": {},

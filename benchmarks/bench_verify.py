@@ -21,7 +21,7 @@ both by row) and "no_filter" (temperature only); a seed per row.
     graphexec.verify_strict    verify_step(method="strict"), static buffers, persistent
                                workspace of B*(K+1) rows (backend triton on CUDA)
     graphexec.sample_step      sample_step over the same B*(K+1) rows: the target is
-                               verify_strict <= 1.5x this
+                               verify_strict <= 1.3x this
     flashinfer.chain           softmax(logits / T) [+ top_k_renorm_probs + top_p_renorm_probs
                                for top_k_top_p] + chain_speculative_sampling with one-hot
                                draft_probs [B, K, V] given (as a draft model's; not timed)
@@ -41,7 +41,7 @@ fresh process with --resume (at most 5 times), which skips the blocks already in
 
 The table printed last (`plot_verify.summary_table`, over every row in the file) gives, per
 (variant, V, B, K), each method's worst-shape time, verify_strict / sample_step (the
-largest over shapes; target <= 1.5) and FlashInfer / graphexec (flashinfer.chain /
+largest over shapes; target <= 1.3) and FlashInfer / graphexec (flashinfer.chain /
 verify_strict, the smallest over shapes). The plot (`<same name>.png`) needs matplotlib;
 without it the run says so and goes on.
 

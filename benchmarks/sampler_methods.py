@@ -31,11 +31,33 @@ SHAPES = {
 }
 
 
+# --sweep: randn * s at temperature t, for every (s, t); rows of these shapes also mix
+# their top-p (SWEEP_TOP_P, cycled over the rows) in every method that takes one
+SWEEP_SCALES = (0.3, 1.0, 3.0, 10.0)
+SWEEP_TEMPERATURES = (0.5, 1.0, 1.5)
+SWEEP_TOP_P = (0.5, 0.8, 0.9, 0.95, 0.99)
+SWEEP = {f"randn{s:g}@T{t:g}": f"randn * {s:g} at temperature {t:g} (the methods' "
+         f"temperature {TEMPERATURE:g} over logits scaled by {TEMPERATURE:g} / {t:g}); per-row "
+         f"top-p cycling {SWEEP_TOP_P}"
+         for s in SWEEP_SCALES for t in SWEEP_TEMPERATURES}  # fmt: skip
+
+
+def row_top_p(c: Case) -> torch.Tensor:
+    """[B] f32 top-p of the rows: TOP_P, or SWEEP_TOP_P cycled on sweep shapes."""
+    if c.shape in SWEEP:
+        vals = [SWEEP_TOP_P[b % len(SWEEP_TOP_P)] for b in range(c.B)]
+        return torch.tensor(vals, dtype=torch.float32, device=c.device)
+    return torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
+
+
 def make_logits(shape: str, B: int, V: int, dtype: torch.dtype, device: torch.device,
                 seed: int = 0) -> torch.Tensor:  # fmt: skip
-    """[B, V] logits of one of SHAPES, generated on the device."""
+    """[B, V] logits of one of SHAPES or SWEEP, generated on the device."""
     g = torch.Generator(device).manual_seed(seed)
-    if shape == "peaked":
+    if shape in SWEEP:
+        s, t = (float(v) for v in shape[len("randn") :].split("@T"))
+        x = torch.randn(B, V, device=device, generator=g) * (s * TEMPERATURE / t)
+    elif shape == "peaked":
         ranks = torch.argsort(torch.rand(B, V, device=device, generator=g), dim=1) + 1
         x = -2.0 * torch.log(ranks.float())
     elif shape == "randn3":
@@ -77,6 +99,7 @@ class Case:
     V: int
     device: torch.device
     gx_backend: str
+    shape: str = ""  # the logits' shape (SHAPES or SWEEP)
 
 
 @dataclass
@@ -93,7 +116,11 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         import graphexec as gx
         from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
-        params = [gx.SamplingParams(seed=1000 + b, **variant_params) for b in range(c.B)]
+        top_p = row_top_p(c).tolist()
+        params = [gx.SamplingParams(seed=1000 + b, **{**variant_params, "top_p": top_p[b]})
+                  if "top_p" in variant_params
+                  else gx.SamplingParams(seed=1000 + b, **variant_params)
+                  for b in range(c.B)]  # fmt: skip
         table = SamplingTensors.from_params(params, c.V, c.device)
         out = SamplerOutput.allocate(c.B, c.device, num_top)
         ws = cfg = None
@@ -144,7 +171,7 @@ def _fi_top_k_top_p(c: Case) -> Bench:
     fs = _flashinfer("sampling")
     seed, offset = _fi_rng(c)
     k = torch.full((c.B,), TOP_K, dtype=torch.int32, device=c.device)
-    p = torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
+    p = row_top_p(c)
     return Bench(
         lambda: fs.top_k_top_p_sampling_from_logits(c.logits, k, p, seed=seed, offset=offset)
     )
@@ -154,7 +181,7 @@ def _fi_cake(c: Case) -> Bench:
     fs, cs = _flashinfer("sampling"), _flashinfer("cake_sampling")
     t = torch.full((c.B,), TEMPERATURE, dtype=torch.float32, device=c.device)
     k = torch.full((c.B,), TOP_K, dtype=torch.int32, device=c.device)
-    p = torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
+    p = row_top_p(c)
 
     def fn() -> torch.Tensor:
         probs = fs.softmax(c.logits, temperature=t)
@@ -175,7 +202,7 @@ def _fi_from_probs(kind: str):
         seed, offset = _fi_rng(c)
         t = torch.full((c.B,), TEMPERATURE, dtype=torch.float32, device=c.device)
         if kind == "top_p":
-            arg, sample = torch.full((c.B,), TOP_P, device=c.device), fs.top_p_sampling_from_probs
+            arg, sample = row_top_p(c), fs.top_p_sampling_from_probs
         else:
             arg, sample = torch.full((c.B,), MIN_P, device=c.device), fs.min_p_sampling_from_probs
 
@@ -191,7 +218,7 @@ def _fi_from_probs(kind: str):
 def _torch_sort_top_k_top_p(c: Case) -> Bench:
     inv_t = torch.full((c.B, 1), 1.0 / TEMPERATURE, device=c.device)
     k = torch.full((c.B, 1), TOP_K, dtype=torch.int64, device=c.device)
-    p = torch.full((c.B, 1), TOP_P, device=c.device)
+    p = row_top_p(c).view(-1, 1)
 
     def fn() -> torch.Tensor:
         x = c.logits.float() * inv_t

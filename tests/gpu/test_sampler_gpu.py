@@ -323,27 +323,51 @@ def test_two_level_draw_is_exact_on_gpu():
     chi_square_gpu(row, gx.SamplingParams(temperature=0.9, seed=123), probs, 100_000)
 
 
-@pytest.mark.parametrize("filt", [dict(top_p=0.9), dict(min_p=0.05)])
-def test_flat_rows_top_p_and_min_p_are_exact_on_gpu(filt):
-    """Chi-square of top-p 0.9 and min-p 0.05 on a flat row of 12 blocks (they keep most
-    of it: the selection's histogram, bracket and gather at work), 200,000 draws, against
-    float64 probabilities of the kept set (its boundary kept 1e-4 away from p)."""
-    V = 12 * reference.DRAW_BLOCK
-    g = torch.Generator().manual_seed(12)
-    row = torch.randn(V, generator=g) * 0.4
-    y = row.double() / 0.8
+FILTERS = {"top_k": dict(top_k=20), "top_p": dict(top_p=0.9),
+           "top_k_top_p": dict(top_k=50, top_p=0.9), "min_p": dict(min_p=0.05),
+           "all": dict(top_k=200, top_p=0.95, min_p=0.02)}  # fmt: skip
+
+
+def kept_probs(row: torch.Tensor, T: float, filt: dict):
+    """float64 probabilities of the filtered row (top-k, then top-p on the kept mass, then
+    min-p), with every filter's boundary at least 1e-4 (relative mass) from a token."""
+    y = row.double() / T
     w = torch.exp(y - y.max())
     order = torch.argsort(-y, stable=True)
-    keep = torch.zeros(V, dtype=torch.bool)
+    keep = torch.ones(row.shape[0], dtype=torch.bool)
+    ws = w[order]
+    k = filt.get("top_k", 0)
+    if k:
+        keep[order[k:]] = False
+        ws = torch.where(torch.arange(len(ws)) < k, ws, 0.0)
     if "top_p" in filt:
-        cum = torch.cumsum(w[order], 0) - w[order]
-        gap = ((cum - filt["top_p"] * w.sum()).abs() / w.sum()).min().item()
+        cum = torch.cumsum(ws, 0) - ws
+        total = ws.sum()
+        live = ws > 0
+        gap = ((cum[live] - filt["top_p"] * total).abs() / total).min().item()
         assert gap > 1e-4, "top-p boundary too close to a token"
-        keep[order[cum < filt["top_p"] * w.sum()]] = True
-    else:
+        keep[order[cum >= filt["top_p"] * total]] = False
+    if "min_p" in filt:
         assert ((w - filt["min_p"]).abs() > 1e-4).all()
-        keep = w >= filt["min_p"]
-    assert keep.sum() > V // 2
+        keep &= w >= filt["min_p"]
     probs = torch.where(keep, w, 0.0)
-    probs = (probs / probs.sum()).numpy()
+    return (probs / probs.sum()).numpy(), int(keep.sum())
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked"])
+@pytest.mark.parametrize("name", list(FILTERS))
+def test_every_filter_is_exact_on_gpu(name, shape):
+    """Chi-square (alpha 1e-6) of each filter on a flat row of 12 blocks (top-p and min-p
+    keep most of it: the selection passes at work) and a peaked one (-2 ln rank, ranks
+    permuted: a few tokens kept, by the short route), 200,000 draws, against float64
+    probabilities of the kept set."""
+    V = 12 * reference.DRAW_BLOCK
+    g = torch.Generator().manual_seed(12 if shape == "flat" else 13)
+    if shape == "flat":
+        row = torch.randn(V, generator=g) * 0.4
+    else:
+        row = -2.0 * torch.log(torch.randperm(V, generator=g).float() + 1)
+    filt = FILTERS[name]
+    probs, kept = kept_probs(row, 0.8, filt)
+    assert kept >= 3
     chi_square_gpu(row, gx.SamplingParams(temperature=0.8, seed=77, **filt), probs, 200_000)

@@ -34,7 +34,7 @@ from tests.sampling.triton_cases import (  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ["interp16", "gpu_preset", "interp16_short"])
 def test_mixed_batch_equals_reference(name: str) -> None:
     B, V = 20, 1500
     logits = logits_of("mixed", B, V, seed=1)
@@ -44,7 +44,8 @@ def test_mixed_batch_equals_reference(name: str) -> None:
     assert not both.ref.valid[6] and both.ref.token_ids[6] == -1
     assert 10 <= both.ref.token_ids[3] < 13
     assert_same(both.ref, both.tri)
-    assert {int(R_DONE), int(R_CUT), int(R_SELECT)} <= set(both.routes)
+    if CONFIGS[name].short_blocks == 0:  # else the short route may serve every row
+        assert {int(R_DONE), int(R_CUT), int(R_SELECT)} <= set(both.routes)
 
 
 @pytest.mark.parametrize("shape", ["randn3", "peaked", "flat", "ties"])
@@ -53,7 +54,7 @@ def test_every_shape_on_the_gpu_preset(shape: str) -> None:
     params = [P(seed=i, temperature=0.8, **f) for i, f in enumerate(
         [dict(), dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05), dict(top_k=50, top_p=0.9),
          dict(top_p=0.9, min_p=0.05), dict(top_k=1000, top_p=0.95), dict(top_k=7)])]  # fmt: skip
-    both = run_both(params, logits_of(shape, B, V, seed=2), CONFIGS["gpu_preset"])
+    both = run_both(params, logits_of(shape, B, V, seed=2), CONFIGS["gpu_short"])
     assert_same(both.ref, both.tri)
 
 

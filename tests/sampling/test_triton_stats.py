@@ -18,13 +18,15 @@ from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-@pytest.mark.parametrize("programs", [1, 3, 64])
-def test_block_stats_equal_the_reference(programs: int) -> None:
+@pytest.mark.parametrize("programs,variant", [(1, "no_filter"), (3, "default"),
+                                              (64, "default")])  # fmt: skip
+def test_block_stats_equal_the_reference(programs: int, variant: str) -> None:
+    """(The block minima are written for the filtered variants only.)"""
     B, V, cfg = 6, 700, CONFIGS["interp16"]
     logits = logits_of("mixed", B, V, seed=1)
     params = [P(seed=i, temperature=0.4 + 0.3 * i) for i in range(B)]
     both = run_both(params, logits, cfg.replace(programs=programs),
-                    variant=SamplerVariant.NO_FILTER)  # fmt: skip
+                    variant=SamplerVariant(variant))  # fmt: skip
     x = reference.collapse_inf(reference.process_logits(logits, torch.arange(B), both.table))
     s = reference.effective_inv_t(torch.arange(B), both.table)
     xm, q = reference.block_stats(x, s, cfg.draw_block)
@@ -42,7 +44,8 @@ def test_block_stats_equal_the_reference(programs: int) -> None:
     fin = torch.where(torch.isfinite(x), x, float("inf"))
     xn = torch.nn.functional.pad(fin, (0, -V % cfg.draw_block), value=float("inf"))
     xn = xn.view(B, -1, cfg.draw_block).min(-1).values
-    assert torch.equal(both.ws.xn[plain], xn[plain])
+    if variant == "default":
+        assert torch.equal(both.ws.xn[plain], xn[plain])
     assert_same(both.ref, both.tri)
 
 

@@ -6,42 +6,47 @@ reference and tests of its own (`tests/sampling/test_triton_*.py`). Kernels run 
 and on the CPU under TRITON_INTERPRET=1 (set before triton is imported). The knobs are one
 frozen `config.SamplerConfig`, passed explicitly; none changes a token.
 
+Terms. A *pass* reads a row's V logits once; a *block* is DRAW_BLOCK consecutive token
+ids; y = (x - max) / T is the scaled processed row; Q_b a block's exact mass relative to
+its max, K_b its kept mass; *lo* a proven lower bound of the kept values (top-k's k-th
+largest block max, top-p's bound from the block masses, ln(min_p)); the *listed* blocks
+are those whose max reaches lo, the *candidates* their tokens with y >= lo; a *cut* is the
+order key (pack) of the last kept token; a *bracket* the histogram bins that hold a cut.
+
 Launches per variant (grids of B x S programs, S programs per row, or B row programs; a
 row's last program of a pass serves what follows it, through an acq_rel counter per row):
 
-    no_filter           stats (the row tail runs in its last program per row)
-    default, top_k_top_p  stats, tail, select, kept, finish, then round 2's select, kept,
-                        finish (grids of late_programs and B; rows not in it leave at once)
-    + logprobs          raw_logprobs, logprobs
+    no_filter             stats (the row tail runs in its last program per row)
+    top_k_top_p, default  stats, tail, short, select, kept, finish, then round 2's select,
+                          kept, finish (rows not in a launch's route leave at once)
+    + logprobs            raw_logprobs, logprobs
 
-Routes, decided per row by the tail (`stats._row_tail`), the select and the finish:
+Routes, one per row, and what serves it (kernels are `file:function` in this package;
+passes are reads of the row, worst case, then the draw's one block):
 
-    route   rows                                 kernels that read it     passes, worst
-    done    invalid, greedy, no active filter,   stats, tail              1, then 1 block
-            all live tokens tied (+inf too)                               (2 for ties)
-    cut     min-p alone                          stats, tail, kept,       2 (only blocks
-                                                 finish                   min-p cuts), 1 block
-    select  top-k and / or top-p                 stats, tail, select,     3, then 1 block
-                                                 kept, finish
-    round2  a select row whose first bracket     + select, kept, finish   5, then 1 block
-            missed its cut or overflowed the     of round 2 (its rows
-            gather cap                           share late_programs)
-    exact   a round2 row whose second bracket    + finish (one program)   5 + 31, 1 block
-            did not resolve: runs of equal
-            values wider than gather_cap
+| route | rows | kernels | passes | set by |
+|---|---|---|---|---|
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel (no_filter) or stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
+| short | top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks cut blocks | + short:_short_kernel | 1 + the listed blocks | short:short_draw |
+| cut | min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 2 (only the blocks min-p cuts) | stats:_plan |
+| select | top-k / top-p, more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 3 | stats:_plan |
+| round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 5 | select:_bracket, kept:_finish |
+| exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 5 + 31 | kept:_finish |
+| + logprobs | rows asking for logprobs (any route) | raw_logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:_write_logprobs |
 
-Each later pass reads only the blocks whose max reaches lo, a proven lower bound of the
-kept values (top-k's k-th largest block max, top-p's bound from the block masses,
-ln(min_p)): peaked rows read a few dozen blocks again, flat ones most of the row. The draw
-reads one block again: greedy, the first block holding the max; else the block the
-two-level draw picks (ties also read the block of their last kept id).
+Each later pass reads only the listed blocks: peaked rows read a few dozen blocks again
+(and take the short route: one program gathers the candidates, sorts them and resolves
+every cut from their exact masses), flat ones most of the row. The draw reads one block
+again: greedy, the first block holding the max; else the block the two-level draw picks
+(ties also read the block of their last kept id).
 
 Why it is bounded: the kept set of a filtered row is a prefix of the row's order, so its
 cut is found by counting, never by sorting a set whose size depends on the data. min-p's
 cut is y >= ln(min_p), known once the row max is, so min-p alone reads again only the
-blocks it cuts (a block it keeps whole keeps its Q_b). For top-k and top-p the select pass
-counts the row into `bins` bins between lo and the max (exact counts; masses estimated)
-and places a bracket of bins around each cut; the kept pass sums the exact integer masses
+blocks it cuts (a block it keeps whole keeps its Q_b). The short route reads at most
+short_blocks blocks and sorts a vector of short_tokens slots (its candidates, padded), a
+size fixed by the config. For top-k and top-p the select pass counts the row into `bins`
+bins between lo and the max (exact counts; masses estimated) and places a bracket of bins around each cut; the kept pass sums the exact integer masses
 outside the brackets and gathers the bracket's tokens (at most gather_cap), and the finish
 resolves the cut among them by counting: pairwise up to 64 gathered tokens, else by 16-way
 searches over their keys. Every decision is checked against exact counts and masses. A

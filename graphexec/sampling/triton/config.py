@@ -64,6 +64,10 @@ class SamplerConfig:
     search_ways: candidates per pass of the exact search (a power of two).
     search_blocks: blocks per step of the exact search's passes (a power of two; one
         keeps its registers, shared with the kept pass, low).
+    short_blocks: most listed blocks of a filtered row that its tail finishes itself
+        (`short`: no selection pass); 0 turns the short route off.
+    short_tokens: most candidates (tokens with y >= lo) of such a row (a power of two, 16
+        to gather_cap): its cut is found by sorting them.
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
         row past it goes to the general writer.
     num_warps: warps of the passes' programs (stats, select, kept): a small program
@@ -80,16 +84,26 @@ class SamplerConfig:
     gather_cap: int = 1024
     search_ways: int = 16
     search_blocks: int = 4
+    short_blocks: int = 128
+    short_tokens: int = 128
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",
-                     "search_blocks", "logprobs_cap"):  # fmt: skip
+                     "search_blocks", "short_tokens", "logprobs_cap"):  # fmt: skip
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"SamplerConfig.{name} must be a power of two, got {v}")
+        sb = self.short_blocks
+        if sb < 0 or sb & (sb - 1):
+            raise ValueError(f"SamplerConfig.short_blocks must be 0 or a power of two, got {sb}")
+        if sb and not 16 <= self.short_tokens <= self.gather_cap:
+            raise ValueError(
+                "SamplerConfig.short_tokens must be between 16 and gather_cap "
+                f"({self.gather_cap}), got {self.short_tokens}"
+            )
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "late_programs", "num_warps", "tail_warps"):
@@ -110,6 +124,8 @@ class SamplerConfig:
             gather_cap=256,
             bins=128,
             search_blocks=4,
+            short_blocks=8,
+            short_tokens=64,
             logprobs_cap=64,
             num_warps=4,
             tail_warps=4,

@@ -25,6 +25,7 @@ from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import (
+    BIG_KEY,
     PAD_KEY,
     mass,
     mass_hi_lo,
@@ -44,9 +45,9 @@ from graphexec.sampling.triton.process import (
     bias_ids,
     row_params,
 )
-from graphexec.sampling.triton.select import list_tile, load_plan, plan_round2, refine_share
+from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
+from graphexec.sampling.triton.short import list_tile
 
-BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
 
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 PAD_KEY = tl.constexpr(-9223372036854775808)  # below every pack; unpacks to -inf
+BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 INT32_MAX = tl.constexpr(2147483647)
 
 

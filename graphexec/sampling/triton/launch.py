@@ -19,6 +19,7 @@ from graphexec.sampling.triton.logprobs import write_logprobs
 from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
 from graphexec.sampling.triton.select import _select_kernel
+from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
@@ -76,6 +77,13 @@ def sample(
             P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db, FL=fl,
             NBINS=cfg.bins, enable_fp_fusion=False, num_warps=cfg.tail_warps,
         )  # fmt: skip
+        if cfg.short_blocks:
+            _short_kernel[(B,)](
+                P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db,
+                R=min(r, cfg.short_blocks), SB=cfg.short_blocks, ST=cfg.short_tokens,
+                WCAP=cfg.gather_cap, FL=fl, INTERP=interpreter_enabled(),
+                enable_fp_fusion=False, num_warps=cfg.tail_warps,
+            )  # fmt: skip
         ways = cfg.search_ways
         bits = int(math.log2(ways))
         finish = dict(NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=ways, SB=cfg.search_blocks,

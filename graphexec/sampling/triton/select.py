@@ -31,7 +31,8 @@ import triton.language as tl
 from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
-from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids, tile_x
+from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids
+from graphexec.sampling.triton.short import list_tile
 from graphexec.sampling.triton.stats import arrive
 
 
@@ -52,19 +53,6 @@ def load_plan(W, row):
         tl.load(ri + cf.I_J2),
         tl.load(ri + cf.I_JLO),
     )
-
-
-@triton.jit
-def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
-    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
-    e = e0 + tl.arange(0, R)
-    bid = tl.load(W[cf.BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
-    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
-    lo = tl.min(bid, axis=0) * DB
-    hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
-    return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
 
 
 @triton.jit

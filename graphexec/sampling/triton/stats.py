@@ -222,9 +222,10 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
 @triton.jit
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
                  DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
-                 BIAS: tl.constexpr):  # fmt: skip
+                 BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile; the loop body has no branch, so its
-    loads stay pipelined."""
+    loads stay pipelined. XN: also the block minima (only the filtered variants read
+    them)."""
     cols = tl.arange(0, DB)[None, :]
     for t in range(t0, t1, R):
         bid = t + tl.arange(0, R)
@@ -232,16 +233,16 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, FL, BIAS)
         xm = tl.max(x, axis=1)
         fin = (x > float("-inf")) & (x < float("inf"))
-        xn = tl.min(tl.where(fin, x, float("inf")), axis=1)
         xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
         hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
         q = sum_halves(hi, lo, 1)
-        n_inf = tl.sum((x == float("inf")).to(tl.int64), axis=1)
+        n_inf = tl.sum((x == float("inf")).to(tl.int32), axis=1).to(tl.int64)
         q = tl.where(xm == float("inf"), n_inf << 32, q)
         ok = bid < NBLK
         dst = row * NBLK + bid
         tl.store(W[cf.XM] + dst, xm, mask=ok)
-        tl.store(W[cf.XN] + dst, xn, mask=ok)
+        if XN:
+            tl.store(W[cf.XN] + dst, tl.min(tl.where(fin, x, float("inf")), axis=1), mask=ok)
         tl.store(W[cf.Q] + dst, q, mask=ok)
         if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
             v = raw_x(P, row, offs, FL)
@@ -276,10 +277,10 @@ def _stats_kernel(
     # a row with a logit bias looks its entries up per tile; the others never do
     if tl.max(ids, axis=0) >= 0:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, True)  # fmt: skip
+                     RAW_LP, FL, True, not TAIL)  # fmt: skip
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, False)  # fmt: skip
+                     RAW_LP, FL, False, not TAIL)  # fmt: skip
     if TAIL:
         if arrive(W, row, 0, S):
             _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, False, NBLK_P2, NB_P2, DB, NBINS, FL)

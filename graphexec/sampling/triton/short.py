@@ -1,0 +1,182 @@
+"""The plan's block list, and the short route: a filtered row whose candidates lie in a
+few blocks is finished right after its plan (`stats._plan`), by one program, with no
+selection pass. A launch of its own, so that the row tail's code stays small.
+
+A real model's rows are peaked: the plan's lower bound lo of the kept values leaves a few
+blocks with ym_b >= lo, and a few dozen tokens with y >= lo. Every kept token is one of
+those candidates (lo is proven), and so is every token ahead of one in the row's order,
+so the exact counts and masses that decide the cut come from them alone. Sorted by pack
+(descending: the row's order), the candidates' inclusive mass sums F_j give every cut
+(the `reference` definition, step 5): top-k's is the k-th pack, top-p's the first pack
+with F_j >= p * total (total: F at top-k's cut, or the row's mass from its block stats),
+min-p's the pack of y = log_min_p. The kept set never reaches below the candidates.
+
+One loop over the listed blocks, R at a time (registers stay those of a [R, DB] tile),
+compacts the candidates (pack and x) into the row's gather buffers; the kept ones then
+add their masses to their blocks' K_b, and the row is drawn (`draw.two_level_draw`).
+min-p alone needs no cut: the loop sums its cut blocks' K_b. A row past either
+bound (more than `short_blocks` listed blocks, or more candidates than `short_tokens`)
+keeps its route: the selection passes serve it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.sampling.triton import config as cf
+from graphexec.sampling.triton.draw import FLT_MAX, block_y, two_level_draw
+from graphexec.sampling.triton.keys import (
+    BIG_KEY,
+    PAD_KEY,
+    mass,
+    okey,
+    pack,
+    sort_desc,
+    sum_mass,
+    unpack,
+)
+from graphexec.sampling.triton.process import (
+    LOG_MIN_P,
+    TOP_K,
+    TOP_P,
+    bias_ids,
+    row_params,
+    tile_x,
+)  # fmt: skip
+
+
+@triton.jit
+def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
+              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
+    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
+    e = e0 + tl.arange(0, R)
+    bid = tl.load(W[cf.BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
+    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+    lo = tl.min(bid, axis=0) * DB
+    hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
+    return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
+
+
+@triton.jit
+def _cut(keys, n, top_k, top_p, total, lomin, ST: tl.constexpr, INTERP: tl.constexpr):
+    """(resolved, cut) from the n candidates' packs keys [ST] (PAD_KEY past n): the pack
+    of the last token top-k and top-p keep, at least the lowest candidate's."""
+    srt = tl.reshape(sort_desc(tl.reshape(keys, (1, ST)), INTERP), (ST,))
+    rank = tl.arange(0, ST) + 1
+    ok = rank <= n
+    y, ids_unused = unpack(srt)
+    f = tl.cumsum(tl.where(ok, mass(y), 0), axis=0)
+    cut = tl.min(tl.where(ok, srt, BIG_KEY), axis=0)
+    t_p = total
+    # fewer candidates than k: every live token is one (lomin), or top-p is off
+    resolved = (top_k <= 0) | (top_k < n) | lomin | (top_p >= 1.0)
+    if top_k > 0:
+        k = tl.minimum(top_k, n)
+        cut = tl.sum(tl.where(rank == k, srt, 0), axis=0)
+        t_p = tl.sum(tl.where(rank == k, f, 0), axis=0).to(tl.float64)
+    if top_p < 1.0:
+        reach = ok & (f.to(tl.float64) >= top_p.to(tl.float64) * t_p)
+        # lo bounds top-p's cut from below, so some candidate reaches p * total
+        resolved = resolved & (tl.max(reach.to(tl.int32), axis=0) > 0)
+        cut = tl.maximum(cut, tl.max(tl.where(reach, srt, PAD_KEY), axis=0))
+    return resolved, cut
+
+
+@triton.jit
+def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route, seed, pos,
+               NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
+               SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
+    """(token, route) of a row the plan gave R_SELECT or R_CUT: drawn here (R_DONE) when
+    it fits SB blocks and ST candidates, else (-1, route) unchanged."""
+    tok = tl.full([], -1, tl.int32)
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    tl.debug_barrier()  # the plan's stores, read back by every thread
+    n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+    lo = tl.load(W[cf.ROWF] + row * 8 + cf.F_LO)
+    cut = tl.full([], PAD_KEY, tl.int64)
+    resolved = (route == cf.R_CUT) & (n_list <= SB)
+    if resolved:  # min-p alone: K_b of the cut blocks over y >= log_min_p
+        for e0 in range(0, n_list, R):
+            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+            y = (x - m) * s
+            xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+            zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
+            kb = sum_mass((y > float("-inf")) & (y >= lnmp), zr, 1)
+            tl.store(W[cf.KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
+    if (route == cf.R_SELECT) & (n_list <= SB):
+        # the candidates (packs and x), compacted into the row's gather buffers by a
+        # running count (no atomics: the selection passes count their own gather from 0);
+        # the listed blocks' K_b zeroed, for the kept candidates to add to
+        n = tl.zeros([], dtype=tl.int32)
+        for e0 in range(0, n_list, R):
+            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+            y = (x - m) * s
+            inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
+            at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+            put = inr & (at < ST)
+            tl.store(W[cf.GATH] + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
+            tl.store(W[cf.GATHX] + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
+            tl.store(W[cf.KEPT] + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+            n += tl.sum(inr.to(tl.int32), axis=0)
+        if n <= ST:
+            tl.debug_barrier()
+            c = tl.arange(0, ST)
+            ok = c < n
+            keys = tl.load(W[cf.GATH] + row * WCAP + c, mask=ok, other=PAD_KEY)
+            lomin = tl.load(ri + cf.I_LOMIN) != 0
+            resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
+            if resolved:
+                yg, idg = unpack(keys)
+                kept = ok & (keys >= cut) & (yg >= lnmp)
+                bg = idg // DB
+                xmg = tl.load(W[cf.XM] + row * NBLK + bg, mask=kept, other=0.0)
+                xg = tl.load(W[cf.GATHX] + row * WCAP + c, mask=kept, other=0.0)
+                tl.atomic_add(W[cf.KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+    if resolved:
+        if lnmp > float("-inf"):
+            cut = tl.maximum(cut, okey(lnmp).to(tl.int64) << 32)
+        tl.debug_barrier()
+        b = tl.arange(0, NBLK_P2)
+        # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
+        # tokens all lie in the listed blocks (ym_b >= lo)
+        rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
+        kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
+        tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, -FLT_MAX, 0.0,
+                             0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK,
+                             NBLK_P2, DB, 1, FL)  # fmt: skip
+        route = route * 0  # R_DONE
+    return tok, route
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _short_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows served here
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
+    SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
+    """Grid (B,): program b serves row b when its plan (R_SELECT or R_CUT) fits the short
+    route; the selection passes skip the rows it marks R_DONE."""
+    row = tl.program_id(0)
+    ri = W[cf.ROWI] + row * cf.NUM_I
+    route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
+    if ((route == cf.R_SELECT) | (route == cf.R_CUT)) & (tl.load(ri + cf.I_NLIST) <= SB):
+        slot, greedy_unused, s_unused, seed, pos = row_params(P, row)
+        ids = bias_ids(P, slot, NB_P2)
+        m = tl.load(W[cf.ROWF] + row * 8 + cf.F_M)
+        s = tl.load(W[cf.ROWF] + row * 8 + cf.F_S)
+        b = tl.arange(0, NBLK_P2)
+        xm = tl.load(W[cf.XM] + row * NBLK + b, mask=b < NBLK, other=float("-inf"))
+        ym = block_y(xm, m, s, False)
+        tok, route = short_draw(P, W, row, slot, ids, ym, m, s, tl.load(P[TOP_K] + slot),
+                                tl.load(P[TOP_P] + slot), tl.load(P[LOG_MIN_P] + slot),
+                                tl.load(W[cf.TOTAL] + row), route, seed, pos, NBLK, NBLK_P2,
+                                DB, R, SB, ST, WCAP, FL, INTERP)  # fmt: skip
+        if route == cf.R_DONE:
+            tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+            tl.store(tok_ptr + row, tok.to(tl.int64))
+            tl.store(valid_ptr + row, tok >= 0)

@@ -1,0 +1,80 @@
+"""The short route (`triton.short`): filtered rows finished by their tail give the
+reference's tokens, the same as the selection passes give; rows past its bounds keep
+their route."""
+
+from __future__ import annotations
+
+from tests.triton_env import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest  # noqa: E402
+
+from graphexec.sampling.triton.config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
+from tests.sampling.triton_cases import (  # noqa: E402
+    CONFIGS,
+    P,
+    assert_same,
+    extras,
+    logits_of,
+    run_both,
+)  # fmt: skip
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+FILTERS = [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.9), dict(min_p=0.05),
+           dict(top_p=0.6, min_p=0.1), dict(top_k=3, top_p=0.99, min_p=0.2), dict(top_k=1),
+           dict(top_p=0.3, temperature=2.0)]  # fmt: skip
+
+
+def _params(B: int, V: int):
+    return [P(seed=50 + i, logit_bias={(7 * i) % V: 4.0} if i % 3 == 0 else None,
+              presence_penalty=0.5 if i % 4 == 1 else 0.0,
+              **{"temperature": 0.8, **FILTERS[i % len(FILTERS)]})
+            for i in range(B)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ["peaked", "randn3", "mixed"])
+def test_short_route_equals_the_reference_and_the_selection(shape: str) -> None:
+    B, V = 12, 900
+    logits = logits_of(shape, B, V, seed=4)
+    counts, prompt, bitmask = extras(B, V, seed=4)
+    kw = dict(counts=counts, prompt=prompt, bitmask=bitmask)
+    short = run_both(_params(B, V), logits, CONFIGS["interp16_short"], **kw)
+    long = run_both(_params(B, V), logits, CONFIGS["interp16"], **kw)
+    assert_same(short.ref, short.tri)
+    assert_same(long.ref, long.tri)
+    # the rows the selection passes served, the tail served here
+    planned = [r for r, route in enumerate(long.routes) if route in (int(R_CUT), int(R_SELECT))]
+    served = [r for r in planned if short.routes[r] == int(R_DONE)]
+    if shape == "peaked":
+        assert len(served) >= len(planned) // 2 > 0
+
+
+def test_rows_past_the_bounds_take_the_selection() -> None:
+    B, V = 8, 1200
+    params = [P(seed=i, **{"temperature": 0.8, **f}) for i, f in enumerate(FILTERS)]
+    # every block listed fits, but flat rows hold more than 16 candidates: their top-k /
+    # top-p rows keep R_SELECT; min-p alone (no candidates to resolve) is still served
+    # (a gather cap past V: the selection resolves them in its first round, from the
+    # gather buffer the short route wrote its candidates to)
+    cfg = CONFIGS["interp16_short"].replace(short_blocks=128, short_tokens=16, gather_cap=2048)
+    for shape in ("flat", "randn3"):
+        both = run_both(params, logits_of(shape, B, V, seed=5), cfg)
+        assert_same(both.ref, both.tri)
+        assert both.routes[3] == int(R_DONE)  # min-p alone
+        assert int(R_SELECT) in both.routes
+    # one listed block at most: peaked rows with more take the selection too
+    few = run_both(params, logits_of("peaked", B, V, seed=5),
+                   CONFIGS["interp16_short"].replace(short_blocks=1))  # fmt: skip
+    assert_same(few.ref, few.tri)
+    assert int(R_SELECT) in few.routes
+
+
+def test_config_checks_name_the_field() -> None:
+    with pytest.raises(ValueError, match="short_blocks"):
+        SamplerConfig(short_blocks=3)
+    with pytest.raises(ValueError, match="short_tokens"):
+        SamplerConfig(short_tokens=2048, gather_cap=1024)
+    with pytest.raises(ValueError, match="short_tokens"):
+        SamplerConfig(short_tokens=48)
