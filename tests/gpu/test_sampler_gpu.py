@@ -248,11 +248,12 @@ def test_bench_shapes_take_the_fast_routes(shape):
     assert_equal_up_to_near_ties(logits, params, pos, ref, out.token_ids)
 
 
-@pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16), dict(bins=128),
-                                   dict(num_warps=8, tail_warps=4)])  # fmt: skip
+@pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),
+                                   dict(bins=128), dict(num_warps=8, tail_warps=4),
+                                   dict(short_blocks=0)])  # fmt: skip
 def test_config_changes_no_token(knobs):
-    """Another split, a gather cap that sends rows to the exact search, other bins or warps:
-    the same tokens as the GPU preset, on every shape and filter."""
+    """Another split, a gather cap that sends rows to the exact search, other bins or warps,
+    the short route off: the same tokens as the GPU preset, on every shape and filter."""
     from graphexec.sampling.triton.config import SamplerConfig
 
     V, B = 128256, 48
