@@ -27,7 +27,7 @@ passes are reads of the row, worst case, then the draw's one block):
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
 | done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel (no_filter) or stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
-| short | top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks cut blocks | + short:_short_kernel | 1 + the listed blocks | short:short_draw |
+| short | top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 1 + the listed blocks | short:short_draw |
 | cut | min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 2 (only the blocks min-p cuts) | stats:_plan |
 | select | top-k / top-p, more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 3 | stats:_plan |
 | round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 5 | select:_bracket, kept:_finish |

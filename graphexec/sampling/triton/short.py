@@ -14,9 +14,10 @@ min-p's the pack of y = log_min_p. The kept set never reaches below the candidat
 One loop over the listed blocks, R at a time (registers stay those of a [R, DB] tile),
 compacts the candidates (pack and x) into the row's gather buffers; the kept ones then
 add their masses to their blocks' K_b, and the row is drawn (`draw.two_level_draw`).
-min-p alone needs no cut: the loop sums its cut blocks' K_b. A row past either
-bound (more than `short_blocks` listed blocks, or more candidates than `short_tokens`)
-keeps its route: the selection passes serve it.
+min-p alone needs no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of
+them: more go to the kept pass, which spreads them over several programs). A row past
+either bound (more than `short_blocks` listed blocks, or more candidates than
+`short_tokens`) keeps its route: the selection passes serve it.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
     lo = tl.load(W[cf.ROWF] + row * 8 + cf.F_LO)
     cut = tl.full([], PAD_KEY, tl.int64)
-    resolved = (route == cf.R_CUT) & (n_list <= SB)
-    if resolved:  # min-p alone: K_b of the cut blocks over y >= log_min_p
+    # min-p alone: K_b of the cut blocks over y >= log_min_p, when they are few (one
+    # program reads them here; the kept pass spreads more over several)
+    resolved = (route == cf.R_CUT) & (n_list <= SB // 4)
+    if resolved:
         for e0 in range(0, n_list, R):
             x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
             y = (x - m) * s
@@ -111,7 +114,8 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
         # running count (no atomics: the selection passes count their own gather from 0);
         # the listed blocks' K_b zeroed, for the kept candidates to add to
         n = tl.zeros([], dtype=tl.int32)
-        for e0 in range(0, n_list, R):
+        e0 = tl.zeros([], dtype=tl.int32)
+        while (e0 < n_list) & (n <= ST):  # a row past ST candidates is declined at once
             x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
             y = (x - m) * s
             inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
@@ -121,6 +125,7 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
             tl.store(W[cf.GATHX] + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
             tl.store(W[cf.KEPT] + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
             n += tl.sum(inr.to(tl.int32), axis=0)
+            e0 += R
         if n <= ST:
             tl.debug_barrier()
             c = tl.arange(0, ST)
