@@ -12,6 +12,7 @@ case, Timer(...), first_call) times one method on one case and returns its resul
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import traceback
@@ -116,11 +117,10 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         import graphexec as gx
         from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
-        top_p = row_top_p(c).tolist()
-        params = [gx.SamplingParams(seed=1000 + b, **{**variant_params, "top_p": top_p[b]})
-                  if "top_p" in variant_params
-                  else gx.SamplingParams(seed=1000 + b, **variant_params)
-                  for b in range(c.B)]  # fmt: skip
+        params = [gx.SamplingParams(seed=1000 + b, **variant_params) for b in range(c.B)]
+        if "top_p" in variant_params:  # each row's own top-p (mixed on sweep shapes)
+            params = [dataclasses.replace(p, top_p=t) for p, t in
+                      zip(params, row_top_p(c).tolist(), strict=True)]  # fmt: skip
         table = SamplingTensors.from_params(params, c.V, c.device)
         out = SamplerOutput.allocate(c.B, c.device, num_top)
         ws = cfg = None

@@ -46,10 +46,11 @@ cut is y >= ln(min_p), known once the row max is, so min-p alone reads again onl
 blocks it cuts (a block it keeps whole keeps its Q_b). The short route reads at most
 short_blocks blocks and sorts a vector of short_tokens slots (its candidates, padded), a
 size fixed by the config. For top-k and top-p the select pass counts the row into `bins`
-bins between lo and the max (exact counts; masses estimated) and places a bracket of bins around each cut; the kept pass sums the exact integer masses
-outside the brackets and gathers the bracket's tokens (at most gather_cap), and the finish
-resolves the cut among them by counting: pairwise up to 64 gathered tokens, else by 16-way
-searches over their keys. Every decision is checked against exact counts and masses. A
+bins between lo and the max (exact counts; masses estimated) and places a bracket of bins
+around each cut; the kept pass sums the exact integer masses outside the brackets and
+gathers the bracket's tokens (at most gather_cap), and the finish resolves the cut among
+them by counting: pairwise up to 64 gathered tokens, else by 16-way searches over their
+keys. Every decision is checked against exact counts and masses. A
 bracket that does not hold the cut (top-p's crossing is estimated from bin edges, so the
 few largest tokens' masses are known to a bin's width: randn3 rows at temperature 1 missed
 by a few bins) sends the row to round 2, the same passes over the bins that surely hold

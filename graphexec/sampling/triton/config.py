@@ -64,8 +64,9 @@ class SamplerConfig:
     search_ways: candidates per pass of the exact search (a power of two).
     search_blocks: blocks per step of the exact search's passes (a power of two; one
         keeps its registers, shared with the kept pass, low).
-    short_blocks: most listed blocks of a filtered row that its tail finishes itself
-        (`short`: no selection pass); 0 turns the short route off.
+    short_blocks: most listed blocks of a filtered row that the short route finishes in
+        one program (`short`: no selection pass; min-p alone, a quarter of it); 0 turns
+        the short route off.
     short_tokens: most candidates (tokens with y >= lo) of such a row (a power of two, 16
         to gather_cap): its cut is found by sorting them.
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
