@@ -13,8 +13,6 @@ import triton.language as tl  # noqa: E402
 from graphexec.params import SamplingParams  # noqa: E402
 from graphexec.sampling.reference import process_logits  # noqa: E402
 from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
-from graphexec.sampling.triton.process import SLOTS as P_SLOTS  # noqa: E402
-from graphexec.sampling.triton.process import VOCAB as P_VOCAB  # noqa: E402
 from graphexec.sampling.triton.process import bias_ids, proc_args, tile_x  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -24,11 +22,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarn
 def _process_kernel(P, x_ptr, FL: tl.constexpr, NB_P2: tl.constexpr, BLOCK: tl.constexpr):
     """x [B, V] f32 of `tile_x`, a [BLOCK] tile per program: grid (B, cdiv(V, BLOCK))."""
     row = tl.program_id(0)
-    slot = tl.load(P[P_SLOTS] + row).to(tl.int64)
+    slot = tl.load(P.slots + row).to(tl.int64)
     lo = tl.program_id(1) * BLOCK
     offs = lo + tl.arange(0, BLOCK)
     x = tile_x(P, row, slot, bias_ids(P, slot, NB_P2), offs, lo, lo + BLOCK, FL)
-    tl.store(x_ptr + row.to(tl.int64) * P[P_VOCAB] + offs, x, mask=offs < P[P_VOCAB])
+    tl.store(x_ptr + row.to(tl.int64) * P.vocab + offs, x, mask=offs < P.vocab)
 
 
 def process(logits, slot_ids, table, bitmask=None, *, block: int = 1024) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,9 +41,6 @@ I_NAB, I_NABM, I_MAB, I_NMID, I_NMIDM, I_MMID, I_NBELM, I_NBEL, I_NG = (
 )
 I_NTOP, I_MTOP, I_RA, I_RB = (tl.constexpr(i) for i in range(17, 21))
 NUM_I = tl.constexpr(24)
-# Entries of the kernels' W tuple (`launch._w`: the Workspace's tensors)
-(XM, XN, Q, KEPT, KMID, BLOCKS, HIST, GATH, ROWF, ROWI, TOTAL, ARRIVE, RAW0, RAW1, GATHX,
- REFINE) = (tl.constexpr(i) for i in range(16))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -147,6 +145,28 @@ def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
     return max(1, min(tiles, triton.cdiv(programs, max(B, 1))))
 
 
+class Scratch(NamedTuple):
+    """`Workspace` as the kernels take it (`Workspace.args`): W.xm, W.q, ... (its fields'
+    shapes), the raw logprob block stats split in two."""
+
+    xm: torch.Tensor
+    xn: torch.Tensor
+    q: torch.Tensor
+    kept: torch.Tensor
+    kept_mid: torch.Tensor
+    blocks: torch.Tensor
+    hist: torch.Tensor
+    gath: torch.Tensor
+    gath_x: torch.Tensor
+    rowf: torch.Tensor
+    rowi: torch.Tensor
+    total: torch.Tensor
+    arrive: torch.Tensor
+    refine: torch.Tensor
+    raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on) the raw logits' block max
+    raw_sum: torch.Tensor  # f32 [B, NBLK] their block sum of exp(v - raw_max)
+
+
 @dataclass
 class Workspace:
     """Scratch of one sampler call, B rows of NBLK blocks. `arrive` must start at zero:
@@ -195,6 +215,15 @@ class Workspace:
             self.xm.shape[0] >= B and self.xm.shape[1] == nblk
             and self.hist.shape[1] == config.bins and self.gath.shape[1] == config.gather_cap
             and (not logprobs or self.raw.shape[1] >= B)
+        )  # fmt: skip
+
+    def args(self) -> Scratch:
+        """The workspace as the kernels take it: one named tuple W of its tensors."""
+        return Scratch(
+            xm=self.xm, xn=self.xn, q=self.q, kept=self.kept, kept_mid=self.kept_mid,
+            blocks=self.blocks, hist=self.hist, gath=self.gath, gath_x=self.gath_x,
+            rowf=self.rowf, rowi=self.rowi, total=self.total, arrive=self.arrive,
+            refine=self.refine, raw_max=self.raw[0], raw_sum=self.raw[1],
         )  # fmt: skip
 
     def rows(self, B: int) -> Workspace:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.keys import (
     PAD_KEY,
     mass_hi_lo,
@@ -30,7 +29,7 @@ from graphexec.sampling.triton.keys import (
     sum_halves,
     sum_mass,
 )
-from graphexec.sampling.triton.process import VOCAB, tile_x
+from graphexec.sampling.triton.process import tile_x
 
 
 @triton.jit
@@ -44,7 +43,7 @@ def _pass_ge(P, W, row, slot, ids, m, s, cands, NBLK, DB: tl.constexpr, WAYS: tl
     y_min = okey_to_float(tl.min((cands >> 32).to(tl.int32), axis=0))
     for t in range(0, NBLK, SB):
         bid = t + tl.arange(0, SB)
-        xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         need = (xmb > float("-inf")) & ((xmb - m) * s >= y_min)
         if tl.max(need.to(tl.int32), axis=0) > 0:
             offs = tl.reshape(tl.where(need, bid, NBLK)[:, None] * DB + tl.arange(0, DB)[None, :],
@@ -87,7 +86,7 @@ def _largest_pack(P, W, row, slot, ids, m, s, key_lo, target, use_mass, NBLK,
     so the low word of a live pack is at least 2**32 - V)."""
     key = _search(P, W, row, slot, ids, m, s, key_lo, tl.zeros([], tl.int64), 1, target,
                   use_mass, NBLK, ITA, SB, DB, WAYS, FL)  # fmt: skip
-    lo = (key << 32) | (tl.full([], 4294967296, tl.int64) - P[VOCAB])
+    lo = (key << 32) | (tl.full([], 4294967296, tl.int64) - P.vocab)
     return _search(P, W, row, slot, ids, m, s, lo, (key << 32) | 4294967295, 0, target,
                    use_mass, NBLK, ITB, SB, DB, WAYS, FL)  # fmt: skip
 
@@ -123,7 +122,7 @@ def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
     # the kept blocks' masses, every block (those below the cut's value hold none)
     y_cut = okey_to_float((cut >> 32).to(tl.int32))
     for b in range(0, NBLK):
-        xmb = tl.load(W[cf.XM] + row * NBLK + b)
+        xmb = tl.load(W.xm + row * NBLK + b)
         ymb = tl.where(xmb > float("-inf"), (xmb - m) * s, float("-inf"))
         kb = tl.zeros([], dtype=tl.int64)
         if ymb >= y_cut:
@@ -132,5 +131,5 @@ def exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp, total, NBLK,
             y = (x - m) * s
             kept = (y > float("-inf")) & (pack(y, offs) >= cut) & (y >= lnmp)
             kb = sum_mass(kept, (x - xmb) * s, 0)
-        tl.store(W[cf.KEPT] + row * NBLK + b, kb)
+        tl.store(W.kept + row * NBLK + b, kb)
     return cut

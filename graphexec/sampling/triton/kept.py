@@ -38,10 +38,6 @@ from graphexec.sampling.triton.keys import (
     unpack,
 )
 from graphexec.sampling.triton.process import (
-    LOG_MIN_P,
-    SLOTS,
-    TOP_K,
-    TOP_P,
     bias_ids,
     row_params,
 )
@@ -109,7 +105,7 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
     its middle is kept; adds the kept gathered tokens' masses to their blocks. A cut that
     falls inside the above region or the middle, or below the brackets with tokens there
     left uncounted, is not resolved here (ok False). CAP >= n_g: the vectors' width."""
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     nab = tl.load(ri + cf.I_NAB)
     nabm = tl.load(ri + cf.I_NABM)
     mab = tl.load(ri + cf.I_MAB)
@@ -119,7 +115,7 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
     all_in = (tl.load(ri + cf.I_LOMIN) != 0) & (tl.load(ri + cf.I_NBEL) == 0)  # every live token
     c = tl.arange(0, CAP)
     ok_g = c < n_g
-    keys = tl.load(W[cf.GATH] + row * WCAP + c, mask=ok_g, other=PAD_KEY)
+    keys = tl.load(W.gath + row * WCAP + c, mask=ok_g, other=PAD_KEY)
     yg, idg = unpack(keys)
     qg = mass(yg)
     in2 = ok_g & (bin_of(yg, top, inv_w, NBINS) >= j2)
@@ -159,7 +155,7 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
     # largest P with mass(pack >= P) >= p * total
     c_p = none
     if top_p < 1.0:
-        t_row = tl.load(W[cf.TOTAL] + row)
+        t_row = tl.load(W.total + row)
         pt = top_p.to(tl.float64) * tl.where(top_k > 0, t_k.to(tl.float64), t_row)
         bad = bad | (mab.to(tl.float64) >= pt)
         mid_lo = (mab + m1).to(tl.float64)
@@ -180,9 +176,9 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
     ok = (bad == 0) & counted
     kept = ok_g & (keys >= cut) & ((keys * 0 + ok.to(tl.int64)) != 0)  # (vector & scalar)
     bg = idg // DB
-    xmg = tl.load(W[cf.XM] + row * NBLK + bg, mask=kept, other=0.0)
-    xg = tl.load(W[cf.GATHX] + row * WCAP + c, mask=kept, other=0.0)
-    tl.atomic_add(W[cf.KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+    xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
+    xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
+    tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     return ok, cut, (nmid > 0) & (cut < min1)
 
 
@@ -193,15 +189,15 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
-    klo = tl.load(W[cf.ROWF] + row * 8 + cf.F_KLO)
-    top_k = tl.load(P[TOP_K] + slot)
-    top_p = tl.load(P[TOP_P] + slot)
-    lnmp = tl.load(P[LOG_MIN_P] + slot)
+    klo = tl.load(W.rowf + row * 8 + cf.F_KLO)
+    top_k = tl.load(P.top_k + slot)
+    top_p = tl.load(P.top_p + slot)
+    lnmp = tl.load(P.log_min_p + slot)
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
-    xm = tl.load(W[cf.XM] + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    xm = tl.load(W.xm + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
     ym = block_y(xm, m, s, False)
     cut = tl.zeros([], dtype=tl.int64)
     midk = tl.zeros([], dtype=tl.int1)
@@ -219,16 +215,16 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         if ok == 0:
             route = tl.full([], cf.R_EXACT if ROUND2 else cf.R_REFINE, tl.int64)
     if route == cf.R_REFINE:  # round 1 only: the draw waits for round 2
-        xn = tl.load(W[cf.XN] + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+        xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
         plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2, NBINS)
     else:
         if route == cf.R_EXACT:
-            xn = tl.load(W[cf.XN] + row * NBLK + b, mask=bm, other=float("inf"),
+            xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"),
                          cache_modifier=".cg")  # fmt: skip
             y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
             y_lo = tl.maximum(y_lo, -FLT_MAX)
             cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
-                            tl.load(W[cf.TOTAL] + row), NBLK, ITA, ITB, SB, DB, WAYS,
+                            tl.load(W.total + row), NBLK, ITA, ITB, SB, DB, WAYS,
                             FL)  # fmt: skip
             # the kept set is pack >= cut: every live token in "bracket 1"
             lo = tl.full([], -FLT_MAX, tl.float32)
@@ -242,10 +238,10 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             midk = tl.zeros([], dtype=tl.int1)
             tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
         tl.debug_barrier()
-        kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
+        kv = tl.load(W.kept + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                      cache_modifier=".cg")  # fmt: skip
         if midk:
-            kv += tl.load(W[cf.KMID] + row * NBLK + b, mask=bm & (ym >= klo), other=0,
+            kv += tl.load(W.kept_mid + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                           cache_modifier=".cg")  # fmt: skip
         tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top, inv_w,
                              jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
@@ -264,11 +260,11 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
     zero = tl.zeros([R, DB], dtype=tl.int32)
     n_ab, n_abm, hi_ab, lo_ab, n_mid, n_midm, hi_mid, lo_mid, n_belm, n_bel = (
         zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)  # fmt: skip
-    ng_ptr = W[cf.ROWI] + row * cf.NUM_I + cf.I_NG + zero
+    ng_ptr = W.rowi + row * cf.NUM_I + cf.I_NG + zero
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
-        xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s  # Q_b's terms
         inr = (y > float("-inf")) & (y >= lo)
         j = bin_of(y, top, inv_w, NBINS)
@@ -281,8 +277,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         hz, lz = mass_hi_lo(tl.where((above | mid) & okm, zr, float("-inf")))
         ka = sum_halves(tl.where(above, hz, 0), tl.where(above, lz, 0), 1)
         km = sum_halves(tl.where(mid, hz, 0), tl.where(mid, lz, 0), 1)
-        tl.store(W[cf.KEPT] + row * NBLK + bid, ka, mask=bid < NBLK)
-        tl.store(W[cf.KMID] + row * NBLK + bid, km, mask=bid < NBLK)
+        tl.store(W.kept + row * NBLK + bid, ka, mask=bid < NBLK)
+        tl.store(W.kept_mid + row * NBLK + bid, km, mask=bid < NBLK)
         hy, ly = mass_hi_lo(tl.where(above | mid, y, float("-inf")))
         n_ab += above.to(tl.int32)
         n_abm += (above & okm).to(tl.int32)
@@ -295,8 +291,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         n_belm += (below & okm).to(tl.int32)
         n_bel += below.to(tl.int32)
         slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
-        tl.store(W[cf.GATH] + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
-        tl.store(W[cf.GATHX] + row * WCAP + slots, x, mask=brk & (slots < WCAP))
+        tl.store(W.gath + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
+        tl.store(W.gath_x + row * WCAP + slots, x, mask=brk & (slots < WCAP))
     k = tl.arange(0, 8)
     n = tl.where(k == 0, tile_total(n_ab), tl.where(k == 1, tile_total(n_abm), 0))
     n += tl.where(k == 2, tile_mass(hi_ab, lo_ab), 0)
@@ -313,10 +309,10 @@ def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
-        xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
         kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
-        tl.store(W[cf.KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
+        tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
 
 
 @triton.jit
@@ -336,14 +332,14 @@ def _kept_row(
     FL: tl.constexpr,
 ):
     """Slice sp of S of the row's listed blocks."""
-    ri = W[cf.ROWI] + row * cf.NUM_I
-    slot = tl.load(P[SLOTS] + row).to(tl.int64)
+    ri = W.rowi + row * cf.NUM_I
+    slot = tl.load(P.slots + row).to(tl.int64)
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
     per = tl.cdiv(tl.cdiv(n_list, R), S) * R
     e0 = sp * per
     e1 = tl.minimum(e0 + per, n_list)
     ids = bias_ids(P, slot, NB_P2)
-    lnmp = tl.load(P[LOG_MIN_P] + slot)
+    lnmp = tl.load(P.log_min_p + slot)
     if (e0 < e1) & (route == cf.R_CUT):
         if tl.max(ids, axis=0) >= 0:
             _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
@@ -372,13 +368,13 @@ def _kept_kernel(
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
-            row = tl.load(W[cf.REFINE] + 1 + e).to(tl.int64)
-            route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+            row = tl.load(W.refine + 1 + e).to(tl.int64)
+            route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
             if route == cf.R_ROUND2:
                 _kept_row(P, W, row, route, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL)
     else:
         row = tl.program_id(0) // S
-        route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+        route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if (route == cf.R_SELECT) | (route == cf.R_CUT):
             _kept_row(P, W, row, route, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS,
                       WCAP, FL)  # fmt: skip
@@ -396,14 +392,14 @@ def _finish_kernel(
     round 2 (a launch of its own: the kept pass keeps the registers of a streaming loop);
     round 2, program i serves entry i of the refine list."""
     if ROUND2:
-        if tl.program_id(0) < tl.load(W[cf.REFINE]):
-            row = tl.load(W[cf.REFINE] + 1 + tl.program_id(0)).to(tl.int64)
-            route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+        if tl.program_id(0) < tl.load(W.refine):
+            row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
+            route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
             _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
                     WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
     else:
         row = tl.program_id(0)
-        route = tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE)
+        route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if route != cf.R_DONE:
             _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
                     WCAP, WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

@@ -23,12 +23,6 @@ from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
-def _w(ws: Workspace) -> tuple:
-    """The workspace as the kernels' W tuple (`config.XM` ... `config.REFINE`)."""
-    return (ws.xm, ws.xn, ws.q, ws.kept, ws.kept_mid, ws.blocks, ws.hist, ws.gath, ws.rowf,
-            ws.rowi, ws.total, ws.arrive, ws.raw[0], ws.raw[1], ws.gath_x, ws.refine)  # fmt: skip
-
-
 def sample(
     logits: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -55,7 +49,7 @@ def sample(
     elif not workspace.fits(B, V, cfg, need_lp):
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
     ws = workspace.rows(B)
-    W = _w(ws)
+    W = ws.args()
     slot_ids, positions = slot_ids.contiguous(), positions.contiguous()  # indexed by row
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks

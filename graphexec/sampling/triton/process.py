@@ -12,8 +12,8 @@ to `reference.process_logits`:
 - `tile_x` processes a tile of token ids of one row. A slot's bias ids are sorted
   (`SamplingTensors`): the entries inside the tile's id range are found with two counts.
 
-Every kernel takes one flat tuple P of the batch's inputs (`proc_args`; the indices
-below) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3 |
+Every kernel takes the batch's inputs as one named tuple P (`Inputs`, built by
+`proc_args`) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3 |
 HAS_EXTRA << 4 (per-row ids counted once more each, on top of the slot's counts):
 absent inputs cost nothing in the tile loops (a masked-off load still costs its address
 arithmetic per token: twice the stats pass's time on an H100).
@@ -21,22 +21,55 @@ arithmetic per token: twice the stats pass's time on an H100).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from graphexec.sampling.tensors import SamplingTensors
 
-# P: logits [B, V] (bf16 as its i16 bits) with strides, V, slot_ids [B] i64, positions [B]
-LOGITS, S_LB, S_LV, VOCAB, SLOTS, POS = (tl.constexpr(i) for i in range(6))
-REP, INV_REP, FREQ, PRES = (tl.constexpr(i) for i in range(6, 10))  # [S] f32
-MASK, S_MB, S_MW = (tl.constexpr(i) for i in range(10, 13))  # [B, ceil(V/32)] i32
-COUNTS, S_CS, S_CV = (tl.constexpr(i) for i in range(13, 16))  # [S, V] i32
-PROMPT, S_PS, S_PV = (tl.constexpr(i) for i in range(16, 19))  # [S, V] u8
-BIAS_IDS, BIAS_VALS, S_IS, S_VS, NBIAS = (tl.constexpr(i) for i in range(19, 24))  # [S, NB]
-TEMP, INV_TEMP, TOP_K, TOP_P, LOG_MIN_P, SEED, LP_PROC = (tl.constexpr(i) for i in range(24, 31))
-# [B, NE] i64 per-row extra counted ids (-1 = none): speculative drafts before an offset
-EXTRA, S_EB, NEXTRA = (tl.constexpr(i) for i in range(31, 34))
+
+class Inputs(NamedTuple):
+    """The batch's inputs as every sampler kernel takes them (`proc_args`): named
+    pointers and their strides (`_sb` / `_ss`: per batch row / per table slot, `_sv` /
+    `_sw`: per token / per bitmask word). Absent optional tensors are stood in for by
+    table columns, never read (the FL flags say which are present)."""
+
+    logits: torch.Tensor  # [B, V] f32 / f16, or bf16 held as its i16 bits
+    logits_sb: int
+    logits_sv: int
+    vocab: int  # V
+    slots: torch.Tensor  # [B] i64: the row's table slot
+    positions: torch.Tensor  # [B] i64: output position of the token drawn
+    rep: torch.Tensor  # [S] f32 repetition penalty
+    inv_rep: torch.Tensor  # [S] f32 its reciprocal, as torch stored it
+    freq: torch.Tensor  # [S] f32 frequency penalty
+    pres: torch.Tensor  # [S] f32 presence penalty
+    bitmask: torch.Tensor  # [B, ceil(V/32)] i32 xgrammar bitmask
+    bitmask_sb: int
+    bitmask_sw: int
+    counts: torch.Tensor  # [S, V] i32 generated-token counts
+    counts_ss: int
+    counts_sv: int
+    prompt: torch.Tensor  # [S, V] u8: token in the prompt
+    prompt_ss: int
+    prompt_sv: int
+    bias_ids: torch.Tensor  # [S, NB] i32 ascending, -1 padded
+    bias_vals: torch.Tensor  # [S, NB] f32
+    bias_ids_ss: int
+    bias_vals_ss: int
+    nbias: int  # NB
+    temperature: torch.Tensor  # [S] f32 (0: greedy)
+    inv_temperature: torch.Tensor  # [S] f32
+    top_k: torch.Tensor  # [S] i32 (0: off)
+    top_p: torch.Tensor  # [S] f32 (1: off)
+    log_min_p: torch.Tensor  # [S] f32 ln(min_p) (-inf: off)
+    seed: torch.Tensor  # [S] i64
+    lp_processed: torch.Tensor  # [S] u8: logprobs of the processed row
+    extra: torch.Tensor  # [B, NE] i64 ids counted once more (drafts before an offset)
+    extra_sb: int
+    nextra: int  # NE
 
 
 @triton.jit
@@ -63,24 +96,24 @@ def neg_zero(shape: tl.constexpr):
 def row_params(P, row):
     """(slot, greedy, s, seed, pos) of a batch row: its table slot (i64), whether T == 0,
     the scale s = 1/T of its y (1 for greedy rows), and its noise keys."""
-    slot = tl.load(P[SLOTS] + row).to(tl.int64)
-    greedy = tl.load(P[TEMP] + slot) == 0.0
-    s = tl.where(greedy, 1.0, tl.load(P[INV_TEMP] + slot))
-    return slot, greedy, s, tl.load(P[SEED] + slot), tl.load(P[POS] + row)
+    slot = tl.load(P.slots + row).to(tl.int64)
+    greedy = tl.load(P.temperature + slot) == 0.0
+    s = tl.where(greedy, 1.0, tl.load(P.inv_temperature + slot))
+    return slot, greedy, s, tl.load(P.seed + slot), tl.load(P.positions + row)
 
 
 @triton.jit
 def bias_ids(P, slot, NB_P2: tl.constexpr):
     """[NB_P2] the slot's bias ids, ascending, -1 padded."""
     j = tl.arange(0, NB_P2)
-    return tl.load(P[BIAS_IDS] + slot * P[S_IS] + j, mask=j < P[NBIAS], other=-1)
+    return tl.load(P.bias_ids + slot * P.bias_ids_ss + j, mask=j < P.nbias, other=-1)
 
 
 @triton.jit
 def raw_x(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32 (bf16 widened exactly from its bits), 0 past V."""
-    ok = offs < P[VOCAB]
-    ptrs = P[LOGITS] + row.to(tl.int64) * P[S_LB] + offs.to(tl.int64) * P[S_LV]
+    ok = offs < P.vocab
+    ptrs = P.logits + row.to(tl.int64) * P.logits_sb + offs.to(tl.int64) * P.logits_sv
     if (FL & 1) != 0:  # bf16 held as its int16 bits: the exact widening
         return (tl.load(ptrs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=ok, other=0).to(tl.float32)
@@ -91,12 +124,12 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
     """Processed x at token ids offs (any shape) of one row, -inf past V. ids: the slot's
     bias ids (`bias_ids`); [lo, hi): a range holding offs, where bias entries are looked
     for (BIAS False: a row without any, so a tile loop has no data-dependent branch)."""
-    ok = offs < P[VOCAB]
+    ok = offs < P.vocab
     raw = raw_x(P, row, offs, FL)
     c64 = offs.to(tl.int64)
     if (FL & 2) != 0:
-        word = tl.load(P[MASK] + row.to(tl.int64) * P[S_MB] + (c64 // 32) * P[S_MW], mask=ok,
-                       other=-1)  # fmt: skip
+        word = tl.load(P.bitmask + row.to(tl.int64) * P.bitmask_sb + (c64 // 32) * P.bitmask_sw,
+                       mask=ok, other=-1)  # fmt: skip
         allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
     else:
         allowed = tl.full(offs.shape, 1, tl.int1)
@@ -105,12 +138,12 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
         first = tl.sum(((ids >= 0) & (ids < lo)).to(tl.int32), axis=0)
         n = tl.sum(((ids >= lo) & (ids < hi)).to(tl.int32), axis=0)
         for e in range(first, first + n):
-            b_id = tl.load(P[BIAS_IDS] + slot * P[S_IS] + e)
-            bias = tl.where(offs == b_id, tl.load(P[BIAS_VALS] + slot * P[S_VS] + e), bias)
+            b_id = tl.load(P.bias_ids + slot * P.bias_ids_ss + e)
+            bias = tl.where(offs == b_id, tl.load(P.bias_vals + slot * P.bias_vals_ss + e), bias)
     if (FL & 12) != 0:
-        rep = tl.load(P[REP] + slot)
-        freq = tl.load(P[FREQ] + slot)
-        pres = tl.load(P[PRES] + slot)
+        rep = tl.load(P.rep + slot)
+        freq = tl.load(P.freq + slot)
+        pres = tl.load(P.pres + slot)
         # rows with every penalty off read nothing (presence -0.0 is not off: its bits decide)
         need_rep = rep != 1.0
         need = need_rep | (freq != 0.0) | (pres.to(tl.int32, bitcast=True) != 0)
@@ -118,18 +151,18 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
         in_prompt = offs < 0
         # masks as vectors: the interpreter turns (vector & scalar) bools into int32
         if (FL & 4) != 0:
-            count = tl.load(P[COUNTS] + slot * P[S_CS] + c64 * P[S_CV],
+            count = tl.load(P.counts + slot * P.counts_ss + c64 * P.counts_sv,
                             mask=tl.where(need, ok, False), other=0)  # fmt: skip
             if (FL & 16) != 0:
                 counted = tl.where(need, ok, False)
-                for e in range(P[NEXTRA]):
-                    d = tl.load(P[EXTRA] + row.to(tl.int64) * P[S_EB] + e)
+                for e in range(P.nextra):
+                    d = tl.load(P.extra + row.to(tl.int64) * P.extra_sb + e)
                     count += tl.where(counted & (offs == d), 1, 0)
         if (FL & 8) != 0:
-            bits = tl.load(P[PROMPT] + slot * P[S_PS] + c64 * P[S_PV],
+            bits = tl.load(P.prompt + slot * P.prompt_ss + c64 * P.prompt_sv,
                            mask=tl.where(need_rep, ok, False), other=0)  # fmt: skip
             in_prompt = bits != 0
-        x = process_value(raw, allowed, bias, count, in_prompt, rep, tl.load(P[INV_REP] + slot),
+        x = process_value(raw, allowed, bias, count, in_prompt, rep, tl.load(P.inv_rep + slot),
                           freq, pres)  # fmt: skip
     else:
         # no counts or prompt: the reference skips its penalties; with count 0 and
@@ -146,7 +179,7 @@ def proc_args(
     table: SamplingTensors,
     bitmask: torch.Tensor | None,
     count_ids: torch.Tensor | None = None,
-) -> tuple[tuple, int]:
+) -> tuple[Inputs, int]:
     """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. Absent
     optional tensors are stood in for by table columns (never read). count_ids [B, NE]
     counts for the penalties only where the table has token counts."""
@@ -164,14 +197,20 @@ def proc_args(
     extra = count_ids is not None and table.token_counts is not None and count_ids.shape[1] > 0
     ex = count_ids if extra else slot_ids.view(-1, 1)
     fl |= int(extra) << 4
-    P = (
-        lg, lg.stride(0), lg.stride(1), logits.shape[1], slot_ids, positions,
-        table.repetition_penalty, table.inv_repetition_penalty, table.frequency_penalty,
-        table.presence_penalty, mask, mask.stride(0), mask.stride(-1),
-        counts, counts.stride(0), counts.stride(-1), prompt, prompt.stride(0), prompt.stride(-1),
-        table.bias_ids, table.bias_values, table.bias_ids.stride(0), table.bias_values.stride(0),
-        table.bias_ids.shape[1], table.temperature, table.inv_temperature, table.top_k,
-        table.top_p, table.log_min_p, table.seed, table.logprobs_processed.view(torch.uint8),
-        ex, ex.stride(0), ex.shape[1],
+    P = Inputs(
+        logits=lg, logits_sb=lg.stride(0), logits_sv=lg.stride(1), vocab=logits.shape[1],
+        slots=slot_ids, positions=positions,
+        rep=table.repetition_penalty, inv_rep=table.inv_repetition_penalty,
+        freq=table.frequency_penalty, pres=table.presence_penalty,
+        bitmask=mask, bitmask_sb=mask.stride(0), bitmask_sw=mask.stride(-1),
+        counts=counts, counts_ss=counts.stride(0), counts_sv=counts.stride(-1),
+        prompt=prompt, prompt_ss=prompt.stride(0), prompt_sv=prompt.stride(-1),
+        bias_ids=table.bias_ids, bias_vals=table.bias_values,
+        bias_ids_ss=table.bias_ids.stride(0), bias_vals_ss=table.bias_values.stride(0),
+        nbias=table.bias_ids.shape[1],
+        temperature=table.temperature, inv_temperature=table.inv_temperature,
+        top_k=table.top_k, top_p=table.top_p, log_min_p=table.log_min_p, seed=table.seed,
+        lp_processed=table.logprobs_processed.view(torch.uint8),
+        extra=ex, extra_sb=ex.stride(0), nextra=ex.shape[1],
     )  # fmt: skip
     return P, fl

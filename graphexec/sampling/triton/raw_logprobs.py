@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton.keys import collapse_inf, pack, sort_desc, unpack
-from graphexec.sampling.triton.process import LP_PROC, VOCAB, bias_ids, raw_x, row_params, tile_x
+from graphexec.sampling.triton.process import bias_ids, raw_x, row_params, tile_x
 from graphexec.sampling.triton.stats import grid_delta
 
 
@@ -45,10 +45,10 @@ def _block_list(sel_b, cblk_row, NBLK_P2: tl.constexpr):
 @triton.jit
 def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, FL: tl.constexpr):
     """The row's y = (collapsed x - m) * s, for the general writer's processed rows."""
-    for start in range(0, P[VOCAB], YB):
+    for start in range(0, P.vocab, YB):
         offs = start + tl.arange(0, YB)
         x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, FL), has_inf)
-        tl.store(y_row + offs, (x - m) * s, mask=offs < P[VOCAB])
+        tl.store(y_row + offs, (x - m) * s, mask=offs < P.vocab)
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _raw_logprobs_kernel(  # one program per row
     slot, greedy, inv_t, seed_unused, pos_unused = row_params(P, row)
     served = tl.zeros([], dtype=tl.int32)
     # every raw-mode row, asked or not: the reference writes them all
-    raw_mode = tl.load(P[LP_PROC] + slot).to(tl.int32) == 0
+    raw_mode = tl.load(P.lp_processed + slot).to(tl.int32) == 0
     b = tl.arange(0, NBLK_P2)
     rxm = tl.load(rxm_ptr + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
     mr = tl.max(rxm, axis=0)
@@ -153,7 +153,7 @@ def _raw_logprobs_kernel(  # one program per row
         mx = tl.max(xm, axis=0)
         has_inf = mx == float("inf")
         m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
-        _write_y(P, row, slot, bias_ids(P, slot, NB_P2), m, has_inf, inv_t, y_ptr + r64 * P[VOCAB],
+        _write_y(P, row, slot, bias_ids(P, slot, NB_P2), m, has_inf, inv_t, y_ptr + r64 * P.vocab,
                  YB, FL)  # fmt: skip
 
 
@@ -161,4 +161,4 @@ def _raw_logprobs_kernel(  # one program per row
 def _raw(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32, NaN -> -inf, -inf past V."""
     v = raw_x(P, row, offs, FL)
-    return tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
+    return tl.where((offs < P.vocab) & (v == v), v, float("-inf"))

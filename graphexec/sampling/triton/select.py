@@ -31,7 +31,7 @@ import triton.language as tl
 from graphexec.sampling.triton import config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
-from graphexec.sampling.triton.process import SLOTS, TOP_K, TOP_P, bias_ids
+from graphexec.sampling.triton.process import bias_ids
 from graphexec.sampling.triton.short import list_tile
 from graphexec.sampling.triton.stats import arrive
 
@@ -40,8 +40,8 @@ from graphexec.sampling.triton.stats import arrive
 def load_plan(W, row):
     """(m, s, lo, top, inv_w, jhi, j1, j2, jlo): the row's max, scale, bins' low and top
     ends and scale, and bracket bounds (`stats._plan` or `plan_round2`, then `_bracket`)."""
-    fr = W[cf.ROWF] + row * 8
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    fr = W.rowf + row * 8
+    ri = W.rowi + row * cf.NUM_I
     return (
         tl.load(fr + cf.F_M),
         tl.load(fr + cf.F_S),
@@ -92,15 +92,15 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: t
     """Place the row's bracket from its histogram (module docstring); its bounds are in
     fine bins (`draw.bin_of`)."""
     j = tl.arange(0, NBINS)
-    ri = W[cf.ROWI] + row * cf.NUM_I
-    h = tl.load(W[cf.HIST] + row * NBINS + j, cache_modifier=".cg")
+    ri = W.rowi + row * cf.NUM_I
+    h = tl.load(W.hist + row * NBINS + j, cache_modifier=".cg")
     # round 2: what lies above its bins, counted exactly (round 1: nothing)
     n_top = tl.load(ri + cf.I_NTOP, cache_modifier=".cg")
     m_top = (tl.load(ri + cf.I_MTOP, cache_modifier=".cg").to(tl.float64)
              * 2.3283064365386963e-10).to(tl.float32)  # fmt: skip
     cnt = tl.cumsum(h, axis=0).to(tl.int64) + n_top
-    inv_w = tl.load(W[cf.ROWF] + row * 8 + cf.F_INVW)
-    top = tl.load(W[cf.ROWF] + row * 8 + cf.F_TOP)
+    inv_w = tl.load(W.rowf + row * 8 + cf.F_INVW)
+    top = tl.load(W.rowf + row * 8 + cf.F_TOP)
     w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
     jf = j.to(tl.float32)
     # a token of bin j weighs (relative to the max) between e_lo and e_hi, about e_mid
@@ -111,8 +111,8 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: t
     m_lo = tl.cumsum(h.to(tl.float32) * e_lo, axis=0) + m_top
     m_hi = tl.cumsum(h.to(tl.float32) * e_hi, axis=0) + m_top
     last = tl.max(tl.where(h > 0, j, 0), axis=0)
-    top_k = tl.load(P[TOP_K] + slot)
-    top_p = tl.load(P[TOP_P] + slot)
+    top_k = tl.load(P.top_k + slot)
+    top_p = tl.load(P.top_p + slot)
     # top-k's cut: in bin jk, exactly (the counts are exact); all of its fine bins
     jk = tl.minimum(_first_reaching(cnt, top_k, j, NBINS), last)
     jhi = FINE * jk
@@ -120,7 +120,7 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: t
     ra = jk
     rb = jk
     if top_p < 1.0:
-        t_row = (tl.load(W[cf.TOTAL] + row) * 2.3283064365386963e-10).to(tl.float32)
+        t_row = (tl.load(W.total + row) * 2.3283064365386963e-10).to(tl.float32)
         on_k = top_k > 0
         k = tl.minimum(top_k, _at(cnt, j, NBINS - 1))  # fewer live tokens than k: all
         t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k, n_top, m_top), t_row)
@@ -176,8 +176,8 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
     """Round 2 of a row that round 1 did not resolve: the coarse bins I_RA..I_RB, which
     surely hold every cut, and a bin either side become its range [lo, top], binned anew;
     the blocks reaching lo are listed again, the sums zeroed, the row put on the list."""
-    ri = W[cf.ROWI] + row * cf.NUM_I
-    fr = W[cf.ROWF] + row * 8
+    ri = W.rowi + row * cf.NUM_I
+    fr = W.rowf + row * 8
     ra = tl.load(ri + cf.I_RA).to(tl.float32)
     rb = tl.load(ri + cf.I_RB).to(tl.float32)
     w = tl.where(inv_w > 0.0, 1.0 / inv_w, 0.0)
@@ -186,21 +186,21 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
     b = tl.arange(0, NBLK_P2)
     live_b = ym > float("-inf")
     sel = live_b & (ym >= lo2) & (b < NBLK)
-    tl.store(W[cf.BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
     lomin = lo2 <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)
     tl.store(fr + cf.F_LO, lo2)
     tl.store(fr + cf.F_KLO, lo2)
     tl.store(fr + cf.F_TOP, top)
     tl.store(fr + cf.F_INVW, tl.where(lo2 < top, NBINS / (top - lo2), 0.0))
-    tl.store(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+    tl.store(W.hist + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
     c = tl.arange(0, 16)
     tl.store(ri + cf.I_NAB + c, tl.zeros([16], dtype=tl.int64), mask=c <= cf.I_MTOP - cf.I_NAB)
     tl.store(ri + cf.I_NLIST, tl.sum(sel.to(tl.int64), axis=0))
     tl.store(ri + cf.I_LOMIN, lomin.to(tl.int64))
     tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_ROUND2, tl.int64))
-    e = tl.atomic_add(W[cf.REFINE], 1, sem="relaxed")
-    tl.store(W[cf.REFINE] + 1 + e, row.to(tl.int32))
+    e = tl.atomic_add(W.refine, 1, sem="relaxed")
+    tl.store(W.refine + 1 + e, row.to(tl.int32))
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def refine_share(W, G):
     """How round 2's rows share its G programs: (first entry of the refine list, end, step,
     slice, slices). n <= G rows: program p serves entry p % n as slice p // n of
     cdiv(G - entry, n); more rows: entries p, p + G, ..., each whole."""
-    n = tl.load(W[cf.REFINE])
+    n = tl.load(W.refine)
     p = tl.program_id(0)
     few = n <= G
     nn = tl.maximum(n, 1)
@@ -255,9 +255,9 @@ def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
                 ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of S of the row's listed blocks; the last program to finish places the
     bracket."""
-    slot = tl.load(P[SLOTS] + row).to(tl.int64)
+    slot = tl.load(P.slots + row).to(tl.int64)
     ids = bias_ids(P, slot, NB_P2)
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
     per = tl.cdiv(tl.cdiv(n_list, R), S) * R
     e0 = sp * per
@@ -269,7 +269,7 @@ def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
         else:
             h, n_ab, m_ab = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS,
                                         FL, False, ROUND2)  # fmt: skip
-        tl.atomic_add(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
+        tl.atomic_add(W.hist + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
                       sem="relaxed")  # fmt: skip
         if ROUND2:
             tl.atomic_add(ri + cf.I_NTOP, n_ab, sem="relaxed")
@@ -291,11 +291,11 @@ def _select_kernel(
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
-            row = tl.load(W[cf.REFINE] + 1 + e).to(tl.int64)
-            if tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE) == cf.R_ROUND2:
+            row = tl.load(W.refine + 1 + e).to(tl.int64)
+            if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_ROUND2:
                 _select_row(P, W, row, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
     else:
         row = B - 1 - tl.program_id(0) // S
-        if tl.load(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE) == cf.R_SELECT:
+        if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_SELECT:
             _select_row(P, W, row, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS, WCAP,
                         FL, False)  # fmt: skip

@@ -38,9 +38,6 @@ from graphexec.sampling.triton.keys import (
     unpack,
 )
 from graphexec.sampling.triton.process import (
-    LOG_MIN_P,
-    TOP_K,
-    TOP_P,
     bias_ids,
     row_params,
     tile_x,
@@ -53,7 +50,7 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
     row's block list (entries past n_list read block NBLK: past V, all -inf)."""
     e = e0 + tl.arange(0, R)
-    bid = tl.load(W[cf.BLOCKS] + row * NBLK + e, mask=e < n_list, other=NBLK)
+    bid = tl.load(W.blocks + row * NBLK + e, mask=e < n_list, other=NBLK)
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
@@ -93,10 +90,10 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
     """(token, route) of a row the plan gave R_SELECT or R_CUT: drawn here (R_DONE) when
     it fits SB blocks and ST candidates, else (-1, route) unchanged."""
     tok = tl.full([], -1, tl.int32)
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     tl.debug_barrier()  # the plan's stores, read back by every thread
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
-    lo = tl.load(W[cf.ROWF] + row * 8 + cf.F_LO)
+    lo = tl.load(W.rowf + row * 8 + cf.F_LO)
     cut = tl.full([], PAD_KEY, tl.int64)
     # min-p alone: K_b of the cut blocks over y >= log_min_p, when they are few (one
     # program reads them here; the kept pass spreads more over several)
@@ -105,10 +102,10 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
         for e0 in range(0, n_list, R):
             x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
             y = (x - m) * s
-            xmb = tl.load(W[cf.XM] + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+            xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
             zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
             kb = sum_mass((y > float("-inf")) & (y >= lnmp), zr, 1)
-            tl.store(W[cf.KEPT] + row * NBLK + bid, kb, mask=bid < NBLK)
+            tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
     if (route == cf.R_SELECT) & (n_list <= SB):
         # the candidates (packs and x), compacted into the row's gather buffers by a
         # running count (no atomics: the selection passes count their own gather from 0);
@@ -121,25 +118,25 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
             inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
             at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
             put = inr & (at < ST)
-            tl.store(W[cf.GATH] + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
-            tl.store(W[cf.GATHX] + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
-            tl.store(W[cf.KEPT] + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+            tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
+            tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
+            tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
             n += tl.sum(inr.to(tl.int32), axis=0)
             e0 += R
         if n <= ST:
             tl.debug_barrier()
             c = tl.arange(0, ST)
             ok = c < n
-            keys = tl.load(W[cf.GATH] + row * WCAP + c, mask=ok, other=PAD_KEY)
+            keys = tl.load(W.gath + row * WCAP + c, mask=ok, other=PAD_KEY)
             lomin = tl.load(ri + cf.I_LOMIN) != 0
             resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
             if resolved:
                 yg, idg = unpack(keys)
                 kept = ok & (keys >= cut) & (yg >= lnmp)
                 bg = idg // DB
-                xmg = tl.load(W[cf.XM] + row * NBLK + bg, mask=kept, other=0.0)
-                xg = tl.load(W[cf.GATHX] + row * WCAP + c, mask=kept, other=0.0)
-                tl.atomic_add(W[cf.KEPT] + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+                xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
+                xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
+                tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     if resolved:
         if lnmp > float("-inf"):
             cut = tl.maximum(cut, okey(lnmp).to(tl.int64) << 32)
@@ -148,7 +145,7 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
         # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
         # tokens all lie in the listed blocks (ym_b >= lo)
         rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
-        kv = tl.load(W[cf.KEPT] + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
+        kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
         tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, -FLT_MAX, 0.0,
                              0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK,
                              NBLK_P2, DB, 1, FL)  # fmt: skip
@@ -167,19 +164,19 @@ def _short_kernel(
     """Grid (B,): program b serves row b when its plan (R_SELECT or R_CUT) fits the short
     route; the selection passes skip the rows it marks R_DONE."""
     row = tl.program_id(0)
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
     if ((route == cf.R_SELECT) | (route == cf.R_CUT)) & (tl.load(ri + cf.I_NLIST) <= SB):
         slot, greedy_unused, s_unused, seed, pos = row_params(P, row)
         ids = bias_ids(P, slot, NB_P2)
-        m = tl.load(W[cf.ROWF] + row * 8 + cf.F_M)
-        s = tl.load(W[cf.ROWF] + row * 8 + cf.F_S)
+        m = tl.load(W.rowf + row * 8 + cf.F_M)
+        s = tl.load(W.rowf + row * 8 + cf.F_S)
         b = tl.arange(0, NBLK_P2)
-        xm = tl.load(W[cf.XM] + row * NBLK + b, mask=b < NBLK, other=float("-inf"))
+        xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"))
         ym = block_y(xm, m, s, False)
-        tok, route = short_draw(P, W, row, slot, ids, ym, m, s, tl.load(P[TOP_K] + slot),
-                                tl.load(P[TOP_P] + slot), tl.load(P[LOG_MIN_P] + slot),
-                                tl.load(W[cf.TOTAL] + row), route, seed, pos, NBLK, NBLK_P2,
+        tok, route = short_draw(P, W, row, slot, ids, ym, m, s, tl.load(P.top_k + slot),
+                                tl.load(P.top_p + slot), tl.load(P.log_min_p + slot),
+                                tl.load(W.total + row), route, seed, pos, NBLK, NBLK_P2,
                                 DB, R, SB, ST, WCAP, FL, INTERP)  # fmt: skip
         if route == cf.R_DONE:
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))

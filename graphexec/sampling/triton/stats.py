@@ -31,11 +31,6 @@ from graphexec.sampling.triton.draw import (
 )  # fmt: skip
 from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
 from graphexec.sampling.triton.process import (
-    LOG_MIN_P,
-    LP_PROC,
-    TOP_K,
-    TOP_P,
-    VOCAB,
     bias_ids,
     raw_x,
     row_params,
@@ -49,10 +44,10 @@ def arrive(W, row, k: tl.constexpr, n):
     for the next call. The barrier and the acq_rel add publish this program's stores and
     make the others' visible to the last one."""
     tl.debug_barrier()
-    done = tl.atomic_add(W[cf.ARRIVE] + row * 4 + k, 1, sem="acq_rel")
+    done = tl.atomic_add(W.arrive + row * 4 + k, 1, sem="acq_rel")
     last = done == n - 1
     if last:
-        tl.store(W[cf.ARRIVE] + row * 4 + k, 0)
+        tl.store(W.arrive + row * 4 + k, 0)
     tl.debug_barrier()
     return last
 
@@ -134,7 +129,7 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         ymin = tl.min(tl.where(live_b, yn, float("inf")), axis=0)
         lo = tl.maximum(tl.maximum(lo, ymin), -FLT_MAX)
         inv_w = tl.where(lo < 0.0, NBINS / -lo, 0.0)
-        tl.store(W[cf.HIST] + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
+        tl.store(W.hist + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
     lomin = tl.zeros([], dtype=tl.int64)
     if route == cf.R_SELECT:
         lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
@@ -144,16 +139,16 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         # y >= log_min_p keeps its whole mass Q_b
         full = live_b & (yn >= lnmp)
         sel = sel & (full == 0)
-        tl.store(W[cf.KEPT] + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
-    tl.store(W[cf.BLOCKS] + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
-    fr = W[cf.ROWF] + row * 8
+        tl.store(W.kept + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
+    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    fr = W.rowf + row * 8
     tl.store(fr + cf.F_M, m)
     tl.store(fr + cf.F_S, s)
     tl.store(fr + cf.F_LO, lo)
     tl.store(fr + cf.F_INVW, inv_w)
     tl.store(fr + cf.F_KLO, lo)
     tl.store(fr + cf.F_TOP, tl.zeros([], dtype=tl.float32))
-    ri = W[cf.ROWI] + row * cf.NUM_I
+    ri = W.rowi + row * cf.NUM_I
     c = tl.arange(0, 8)
     # min-p alone: every token is "above" (bin 0 < jhi = 1); the selection overwrites these
     vals = tl.where((c == cf.I_JHI) | (c == cf.I_J2), 1, 0)
@@ -174,13 +169,13 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
     base = row * NBLK
-    xm = tl.load(W[cf.XM] + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
     mx = tl.max(xm, axis=0)
     has_inf = mx == float("inf")
     valid = mx > float("-inf")
     m = tl.where(valid & (has_inf == 0), mx, 0.0)
     ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W[cf.Q] + base + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
     q = tl.where(ym > float("-inf"), q, 0)
     tok = tl.full([], -1, tl.int32)
     route = tl.zeros([], dtype=tl.int32)
@@ -189,17 +184,17 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
             tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
         else:
             filt = tl.zeros([], dtype=tl.int1)
-            top_k = tl.load(P[TOP_K] + slot)
-            top_p = tl.load(P[TOP_P] + slot)
-            lnmp = tl.load(P[LOG_MIN_P] + slot)
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            lnmp = tl.load(P.log_min_p + slot)
             if FILTERS:
                 filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
             if filt:
                 # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
                 e = tl.exp(ym.to(tl.float64))
                 total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-                tl.store(W[cf.TOTAL] + row, total)
-                xn = tl.load(W[cf.XN] + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                tl.store(W.total + row, total)
+                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 if ties:
                     tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
@@ -214,7 +209,7 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                                      -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
                                      NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
     if route == cf.R_DONE:
-        tl.store(W[cf.ROWI] + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
 
@@ -240,20 +235,20 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         q = tl.where(xm == float("inf"), n_inf << 32, q)
         ok = bid < NBLK
         dst = row * NBLK + bid
-        tl.store(W[cf.XM] + dst, xm, mask=ok)
+        tl.store(W.xm + dst, xm, mask=ok)
         if XN:
-            tl.store(W[cf.XN] + dst, tl.min(tl.where(fin, x, float("inf")), axis=1), mask=ok)
-        tl.store(W[cf.Q] + dst, q, mask=ok)
+            tl.store(W.xn + dst, tl.min(tl.where(fin, x, float("inf")), axis=1), mask=ok)
+        tl.store(W.q + dst, q, mask=ok)
         if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
             v = raw_x(P, row, offs, FL)
-            v = tl.where((offs < P[VOCAB]) & (v == v), v, float("-inf"))
+            v = tl.where((offs < P.vocab) & (v == v), v, float("-inf"))
             vm = tl.max(v, axis=1)
             vf = (vm > float("-inf")) & (vm < float("inf"))
             e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
                                 v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
             okr = tl.where(raw_mode, ok, False)
-            tl.store(W[cf.RAW0] + dst, vm, mask=okr)
-            tl.store(W[cf.RAW1] + dst, tl.sum(e, axis=1), mask=okr)
+            tl.store(W.raw_max + dst, vm, mask=okr)
+            tl.store(W.raw_sum + dst, tl.sum(e, axis=1), mask=okr)
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
@@ -273,7 +268,7 @@ def _stats_kernel(
     ids = bias_ids(P, slot, NB_P2)
     raw_mode = tl.zeros([], dtype=tl.int1)
     if RAW_LP:
-        raw_mode = tl.load(P[LP_PROC] + slot) == 0
+        raw_mode = tl.load(P.lp_processed + slot) == 0
     # a row with a logit bias looks its entries up per tile; the others never do
     if tl.max(ids, axis=0) >= 0:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
@@ -297,6 +292,6 @@ def _tail_kernel(
     stats pass keeps the registers of a streaming loop (its occupancy). Program 0 empties
     round 2's row list, which the finish of round 1 fills."""
     if tl.program_id(0) == 0:
-        tl.store(W[cf.REFINE], 0)
+        tl.store(W.refine, 0)
     _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, NBLK_P2, NB_P2, DB, NBINS,
               FL)  # fmt: skip
