@@ -32,7 +32,6 @@ from graphexec.sampling.triton.keys import (
     okey,
     pack,
     sum_halves,
-    sum_mass,
     tile_mass,
     tile_total,
     unpack,
@@ -42,7 +41,7 @@ from graphexec.sampling.triton.process import (
     row_params,
 )
 from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
-from graphexec.sampling.triton.short import list_tile
+from graphexec.sampling.triton.short import cut_tiles, list_tile
 
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
 
@@ -302,20 +301,6 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
 
 
 @triton.jit
-def _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
-               DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """Min-p alone: the kept masses of list entries e0 .. e1 - 1 (the blocks it cuts)."""
-    m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
-    for e in range(e0, e1, R):
-        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
-        y = (x - m) * s
-        xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
-        z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
-        kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
-        tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
-
-
-@triton.jit
 def _kept_row(
     P,
     W,
@@ -342,9 +327,9 @@ def _kept_row(
     lnmp = tl.load(P.log_min_p + slot)
     if (e0 < e1) & (route == cf.R_CUT):
         if tl.max(ids, axis=0) >= 0:
-            _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
+            cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
         else:
-            _cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
+            cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, False)
     if (e0 < e1) & (route != cf.R_CUT):
         if tl.max(ids, axis=0) >= 0:
             n = _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, NBINS,

@@ -31,7 +31,6 @@ from graphexec.sampling.triton.keys import (
     BIG_KEY,
     PAD_KEY,
     mass,
-    okey,
     pack,
     sort_desc,
     sum_mass,
@@ -55,6 +54,21 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
     return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
+
+
+@triton.jit
+def cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
+               DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """Min-p alone: the kept masses of list entries e0 .. e1 - 1 (the blocks it cuts)."""
+    m = tl.load(W.rowf + row * 8 + cf.F_M)
+    s = tl.load(W.rowf + row * 8 + cf.F_S)
+    for e in range(e0, e1, R):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
+        y = (x - m) * s
+        xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
+        z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
+        kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
+        tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
 
 
 @triton.jit
@@ -99,13 +113,7 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
     # program reads them here; the kept pass spreads more over several)
     resolved = (route == cf.R_CUT) & (n_list <= SB // 4)
     if resolved:
-        for e0 in range(0, n_list, R):
-            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
-            y = (x - m) * s
-            xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
-            zr = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
-            kb = sum_mass((y > float("-inf")) & (y >= lnmp), zr, 1)
-            tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
+        cut_tiles(P, W, row, slot, ids, 0, n_list, n_list, lnmp, NBLK, R, DB, FL, True)
     if (route == cf.R_SELECT) & (n_list <= SB):
         # the candidates (packs and x), compacted into the row's gather buffers by a
         # running count (no atomics: the selection passes count their own gather from 0);
@@ -138,8 +146,6 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
                 xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
                 tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     if resolved:
-        if lnmp > float("-inf"):
-            cut = tl.maximum(cut, okey(lnmp).to(tl.int64) << 32)
         tl.debug_barrier()
         b = tl.arange(0, NBLK_P2)
         # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
