@@ -61,7 +61,7 @@ from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn
 from step_prefill import prefill_markdown, prefill_section
 
 import graphexec as gx
-from graphexec.graphs import GraphKey
+from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant as SV
 
 P = gx.SamplingParams

@@ -125,7 +125,7 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         out = SamplerOutput.allocate(c.B, c.device, num_top)
         ws = cfg = None
         if c.gx_backend == "triton":  # persistent scratch, as the executor's
-            from graphexec.sampling.triton.config import SamplerConfig, Workspace
+            from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
             cfg = SamplerConfig.default()
             ws = Workspace.allocate(c.B, c.V, c.device, cfg, num_top is not None)

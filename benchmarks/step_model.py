@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 import graphexec as gx
-from graphexec.graphs import GraphKey
+from graphexec.engine.graphs import GraphKey
 from graphexec.models.hf_random import random_state_dict
 from graphexec.params import SamplerVariant as SV
 

@@ -188,7 +188,7 @@ def _gx(kind: str):
         table = SamplingTensors.from_params(params, V, c.device)
         ws = cfg = None
         if c.gx_backend == "triton":  # persistent scratch for B*(K+1) rows, as the executor's
-            from graphexec.sampling.triton.config import SamplerConfig, Workspace
+            from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
             cfg = SamplerConfig.default()
             ws = Workspace.allocate(B * T, V, c.device, cfg, False)

@@ -6,13 +6,13 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 
 from graphexec import distributed, models
 from graphexec.async_executor import AsyncDecodeExecutor
-from graphexec.executor import DecodeExecutor, ExecutorStats
+from graphexec.engine.executor import DecodeExecutor
+from graphexec.engine.inbox import ExecutorFullError
+from graphexec.engine.metrics import ExecutorStats
 from graphexec.grammar import Grammar
-from graphexec.graphs import GraphKey
 from graphexec.models.protocol import ModelOutputError
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
-from graphexec.request import PromptLogprob, RequestOutput
-from graphexec.request_queue import ExecutorFullError
+from graphexec.request import GraphKey, PromptLogprob, RequestOutput
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
 from graphexec.speculative import SpeculativeConfig, VerifyOutput, verify_drafts, verify_step
 from graphexec.tokenizer import Tokenizer

@@ -19,9 +19,9 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
+from graphexec.engine.inbox import stream_ids
 from graphexec.params import SamplingParams
 from graphexec.request import RequestOutput
-from graphexec.request_queue import stream_ids
 
 log = logging.getLogger(__name__)
 

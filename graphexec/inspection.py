@@ -16,7 +16,7 @@ import torch
 
 import graphexec as gx
 from graphexec.cli import add_threads_argument
-from graphexec.graphs import CapturedGraphs
+from graphexec.engine.graphs import CapturedGraphs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def build(args: argparse.Namespace) -> gx.DecodeExecutor:
     else:
         model = gx.models.TableModel(tok.vocab_size, seed=0)
     ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=tok, seed=0)
-    ex.graphs = CapturedGraphs(ex.device, debug=True)  # keep DOTs to count kernel nodes
+    ex.runner.graphs = CapturedGraphs(ex.device, debug=True)  # keep DOTs to count kernel nodes
     return ex
 
 

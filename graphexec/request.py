@@ -1,12 +1,36 @@
-"""A request as the executor sees it on the host, and what each step reports for it."""
+"""The public value types of a request: the graph key of the step that drew a token, what
+each step reports (`RequestOutput`, `PromptLogprob`), and the host-side `Request`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from graphexec.graphs import GraphKey
-from graphexec.params import VARIANT_ORDER, SamplingParams
+from graphexec.params import SamplerVariant, SamplingParams
+
+
+@dataclass(frozen=True, order=True)
+class GraphKey:
+    """The identity of one captured graph."""
+
+    variant: SamplerVariant
+    bucket: int  # static batch size of the graph; rows past the real batch are padding
+    logprobs: bool  # the graph writes logprobs / ranks / top-N
+    spec_k: int = 0  # draft tokens verified per row (0 = ordinary decode)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.variant, SamplerVariant):
+            raise ValueError(f"variant must be a SamplerVariant, got {self.variant!r}")
+        if self.bucket < 1:
+            raise ValueError(f"bucket must be >= 1, got {self.bucket}")
+        if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
+            raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
+
+    def __str__(self) -> str:
+        lp = "lp" if self.logprobs else "nolp"
+        spec = f"/k{self.spec_k}" if self.spec_k else ""
+        return f"{self.variant.value}/b{self.bucket}/{lp}{spec}"
+
 
 FINISH_REASONS = ("length", "stop", "abort", "error")
 
@@ -79,10 +103,3 @@ class Request:
     @property
     def wants_logprobs(self) -> bool:
         return self.params.logprobs is not None
-
-
-def chunk_key(rows: list[Request], bucket: int) -> GraphKey:
-    """The key of a chunk of rows: `choose_variant`'s choice, from the ranks cached at
-    admission (no per-step scan of the parameters)."""
-    rank = max(r.variant_rank for r in rows)
-    return GraphKey(VARIANT_ORDER[rank], bucket, any(r.params.logprobs is not None for r in rows))

@@ -13,8 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from graphexec.engine.graphs import GraphKey
 from graphexec.grammar import Grammar
-from graphexec.graphs import GraphKey
 from graphexec.params import SamplingParams
 from graphexec.request import RequestOutput
 

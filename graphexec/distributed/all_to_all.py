@@ -14,9 +14,9 @@ import torch
 
 from graphexec.distributed.comm import all_gather, all_to_all, bits_f32, f32_bits
 from graphexec.params import SamplerVariant
+from graphexec.sampling.flags import flag_inf as flag_rows
 from graphexec.sampling.pipeline import sample_step
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.step import flag_inf as flag_rows
 
 
 def _pad(x: torch.Tensor | None, rows: int, fill) -> torch.Tensor | None:

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from graphexec.batch import INF_TOKEN
 from graphexec.distributed.comm import all_gather, all_reduce, bits_f32, f32_bits, value_at
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, philox4x32
+from graphexec.sampling.flags import INF_TOKEN
 from graphexec.sampling.reference import (
     DRAW_BLOCK,
     MASS_SCALE,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton import interpreter_enabled
+from graphexec.triton_env import interpreter_enabled
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from graphexec.models.fused import _rounded
-from graphexec.sampling.triton import interpreter_enabled
+from graphexec.triton_env import interpreter_enabled
 
 
 @dataclass(frozen=True)

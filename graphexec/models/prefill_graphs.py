@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from graphexec.capture import GraphCapture
+
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -40,7 +42,7 @@ class PrefillGraphs:
         self.slots = torch.full((n,), padding_slot, dtype=torch.int64, device=device)
         self.rows = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
-        self.pool = None
+        self._capture_fn = GraphCapture(device)
         self.eager = 0  # batches past the largest bucket
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -75,15 +77,6 @@ class PrefillGraphs:
             return self.forward(self.ids[:nb], self.positions[:nb], self.slots[:nb], rows,
                                 prefill=True)  # fmt: skip
 
-        # warm up on a side stream (Triton compiles, the allocator grows): it computes the
-        # batch already in the buffers, which the replay then writes again, unchanged
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = run()
-        self.pool = graph.pool()
-        return graph, out
+        # the warm-up computes the batch already in the buffers, which the replay then
+        # writes again, unchanged
+        return self._capture_fn(run)

@@ -6,7 +6,7 @@ propose the drafts: prompt lookup (ngram.py) on the host, or a draft model run i
 the step (step.py); runner.py is the executor's host side.
 """
 
-from graphexec.speculative.config import SpeculativeConfig
+from graphexec.speculative.spec_config import SpeculativeConfig
 from graphexec.speculative.verify import VerifyOutput, verify_drafts, verify_step
 
 __all__ = ["SpeculativeConfig", "VerifyOutput", "verify_drafts", "verify_step"]

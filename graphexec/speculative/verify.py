@@ -227,7 +227,7 @@ def verify_step(
         else:
             emit(drafts, (drafts >= 0) & (drafts == tok[:, : T - 1]), tok, out)
         return out
-    from graphexec.speculative import reference
+    from graphexec.speculative import verify_reference as reference
 
     db = None if config is None else config.draw_block
     reference.rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bm, draft_probs,

@@ -232,7 +232,7 @@ def test_prompt_logprobs_reach_a_request_admitted_while_others_run() -> None:
     ex.step()
     ex.add_request("lp", [4, 5, 6, 7], P(seed=2, max_tokens=2, prompt_logprobs=1))
     ex.step()  # prefilled behind the running request's decode
-    req = ex._running["lp"]  # its logprobs were read after that step's wait
+    req = ex.requests.running["lp"]  # its logprobs were read after that step's wait
     assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == 4
     first = [o for o in ex.step() if o.request_id == "lp"]
     assert first[0].position == 0 and first[0].prompt_logprobs is req.prompt_logprobs

@@ -9,7 +9,7 @@ import torch
 
 import graphexec as gx
 from graphexec import workload as wl
-from graphexec.graphs import GraphKey
+from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant as SV
 from tests.executor.scripted import drain, tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import graphexec as gx
-from graphexec.graphs import (
+from graphexec.engine.graphs import (
     GraphKey,
     all_keys,
     check_buckets,

@@ -229,7 +229,7 @@ def test_bench_shapes_take_the_fast_routes(shape):
     bracket, 1 in about 30), is served without the exact search, and equals the reference
     (up to near ties)."""
     from graphexec.sampling.triton import launch
-    from graphexec.sampling.triton.config import R_EXACT, SamplerConfig, Workspace
+    from graphexec.sampling.triton.sampler_config import R_EXACT, SamplerConfig, Workspace
 
     V, B = 128256, 256
     logits = shape_logits(shape, B, V, seed=21)
@@ -254,7 +254,7 @@ def test_bench_shapes_take_the_fast_routes(shape):
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps,
     the short route off: the same tokens as the GPU preset, on every shape and filter."""
-    from graphexec.sampling.triton.config import SamplerConfig
+    from graphexec.sampling.triton.sampler_config import SamplerConfig
 
     V, B = 128256, 48
     logits = torch.cat([shape_logits(s, B // 4, V, seed=22) for s in

@@ -72,7 +72,7 @@ def test_verify_step_replays_in_a_cuda_graph(B):
     drafts = torch.randint(0, V, (B, K), device="cuda")
     slots = torch.arange(B, device="cuda")
     pos = torch.arange(B, device="cuda")
-    from graphexec.sampling.triton.config import SamplerConfig, Workspace
+    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
     cfg = SamplerConfig.default()
     ws = Workspace.allocate(B * T, V, "cuda", cfg, logprobs=True)

@@ -23,7 +23,7 @@ from graphexec.params import choose_variant
 from graphexec.sampling import reference
 from graphexec.sampling.pipeline import sample_step
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton.config import SamplerConfig
+from graphexec.sampling.triton.sampler_config import SamplerConfig
 
 V = 48
 N = 100_000

@@ -11,7 +11,7 @@ ensure_interpreter()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from graphexec.sampling.triton.config import R_EXACT  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_EXACT  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
     P,

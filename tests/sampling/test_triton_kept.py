@@ -12,7 +12,8 @@ import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling.triton.config import (  # noqa: E402
+from graphexec.sampling.triton.kept import FEW  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,
     F_KLO,
     F_LO,
@@ -24,7 +25,6 @@ from graphexec.sampling.triton.config import (  # noqa: E402
     R_CUT,
     R_SELECT,
 )  # fmt: skip
-from graphexec.sampling.triton.kept import FEW  # noqa: E402
 from tests.sampling.test_triton_select import bins  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 

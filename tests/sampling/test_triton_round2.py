@@ -16,7 +16,7 @@ from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
-from graphexec.sampling.triton.config import (  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_EXACT,
     R_ROUND2,
     R_SELECT,

@@ -14,7 +14,7 @@ from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
-from graphexec.sampling.triton.config import (  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_CUT,
     R_DONE,
     R_SELECT,

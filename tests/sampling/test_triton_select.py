@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling.triton.config import (  # noqa: E402
+from graphexec.sampling.triton.draw import FINE  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,
     F_LO,
     I_J1,
@@ -20,7 +21,6 @@ from graphexec.sampling.triton.config import (  # noqa: E402
     I_JLO,
     R_SELECT,
 )  # fmt: skip
-from graphexec.sampling.triton.draw import FINE  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -10,7 +10,7 @@ ensure_interpreter()
 
 import pytest  # noqa: E402
 
-from graphexec.sampling.triton.config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
     P,

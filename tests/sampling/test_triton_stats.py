@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling.triton.config import R_CUT, R_DONE, R_SELECT  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -12,7 +12,7 @@ from graphexec.params import SamplerVariant
 from graphexec.sampling import reference
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import launch
-from graphexec.sampling.triton.config import SamplerConfig, Workspace
+from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
 P = gx.SamplingParams
 # the interpreter preset with blocks of 16 tokens (a few hundred tokens make many blocks),

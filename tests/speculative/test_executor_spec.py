@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec.graphs import GraphKey
+from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant
 from graphexec.speculative.ngram import TokenHistory, ngram_drafts
 

@@ -68,8 +68,6 @@ noise is drawn for the block maxes and one block, and the draw reads one block a
 whatever the filters kept (`reference`, step 6).
 """
 
-import os
+from graphexec.triton_env import interpreter_enabled
 
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+__all__ = ["interpreter_enabled"]

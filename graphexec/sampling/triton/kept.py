@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton import config as cf
+from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import (

@@ -13,11 +13,11 @@ import triton
 from graphexec.params import SamplerVariant
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
-from graphexec.sampling.triton.config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import write_logprobs
 from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
+from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel

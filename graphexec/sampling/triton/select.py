@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton import config as cf
+from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
 from graphexec.sampling.triton.process import bias_ids

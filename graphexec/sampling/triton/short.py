@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.sampling.triton import config as cf
+from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, two_level_draw
 from graphexec.sampling.triton.keys import (
     BIG_KEY,

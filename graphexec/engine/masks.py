@@ -140,3 +140,13 @@ class TokenMasks:
         if m is not None and m.bad:
             m.recent.append(int(token_id))
         return self.grammar is not None and self.grammar.accept(slot, token_id)
+
+
+def grammar_slots(tokenizer, vocab_size: int, rows: int, offsets: int):
+    """The grammar matchers of `rows` slots, `offsets` masks each (None without a
+    tokenizer: no grammars). Imported here: xgrammar loads only when it can be used."""
+    if tokenizer is None:
+        return None
+    from graphexec.grammar import GrammarCompiler, GrammarSlots
+
+    return GrammarSlots(GrammarCompiler(tokenizer, vocab_size), rows, offsets)

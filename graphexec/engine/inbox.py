@@ -1,4 +1,5 @@
-"""The executor's thread-safe side: queued commands and request-id bookkeeping.
+"""The executor's thread-safe side: request checks, queued commands and request-id
+bookkeeping.
 
 `add_request` and `abort` may run on any thread while another thread is inside `step()`;
 all they touch is a `RequestQueue`, under one lock held for microseconds. The stepping
@@ -11,11 +12,15 @@ its last output built) -> reported (returned by `step()`), when the id becomes f
 
 from __future__ import annotations
 
+import numbers
 import random
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-from graphexec.params import SamplingParams
+from graphexec.engine.masks import bad_word_ids
+from graphexec.engine.slots import min_id_words
+from graphexec.params import SamplingParams, token_ids
 
 
 def stream_ids(request_id: str, n: int) -> list[str]:
@@ -57,6 +62,77 @@ class Abort:
     """Abort running requests at the next step (a no-op for one that ended meanwhile)."""
 
     ids: list[str]
+
+
+def check_prompt(prompt_token_ids, vocab_size: int, max_seq_len: int) -> list[int]:
+    """The prompt as a list of ints in [0, V); ValueError naming prompt_token_ids."""
+    if isinstance(prompt_token_ids, numbers.Integral):
+        raise ValueError("prompt_token_ids must be a sequence of ints, got one int")
+    prompt = list(token_ids("prompt_token_ids", prompt_token_ids))
+    if not 1 <= len(prompt) <= max_seq_len:
+        raise ValueError(
+            f"prompt_token_ids must hold 1 to {max_seq_len} tokens (the model's max_seq_len), "
+            f"got {len(prompt)}"
+        )
+    bad = [t for t in prompt if t >= vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}), got {bad[0]}")
+    return prompt
+
+
+@dataclass(frozen=True)
+class RequestCheck:
+    """What `add_request` checks on the caller's thread (no device work): called with
+    (request_id, prompt_token_ids, params), it returns (prompt ids, bad words as token
+    sequences, ids min_tokens holds back); ValueError naming the field."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_logit_bias: int
+    max_min_words: int
+    tokenizer: Any = None
+    detokenize: bool = False
+    compiler: Any = None  # a GrammarCompiler (with a tokenizer)
+    eos_token_ids: tuple[int, ...] = ()
+    tp: bool = False
+
+    def __call__(self, request_id, prompt_token_ids, params: SamplingParams):
+        return check_request(self, request_id, prompt_token_ids, params)
+
+
+def check_request(rc: RequestCheck, request_id, prompt_token_ids, params: SamplingParams):
+    """`RequestCheck`'s checks."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.check_vocab(rc.vocab_size)
+    for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
+        if needs and rc.tokenizer is None:
+            raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
+                             "DecodeExecutor")  # fmt: skip
+    if params.stop and not rc.detokenize:
+        raise ValueError("params.stop needs detokenize=True")
+    nb = rc.max_logit_bias
+    if len(params.logit_bias or {}) > nb:
+        raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
+                         "(max_logit_bias)")  # fmt: skip
+    if rc.tp and params.prompt_logprobs is not None:
+        raise ValueError("params.prompt_logprobs is not served with tp_group")
+    prompt = check_prompt(prompt_token_ids, rc.vocab_size, rc.max_seq_len)
+    if params.grammar is not None:
+        rc.compiler.compile(params.grammar)  # a bad grammar fails here
+    bad = bad_word_ids(params, rc.tokenizer)
+    if any(t >= rc.vocab_size for w in bad for t in w):
+        raise ValueError(f"bad_words tokenise to ids outside [0, {rc.vocab_size})")
+    min_ids: tuple[int, ...] = ()
+    if params.min_tokens:
+        eos = () if params.ignore_eos else rc.eos_token_ids
+        min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+        if len(min_id_words(min_ids)) > rc.max_min_words:
+            raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
+                             "(max_min_ids)")  # fmt: skip
+    return prompt, bad, min_ids
 
 
 class RequestQueue:

@@ -14,7 +14,7 @@ request that gets it next.
 
 Storage: what only the host writes (the sampling table's [S] columns, prompt_lens,
 min_tokens, bias and min-token words) lives in one fixed device buffer with an exact host
-mirror (`graphexec.slot_writes`): a flush edits the mirror with numpy and copies it whole
+mirror (`graphexec.engine.slot_writes`): a flush edits the mirror with numpy and copies it whole
 in one copy, so none of it costs a device op. The [S] columns of one element size are
 rows of one [k, S'] block (float32 columns view rows of the int32 block); each column
 stays a contiguous [S] view (S' rounds S up to 16 elements). What the device writes
@@ -30,9 +30,9 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from graphexec.engine.slot_writes import NUMPY, PackedUpload, RowFormat, place
 from graphexec.params import SamplingParams
 from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
-from graphexec.slot_writes import NUMPY, PackedUpload, RowFormat, place
 
 _PLAIN = SamplingParams(seed=0)
 _OWN = ("prompt_lens", "min_tokens")  # SlotTable's own host-owned [S] i64 columns
@@ -64,7 +64,7 @@ class SlotTable:
         min_words   i64 [S, M]  word of the bitmask holding them (grouped per word)
         min_bits    i32 [S, M]  the bits to clear in that word
 
-    Decode state, advanced inside the step by `graphexec.step.advance`:
+    Decode state, advanced inside the step by `graphexec.engine.step.advance`:
         positions   i64 [S]  output position of the next token (the noise counter)
         last_token  i64 [S]  the last sampled token (the next decode input); a flush sets
                              it to the prompt's last token (0 for an empty prompt)

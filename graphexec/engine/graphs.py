@@ -25,32 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from graphexec.capture import GraphCapture
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.request import GraphKey
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, order=True)
-class GraphKey:
-    """The identity of one captured graph."""
-
-    variant: SamplerVariant
-    bucket: int  # static batch size of the graph; rows past the real batch are padding
-    logprobs: bool  # the graph writes logprobs / ranks / top-N
-    spec_k: int = 0  # draft tokens verified per row (0 = ordinary decode)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.variant, SamplerVariant):
-            raise ValueError(f"variant must be a SamplerVariant, got {self.variant!r}")
-        if self.bucket < 1:
-            raise ValueError(f"bucket must be >= 1, got {self.bucket}")
-        if isinstance(self.spec_k, bool) or not isinstance(self.spec_k, int) or self.spec_k < 0:
-            raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
-
-    def __str__(self) -> str:
-        lp = "lp" if self.logprobs else "nolp"
-        spec = f"/k{self.spec_k}" if self.spec_k else ""
-        return f"{self.variant.value}/b{self.bucket}/{lp}{spec}"
 
 
 def default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -146,11 +125,8 @@ class CapturedGraphs:
         self.debug = debug and self.cuda
         self.steps: dict[GraphKey, CapturedStep] = {}
         self.failed: dict[GraphKey, str] = {}
-        self.pool = None
         self._dots: dict[GraphKey, str] = {}
-        # one warm-up stream for every key: cached blocks belong to a stream, so a new
-        # stream per key would leave each warm-up's memory stranded
-        self._side = torch.cuda.Stream(device) if self.cuda else None
+        self._capture = GraphCapture(device, self.debug) if self.cuda else None
 
     def fail(self, key: GraphKey, error: str) -> None:
         """Serve `key` eagerly: its capture cannot succeed (`error` says why)."""
@@ -165,22 +141,7 @@ class CapturedGraphs:
             return True
         before = torch.cuda.memory_reserved(self.device)
         try:
-            # warm up on a side stream: Triton JIT and the allocator, outside the capture
-            side = self._side
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            # debug keeps the cudaGraph_t (for its DOT); it is then instantiated by hand
-            graph = torch.cuda.CUDAGraph(keep_graph=True) if self.debug else torch.cuda.CUDAGraph()
-            if self.debug:
-                graph.enable_debug_mode()
-            with torch.cuda.graph(graph, pool=self.pool):
-                fn()
-            if self.debug:
-                graph.instantiate()
-            if self.pool is None:
-                self.pool = graph.pool()
+            graph, _ = self._capture(fn)
         except Exception as e:  # OOM, an op that cannot be captured, a bad kernel
             torch.cuda.synchronize(self.device)
             self.fail(key, f"{type(e).__name__}: {e}")

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec import state
+from graphexec.engine import slots as state
+from graphexec.engine.slot_writes import PackedUpload, RowFormat
+from graphexec.engine.slots import SlotTable, min_id_words
 from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
-from graphexec.slot_writes import PackedUpload, RowFormat
-from graphexec.state import SlotTable, min_id_words
 
 P = gx.SamplingParams
 V = 50

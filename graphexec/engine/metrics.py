@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from graphexec.graphs import GraphKey
+from graphexec.engine.graphs import GraphKey
 
 
 @dataclass

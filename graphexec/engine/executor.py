@@ -1,0 +1,244 @@
+"""DecodeExecutor: the decode loop. add_request / step / abort over captured graphs.
+
+A step is a few calls that return values:
+  1. admit      the commands queued since the last step (`Requests.drain`): admissions
+                take slots (staged writes) and queue their prompts; aborts release slots
+  2. launch     each chunk of the plan (`StepRunner.launch`): token masks (and drafts) up,
+                slot ids written, its key's graph replayed or its step run eagerly, its
+                outputs copied to pinned host memory without blocking; a chunk whose
+                step raises ends its requests with "error"
+  3. prefill    behind the decode graphs: the staged slot writes flushed, the queued
+                prompts prefilled in one ragged batch cut to `prefill_budget` tokens; a
+                completed prompt decodes from the next step on (when nothing is
+                decoding, this runs first and the new rows decode in this step)
+  4. wait       once, for the outputs
+  5. finish     per row, its run of tokens (`engine.finish`): masks fed, text
+                detokenised, stop checks, outputs; finished slots released
+
+Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
+also while another thread is inside `step()`: they validate and queue under a lock held
+for microseconds. `step()` and `capture()` run on one thread at a time (a concurrent call
+raises RuntimeError); every model and device call happens there, and no lock is held
+while that thread waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from graphexec.engine.config import EngineConfig
+from graphexec.engine.drafts import Drafter
+from graphexec.engine.finish import StepOutputs, finish
+from graphexec.engine.inbox import RequestCheck, RequestQueue
+from graphexec.engine.masks import TokenMasks, grammar_slots
+from graphexec.engine.metrics import ExecutorStats, StepTiming
+from graphexec.engine.plan import BatchPlan
+from graphexec.engine.prefill import Prefiller
+from graphexec.engine.requests import Requests
+from graphexec.engine.runner import Launched, StepRunner, build_sampler
+from graphexec.engine.slots import SlotTable
+from graphexec.engine.step import StepFn
+from graphexec.params import SamplingParams
+from graphexec.request import GraphKey
+from graphexec.sampling.pipeline import default_backend
+
+
+class DecodeExecutor:
+    """Runs the decode loop of up to `max_batch_size` requests (threads: module docstring).
+
+    Args:
+        model: a `graphexec.models.DecodeModel`; the executor calls `model.bind`.
+        config: an `EngineConfig`; keyword arguments of the same names override its fields
+            (`DecodeExecutor(model, max_batch_size=64, tokenizer=tok)` works alone).
+        tokenizer: a `graphexec.Tokenizer`; needed for grammars, stop strings and bad words
+            given as text; each of its `eos_token_ids` stops requests (unless ignore_eos).
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, *, tokenizer=None,
+                 **options) -> None:  # fmt: skip
+        cfg = dataclasses.replace(config or EngineConfig(), **options)
+        self.config = cfg
+        self.device = device = cfg.torch_device
+        self.model, self.tokenizer = model, tokenizer
+        self.vocab_size = v = cfg.vocab_for(model, tokenizer)
+        self.max_batch_size, self.buckets, self.cuda_graphs = (
+            cfg.max_batch_size, cfg.graph_buckets, cfg.cuda_graphs)  # fmt: skip
+        self.backend = cfg.backend or default_backend(device)
+        self.detokenize = bool(cfg.detokenize) and tokenizer is not None
+        tp = None
+        if cfg.tp_group is not None:
+            from graphexec.distributed import for_executor
+
+            tp = for_executor(cfg.tp_group, cfg.tp_method, model, v, cfg.speculative)
+        n, runs = cfg.max_batch_size, cfg.runs
+        self.slots = SlotTable(n, v, device, cfg.max_logit_bias, offsets=runs,
+                               max_min_ids=cfg.max_min_ids)  # fmt: skip
+        model.bind(n + 1, device)
+        grammar = grammar_slots(tokenizer, v, n, runs)
+        self.masks = TokenMasks(v, n, runs, grammar)
+        self.eos_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.eos_token_ids
+        self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+        self._eos = np.array(self.eos_token_ids, dtype=np.int64)
+        self._plain = None  # (Tokenizer.plain_texts, where they exist): the text fast path
+        if self.detokenize:
+            texts = tokenizer.plain_texts
+            texts = texts + [None] * (v - len(texts))
+            self._plain = (texts, np.array([t is not None for t in texts], dtype=bool))
+        largest = self.buckets[-1]
+        spec = cfg.speculative
+        self.drafter = None if spec is None else Drafter(spec, model, self.slots, device, n,
+                                                         largest)  # fmt: skip
+        sampler = build_sampler(self.backend, device, largest * runs, v, cfg.sampler_config, tp,
+                                cfg.tp_method, spec is not None)  # fmt: skip
+        draft = self.drafter.draft if self.drafter else None
+        step = StepFn(model, self.slots, sampler, draft, spec.verify if spec else "strict")
+        self.runner = StepRunner(step, self.masks, self.buckets, n, device, self.drafter)
+        self.prefiller = Prefiller(model, cfg.prefill_budget, v, device, draft)
+        self._queue = RequestQueue(n, cfg.seed)  # shared with other threads
+        self._check = RequestCheck(v, model.max_seq_len, cfg.max_logit_bias,
+                                   self.slots.min_words.shape[1], tokenizer, self.detokenize,
+                                   grammar.compiler if grammar else None, self.eos_token_ids,
+                                   tp is not None)  # fmt: skip
+        self.requests = Requests(self._queue, self.slots, self.masks, self.prefiller,
+                                 self.buckets, model.max_seq_len, self.eos_token_ids,
+                                 tokenizer if self.detokenize else None, self.drafter)  # fmt: skip
+        self.last_step_timing = StepTiming()
+        self._steps = 0
+        self._stepping = threading.Lock()
+
+    # ---- public state ----------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """How many more requests (streams) `add_request` accepts now."""
+        return self._queue.free
+
+    @property
+    def num_running(self) -> int:
+        """Requests (streams) holding a slot: decoding, or with their prompt still being
+        prefilled."""
+        return self.requests.num_running
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, running, or waiting to be reported."""
+        return self.requests.idle
+
+    @property
+    def graphs(self):
+        """The `CapturedGraphs` of this executor's keys."""
+        return self.runner.graphs
+
+    @property
+    def graph_keys(self) -> list[GraphKey]:
+        return list(self.runner.graphs.steps)
+
+    @property
+    def stats(self) -> ExecutorStats:
+        g, d = self.runner.graphs, self.drafter
+        return ExecutorStats(
+            replays={k: s.replays for k, s in g.steps.items()},
+            eager_steps=Counter(self.runner.eager),
+            capture_s={k: s.capture_s for k, s in g.steps.items()},
+            failed=dict(g.failed),
+            steps=self._steps,
+            admitted=self.requests.admitted,
+            drafted=d.drafted if d else 0,
+            accepted=d.accepted if d else 0,
+        )
+
+    @contextlib.contextmanager
+    def _step_thread(self):
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("step() or capture() is already running in another thread; "
+                               "one thread drives the loop")  # fmt: skip
+        try:
+            yield
+        finally:
+            self._stepping.release()
+
+    def capture(self, keys: Sequence[GraphKey] | None = None, progress: bool = True) -> None:
+        """Warm up and capture every key (default: all of them), largest bucket first,
+        into one shared pool. A key that fails is logged and served eagerly."""
+        if not self.cuda_graphs:
+            raise RuntimeError("this executor was built with cuda_graphs=False")
+        with self._step_thread():
+            self.requests.retire_plan()  # the slot ids buffer is about to hold padding
+            self.runner.capture(keys, progress)
+
+    # ---- requests (any thread) -------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """Validate and queue a request; the next `step()` prefills it and reports its
+        first token. ValueError names the bad field (or says the id is already in use);
+        ExecutorFullError when its n streams do not fit (nobody is evicted). With n > 1,
+        stream i reports as request id "<request_id>/<i>" with seed
+        `stream_seed(seed, i)`; `abort(request_id)` aborts all of them."""
+        prompt, bad, min_ids = self._check(request_id, prompt_token_ids, params)
+        self._queue.add(request_id, prompt, params, bad, min_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (all its streams when n > 1): the next step reports it with
+        finish_reason "abort" at the position of its first unreported token (0 when none
+        was reported), with no token. True when queued; False (a no-op) when it has
+        already finished; ValueError for an id that is unknown (never added, or finished
+        and already reported)."""
+        return self._queue.abort(request_id)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self, mode: str | None = None) -> StepOutputs:
+        """Admit what was queued, then the outputs of every running request: its next
+        tokens (a run of 1..K+1 with speculation), or its end.
+
+        mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
+        same step function without replay, on the same buffers.
+        """
+        if mode not in (None, "replay", "eager"):
+            raise ValueError(f"mode must be None, 'replay' or 'eager', got {mode!r}")
+        with self._step_thread():
+            outs = self._step(mode)
+            done = [o.request_id for o in outs.ready if o.finished]
+            done += [outs._rows[i].request_id for i in outs._reasons]
+            if done:
+                self._queue.reported(done)
+            return outs
+
+    def _step(self, mode: str | None) -> StepOutputs:
+        t0 = time.perf_counter()
+        reqs = self.requests
+        ready = reqs.drain()
+        prefilled = not reqs.running and bool(reqs.prefiller.pending)
+        if prefilled:
+            ready += reqs.prefill()  # nothing decodes yet: the new rows decode now
+        plan = reqs.plan()
+        launched = Launched()
+        if plan.rows:
+            self._steps += 1
+            launched = self.runner.launch(plan, mode != "eager" and self.cuda_graphs)
+        if not prefilled:
+            ready += reqs.prefill()  # behind the decode graphs: the launches overlap them
+        t1 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t2 = time.perf_counter()
+        self.prefiller.report_logprobs()
+        outs = self._finish(plan, launched) if plan.rows else StepOutputs()
+        outs.ready = ready + outs.ready
+        self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return outs
+
+    def _finish(self, plan: BatchPlan, launched: Launched) -> StepOutputs:
+        outs, ended = finish(plan, launched.keys, self.runner.host, self._eos, self.masks,
+                             launched.errors, self._plain)  # fmt: skip
+        if self.drafter is not None:
+            self.drafter.after(plan, outs._toks, outs._counts, {f.row for f in ended})
+        self.requests.end(plan, ended)
+        return outs

@@ -1,0 +1,254 @@
+"""After the wait: a step's runs become outputs, and the stop checks decide who ends.
+
+Every row of a step emitted a run of 0..T tokens (T = spec_k + 1; ordinary decoding is
+T = 1): its token ids in pinned host rows, -1 after the run, and a negative code at
+offset 0 where it has none (`sampling.flags`). Stop checks run on whole columns: EOS and
+a row's own stop ids, and the token limit; only rows with a token mask (the matcher
+accepts each token) or text that needs the decoder go token by token, in position
+order. A stop inside a run truncates it there and finishes the request. Outputs are
+held as columns and each `RequestOutput` is built when it is read, so a step does no
+per-row Python work for rows that just continue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphexec.engine.plan import BatchPlan
+from graphexec.request import GraphKey, RequestOutput
+from graphexec.sampling.flags import error_message
+
+LOGPROB_FIELDS = ("logprobs", "ranks", "top_token_ids", "top_logprobs")
+
+
+@dataclass
+class Finished:
+    row: int
+    reason: str  # "stop", "length", "error"
+
+
+def gather_runs(plan: BatchPlan, keys: list, host: dict) -> tuple[np.ndarray, tuple | None]:
+    """(token ids [n, T] (a copy), logprob columns or None) of the plan's rows from the
+    host rows of each chunk's run length (`host`: T -> HostRuns)."""
+    n = len(plan.rows)
+    ts = {k.spec_k + 1 for k, _, _ in keys}
+    if len(ts) == 1:  # one run length: its rows as they are
+        t = ts.pop()
+        h = host[t]
+        toks = h.token_ids[:n, :t].numpy().copy()
+        if not plan.logprobs:
+            return toks, None
+        return toks, tuple(getattr(h, f)[:n, :t].numpy().copy() for f in LOGPROB_FIELDS)
+    t = max(ts)
+    toks = np.full((n, t), -1, dtype=np.int64)
+    lp = None
+    if plan.logprobs:
+        cols = [getattr(host[max(ts)], f).numpy() for f in LOGPROB_FIELDS]
+        lp = tuple(np.zeros((n, t) + c.shape[2:], dtype=c.dtype) for c in cols)
+    for key, start, m in keys:
+        h, k = host[key.spec_k + 1], key.spec_k + 1
+        toks[start : start + m, :k] = h.token_ids[start : start + m, :k].numpy()
+        for dst, f in zip(lp or (), LOGPROB_FIELDS, strict=False):
+            dst[start : start + m, :k] = getattr(h, f)[start : start + m, :k].numpy()
+    return toks, lp
+
+
+def finish(plan: BatchPlan, keys: list, host: dict, eos: np.ndarray, masks,
+           errors: dict[int, str], plain=None) -> tuple[StepOutputs, list[Finished]]:  # fmt: skip
+    """Advance the plan's counters by the step's runs and decide who ends.
+
+    keys: the step's chunks [(key, first row, rows)] as launched; errors: chunk start ->
+    why its step raised; plain: the tokenizer's `plain_texts` and a bool array of where
+    they exist (a row whose tokens need no decoder gets their plain texts when read).
+    Returns the step's outputs and the rows that finished (the caller releases them)."""
+    n = len(plan.rows)
+    toks, lp = gather_runs(plan, keys, host)
+    t = toks.shape[1]
+    live = toks >= 0
+    ntok = np.where(live.all(1), t, live.argmin(1))  # the run's length; 0: no token
+    emitted = np.arange(t) < ntok[:, None]
+    pos0 = plan.generated.copy()
+    stop = np.isin(toks, eos) & plan.eos_stops[:, None] & emitted
+    for i in plan.own_stops:
+        stop[i] |= np.isin(toks[i], list(plan.rows[i].params.stop_token_ids)) & emitted[i]
+    length = (pos0[:, None] + np.arange(1, t + 1) >= plan.limit[:, None]) & emitted
+    end = stop | length
+    first = np.where(end.any(1), end.argmax(1), t)
+    count = np.minimum(first + 1, ntok)
+    reasons: dict[int, str] = {}
+    stop_reasons: dict[int, str | int] = {}
+    texts: dict[tuple[int, int], str] | None = None
+    slow = np.zeros(n, dtype=bool)
+    slow[plan.mask_rows] = True
+    if plain is not None and plan.has_text.any():
+        texts = {}
+        odd = (~plain[1][np.maximum(toks, 0)] & emitted).any(1)
+        slow |= plan.has_text & (plan.text_slow | odd)
+    for i in np.flatnonzero(slow & (ntok > 0)).tolist():
+        count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], length[i],
+                                      masks, texts, plain)  # fmt: skip
+        if reason is not None:
+            reasons[i] = reason
+            if why is not None:
+                stop_reasons[i] = why
+    for i in np.flatnonzero((first < ntok) & ~slow).tolist():
+        reasons[i] = "stop" if stop[i, first[i]] else "length"
+    for i in plan.own_stops:
+        if i in reasons and reasons[i] == "stop" and i not in stop_reasons:
+            last = int(toks[i, count[i] - 1])
+            if last in plan.rows[i].params.stop_token_ids:
+                stop_reasons[i] = last
+    messages = {}
+    for i in np.flatnonzero(ntok == 0).tolist():
+        reasons[i] = "error"
+        count[i] = 1
+        start = max((s for _, s, _ in keys if s <= i), default=0)
+        messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(start))
+    plan.generated += np.where(ntok > 0, count, 0)
+    ended = [Finished(i, r) for i, r in sorted(reasons.items())]
+    outs = StepOutputs(plan.rows, [k for k, _, m in keys for _ in range(m)], toks, count,
+                       pos0, reasons, lp)  # fmt: skip
+    outs._texts, outs._stop_reasons, outs._messages = texts, stop_reasons, messages
+    if texts is not None:
+        outs._plain, outs._has_text = plain[0], plan.has_text.copy()
+    return outs, ended
+
+
+def _walk(plan, i, toks, ntok, stop, length, masks, texts, plain):
+    """Row i's run token by token (its mask's matcher, its text): (tokens reported,
+    reason or None, stop reason or None)."""
+    req = plan.rows[i]
+    has_mask = masks.has(req.slot)
+    text = req.text if texts is not None else None
+    pos0 = int(plan.generated[i])
+    for j in range(ntok):
+        tok = int(toks[j])
+        hit = pushed = False
+        if text is not None and (plan.text_slow[i] or not plain[1][tok]):
+            texts[(i, j)], hit = text.push(tok, pos0 + j + 1)
+            plan.text_slow[i] = text.needs_push
+            pushed = True
+        reason = why = None
+        if stop[j]:
+            reason = "stop"
+        elif has_mask and masks.accept(req.slot, tok):
+            reason = "stop"
+        elif hit:
+            reason, why = "stop", text.stop_reason
+        elif length[j]:
+            reason = "length"
+        if reason is not None:
+            if pushed and not hit:
+                texts[(i, j)] += text.flush()
+            return j + 1, reason, why
+    return ntok, None, None
+
+
+class StepOutputs(Sequence[RequestOutput]):
+    """One step's outputs: first the ones that were waiting (`ready`: aborts, failed
+    prefills), then each decode row's run, token by token in position order. Runs are
+    held as columns and each `RequestOutput` is built when it is read. Engines that want
+    columns read `row_request_ids` / `row_token_ids` (numpy [n] for one-token runs, else
+    [n, T]; -1 where there is no token) for the decode rows."""
+
+    def __init__(self, rows=(), keys=(), toks=None, counts=None, positions=None, reasons=None,
+                 logprobs=None) -> None:  # fmt: skip
+        self.ready: list[RequestOutput] = []
+        self._rows = rows
+        self._keys: list[GraphKey] = keys
+        self._toks = toks
+        self._counts = counts
+        self._positions = positions
+        self._reasons = reasons or {}
+        self._lp = logprobs
+        self._texts: dict[tuple[int, int], str] | None = None  # (row, j) -> pushed text
+        self._plain: list | None = None  # id -> plain text, for the other text rows
+        self._has_text = None
+        self._stop_reasons: dict[int, str | int] = {}
+        self._messages: dict[int, str] = {}
+        single = toks is None or toks.shape[1] == 1
+        self._starts = None if single else np.cumsum(counts) - counts
+        self._total = 0 if toks is None else int(counts.sum())
+
+    @property
+    def row_request_ids(self) -> list[str]:
+        return [r.request_id for r in self._rows]
+
+    @property
+    def row_token_ids(self) -> np.ndarray | None:
+        if self._toks is None:
+            return None
+        if self._toks.shape[1] == 1:
+            return self._toks[:, 0]
+        keep = np.arange(self._toks.shape[1]) < self._counts[:, None]
+        return np.where(keep, self._toks, -1)
+
+    def __len__(self) -> int:
+        return len(self.ready) + self._total
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        if k < len(self.ready):
+            return self.ready[k]
+        k -= len(self.ready)
+        if self._starts is None:
+            return self._output(k, 0)
+        i = int(np.searchsorted(self._starts, k, side="right")) - 1
+        return self._output(i, k - int(self._starts[i]))
+
+    def _output(self, i: int, j: int) -> RequestOutput:
+        """Row i's output at offset j of its run."""
+        req = self._rows[i]
+        pos, seed, key = int(self._positions[i]) + j, req.params.seed, self._keys[i]
+        last = j == self._counts[i] - 1
+        if i in self._messages:
+            msg = self._messages[i]
+            return RequestOutput(req.request_id, None, pos, seed, finished=True,
+                                 finish_reason="error", message=msg, key=key)  # fmt: skip
+        code = int(self._toks[i, j])
+        reason = self._reasons.get(i) if last else None
+        lp = rank = top = None
+        k = req.params.logprobs
+        if k is not None:
+            lps, ranks, top_ids, top_lps = self._lp
+            lp, rank = float(lps[i, j]), int(ranks[i, j])
+            top = list(zip(top_ids[i, j, :k].tolist(), top_lps[i, j, :k].tolist(), strict=True))
+        return RequestOutput(req.request_id, code, pos, seed, lp, rank, top, reason is not None,
+                             reason, key=key, text=self._text(i, j, code),
+                             stop_reason=self._stop_reasons.get(i) if last else None,
+                             prompt_logprobs=req.prompt_logprobs if pos == 0 else None)  # fmt: skip
+
+    def _text(self, i: int, j: int, tok: int) -> str | None:
+        if self._texts is None or not self._has_text[i]:
+            return None
+        t = self._texts.get((i, j))
+        return self._plain[tok] if t is None else t
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        yield from self.ready
+        if self._toks is None:
+            return
+        toks, pos = self._toks.tolist(), self._positions.tolist()
+        counts = self._counts.tolist()
+        for i, req in enumerate(self._rows):
+            p = req.params
+            for j in range(counts[i]):
+                if (
+                    toks[i][j] < 0
+                    or p.logprobs is not None
+                    or (i in self._reasons and j == counts[i] - 1)
+                    or (pos[i] + j == 0 and req.prompt_logprobs is not None)
+                ):
+                    yield self._output(i, j)  # the full path: logprobs, an end
+                else:
+                    tok = toks[i][j]
+                    yield RequestOutput(req.request_id, tok, pos[i] + j, p.seed,
+                                        key=self._keys[i], text=self._text(i, j, tok))  # fmt: skip

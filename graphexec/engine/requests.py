@@ -1,0 +1,157 @@
+"""The requests of one executor on the stepping thread: running, prefilling, ended.
+
+At the start of a step `drain` takes the commands queued since the last one (host
+bookkeeping only): each admitted request gets its slots (staged writes) and its prompt
+joins the step's prefill (`engine.prefill`); aborts release their slots. A request's
+generated count has one home: the step plan's counters while the plan lives (it is
+rebuilt only when a request comes or goes), the `Request` otherwise (`retire_plan`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from graphexec.engine.finish import Finished
+from graphexec.engine.inbox import Aborted, Admit, RequestQueue
+from graphexec.engine.plan import BatchPlan
+from graphexec.engine.prefill import Pending, Prefiller
+from graphexec.engine.slots import SlotTable
+from graphexec.output_text import OutputText
+from graphexec.params import variant_rank
+from graphexec.request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class Requests:
+    """Running, prefilling and ended requests (see the module docstring).
+
+    Args:
+        queue: the thread-safe `RequestQueue` the callers write to.
+        slots, masks: the slot table and token masks each request takes a row of.
+        prefiller: the pending prompts and the per-step prefill.
+        buckets, max_seq_len: what a plan is cut into, and the token limit.
+        eos_token_ids: ids that stop a request unless ignore_eos.
+        tokenizer: detokenises outputs when given (None: no text).
+        drafter: the speculative `Drafter` (keeps n-gram histories), or None.
+    """
+
+    def __init__(self, queue: RequestQueue, slots: SlotTable, masks, prefiller: Prefiller,
+                 buckets, max_seq_len: int, eos_token_ids: tuple[int, ...], tokenizer=None,
+                 drafter=None) -> None:  # fmt: skip
+        self.queue, self.slots, self.masks, self.prefiller = queue, slots, masks, prefiller
+        self.buckets, self.max_seq_len = buckets, max_seq_len
+        self.eos_token_ids, self.tokenizer, self.drafter = eos_token_ids, tokenizer, drafter
+        self.running: dict[str, Request] = {}
+        self.admitted = 0
+        self._ends: list[RequestOutput] = []  # ends waiting to be reported
+        self._plan: BatchPlan | None = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + sum(len(p.reqs) for p in self.prefiller.pending)
+
+    @property
+    def idle(self) -> bool:
+        return (not self.running and not self._ends and self.queue.empty
+                and not self.prefiller.pending)  # fmt: skip
+
+    # ---- admission and aborts ----------------------------------------------------------
+    def drain(self) -> list[RequestOutput]:
+        """Run the commands queued since the last step; the ends waiting to be reported."""
+        for c in self.queue.take():
+            if isinstance(c, Admit):
+                if c.ids:
+                    self._admit(c)
+            elif isinstance(c, Aborted):
+                self._ends.append(RequestOutput(c.request_id, None, 0, c.seed, finished=True,
+                                                finish_reason="abort"))  # fmt: skip
+            else:
+                for rid in c.ids:
+                    self._abort(rid)
+        ends, self._ends = self._ends, []
+        return ends
+
+    def _abort(self, rid: str) -> None:
+        req = self.running.get(rid)
+        if req is not None:
+            self.release(req)  # retires the plan first: req.generated is current
+        elif (hit := self.prefiller.find(rid)) is not None:  # still prefilling
+            self.prefiller.drop(*hit)
+            req = hit[1]
+            self._free_slot(req)
+        else:
+            return  # it ended meanwhile: a no-op
+        self._ends.append(RequestOutput(rid, None, req.generated, req.params.seed,
+                                        finished=True, finish_reason="abort"))  # fmt: skip
+
+    def _admit(self, c: Admit) -> None:
+        """Give each stream of `c` a slot (staged: written at the next flush) and queue its
+        prompt for the step's prefill."""
+        reqs = []
+        for i, rid in enumerate(c.ids):
+            p = c.stream_params(i)
+            slot = self.slots.assign(p, c.prompt, c.min_ids)
+            eos = () if p.ignore_eos else self.eos_token_ids
+            req = Request(rid, p, slot, len(c.prompt), frozenset(p.stop_token_ids) | frozenset(eos),
+                          variant_rank(p))  # fmt: skip
+            if self.tokenizer is not None:
+                req.text = OutputText(self.tokenizer, p)
+            if self.drafter is not None:
+                self.drafter.admit(req, c.prompt)
+            self.masks.add(slot, p, c.bad_words)
+            reqs.append(req)
+        self.prefiller.add(Pending(reqs, c.prompt, c.params.prompt_logprobs))
+
+    # ---- the plan and the ends ----------------------------------------------------------
+    def plan(self) -> BatchPlan:
+        """The step plan of the running requests (built when they changed)."""
+        if self._plan is None:
+            self._plan = BatchPlan.build(list(self.running.values()), self.buckets,
+                                         self.max_seq_len, self.masks.has)  # fmt: skip
+        return self._plan
+
+    def retire_plan(self) -> None:
+        """Requests came or went: write the plan's counters back; rebuild at the next step."""
+        if self._plan is not None:
+            self._plan.retire()
+            self._plan = None
+
+    def end(self, plan: BatchPlan, ended: list[Finished]) -> None:
+        """Release the rows of `plan` that finished this step."""
+        for f in ended:
+            self.release(plan.rows[f.row])
+        if plan is not self._plan:
+            plan.retire()  # requests joined during the step: keep its counters
+
+    def release(self, req: Request) -> None:
+        self.retire_plan()
+        del self.running[req.request_id]
+        self._free_slot(req)
+
+    def _free_slot(self, req: Request) -> None:
+        self.slots.release(req.slot)
+        self.masks.remove(req.slot)
+        self.queue.ended(req.request_id)
+
+    # ---- prefill -------------------------------------------------------------------------
+    def prefill(self) -> list[RequestOutput]:
+        """Flush the staged slot writes and run the step's prefill; completed prompts
+        join the decode rows. The ends of requests whose prefill failed."""
+        self.slots.flush()
+        if not self.prefiller.pending:
+            return []
+        res = self.prefiller.run()
+        outs = []
+        for p, why in res.failed:
+            for r in p.reqs:
+                self._free_slot(r)
+                outs.append(RequestOutput(r.request_id, None, 0, r.params.seed, finished=True,
+                                          finish_reason="error", message=why))  # fmt: skip
+        if res.complete:
+            self._plan = None  # rebuilt with them at the next plan (the step's is retired)
+            for p in res.complete:
+                for r in p.reqs:
+                    self.running[r.request_id] = r
+                    self.admitted += 1
+        return outs

@@ -1,0 +1,210 @@
+"""StepRunner: the device side of the executor's work, on the stepping thread.
+
+It owns the static buffers (slot ids [N]; per run length T, inputs and outputs [N, T]
+and their pinned host rows), captures every `GraphKey` (`capture`), and per step
+launches each chunk of the plan (`launch`: token masks and drafts up, slot ids written,
+the key's graph replayed or its step run eagerly, outputs copied to the host without
+blocking). T = 1 is ordinary decoding; a speculative executor also has T = K + 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from graphexec.engine.graphs import CapturedGraphs, all_keys
+from graphexec.engine.plan import BatchPlan
+from graphexec.engine.step import RunBuffers, StepFn
+from graphexec.models.protocol import check_logits
+from graphexec.params import MAX_TOP_LOGPROBS
+from graphexec.request import GraphKey
+from graphexec.sampling.flags import CHUNK_FAILED
+from graphexec.sampling.step_sampler import StepSampler
+from graphexec.speculative.verify import verify_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostRuns:
+    """Pinned host copies of a step's outputs of run length T, one row per plan row."""
+
+    token_ids: torch.Tensor  # i64 [N, T]: the run, then -1 (a code < 0 at 0: no token)
+    logprobs: torch.Tensor  # f32 [N, T]
+    ranks: torch.Tensor  # i64 [N, T]
+    top_logprobs: torch.Tensor  # f32 [N, T, 20]
+    top_token_ids: torch.Tensor  # i64 [N, T, 20]
+
+    @classmethod
+    def allocate(cls, rows: int, t: int, pin: bool) -> HostRuns:
+        def e(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        n, i64, f32 = MAX_TOP_LOGPROBS, torch.int64, torch.float32
+        return cls(e(rows, t, dtype=i64), e(rows, t, dtype=f32), e(rows, t, dtype=i64),
+                   e(rows, t, n, dtype=f32), e(rows, t, n, dtype=i64))  # fmt: skip
+
+
+@dataclass
+class Launched:
+    """A step's chunks as launched [(key, first row, rows)] and the chunks whose step
+    raised (first row -> why)."""
+
+    keys: list[tuple[GraphKey, int, int]] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class StepRunner:
+    """Capture and launch the steps of one executor (see the module docstring)."""
+
+    def __init__(self, step: StepFn, masks, buckets: tuple[int, ...], max_batch_size: int,
+                 device: torch.device, drafter=None) -> None:  # fmt: skip
+        self.step, self.slots, self.masks = step, step.slots, masks
+        self.buckets, self.device, self.drafter = buckets, device, drafter
+        self.spec_ks = drafter.spec_ks if drafter is not None else (0,)
+        largest = buckets[-1]
+        pin = device.type == "cuda"
+        self.slot_ids = torch.full((largest,), self.slots.padding_slot, dtype=torch.int64,
+                                   device=device)  # fmt: skip
+        self.buffers = {k + 1: RunBuffers.allocate(largest, k + 1, device) for k in self.spec_ks}
+        self.host = {t: HostRuns.allocate(max_batch_size, t, pin) for t in self.buffers}
+        # chunk staging at each chunk's first row
+        self._host_slots = torch.empty(max_batch_size + largest, dtype=torch.int64,
+                                       pin_memory=pin)  # fmt: skip
+        self._host_mask_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
+        self.graphs = CapturedGraphs(device)
+        self.eager: Counter = Counter()
+
+    def fn(self, key: GraphKey):
+        """The step function of `key` on the static buffers."""
+        inputs, out = self.buffers[key.spec_k + 1].view(key)
+        return self.step.make(key, self.slot_ids[: key.bucket], inputs, out)
+
+    def capture(self, keys, progress: bool) -> None:
+        """Warm up and capture `keys` (None: all of them), largest bucket first, into one
+        shared pool; a key that fails is logged and served eagerly. The caller retires
+        its plan first: the slot ids buffer is about to hold padding."""
+        keys = sorted(keys or all_keys(self.buckets, self.spec_ks), key=lambda k: -k.bucket)
+        self.slots.flush()
+        self.slot_ids.fill_(self.slots.padding_slot)
+        cuda = self.device.type == "cuda"
+        mem0 = torch.cuda.memory_reserved(self.device) if cuda else 0
+        t0 = time.perf_counter()
+        # a real capture warms each key up, which checks the model's outputs; emulation
+        # checks them once, on one padding row
+        bad = None if self.graphs.cuda else self.probe_model()
+        for key in tqdm(keys, desc="capture", unit="graph", disable=not progress):
+            if key.bucket > self.buckets[-1]:
+                raise ValueError(f"key {key} has a bucket larger than the largest bucket")
+            if key.spec_k not in self.spec_ks:
+                raise ValueError(f"key {key} has spec_k {key.spec_k}; this executor runs "
+                                 f"{self.spec_ks}")  # fmt: skip
+            if key in self.graphs.steps:
+                continue
+            if bad is not None:
+                self.graphs.fail(key, bad)
+            else:
+                self.graphs.capture(key, self.fn(key))
+        self.slots.reset_padding()
+        grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
+        log.info(
+            "captured %d graphs (%d failed) in %.1f s, reserved CUDA memory +%.1f MiB%s",
+            len(self.graphs.steps), len(self.graphs.failed), time.perf_counter() - t0,
+            grew / 2**20, "" if self.graphs.cuda else " (emulated: no CUDA)",
+        )  # fmt: skip
+
+    def probe_model(self) -> str | None:
+        """Why the model's decode (and verify) outputs are wrong, on one padding row."""
+        m, w = self.step.model, self.step.sampler.width(self.step.model)
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        slot = torch.full((1,), self.slots.padding_slot, dtype=torch.int64, device=self.device)
+        try:
+            check_logits(m.decode(ids, ids, slot), (1, w), m, "decode")
+            if self.drafter is not None:
+                t = self.drafter.k + 1
+                check_logits(m.verify(ids.expand(1, t), ids, slot), (1, t, w), m, "verify")
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            self.slots.reset_padding()
+        return None
+
+    def launch(self, plan: BatchPlan, replay: bool) -> Launched:
+        """Replay (or run eagerly) each chunk of the plan and queue its output copies.
+        A chunk whose step raises ends its requests with "error"; the executor goes on."""
+        done = Launched()
+        if plan.mask_rows and self.drafter is None:  # the drafter writes masks per offset
+            self.upload_masks([plan.rows[i].slot for i in plan.mask_rows])
+        inputs = {t: b.inputs for t, b in self.buffers.items()}
+        for key, start, n in plan.chunks:
+            if self.drafter is not None:
+                key = self.drafter.prepare(plan, key, start, n, self.masks, inputs)
+            done.keys.append((key, start, n))
+            if not plan.uploaded:
+                host = self._host_slots[start : start + key.bucket]
+                host.fill_(self.slots.padding_slot)
+                host[:n] = torch.tensor([r.slot for r in plan.rows[start : start + n]])
+            if not plan.uploaded or len(plan.chunks) > 1:
+                src = self._host_slots[start : start + key.bucket]
+                self.slot_ids[: key.bucket].copy_(src, non_blocking=True)
+            try:
+                if not (replay and self.graphs.replay(key)):
+                    self.eager[key] += 1
+                    self.fn(key)()
+            except Exception as e:
+                log.exception("step of %s failed; its %d requests end with 'error'", key, n)
+                done.errors[start] = f"{type(e).__name__}: {e}"
+                self.host[key.spec_k + 1].token_ids[start : start + n, 0] = CHUNK_FAILED
+                continue
+            self.copy_out(key, start, n)
+        plan.uploaded = True
+        return done
+
+    def copy_out(self, key: GraphKey, start: int, n: int) -> None:
+        """Queue the copy of the chunk's runs to the host rows at `start`."""
+        t = key.spec_k + 1
+        out, h = self.buffers[t].out, self.host[t]
+        # token ids are < 0 exactly where a row emitted nothing, and -1 after a run
+        h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
+        if key.logprobs:
+            for f in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
+                getattr(h, f)[start : start + n].copy_(getattr(out, f)[:n], non_blocking=True)
+
+    def upload_masks(self, slots: list[int]) -> None:
+        """Fill the mask rows of `slots` on the host and copy them to the slot table."""
+        host_rows = self.masks.fill(slots)
+        idx = self._host_mask_idx[: len(slots)]
+        idx.copy_(torch.tensor(slots, dtype=torch.int64))
+        dev_idx = idx.to(self.device, non_blocking=True)
+        rows_dev = host_rows.to(self.device, non_blocking=True)
+        bm = self.slots.bitmask
+        (bm if bm.dim() == 2 else bm[:, 0]).index_copy_(0, dev_idx, rows_dev)
+
+
+def build_sampler(backend: str, device: torch.device, rows: int, vocab_size: int,
+                  config=None, tp=None, tp_method: str = "auto",
+                  speculative: bool = False) -> StepSampler:  # fmt: skip
+    """The executor's `StepSampler`: the Triton workspace allocated once for `rows` rows;
+    with `tp` (a `distributed.TensorParallel`), draws and verification over this rank's
+    vocabulary slice."""
+    ws = None
+    if backend == "triton":
+        from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
+
+        config = config or SamplerConfig.default()
+        ws = Workspace.allocate(rows, vocab_size, device, config, logprobs=True)
+    if tp is None:
+        return StepSampler(backend, config, ws, verify_fn=verify_step if speculative else None)
+    from graphexec import distributed
+    from graphexec.distributed.comm import value_at
+
+    sample = functools.partial(distributed.sample_step, tp=tp, method=tp_method, flag_inf=True)
+    verify = functools.partial(verify_step, sample=sample, vocab_size=tp.vocab_size)
+    return StepSampler(backend, config, ws, sample, verify if speculative else None,
+                       functools.partial(value_at, tp=tp), tp.slice, True)  # fmt: skip

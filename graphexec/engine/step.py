@@ -1,0 +1,217 @@
+"""The captured step: the function every graph records and the eager path runs.
+
+A step serves runs of T = spec_k + 1 tokens per row: ordinary decoding is the run of
+T = 1. It branches once, statically when its function is made (`StepFn.make`), between
+decode + sample (no speculation) and draft + verify (a speculative executor: spec_k = K,
+or 0 when no row of a chunk has a draft, T = 1 through the same path). In order (all on the
+device, no host sync, static shapes):
+  1. gather     each row's output position pos (the noise counter), the model position
+                of its last token, and (verify) its draft allowance: how many of the K
+                drafts it may use (fewer near max_tokens or the model's length)
+  2. draft      (verify) n-gram: the drafts the host wrote into the step's input; a draft
+                model: K+1 `decode` calls on its own cache, drawing draft j at position
+                pos + j with the request's own parameters and noise (strict: the TOKEN
+                stream, so an equal model drafts exactly the target's tokens; rejection:
+                SPEC_DRAFT, passing its distributions as q)
+  3. forward    decode: model.decode(last token) -> logits [b, W]; verify:
+                model.verify([last token, d_0 .. d_{K-1}]) -> [b, K+1, W]; shapes checked
+                (host metadata only), padding columns past V dropped
+  4. sample     token masks gathered from the slot table per offset (grammar, allowed
+                ids, bad words; min_tokens' held-back ids cleared by position), then
+                `sample_step` (decode) or `verify_step` (verify)
+  5. flag       a run holding a token whose raw logit is +inf emits nothing: token -2
+                (`sampling.flags.INF_TOKEN`), invalid: the model's fault, an error
+  6. advance    real rows with a valid run: position += tokens emitted, last token = the
+                last one, token counts += each. Padding rows (the padding slot) and
+                invalid rows change nothing, so a graph's padding never touches a slot.
+
+Terms: a *bucket* is the static batch size of a graph; its first n rows are the real
+requests and the rest are *padding rows* pointing at the table's padding slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from graphexec.engine.slots import SlotTable
+from graphexec.models.protocol import check_logits
+from graphexec.params import MAX_TOP_LOGPROBS
+from graphexec.request import GraphKey
+from graphexec.rng import Stream, gumbel
+from graphexec.sampling import reference as ref
+from graphexec.sampling.flags import flag_inf, flag_inf_runs
+from graphexec.sampling.step_sampler import StepSampler
+from graphexec.sampling.tensors import SamplerOutput
+from graphexec.speculative.verify import VerifyOutput, clean_drafts
+from graphexec.speculative.verify_reference import target_probs
+
+
+@dataclass
+class RunBuffers:
+    """Static inputs and outputs of the steps of one run length T, for the largest bucket.
+
+    inputs: i64 [N, T]: per row the draft allowance, then T - 1 host drafts (-1 padded).
+    out: `VerifyOutput` [N, T] (for T = 1 the run is token_ids[:, 0] and valid alone:
+    num_tokens is not written). A key of bucket b uses the first b rows: views keep their
+    addresses fixed, so one set serves every graph of that T.
+    """
+
+    inputs: torch.Tensor
+    out: VerifyOutput
+
+    @classmethod
+    def allocate(cls, rows: int, t: int, device: torch.device) -> RunBuffers:
+        inputs = torch.full((rows, t), -1, dtype=torch.int64, device=device)
+        inputs[:, 0] = 0
+        return cls(inputs, VerifyOutput.allocate(rows, t - 1, device, MAX_TOP_LOGPROBS))
+
+    def view(self, key: GraphKey) -> tuple[torch.Tensor, VerifyOutput]:
+        """(inputs [b, T], outputs [b, T]); logprob fields only when key.logprobs."""
+        out = self.out.rows(key.bucket)
+        if not key.logprobs:
+            s = out.sampled
+            out.sampled = SamplerOutput(s.token_ids, s.valid)
+            out.logprobs = out.ranks = out.top_logprobs = out.top_token_ids = None
+        return self.inputs[: key.bucket], out
+
+
+@dataclass(frozen=True)
+class StepFn:
+    """Makes the step function of a key (see the module docstring)."""
+
+    model: object
+    slots: SlotTable
+    sampler: StepSampler
+    draft: object = None  # a draft DecodeModel, or None (n-gram drafts from the host)
+    method: str = "strict"  # verify_step's method
+
+    def make(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
+             out: VerifyOutput) -> Callable[[], None]:  # fmt: skip
+        if self.sampler.verify_fn is None:  # no speculation: every step decodes
+            return lambda: self.decode(key, slot_ids, out)
+        return lambda: self.verify(key, slot_ids, inputs, out)
+
+    def decode(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
+        slots, sampler = self.slots, self.sampler
+        pos = slots.positions[slot_ids]
+        model_pos = slots.prompt_lens[slot_ids] + pos - 1
+        raw = self.model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
+        b = slot_ids.shape[0]
+        logits = check_logits(raw, (b, sampler.width(self.model)), self.model, "decode")
+        logits = sampler.clip(logits, slots.vocab_size)
+        drawn = SamplerOutput(out.token_ids[:, 0], out.valid)  # views: T = 1
+        if out.logprobs is not None:
+            drawn.logprobs, drawn.ranks = out.logprobs[:, 0], out.ranks[:, 0]
+            drawn.top_logprobs = out.top_logprobs[:, 0]
+            drawn.top_token_ids = out.top_token_ids[:, 0]
+        masks = run_masks(slots, slot_ids, pos, 1)[:, 0]
+        sampler(logits, slot_ids, pos, slots.tensors, drawn, masks, key.variant)
+        if not sampler.flags_in_draw:
+            flag_inf(logits, drawn)
+        advance(slots, slot_ids, out)
+
+    def verify(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
+               out: VerifyOutput) -> None:  # fmt: skip
+        slots, sampler, k = self.slots, self.sampler, key.spec_k
+        pos = slots.positions[slot_ids]
+        model_pos = slots.prompt_lens[slot_ids] + pos - 1
+        masks = run_masks(slots, slot_ids, pos, k + 1)
+        q = None
+        if self.draft is None:
+            drafts = inputs[:, 1 : 1 + k]
+        else:
+            drafts, q = self.draft_tokens(key, slot_ids, pos, model_pos, masks)
+        j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
+        drafts = clean_drafts(torch.where(j < inputs[:, :1], drafts, -1), slots.vocab_size)
+        tokens = torch.cat([slots.last_token[slot_ids].unsqueeze(1), drafts.clamp(min=0)], dim=1)
+        raw = self.model.verify(tokens, model_pos, slot_ids)
+        b = slot_ids.shape[0]
+        logits = check_logits(raw, (b, k + 1, sampler.width(self.model)), self.model, "verify")
+        logits = sampler.clip(logits, slots.vocab_size)
+        sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, self.method,
+                       key.variant)  # fmt: skip
+        flag_inf_runs(sampler.token_values(logits, out.token_ids), out)
+        advance(slots, slot_ids, out)
+
+    def draft_tokens(self, key: GraphKey, slot_ids, pos, model_pos, masks):
+        """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks`
+        [b, K+1, W]: strict drafts are drawn under them, so a draft model equal to the
+        target still drafts the target's tokens."""
+        slots, draft, k = self.slots, self.draft, key.spec_k
+        b = slot_ids.shape[0]
+        inp = slots.last_token[slot_ids]
+        drafts, probs = [], []
+        out = SamplerOutput.allocate(b, slot_ids.device, None)
+        for j in range(k + 1):
+            logits = draft.decode(inp, model_pos + j, slot_ids)
+            if j == k:
+                break  # this call only wrote the cache entry of the last draft
+            logits = check_logits(logits, (b, draft.vocab_size), draft, "decode")
+            logits = logits[:, : slots.vocab_size]
+            before = torch.stack(drafts, dim=1) if drafts else None
+            if self.method == "strict":
+                self.sampler(logits, slot_ids, pos + j, slots.tensors, out, masks[:, j],
+                             key.variant, count_ids=before)  # fmt: skip
+                d = out.token_ids.clone()
+            else:
+                d, q = draw_q(logits, slot_ids, pos + j, slots, key, before)
+                probs.append(q)
+            drafts.append(d)
+            inp = d.clamp(min=0)
+        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
+
+
+def draw_q(logits, slot_ids, pos, slots: SlotTable, key: GraphKey, before):
+    """A rejection-mode draft: its distribution q (the draft's processed, filtered
+    probabilities, as the sampler defines them) and a draw from it on SPEC_DRAFT."""
+    xc = ref.collapse_inf(ref.process_logits(logits, slot_ids, slots.tensors, None, before))
+    q, _ = target_probs(xc, slot_ids, slots.tensors, key.variant)
+    ids = torch.arange(q.shape[1], device=q.device).unsqueeze(0)
+    seed = slots.tensors.seed[slot_ids].unsqueeze(1)
+    g = gumbel(seed, pos.unsqueeze(1), ids, Stream.SPEC_DRAFT).to(torch.float64)
+    score = torch.where(q > 0, torch.log(q) + g, -torch.inf)
+    d = torch.where((q > 0).any(dim=1), ref.first_argmax(score), -1)
+    return d, q.to(torch.float32)
+
+
+def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
+    """The rows' token masks per offset [b, t, W] (a gathered copy: the slot rows stay
+    as the host wrote them), min_tokens applied at output position pos + j."""
+    b = slot_ids.shape[0]
+    bm = slots.bitmask
+    if t == 1:  # decoding: offset 0 only
+        masks = bm[slot_ids, 0] if bm.dim() == 3 else bm[slot_ids]
+        return slots.min_token_masks(masks, slot_ids, pos).unsqueeze(1)
+    masks = bm[slot_ids, :t]
+    j = torch.arange(t, device=pos.device)
+    rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
+    flat = masks.view(b * t, -1)
+    slots.min_token_masks(flat, rows, (pos.unsqueeze(1) + j).reshape(-1))
+    return masks
+
+
+def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
+    """Step 6: move each real row's decode state past the tokens it emitted."""
+    b, t = out.token_ids.shape
+    real = (slot_ids != slots.padding_slot) & out.valid
+    counts = slots.tensors.token_counts
+    if t == 1:  # decoding: fewer kernels than the run's general form
+        tok = torch.where(real, out.token_ids[:, 0], 0)
+        slots.positions.index_add_(0, slot_ids, real.to(torch.int64))
+        slots.last_token[slot_ids] = torch.where(real, tok, slots.last_token[slot_ids])
+        if counts is not None:
+            counts.index_put_((slot_ids, tok), real.to(counts.dtype), accumulate=True)
+        return
+    n = torch.where(real, out.num_tokens, 0)
+    slots.positions.index_add_(0, slot_ids, n)
+    last = out.token_ids.gather(1, (n - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    # padding rows write back the value already there, so duplicates agree
+    slots.last_token[slot_ids] = torch.where(real, last, slots.last_token[slot_ids])
+    if counts is not None:
+        emitted = torch.arange(t, device=n.device).unsqueeze(0) < n.unsqueeze(1)
+        rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
+        toks = out.token_ids.clamp(min=0).reshape(-1)
+        counts.index_put_((rows, toks), emitted.reshape(-1).to(counts.dtype), accumulate=True)
