@@ -15,8 +15,8 @@ import sys
 import torch
 
 import graphexec as gx
-from graphexec.cli import add_threads_argument
 from graphexec.engine.graphs import CapturedGraphs
+from graphexec.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

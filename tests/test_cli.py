@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from graphexec import cli
+from graphexec import cli, threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,25 +62,25 @@ def test_cpu_threads_counts_the_idle_cores_this_process_may_use(monkeypatch) -> 
 
         return read
 
-    assert cli.idle_cores(ticks({}), 0) == 3
-    assert cli.idle_cores(ticks({0: 0.0, 3: 0.1}), 0) == 1  # two cores busy elsewhere
-    assert cli.idle_cores(ticks({0: 0.0, 3: 0.0, 5: 0.0}), 0) == 1  # never below one
-    assert cli.idle_cores(ticks({0: 0.5, 3: 0.6}), 0) == 2
-    monkeypatch.setattr(cli, "idle_cores", lambda: 3)
-    assert cli.cpu_threads() == 3
-    assert cli.cpu_threads(7) == 7
+    assert threads.idle_cores(ticks({}), 0) == 3
+    assert threads.idle_cores(ticks({0: 0.0, 3: 0.1}), 0) == 1  # two cores busy elsewhere
+    assert threads.idle_cores(ticks({0: 0.0, 3: 0.0, 5: 0.0}), 0) == 1  # never below one
+    assert threads.idle_cores(ticks({0: 0.5, 3: 0.6}), 0) == 2
+    monkeypatch.setattr(threads, "idle_cores", lambda: 3)
+    assert threads.cpu_threads() == 3
+    assert threads.cpu_threads(7) == 7
     with pytest.raises(ValueError, match="threads"):
-        cli.cpu_threads(0)
+        threads.cpu_threads(0)
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
-    assert cli.available_cores() == 64
+    assert threads.available_cores() == 64
 
 
 def test_configure_threads_sets_torch_on_the_cpu_only(restore_threads, monkeypatch) -> None:
-    monkeypatch.setattr(cli, "idle_cores", lambda: 1)
+    monkeypatch.setattr(threads, "idle_cores", lambda: 1)
     torch.set_num_threads(2)
-    assert cli.configure_threads("cpu", None) == 1 and torch.get_num_threads() == 1
-    assert cli.configure_threads("cuda", None) is None and torch.get_num_threads() == 1
-    assert cli.configure_threads("cuda", 2) == 2 and torch.get_num_threads() == 2
+    assert threads.configure_threads("cpu", None) == 1 and torch.get_num_threads() == 1
+    assert threads.configure_threads("cuda", None) is None and torch.get_num_threads() == 1
+    assert threads.configure_threads("cuda", 2) == 2 and torch.get_num_threads() == 2
 
 
 def test_bench_applies_threads_before_the_script(restore_threads, capsys) -> None:

@@ -104,7 +104,7 @@ def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     """`graphexec.sampling.pipeline.sample_step` over vocabulary slices: `shard` [B, w]
     is this rank's slice of B rows; `table`, `bitmask` [B, ceil(V/32)] and `count_ids`
     keep full-vocabulary ids. Every rank gets the same `out`. flag_inf: mark rows whose
-    sampled token's raw logit is +inf (the executor's `step.flag_inf`)."""
+    sampled token's raw logit is +inf (`sampling.flags.flag_inf`)."""
     if method == "auto":
         method = choose_method(shard.shape[0], tp.vocab_size, tp.world, variant,
                                shard.element_size(), out.logprobs is not None)  # fmt: skip

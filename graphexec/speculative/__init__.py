@@ -1,9 +1,9 @@
 """Speculative decoding: draft verification inside the captured step, and the drafters.
 
 `verify_drafts` / `verify_step` (verify.py) check K drafts per row against the target's
-logits; `SpeculativeConfig` (config.py) turns speculation on in the executor; drafters
-propose the drafts: prompt lookup (ngram.py) on the host, or a draft model run inside
-the step (step.py); runner.py is the executor's host side.
+logits; `SpeculativeConfig` (spec_config.py) turns speculation on in the executor;
+drafters propose the drafts: prompt lookup (ngram.py) on the host, or a draft model run
+inside the step (`engine/step.py`); `engine/drafts.py` is the executor's host side.
 """
 
 from graphexec.speculative.spec_config import SpeculativeConfig

@@ -47,6 +47,7 @@ from graphexec.sampling.pipeline import (
     sample_step,
 )
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+from graphexec.speculative.verify_reference import emit
 
 METHODS = ("strict", "rejection")
 
@@ -141,27 +142,6 @@ def flatten_rows(slot_ids: torch.Tensor, positions: torch.Tensor, drafts: torch.
     return rows_slot, rows_pos, count_ids
 
 
-def emit(drafts: torch.Tensor, accepted: torch.Tensor, cand: torch.Tensor,
-         out: VerifyOutput) -> None:  # fmt: skip
-    """Step 4: from drafts [B, K], accepted [B, K] (per offset, not yet cumulative) and
-    cand [B, T] (the token each offset emits if the run stops there, -1 if nothing is
-    samplable), write tokens, counts and validity into `out`."""
-    B, K = drafts.shape
-    T = K + 1
-    n_acc = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1) if K else cand.new_zeros(B)
-    last = cand.gather(1, n_acc.unsqueeze(1)).squeeze(1)
-    ok = last >= 0
-    n_tok = n_acc + ok.to(torch.int64)
-    j = torch.arange(T, device=cand.device).unsqueeze(0)
-    padded = torch.cat([drafts, drafts.new_full((B, 1), -1)], dim=1)
-    at_end = (j == n_acc.unsqueeze(1)) & ok.unsqueeze(1)
-    tokens = torch.where(j < n_acc.unsqueeze(1), padded, torch.where(at_end, last.unsqueeze(1), -1))
-    out.token_ids.copy_(tokens)
-    out.num_tokens.copy_(n_tok)
-    out.num_accepted.copy_((n_tok - 1).clamp(min=0))
-    out.valid.copy_(n_tok > 0)
-
-
 def verify_step(
     target_logits: torch.Tensor,
     draft_ids: torch.Tensor,
@@ -227,7 +207,7 @@ def verify_step(
         else:
             emit(drafts, (drafts >= 0) & (drafts == tok[:, : T - 1]), tok, out)
         return out
-    from graphexec.speculative import verify_reference as reference
+    from graphexec.speculative import verify_reference as reference  # noqa: F811
 
     db = None if config is None else config.draw_block
     reference.rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bm, draft_probs,

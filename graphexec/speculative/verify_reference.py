@@ -51,7 +51,6 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
               variant, out, draw_block: int | None = None) -> None:  # fmt: skip
     """Steps 3-5 of `verify.verify_step` in rejection mode; out.sampled holds the ordinary
     draw of every offset already."""
-    from graphexec.speculative.verify import emit
 
     B, K = drafts.shape
     T, V = K + 1, flat.shape[1]
@@ -87,3 +86,23 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
     if out.logprobs is not None:
         ref.write_logprobs(ref.sanitize(flat), y, rows_slot, table, out.token_ids.reshape(-1),
                            out.sampled)  # fmt: skip
+
+
+def emit(drafts: torch.Tensor, accepted: torch.Tensor, cand: torch.Tensor, out) -> None:
+    """Step 4: from drafts [B, K], accepted [B, K] (per offset, not yet cumulative) and
+    cand [B, T] (the token each offset emits if the run stops there, -1 if nothing is
+    samplable), write tokens, counts and validity into `out` (a `VerifyOutput`)."""
+    B, K = drafts.shape
+    T = K + 1
+    n_acc = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1) if K else cand.new_zeros(B)
+    last = cand.gather(1, n_acc.unsqueeze(1)).squeeze(1)
+    ok = last >= 0
+    n_tok = n_acc + ok.to(torch.int64)
+    j = torch.arange(T, device=cand.device).unsqueeze(0)
+    padded = torch.cat([drafts, drafts.new_full((B, 1), -1)], dim=1)
+    at_end = (j == n_acc.unsqueeze(1)) & ok.unsqueeze(1)
+    tokens = torch.where(j < n_acc.unsqueeze(1), padded, torch.where(at_end, last.unsqueeze(1), -1))
+    out.token_ids.copy_(tokens)
+    out.num_tokens.copy_(n_tok)
+    out.num_accepted.copy_((n_tok - 1).clamp(min=0))
+    out.valid.copy_(n_tok > 0)
