@@ -10,6 +10,7 @@ Off values filter nothing: `top_k` <= 0, `top_p` == 1 and `min_p` == 0.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import numbers
@@ -79,6 +80,9 @@ def token_ids(name: str, value: Any) -> tuple[int, ...]:
         ):
             raise ValueError(f"{name} must hold ints, got dtype {value.dtype}")
         value = tolist()
+    # the common case first: plain ints (bool is a subclass, so `type(t) is int`)
+    if all(type(t) is int for t in value) and (not value or min(value) >= 0):
+        return tuple(value)
     out = []
     for t in value:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
@@ -309,9 +313,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token id {tok} is outside [0, {vocab_size})")
 
     def with_seed(self, seed: int) -> SamplingParams:
-        import dataclasses
-
-        return dataclasses.replace(self, seed=seed)
+        """A copy with `seed` (an int in range: the rest was checked when self was made)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        out = copy.copy(self)
+        object.__setattr__(out, "seed", seed)
+        return out
 
     def stream(self, index: int) -> SamplingParams:
         """Stream `index` of an n > 1 request: n = 1 and `stream_seed(seed, index)`."""

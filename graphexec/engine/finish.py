@@ -22,6 +22,7 @@ from graphexec.request import GraphKey, RequestOutput
 from graphexec.sampling.flags import error_message
 
 LOGPROB_FIELDS = ("logprobs", "ranks", "top_token_ids", "top_logprobs")
+_OFFSETS = np.arange(64)
 
 
 @dataclass
@@ -56,6 +57,16 @@ def gather_runs(plan: BatchPlan, keys: list, host: dict) -> tuple[np.ndarray, tu
     return toks, lp
 
 
+def _isin(a: np.ndarray, values) -> np.ndarray:
+    """np.isin for the few values of a stop list, without its per-call cost."""
+    if len(values) > 8:
+        return np.isin(a, values)
+    hit = np.zeros(a.shape, dtype=bool)
+    for v in values:
+        hit |= a == v
+    return hit
+
+
 def finish(plan: BatchPlan, keys: list, host: dict, eos: np.ndarray, masks,
            errors: dict[int, str], plain=None) -> tuple[StepOutputs, list[Finished]]:  # fmt: skip
     """Advance the plan's counters by the step's runs and decide who ends.
@@ -64,71 +75,69 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: np.ndarray, masks,
     why its step raised; plain: the tokenizer's `plain_texts` and a bool array of where
     they exist (a row whose tokens need no decoder gets their plain texts when read).
     Returns the step's outputs and the rows that finished (the caller releases them)."""
-    n = len(plan.rows)
     toks, lp = gather_runs(plan, keys, host)
-    t = toks.shape[1]
-    live = toks >= 0
-    ntok = np.where(live.all(1), t, live.argmin(1))  # the run's length; 0: no token
-    emitted = np.arange(t) < ntok[:, None]
-    pos0 = plan.generated.copy()
-    stop = np.isin(toks, eos) & plan.eos_stops[:, None] & emitted
+    n, t = toks.shape
+    ntok = (toks >= 0).cumprod(1).sum(1)  # the run's length; 0: no token
+    # ids are >= 0, so the -1 past a run (or a code at 0) never matches a stop id
+    stop = _isin(toks, eos.tolist()) & plan.eos_stops[:, None]
     for i in plan.own_stops:
-        stop[i] |= np.isin(toks[i], list(plan.rows[i].params.stop_token_ids)) & emitted[i]
-    length = (pos0[:, None] + np.arange(1, t + 1) >= plan.limit[:, None]) & emitted
-    end = stop | length
-    first = np.where(end.any(1), end.argmax(1), t)
-    count = np.minimum(first + 1, ntok)
-    reasons: dict[int, str] = {}
-    stop_reasons: dict[int, str | int] = {}
-    texts: dict[tuple[int, int], str] | None = None
-    slow = np.zeros(n, dtype=bool)
+        stop[i] |= _isin(toks[i], list(plan.rows[i].params.stop_token_ids))
+    room = plan.limit - plan.generated  # tokens each row may still emit (>= 1)
+    hit = stop.any(1)
+    count = np.minimum(np.minimum(ntok, room), np.where(hit, stop.argmax(1) + 1, t))
+    ended = (count < ntok) | (count == room) | (hit & (count == ntok))  # before the end
+    slow = np.zeros(n, dtype=bool)  # rows walked token by token
     slow[plan.mask_rows] = True
+    texts: dict[int, str] | None = None  # row * T + offset -> its pushed text
     if plain is not None and plan.has_text.any():
         texts = {}
-        odd = (~plain[1][np.maximum(toks, 0)] & emitted).any(1)
-        slow |= plan.has_text & (plan.text_slow | odd)
-    for i in np.flatnonzero(slow & (ntok > 0)).tolist():
-        count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], length[i],
-                                      masks, texts, plain)  # fmt: skip
-        if reason is not None:
-            reasons[i] = reason
-            if why is not None:
-                stop_reasons[i] = why
-    for i in np.flatnonzero((first < ntok) & ~slow).tolist():
-        reasons[i] = "stop" if stop[i, first[i]] else "length"
-    for i in plan.own_stops:
-        if i in reasons and reasons[i] == "stop" and i not in stop_reasons:
-            last = int(toks[i, count[i] - 1])
-            if last in plan.rows[i].params.stop_token_ids:
-                stop_reasons[i] = last
-    messages = {}
-    for i in np.flatnonzero(ntok == 0).tolist():
-        reasons[i] = "error"
-        count[i] = 1
-        start = max((s for _, s, _ in keys if s <= i), default=0)
-        messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(start))
-    plan.generated += np.where(ntok > 0, count, 0)
-    ended = [Finished(i, r) for i, r in sorted(reasons.items())]
-    outs = StepOutputs(plan.rows, [k for k, _, m in keys for _ in range(m)], toks, count,
-                       pos0, reasons, lp)  # fmt: skip
+        odd = ~plain[1][np.maximum(toks, 0)] & (_OFFSETS[:t] < ntok[:, None])
+        slow |= plan.has_text & (plan.text_slow | odd.any(1))
+    reasons: dict[int, str] = {}
+    stop_reasons: dict[int, str | int] = {}
+    messages: dict[int, str] = {}
+    for i in np.flatnonzero(ended | slow | (ntok == 0)).tolist():
+        if ntok[i] == 0:
+            start = max((s for _, s, _ in keys if s <= i), default=0)
+            reasons[i] = "error"
+            messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(start))
+            continue
+        if slow[i]:
+            count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], int(room[i]),
+                                          masks, texts, plain)  # fmt: skip
+        else:
+            reason, why = ("stop" if stop[i, count[i] - 1] else "length"), None
+        if reason is None:
+            continue
+        reasons[i] = reason
+        last = int(toks[i, count[i] - 1])
+        if why is None and reason == "stop" and last in plan.rows[i].params.stop_token_ids:
+            why = last
+        if why is not None:
+            stop_reasons[i] = why
+    pos0 = plan.generated.copy()
+    plan.generated += count
+    for i in messages:
+        count[i] = 1  # its error output
+    outs = StepOutputs(plan.rows, keys, toks, count, pos0, reasons, lp)
     outs._texts, outs._stop_reasons, outs._messages = texts, stop_reasons, messages
     if texts is not None:
         outs._plain, outs._has_text = plain[0], plan.has_text.copy()
-    return outs, ended
+    return outs, [Finished(i, r) for i, r in sorted(reasons.items())]
 
 
-def _walk(plan, i, toks, ntok, stop, length, masks, texts, plain):
+def _walk(plan, i, toks, ntok, stop, room, masks, texts, plain):
     """Row i's run token by token (its mask's matcher, its text): (tokens reported,
     reason or None, stop reason or None)."""
     req = plan.rows[i]
     has_mask = masks.has(req.slot)
     text = req.text if texts is not None else None
-    pos0 = int(plan.generated[i])
+    pos0, t = int(plan.generated[i]), len(toks)
     for j in range(ntok):
         tok = int(toks[j])
         hit = pushed = False
         if text is not None and (plan.text_slow[i] or not plain[1][tok]):
-            texts[(i, j)], hit = text.push(tok, pos0 + j + 1)
+            texts[i * t + j], hit = text.push(tok, pos0 + j + 1)
             plan.text_slow[i] = text.needs_push
             pushed = True
         reason = why = None
@@ -138,11 +147,11 @@ def _walk(plan, i, toks, ntok, stop, length, masks, texts, plain):
             reason = "stop"
         elif hit:
             reason, why = "stop", text.stop_reason
-        elif length[j]:
+        elif j + 1 >= room:
             reason = "length"
         if reason is not None:
             if pushed and not hit:
-                texts[(i, j)] += text.flush()
+                texts[i * t + j] += text.flush()
             return j + 1, reason, why
     return ntok, None, None
 
@@ -154,17 +163,17 @@ class StepOutputs(Sequence[RequestOutput]):
     columns read `row_request_ids` / `row_token_ids` (numpy [n] for one-token runs, else
     [n, T]; -1 where there is no token) for the decode rows."""
 
-    def __init__(self, rows=(), keys=(), toks=None, counts=None, positions=None, reasons=None,
-                 logprobs=None) -> None:  # fmt: skip
+    def __init__(self, rows=(), chunks=(), toks=None, counts=None, positions=None,
+                 reasons=None, logprobs=None) -> None:  # fmt: skip
         self.ready: list[RequestOutput] = []
         self._rows = rows
-        self._keys: list[GraphKey] = keys
+        self._chunks = chunks
         self._toks = toks
         self._counts = counts
         self._positions = positions
         self._reasons = reasons or {}
         self._lp = logprobs
-        self._texts: dict[tuple[int, int], str] | None = None  # (row, j) -> pushed text
+        self._texts: dict[int, str] | None = None  # row * T + j -> its pushed text
         self._plain: list | None = None  # id -> plain text, for the other text rows
         self._has_text = None
         self._stop_reasons: dict[int, str | int] = {}
@@ -189,6 +198,12 @@ class StepOutputs(Sequence[RequestOutput]):
     def __len__(self) -> int:
         return len(self.ready) + self._total
 
+    def _key(self, i: int) -> GraphKey | None:
+        for key, start, n in self._chunks:
+            if start <= i < start + n:
+                return key
+        return None
+
     def __getitem__(self, k):  # type: ignore[override]
         if isinstance(k, slice):
             return [self[j] for j in range(*k.indices(len(self)))]
@@ -207,7 +222,7 @@ class StepOutputs(Sequence[RequestOutput]):
     def _output(self, i: int, j: int) -> RequestOutput:
         """Row i's output at offset j of its run."""
         req = self._rows[i]
-        pos, seed, key = int(self._positions[i]) + j, req.params.seed, self._keys[i]
+        pos, seed, key = int(self._positions[i]) + j, req.params.seed, self._key(i)
         last = j == self._counts[i] - 1
         if i in self._messages:
             msg = self._messages[i]
@@ -229,26 +244,31 @@ class StepOutputs(Sequence[RequestOutput]):
     def _text(self, i: int, j: int, tok: int) -> str | None:
         if self._texts is None or not self._has_text[i]:
             return None
-        t = self._texts.get((i, j))
+        t = self._texts.get(i * self._toks.shape[1] + j)
         return self._plain[tok] if t is None else t
 
     def __iter__(self) -> Iterator[RequestOutput]:
         yield from self.ready
         if self._toks is None:
             return
-        toks, pos = self._toks.tolist(), self._positions.tolist()
-        counts = self._counts.tolist()
-        for i, req in enumerate(self._rows):
-            p = req.params
-            for j in range(counts[i]):
-                if (
-                    toks[i][j] < 0
-                    or p.logprobs is not None
-                    or (i in self._reasons and j == counts[i] - 1)
-                    or (pos[i] + j == 0 and req.prompt_logprobs is not None)
-                ):
-                    yield self._output(i, j)  # the full path: logprobs, an end
-                else:
-                    tok = toks[i][j]
-                    yield RequestOutput(req.request_id, tok, pos[i] + j, p.seed,
-                                        key=self._keys[i], text=self._text(i, j, tok))  # fmt: skip
+        keys = [key for key, _, n in self._chunks for _ in range(n)]
+        if self._starts is None:  # one token per row
+            texts, plain, reasons = self._texts, self._plain, self._reasons
+            has = self._has_text.tolist() if texts is not None else None
+            rows = zip(self._rows, self._toks[:, 0].tolist(), self._positions.tolist(), strict=True)
+            for i, (req, tok, pos) in enumerate(rows):
+                p = req.params
+                if (tok < 0 or p.logprobs is not None or i in reasons
+                        or (pos == 0 and req.prompt_logprobs is not None)):  # fmt: skip
+                    yield self._output(i, 0)  # the full path: logprobs, an end
+                    continue
+                text = None
+                if has is not None and has[i]:
+                    text = texts.get(i)
+                    if text is None:
+                        text = plain[tok]
+                yield RequestOutput(req.request_id, tok, pos, p.seed, key=keys[i], text=text)
+            return
+        for i, c in enumerate(self._counts.tolist()):
+            for j in range(c):
+                yield self._output(i, j)
