@@ -69,8 +69,8 @@ class DecodeExecutor:
         self.device = device = cfg.torch_device
         self.model, self.tokenizer = model, tokenizer
         self.vocab_size = v = cfg.vocab_for(model, tokenizer)
-        self.max_batch_size, self.buckets, self.cuda_graphs = (
-            cfg.max_batch_size, cfg.graph_buckets, cfg.cuda_graphs)  # fmt: skip
+        self.max_batch_size, self.buckets = cfg.max_batch_size, cfg.graph_buckets
+        self.cuda_graphs = cfg.cuda_graphs
         self.backend = cfg.backend or default_backend(device)
         self.detokenize = bool(cfg.detokenize) and tokenizer is not None
         tp = None
@@ -132,8 +132,7 @@ class DecodeExecutor:
         return self.requests.idle
 
     @property
-    def graphs(self):
-        """The `CapturedGraphs` of this executor's keys."""
+    def graphs(self):  # the `CapturedGraphs` of this executor's keys
         return self.runner.graphs
 
     @property
@@ -231,7 +230,7 @@ class DecodeExecutor:
         t2 = time.perf_counter()
         self.prefiller.report_logprobs()
         outs = self._finish(plan, launched) if plan.rows else StepOutputs()
-        outs.ready = ready + outs.ready
+        outs.ready = ready + outs.ready  # (aborts and failed prefills first)
         self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outs
 
