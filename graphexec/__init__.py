@@ -6,6 +6,7 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 
 from graphexec import distributed, models
 from graphexec.async_executor import AsyncDecodeExecutor
+from graphexec.engine.config import EngineConfig
 from graphexec.engine.executor import DecodeExecutor
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.engine.metrics import ExecutorStats
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncDecodeExecutor",
     "DecodeExecutor",
+    "EngineConfig",
     "ExecutorFullError",
     "ExecutorStats",
     "RequestOutput",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from tests.executor.scripted import EOS, ScriptModel, byte_tokenizer, drain, tokens
+from tests.engine.scripted import EOS, ScriptModel, byte_tokenizer, drain, tokens
 
 pytestmark = pytest.mark.gpu
 P = gx.SamplingParams

@@ -68,7 +68,7 @@ def test_kernel_rows_do_not_depend_on_the_call(dtype) -> None:
     assert_rows_invariant(lambda t: mm.linear_silu_mul(t, w), x, sizes=(1, 9, 33))
 
 
-# the weight shapes of the CPU-test models (tests/executor/test_batch_invariance.py) and
+# the weight shapes of the CPU-test models (tests/engine/test_batch_invariance.py) and
 # TinyLM's at the cl100k vocabulary
 REFERENCE_SHAPES = [(300, 64), (128, 64), (64, 64), (256, 64), (64, 128), (100277, 128),
                     (384, 128), (512, 128), (128, 512), (97, 48)]  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from tests.executor.scripted import drain, tokens
+from tests.engine.scripted import drain, tokens
 
 P = gx.SamplingParams
 V = 200

@@ -10,7 +10,7 @@ import torch
 
 import graphexec as gx
 from graphexec.params import stream_seed
-from tests.executor.scripted import EOS, ScriptModel, byte_tokenizer, drain, tokens
+from tests.engine.scripted import EOS, ScriptModel, byte_tokenizer, drain, tokens
 
 P = gx.SamplingParams
 V = 300

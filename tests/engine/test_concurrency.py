@@ -11,7 +11,7 @@ import time
 import pytest
 
 import graphexec as gx
-from tests.executor.scripted import drain, tokens
+from tests.engine.scripted import drain, tokens
 
 P = gx.SamplingParams
 V = 64

@@ -12,7 +12,7 @@ import torch
 
 import graphexec as gx
 import graphexec.workload as wl
-from tests.executor.scripted import drain, tokens
+from tests.engine.scripted import drain, tokens
 
 P = gx.SamplingParams
 V = 300

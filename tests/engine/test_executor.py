@@ -11,7 +11,7 @@ import graphexec as gx
 from graphexec import workload as wl
 from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant as SV
-from tests.executor.scripted import drain, tokens
+from tests.engine.scripted import drain, tokens
 
 P = gx.SamplingParams
 V = 300
