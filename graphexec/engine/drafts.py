@@ -86,7 +86,7 @@ class Drafter:
             for i, m in zip(g_rows, kept, strict=True):
                 drafts[i] = drafts[i][:m]
             idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.slots.bitmask.index_copy_(0, idx, host.to(self.device, non_blocking=True))
+            self.slots.write_masks(idx, host.to(self.device, non_blocking=True))
         if self.draft is None:
             allow = np.array([len(d) for d in drafts], dtype=np.int64)
         spec_k = self.k if self.draft is not None or allow.any() else 0

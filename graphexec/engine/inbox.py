@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphexec.engine.masks import bad_word_ids
-from graphexec.engine.slots import min_id_words
+from graphexec.engine.slot_writes import min_id_words
 from graphexec.params import SamplingParams, token_ids
 
 

@@ -182,9 +182,7 @@ class StepRunner:
         idx = self._host_mask_idx[: len(slots)]
         idx.copy_(torch.tensor(slots, dtype=torch.int64))
         dev_idx = idx.to(self.device, non_blocking=True)
-        rows_dev = host_rows.to(self.device, non_blocking=True)
-        bm = self.slots.bitmask
-        (bm if bm.dim() == 2 else bm[:, 0]).index_copy_(0, dev_idx, rows_dev)
+        self.slots.write_masks(dev_idx, host_rows.to(self.device, non_blocking=True))
 
 
 def build_sampler(backend: str, device: torch.device, rows: int, vocab_size: int,

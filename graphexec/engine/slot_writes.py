@@ -6,6 +6,8 @@ pinned memory. A flush edits the mirror with numpy and copies it whole, plus a s
 payload after it (slot ids, decode-state values, prompt-mask indices), in one
 non-blocking copy: the host-owned state needs no device op of its own, whatever the
 number of slots. A few hundred bytes per slot, so the copy is a few microseconds of DMA.
+The [S] columns of one element size are rows of one [k, S'] block (float32 columns view
+rows of the int32 block); each column stays a contiguous [S] view (S' rounds S up to 16).
 
 Slot values are packed with `struct`, one row per dirty slot (`RowFormat`): Python
 floats are rounded to float32 by struct "f" exactly as torch.tensor rounds them, and a
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 import torch
 
 _CODES = {torch.int64: "q", torch.int32: "if", torch.float32: "f", torch.bool: "?"}
+_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "?"}
+FIELD = {torch.int64: "block_int64", torch.int32: "block_int32", torch.bool: "block_bool"}
 NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
          torch.bool: np.bool_}  # fmt: skip
 
@@ -115,3 +120,40 @@ class PackedUpload:
         t = torch.empty(values.shape, dtype=torch.int64, pin_memory=self._cuda)
         t.numpy()[...] = values
         return t.to(self.device, non_blocking=True)
+
+
+def row_format(cols: Sequence[str], blocks: dict, dtype_of, nb: int,
+               m: int) -> tuple[RowFormat, itemgetter]:  # fmt: skip
+    """One struct row per dirty slot, and the getter that orders what a slot's row
+    gathers (the [S] columns `cols`' values, min words, bias values, bias ids, min bits)
+    into the row's fields: 8-byte ones, 4-byte ones, then bools. blocks: {block dtype:
+    its column names}; dtype_of(name): a column's own dtype."""
+    h, at = len(cols), {n: i for i, n in enumerate(cols)}
+    spans = {"min_words": (h, m), "bias_values": (h + m, nb), "bias_ids": (h + m + nb, nb),
+             "min_bits": (h + m + 2 * nb, m)}  # fmt: skip
+    fields, order = [], []
+    for name, dtype in ((FIELD[torch.int64], torch.int64), ("min_words", torch.int64),
+                        (FIELD[torch.int32], torch.int32), ("bias_values", torch.float32),
+                        ("bias_ids", torch.int32), ("min_bits", torch.int32),
+                        (FIELD[torch.bool], torch.bool)):  # fmt: skip
+        if name in spans:
+            a, k = spans[name]
+            codes, idx = f"{k}{_CODE[dtype]}", range(a, a + k)
+        elif dtype in blocks:
+            group = blocks[dtype]
+            codes = "".join(_CODE[dtype_of(c)] for c in group)
+            idx = [at[c] for c in group]
+        else:
+            continue
+        fields.append((name, dtype, codes))
+        order.extend(idx)
+    return RowFormat(fields), itemgetter(*order)
+
+
+def min_id_words(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[(word, bits)]: the ids as bitmask words, one entry per word (bits as a signed
+    int32 value), so a scatter never writes one word twice with different values."""
+    words: dict[int, int] = {}
+    for t in set(ids):
+        words[t // 32] = words.get(t // 32, 0) | (1 << (t % 32))
+    return [(w, b - (1 << 32) if b >= 1 << 31 else b) for w, b in sorted(words.items())]

@@ -12,25 +12,27 @@ per step, with no sync. A released slot is reset completely at the next flush
 (parameters to plain sampling, counts, prompt mask, position), so nothing leaks into the
 request that gets it next.
 
-Storage: what only the host writes (the sampling table's [S] columns, prompt_lens,
-min_tokens, bias and min-token words) lives in one fixed device buffer with an exact host
-mirror (`graphexec.engine.slot_writes`): a flush edits the mirror with numpy and copies it whole
-in one copy, so none of it costs a device op. The [S] columns of one element size are
-rows of one [k, S'] block (float32 columns view rows of the int32 block); each column
-stays a contiguous [S] view (S' rounds S up to 16 elements). What the device writes
-(positions and last_token, advanced by the step; token counts, prompt mask, bitmask) is
-scattered after that copy: 6 device ops in all, however many slots a flush touches.
+Storage: what only the host writes lives in one fixed device buffer with an exact host
+mirror, copied whole at a flush (`engine.slot_writes`); what the device writes (positions,
+last tokens, token counts, prompt mask, bitmask) is scattered after it: 6 device ops in
+all, however many slots a flush touches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import itemgetter
 
 import numpy as np
 import torch
 
-from graphexec.engine.slot_writes import NUMPY, PackedUpload, RowFormat, place
+from graphexec.engine.slot_writes import (
+    FIELD,
+    NUMPY,
+    PackedUpload,
+    min_id_words,
+    place,
+    row_format,
+)
 from graphexec.params import SamplingParams
 from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
 
@@ -40,8 +42,6 @@ _FLAT = 1 << 16  # prompt tokens a flush carries in the buffer (more take a seco
 # block of each column dtype (float32 columns view int32 rows: one scatter for both)
 _BLOCK_OF = {torch.int64: torch.int64, torch.int32: torch.int32, torch.float32: torch.int32,
              torch.bool: torch.bool}  # fmt: skip
-_FIELD = {torch.int64: "block_int64", torch.int32: "block_int32", torch.bool: "block_bool"}
-_CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "?"}
 
 
 class SlotTable:
@@ -72,7 +72,8 @@ class SlotTable:
                              prompt_len + position - 1
 
     Only positions, last_token, token counts, the prompt mask and the bitmask may be
-    written on the device: each flush copies the host mirror over the rest.
+    written on the device (the bitmask through `write_masks`): each flush copies the
+    host mirror over the rest.
     """
 
     positions: torch.Tensor
@@ -113,7 +114,8 @@ class SlotTable:
                "min_bits": torch.zeros((rows, m), dtype=torch.int32)}  # fmt: skip
         self._host_owned(rows, stride, own)
         nb = t.bias_ids.shape[1]
-        self._rows, self._pick = self._row_format(nb, m)
+        self._rows, self._pick = row_format(HOST_FIELDS + _OWN, self._blocks,
+                                            lambda c: self._column(c).dtype, nb, m)  # fmt: skip
         self._scratch = np.zeros((max_slots, self._rows.size), dtype=np.uint8)
         self._no_bias = ((0.0,) * nb, (-1,) * nb)
         self._no_words = (0,) * m
@@ -132,14 +134,14 @@ class SlotTable:
         t = self.tensors
         cols = {n: getattr(t, n) for n in HOST_FIELDS}
         cols |= {n: torch.zeros(rows, dtype=torch.int64) for n in _OWN}
-        groups: dict[torch.dtype, list[str]] = {d: [] for d in _FIELD}
+        groups: dict[torch.dtype, list[str]] = {d: [] for d in FIELD}
         for name, col in cols.items():
             if col.dtype not in _BLOCK_OF:
                 raise TypeError(f"column {name}: no block for dtype {col.dtype}")
             groups[_BLOCK_OF[col.dtype]].append(name)
         self._blocks = {d: g for d, g in groups.items() if g}  # {block dtype: column names}
         wide = {"bias_ids": t.bias_ids, "bias_values": t.bias_values, **own}
-        specs = [(_FIELD[d], d, (len(g), stride)) for d, g in self._blocks.items()]
+        specs = [(FIELD[d], d, (len(g), stride)) for d, g in self._blocks.items()]
         specs += [(n, x.dtype, tuple(x.shape)) for n, x in wide.items()]
         sizes = [d.itemsize * shape[0] * shape[1] for _, d, shape in specs]
         offs, self._state_bytes = place(sizes)
@@ -283,34 +285,14 @@ class SlotTable:
             SamplingTensors.host_row(p, self.vocab_size) + own + ws + bvals + bids + bs
         )
 
-    def _row_format(self, nb: int, m: int) -> tuple[RowFormat, itemgetter]:
-        """One struct row per dirty slot, and the getter that orders what `_row` gathers
-        (host_row's values, _OWN's, min words, bias values, bias ids, min bits) into the
-        row's fields: 8-byte ones, 4-byte ones, then bools."""
-        cols = HOST_FIELDS + _OWN
-        h, at = len(cols), {n: i for i, n in enumerate(cols)}
-        spans = {"min_words": (h, m), "bias_values": (h + m, nb), "bias_ids": (h + m + nb, nb),
-                 "min_bits": (h + m + 2 * nb, m)}  # fmt: skip
-        fields, order = [], []
-        for name, dtype in ((_FIELD[torch.int64], torch.int64), ("min_words", torch.int64),
-                            (_FIELD[torch.int32], torch.int32), ("bias_values", torch.float32),
-                            ("bias_ids", torch.int32), ("min_bits", torch.int32),
-                            (_FIELD[torch.bool], torch.bool)):  # fmt: skip
-            if name in spans:
-                a, k = spans[name]
-                codes, idx = f"{k}{_CODE[dtype]}", range(a, a + k)
-            elif dtype in self._blocks:
-                group = self._blocks[dtype]
-                codes = "".join(_CODE[self._column(c).dtype] for c in group)
-                idx = [at[c] for c in group]
-            else:
-                continue
-            fields.append((name, dtype, codes))
-            order.extend(idx)
-        return RowFormat(fields), itemgetter(*order)
-
     def _column(self, name: str) -> torch.Tensor:
         return getattr(self if name in _OWN else self.tensors, name)
+
+    def write_masks(self, slot_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy token-mask rows into the slots `slot_ids` [n] (device): rows [n, W] go to
+        offset 0, rows [n, T, W] (speculation) one per offset."""
+        bm = self.bitmask
+        (bm[:, 0] if bm.dim() == 3 and rows.dim() == 2 else bm).index_copy_(0, slot_ids, rows)
 
     def min_token_masks(self, masks: torch.Tensor, slot_ids: torch.Tensor,
                         positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -330,12 +312,3 @@ class SlotTable:
             t[p] = 0
         if self.tensors.token_counts is not None:
             self.tensors.token_counts[p] = 0
-
-
-def min_id_words(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """[(word, bits)]: the ids as bitmask words, one entry per word (bits as a signed
-    int32 value), so a scatter never writes one word twice with different values."""
-    words: dict[int, int] = {}
-    for t in set(ids):
-        words[t // 32] = words.get(t // 32, 0) | (1 << (t % 32))
-    return [(w, b - (1 << 32) if b >= 1 << 31 else b) for w, b in sorted(words.items())]
