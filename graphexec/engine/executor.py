@@ -86,7 +86,6 @@ class DecodeExecutor:
         self.masks = TokenMasks(v, n, runs, grammar)
         self.eos_token_ids: tuple[int, ...] = () if tokenizer is None else tokenizer.eos_token_ids
         self.eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
-        self._eos = np.array(self.eos_token_ids, dtype=np.int64)
         self._plain = None  # (Tokenizer.plain_texts, where they exist): the text fast path
         if self.detokenize:
             texts = tokenizer.plain_texts
@@ -235,7 +234,7 @@ class DecodeExecutor:
         return outs
 
     def _finish(self, plan: BatchPlan, launched: Launched) -> StepOutputs:
-        outs, ended = finish(plan, launched.keys, self.runner.host, self._eos, self.masks,
+        outs, ended = finish(plan, launched.keys, self.runner.host, self.eos_token_ids, self.masks,
                              launched.errors, self._plain)  # fmt: skip
         if self.drafter is not None:
             self.drafter.after(plan, outs._toks, outs._counts, {f.row for f in ended})

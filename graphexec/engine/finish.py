@@ -57,55 +57,62 @@ def gather_runs(plan: BatchPlan, keys: list, host: dict) -> tuple[np.ndarray, tu
     return toks, lp
 
 
-def _isin(a: np.ndarray, values) -> np.ndarray:
+def _isin(a: np.ndarray, values: Sequence[int]) -> np.ndarray:
     """np.isin for the few values of a stop list, without its per-call cost."""
-    if len(values) > 8:
-        return np.isin(a, values)
-    hit = np.zeros(a.shape, dtype=bool)
-    for v in values:
+    if not 0 < len(values) <= 8:
+        return np.isin(a, list(values))
+    hit = a == values[0]
+    for v in values[1:]:
         hit |= a == v
     return hit
 
 
-def finish(plan: BatchPlan, keys: list, host: dict, eos: np.ndarray, masks,
+def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
            errors: dict[int, str], plain=None) -> tuple[StepOutputs, list[Finished]]:  # fmt: skip
     """Advance the plan's counters by the step's runs and decide who ends.
 
-    keys: the step's chunks [(key, first row, rows)] as launched; errors: chunk start ->
+    keys: the step's chunks [(key, first row, rows)] as launched; eos: the ids that stop
+    rows with eos_stops; errors: chunk start ->
     why its step raised; plain: the tokenizer's `plain_texts` and a bool array of where
     they exist (a row whose tokens need no decoder gets their plain texts when read).
     Returns the step's outputs and the rows that finished (the caller releases them)."""
     toks, lp = gather_runs(plan, keys, host)
     n, t = toks.shape
-    ntok = (toks >= 0).cumprod(1).sum(1)  # the run's length; 0: no token
+    live = toks >= 0
+    ntok = live.cumprod(1).sum(1)  # the run's length; 0: no token
     # ids are >= 0, so the -1 past a run (or a code at 0) never matches a stop id
-    stop = _isin(toks, eos.tolist()) & plan.eos_stops[:, None]
+    stop = _isin(toks, eos)
+    stop &= plan.eos_stops[:, None]
     for i in plan.own_stops:
-        stop[i] |= _isin(toks[i], list(plan.rows[i].params.stop_token_ids))
+        stop[i] |= _isin(toks[i], plan.rows[i].params.stop_token_ids)
     room = plan.limit - plan.generated  # tokens each row may still emit (>= 1)
     hit = stop.any(1)
-    count = np.minimum(np.minimum(ntok, room), np.where(hit, stop.argmax(1) + 1, t))
-    ended = (count < ntok) | (count == room) | (hit & (count == ntok))  # before the end
-    slow = np.zeros(n, dtype=bool)  # rows walked token by token
-    slow[plan.mask_rows] = True
+    count = np.minimum(ntok, room)  # tokens reported (a stop inside the run: below)
+    todo = hit | (count == room) | (ntok == 0)
     texts: dict[int, str] | None = None  # row * T + offset -> its pushed text
+    slow = None  # rows walked token by token: a mask's matcher, or text to decode
     if plain is not None and plan.has_text.any():
         texts = {}
-        odd = ~plain[1][np.maximum(toks, 0)] & (_OFFSETS[:t] < ntok[:, None])
-        slow |= plan.has_text & (plan.text_slow | odd.any(1))
+        odd = (~plain[1][np.maximum(toks, 0)] & live).any(1)
+        slow = plan.has_text & (plan.text_slow | odd)
+    if plan.mask_rows:
+        slow = np.zeros(n, dtype=bool) if slow is None else slow
+        slow[plan.mask_rows] = True
     reasons: dict[int, str] = {}
     stop_reasons: dict[int, str | int] = {}
     messages: dict[int, str] = {}
-    for i in np.flatnonzero(ended | slow | (ntok == 0)).tolist():
+    for i in np.flatnonzero(todo if slow is None else todo | slow).tolist():
         if ntok[i] == 0:
             start = max((s for _, s, _ in keys if s <= i), default=0)
             reasons[i] = "error"
             messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(start))
             continue
-        if slow[i]:
+        if slow is not None and slow[i]:
             count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], int(room[i]),
                                           masks, texts, plain)  # fmt: skip
         else:
+            if hit[i]:
+                count[i] = min(count[i], int(stop[i].argmax()) + 1)
             reason, why = ("stop" if stop[i, count[i] - 1] else "length"), None
         if reason is None:
             continue

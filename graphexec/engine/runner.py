@@ -138,13 +138,14 @@ class StepRunner:
     def launch(self, plan: BatchPlan, replay: bool) -> Launched:
         """Replay (or run eagerly) each chunk of the plan and queue its output copies.
         A chunk whose step raises ends its requests with "error"; the executor goes on."""
-        done = Launched()
-        if plan.mask_rows and self.drafter is None:  # the drafter writes masks per offset
+        done = Launched([], {})
+        drafter = self.drafter
+        if plan.mask_rows and drafter is None:  # the drafter writes masks per offset
             self.upload_masks([plan.rows[i].slot for i in plan.mask_rows])
-        inputs = {t: b.inputs for t, b in self.buffers.items()}
         for key, start, n in plan.chunks:
-            if self.drafter is not None:
-                key = self.drafter.prepare(plan, key, start, n, self.masks, inputs)
+            if drafter is not None:
+                inputs = {t: b.inputs for t, b in self.buffers.items()}
+                key = drafter.prepare(plan, key, start, n, self.masks, inputs)
             done.keys.append((key, start, n))
             if not plan.uploaded:
                 host = self._host_slots[start : start + key.bucket]
