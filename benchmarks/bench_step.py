@@ -131,7 +131,8 @@ def run_churn(args) -> dict:
     t0 = time.perf_counter()
     ex.capture(keys, progress=False)
     capture_s = time.perf_counter() - t0
-    section = churn_section(ex, CHURNS, args.churn_steps, args.churn_warmup, args.steps, args.seed)
+    section = churn_section(ex, CHURNS, args.churn_steps, args.churn_warmup, args.steps, args.seed,
+                            args.churn_repeats)  # fmt: skip
     model_info = dict(name="TinyLM", vocab=tok.vocab_size, dim=model.dim,
                       layers=model.num_layers, max_seq_len=model.max_seq_len)  # fmt: skip
     return dict(section, prefill_budget=budget, capture_s=capture_s,
@@ -192,6 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--churn-steps", type=int, default=2000, help="measured churn steps")
     ap.add_argument("--churn-warmup", type=int, default=256, help="churn steps before those")
     ap.add_argument("--churn-batch", type=int, default=64, help="the churn executor's slots")
+    ap.add_argument("--churn-repeats", type=int, default=1,
+                    help="runs of each churn workload and its reference; the JSON's row is "
+                    "the median run, judged on the median ratios")  # fmt: skip
     ap.add_argument("--prefill-budget", type=int, default=None,
                     help="DecodeExecutor(prefill_budget=) for the churn executor; default: "
                     "not passed (the executor's default)")  # fmt: skip

@@ -270,6 +270,24 @@ def test_churn_section_ends_every_request_once_and_measures_it(one_thread):
     assert row.startswith("| t | 1..12 | ") and row.count("|") == 13
 
 
+def test_churn_repeats_report_the_median_run_and_every_ratio(one_thread):
+    import graphexec as gx
+
+    ex = gx.DecodeExecutor(gx.models.TableModel(1000, seed=0), max_batch_size=4, device="cpu",
+                           seed=0)  # fmt: skip
+    churn = step_churn.Churn("t", (1, 6), grammar_frac=0.0, abort_frac=0.0)
+    section = step_churn.churn_section(ex, (churn,), steps=8, warmup=2, ref_steps=3, repeats=3)
+    json.dumps(section)
+    (w,) = section["workloads"]
+    assert section["repeats"] == 3 and len(w["repeats"]) == 3
+    tps = sorted(r["throughput_ratio"] for r in w["repeats"])
+    assert w["throughput_ratio"] == tps[1]  # the median run's row
+    gaps = sorted(r["gap_ratio"] for r in w["repeats"])
+    assert w["gap_ratio"] == gaps[1] and w["met"]["gap_ratio"] == (gaps[1] <= 3)
+    assert ex.idle and ex.free_slots == 4
+
+
+
 def test_tracker_flags_second_ends_and_short_length_ends():
     from graphexec import SamplingParams as P
     from graphexec.request import RequestOutput as O
