@@ -61,6 +61,13 @@ def _int(name: str, value: Any, allowed: str) -> int:
     return int(value)
 
 
+def _seed(value: Any) -> int:
+    seed = _int("seed", value, "in [0, 2**63)")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return seed
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -182,9 +189,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {mp}")
         put("min_p", mp)
         if self.seed is not None:
-            put("seed", _int("seed", self.seed, "in [0, 2**63)"))
-            if not 0 <= self.seed <= MAX_SEED:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            put("seed", _seed(self.seed))
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None:
@@ -313,11 +318,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token id {tok} is outside [0, {vocab_size})")
 
     def with_seed(self, seed: int) -> SamplingParams:
-        """A copy with `seed` (an int in range: the rest was checked when self was made)."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        """A copy with `seed` (checked here: the rest was checked when self was made)."""
         out = copy.copy(self)
-        object.__setattr__(out, "seed", seed)
+        object.__setattr__(out, "seed", _seed(seed))
         return out
 
     def stream(self, index: int) -> SamplingParams:

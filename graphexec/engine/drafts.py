@@ -105,10 +105,11 @@ class Drafter:
         inputs[spec_k + 1][: key.bucket].copy_(host, non_blocking=True)
         return key
 
-    def after(self, plan: BatchPlan, toks: np.ndarray, counts: np.ndarray, ended: set) -> None:
-        """Count drafts and acceptances; extend the histories of rows that go on."""
+    def after(self, plan: BatchPlan, toks: np.ndarray, emitted: np.ndarray, counts: np.ndarray,
+              ended: set) -> None:  # fmt: skip
+        """Count drafts and acceptances (`emitted`: each run's length, `counts`: the tokens
+        reported before a stop); extend the histories of rows that go on."""
         n = len(plan.rows)
-        emitted = np.where(toks[:, 0] >= 0, (toks >= 0).sum(1), 0)
         self.drafted += int(self._allow[:n].sum())
         self.accepted += int(np.maximum(emitted - 1, 0)[self._allow[:n] > 0].sum())
         if self.draft is None:

@@ -237,6 +237,7 @@ class DecodeExecutor:
         outs, ended = finish(plan, launched.keys, self.runner.host, self.eos_token_ids, self.masks,
                              launched.errors, self._plain)  # fmt: skip
         if self.drafter is not None:
-            self.drafter.after(plan, outs._toks, outs._counts, {f.row for f in ended})
+            self.drafter.after(plan, outs._toks, outs._lengths, outs._counts,
+                               {f.row for f in ended})  # fmt: skip
         self.requests.end(plan, ended)
         return outs

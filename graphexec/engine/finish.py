@@ -22,7 +22,6 @@ from graphexec.request import GraphKey, RequestOutput
 from graphexec.sampling.flags import error_message
 
 LOGPROB_FIELDS = ("logprobs", "ranks", "top_token_ids", "top_logprobs")
-_OFFSETS = np.arange(64)
 
 
 @dataclass
@@ -47,7 +46,7 @@ def gather_runs(plan: BatchPlan, keys: list, host: dict) -> tuple[np.ndarray, tu
     toks = np.full((n, t), -1, dtype=np.int64)
     lp = None
     if plan.logprobs:
-        cols = [getattr(host[max(ts)], f).numpy() for f in LOGPROB_FIELDS]
+        cols = [getattr(host[t], f).numpy() for f in LOGPROB_FIELDS]
         lp = tuple(np.zeros((n, t) + c.shape[2:], dtype=c.dtype) for c in cols)
     for key, start, m in keys:
         h, k = host[key.spec_k + 1], key.spec_k + 1
@@ -55,6 +54,14 @@ def gather_runs(plan: BatchPlan, keys: list, host: dict) -> tuple[np.ndarray, tu
         for dst, f in zip(lp or (), LOGPROB_FIELDS, strict=False):
             dst[start : start + m, :k] = getattr(h, f)[start : start + m, :k].numpy()
     return toks, lp
+
+
+def chunk_at(chunks, row: int) -> tuple[GraphKey | None, int]:
+    """(key, first row) of the chunk [(key, first row, rows)] that holds `row`."""
+    for key, start, n in chunks:
+        if start <= row < start + n:
+            return key, start
+    return None, 0
 
 
 def _isin(a: np.ndarray, values: Sequence[int]) -> np.ndarray:
@@ -72,9 +79,9 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
     """Advance the plan's counters by the step's runs and decide who ends.
 
     keys: the step's chunks [(key, first row, rows)] as launched; eos: the ids that stop
-    rows with eos_stops; errors: chunk start ->
-    why its step raised; plain: the tokenizer's `plain_texts` and a bool array of where
-    they exist (a row whose tokens need no decoder gets their plain texts when read).
+    rows with eos_stops; errors: chunk start -> why its step raised; plain: the
+    tokenizer's `plain_texts` and a bool array of where they exist (a row whose tokens
+    need no decoder gets their plain texts when read).
     Returns the step's outputs and the rows that finished (the caller releases them)."""
     toks, lp = gather_runs(plan, keys, host)
     n, t = toks.shape
@@ -103,9 +110,8 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
     messages: dict[int, str] = {}
     for i in np.flatnonzero(todo if slow is None else todo | slow).tolist():
         if ntok[i] == 0:
-            start = max((s for _, s, _ in keys if s <= i), default=0)
             reasons[i] = "error"
-            messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(start))
+            messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(chunk_at(keys, i)[1]))
             continue
         if slow is not None and slow[i]:
             count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], int(room[i]),
@@ -128,6 +134,7 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
         count[i] = 1  # its error output
     outs = StepOutputs(plan.rows, keys, toks, count, pos0, reasons, lp)
     outs._texts, outs._stop_reasons, outs._messages = texts, stop_reasons, messages
+    outs._lengths = ntok
     if texts is not None:
         outs._plain, outs._has_text = plain[0], plan.has_text.copy()
     return outs, [Finished(i, r) for i, r in sorted(reasons.items())]
@@ -185,6 +192,7 @@ class StepOutputs(Sequence[RequestOutput]):
         self._has_text = None
         self._stop_reasons: dict[int, str | int] = {}
         self._messages: dict[int, str] = {}
+        self._lengths = None  # [n] tokens each row's run emitted (0: none), before stops
         single = toks is None or toks.shape[1] == 1
         self._starts = None if single else np.cumsum(counts) - counts
         self._total = 0 if toks is None else int(counts.sum())
@@ -205,12 +213,6 @@ class StepOutputs(Sequence[RequestOutput]):
     def __len__(self) -> int:
         return len(self.ready) + self._total
 
-    def _key(self, i: int) -> GraphKey | None:
-        for key, start, n in self._chunks:
-            if start <= i < start + n:
-                return key
-        return None
-
     def __getitem__(self, k):  # type: ignore[override]
         if isinstance(k, slice):
             return [self[j] for j in range(*k.indices(len(self)))]
@@ -229,7 +231,7 @@ class StepOutputs(Sequence[RequestOutput]):
     def _output(self, i: int, j: int) -> RequestOutput:
         """Row i's output at offset j of its run."""
         req = self._rows[i]
-        pos, seed, key = int(self._positions[i]) + j, req.params.seed, self._key(i)
+        pos, seed, key = int(self._positions[i]) + j, req.params.seed, chunk_at(self._chunks, i)[0]
         last = j == self._counts[i] - 1
         if i in self._messages:
             msg = self._messages[i]

@@ -97,42 +97,37 @@ class RequestCheck:
     tp: bool = False
 
     def __call__(self, request_id, prompt_token_ids, params: SamplingParams):
-        return check_request(self, request_id, prompt_token_ids, params)
-
-
-def check_request(rc: RequestCheck, request_id, prompt_token_ids, params: SamplingParams):
-    """`RequestCheck`'s checks."""
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params.check_vocab(rc.vocab_size)
-    for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
-        if needs and rc.tokenizer is None:
-            raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
-                             "DecodeExecutor")  # fmt: skip
-    if params.stop and not rc.detokenize:
-        raise ValueError("params.stop needs detokenize=True")
-    nb = rc.max_logit_bias
-    if len(params.logit_bias or {}) > nb:
-        raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
-                         "(max_logit_bias)")  # fmt: skip
-    if rc.tp and params.prompt_logprobs is not None:
-        raise ValueError("params.prompt_logprobs is not served with tp_group")
-    prompt = check_prompt(prompt_token_ids, rc.vocab_size, rc.max_seq_len)
-    if params.grammar is not None:
-        rc.compiler.compile(params.grammar)  # a bad grammar fails here
-    bad = bad_word_ids(params, rc.tokenizer)
-    if any(t >= rc.vocab_size for w in bad for t in w):
-        raise ValueError(f"bad_words tokenise to ids outside [0, {rc.vocab_size})")
-    min_ids: tuple[int, ...] = ()
-    if params.min_tokens:
-        eos = () if params.ignore_eos else rc.eos_token_ids
-        min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
-        if len(min_id_words(min_ids)) > rc.max_min_words:
-            raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
-                             "(max_min_ids)")  # fmt: skip
-    return prompt, bad, min_ids
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        for field, needs in (("grammar", params.grammar is not None), ("stop", params.stop)):
+            if needs and self.tokenizer is None:
+                raise ValueError(f"params.{field} needs a tokenizer: pass tokenizer= to "
+                                 "DecodeExecutor")  # fmt: skip
+        if params.stop and not self.detokenize:
+            raise ValueError("params.stop needs detokenize=True")
+        nb = self.max_logit_bias
+        if len(params.logit_bias or {}) > nb:
+            raise ValueError(f"logit_bias may hold at most {nb} entries in this executor "
+                             "(max_logit_bias)")  # fmt: skip
+        if self.tp and params.prompt_logprobs is not None:
+            raise ValueError("params.prompt_logprobs is not served with tp_group")
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_seq_len)
+        if params.grammar is not None:
+            self.compiler.compile(params.grammar)  # a bad grammar fails here
+        bad = bad_word_ids(params, self.tokenizer)
+        if any(t >= self.vocab_size for w in bad for t in w):
+            raise ValueError(f"bad_words tokenise to ids outside [0, {self.vocab_size})")
+        min_ids: tuple[int, ...] = ()
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.eos_token_ids
+            min_ids = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+            if len(min_id_words(min_ids)) > self.max_min_words:
+                raise ValueError(f"min_tokens cannot hold back {len(min_ids)} stop ids here "
+                                 "(max_min_ids)")  # fmt: skip
+        return prompt, bad, min_ids
 
 
 class RequestQueue:

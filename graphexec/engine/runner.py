@@ -142,9 +142,9 @@ class StepRunner:
         drafter = self.drafter
         if plan.mask_rows and drafter is None:  # the drafter writes masks per offset
             self.upload_masks([plan.rows[i].slot for i in plan.mask_rows])
+        inputs = {t: b.inputs for t, b in self.buffers.items()} if drafter else None
         for key, start, n in plan.chunks:
             if drafter is not None:
-                inputs = {t: b.inputs for t, b in self.buffers.items()}
                 key = drafter.prepare(plan, key, start, n, self.masks, inputs)
             done.keys.append((key, start, n))
             if not plan.uploaded:
