@@ -51,12 +51,14 @@ class Arrivals:
 
     def __init__(self, churn: Churn, vocab_size: int, seed: int = 0) -> None:
         self.churn, self.rng, self.n = churn, random.Random(seed), 0
+        # prompts from one numpy draw each: the client's cost stays out of the loop's
+        self.tokens = np.random.default_rng(seed)
         self.vocab = min(vocab_size, 50_000)
         self.grammar = gx.Grammar.json_schema(ANSWER_SCHEMA) if churn.grammar_frac else None
 
     def next(self) -> tuple[str, list[int], gx.SamplingParams, int | None]:
         c, r = self.churn, self.rng
-        prompt = [r.randrange(self.vocab) for _ in range(r.randint(*c.prompt_len))]
+        prompt = self.tokens.integers(self.vocab, size=r.randint(*c.prompt_len)).tolist()
         limit = r.randint(*c.max_tokens)
         p = dataclasses.replace(r.choice(CHURN_KINDS), seed=self.n, max_tokens=limit)
         if r.random() < c.grammar_frac:

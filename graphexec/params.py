@@ -46,16 +46,23 @@ class SamplerVariant(str, enum.Enum):
 
 
 def _finite(name: str, value: Any) -> float:
-    # bools and strings are not numbers here, whatever float() would make of them
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    # bools and strings are not numbers here, whatever float() would make of them; plain
+    # floats and ints skip the (slow) ABC checks
+    if (
+        type(value) is not float
+        and type(value) is not int
+        and (isinstance(value, bool) or not isinstance(value, numbers.Real))
+    ):
         raise ValueError(f"{name} must be a number, got {value!r}")
     v = float(value)
-    if math.isnan(v):
+    if v != v:
         raise ValueError(f"{name} must not be NaN")
     return v
 
 
 def _int(name: str, value: Any, allowed: str) -> int:
+    if type(value) is int:  # not a bool: bool is a subclass, not int itself
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int ({allowed}), got {value!r}")
     return int(value)

@@ -23,6 +23,9 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from graphexec.params import SamplingParams
+from graphexec.sampling.tensors import SamplingTensors
+
 _CODES = {torch.int64: "q", torch.int32: "if", torch.float32: "f", torch.bool: "?"}
 _CODE = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "?"}
 FIELD = {torch.int64: "block_int64", torch.int32: "block_int32", torch.bool: "block_bool"}
@@ -122,32 +125,57 @@ class PackedUpload:
         return t.to(self.device, non_blocking=True)
 
 
-def row_format(cols: Sequence[str], blocks: dict, dtype_of, nb: int,
-               m: int) -> tuple[RowFormat, itemgetter]:  # fmt: skip
-    """One struct row per dirty slot, and the getter that orders what a slot's row
-    gathers (the [S] columns `cols`' values, min words, bias values, bias ids, min bits)
-    into the row's fields: 8-byte ones, 4-byte ones, then bools. blocks: {block dtype:
-    its column names}; dtype_of(name): a column's own dtype."""
-    h, at = len(cols), {n: i for i, n in enumerate(cols)}
-    spans = {"min_words": (h, m), "bias_values": (h + m, nb), "bias_ids": (h + m + nb, nb),
-             "min_bits": (h + m + 2 * nb, m)}  # fmt: skip
-    fields, order = [], []
-    for name, dtype in ((FIELD[torch.int64], torch.int64), ("min_words", torch.int64),
-                        (FIELD[torch.int32], torch.int32), ("bias_values", torch.float32),
-                        ("bias_ids", torch.int32), ("min_bits", torch.int32),
-                        (FIELD[torch.bool], torch.bool)):  # fmt: skip
-        if name in spans:
-            a, k = spans[name]
-            codes, idx = f"{k}{_CODE[dtype]}", range(a, a + k)
-        elif dtype in blocks:
-            group = blocks[dtype]
-            codes = "".join(_CODE[dtype_of(c)] for c in group)
-            idx = [at[c] for c in group]
+class SlotRows:
+    """The host encoding of a slot's row: one struct row per dirty slot (`format`), its
+    values ordered by `pick` (the [S] columns `cols`' values, min words, bias values, bias
+    ids, min bits) into the row's fields: 8-byte ones, 4-byte ones, then bools.
+    blocks: {block dtype: its column names}; dtype_of(name): a column's own dtype; nb: bias
+    entries per slot; m: min-token words per slot."""
+
+    def __init__(self, cols: Sequence[str], blocks: dict, dtype_of, nb: int, m: int,
+                 vocab_size: int) -> None:  # fmt: skip
+        h, at = len(cols), {n: i for i, n in enumerate(cols)}
+        spans = {"min_words": (h, m), "bias_values": (h + m, nb), "bias_ids": (h + m + nb, nb),
+                 "min_bits": (h + m + 2 * nb, m)}  # fmt: skip
+        fields, order = [], []
+        for name, dtype in ((FIELD[torch.int64], torch.int64), ("min_words", torch.int64),
+                            (FIELD[torch.int32], torch.int32), ("bias_values", torch.float32),
+                            ("bias_ids", torch.int32), ("min_bits", torch.int32),
+                            (FIELD[torch.bool], torch.bool)):  # fmt: skip
+            if name in spans:
+                a, k = spans[name]
+                codes, idx = f"{k}{_CODE[dtype]}", range(a, a + k)
+            elif dtype in blocks:
+                group = blocks[dtype]
+                codes = "".join(_CODE[dtype_of(c)] for c in group)
+                idx = [at[c] for c in group]
+            else:
+                continue
+            fields.append((name, dtype, codes))
+            order.extend(idx)
+        self.format, self.pick = RowFormat(fields), itemgetter(*order)
+        self.vocab_size = vocab_size
+        self.no_bias = ((0.0,) * nb, (-1,) * nb)
+        self.no_words = (0,) * m
+
+    def __call__(self, p: SamplingParams, prompt_len: int, words: list[tuple[int, int]]):
+        """The row's values for a slot given `p`, its prompt length and min-token words."""
+        if words:  # padding entries repeat the first: a scatter of equal values
+            pad = [words[0]] * (len(self.no_words) - len(words))
+            ws, bs = zip(*words, *pad, strict=True)
         else:
-            continue
-        fields.append((name, dtype, codes))
-        order.extend(idx)
-    return RowFormat(fields), itemgetter(*order)
+            ws = bs = self.no_words
+        if p.logit_bias:
+            bias = sorted(p.logit_bias.items())
+            k = len(self.no_bias[0]) - len(bias)
+            bids = tuple(t for t, _ in bias) + (-1,) * k
+            bvals = tuple(b for _, b in bias) + (0.0,) * k
+        else:
+            bvals, bids = self.no_bias
+        own = (prompt_len, p.min_tokens)  # in the SlotTable's own columns' order
+        return self.pick(
+            SamplingTensors.host_row(p, self.vocab_size) + own + ws + bvals + bids + bs
+        )
 
 
 def min_id_words(ids: Sequence[int]) -> list[tuple[int, int]]:

@@ -29,9 +29,9 @@ from graphexec.engine.slot_writes import (
     FIELD,
     NUMPY,
     PackedUpload,
+    SlotRows,
     min_id_words,
     place,
-    row_format,
 )
 from graphexec.params import SamplingParams
 from graphexec.sampling.tensors import HOST_FIELDS, SamplingTensors
@@ -114,12 +114,11 @@ class SlotTable:
                "min_bits": torch.zeros((rows, m), dtype=torch.int32)}  # fmt: skip
         self._host_owned(rows, stride, own)
         nb = t.bias_ids.shape[1]
-        self._rows, self._pick = row_format(HOST_FIELDS + _OWN, self._blocks,
-                                            lambda c: self._column(c).dtype, nb, m)  # fmt: skip
+        self._row = SlotRows(HOST_FIELDS + _OWN, self._blocks, lambda c: self._column(c).dtype,
+                             nb, m, vocab_size)  # fmt: skip
+        self._rows = self._row.format
         self._scratch = np.zeros((max_slots, self._rows.size), dtype=np.uint8)
-        self._no_bias = ((0.0,) * nb, (-1,) * nb)
-        self._no_words = (0,) * m
-        self._plain_row = self._row(_PLAIN, (), [])  # what a released slot gets
+        self._plain_row = self._row(_PLAIN, 0, [])  # what a released slot gets
         self._views: dict[int, tuple] = {}  # _flush_views, by n
         self._mask = t.prompt_mask is not None
         self._mask_flat = t.prompt_mask.view(-1) if self._mask else None
@@ -229,7 +228,7 @@ class SlotTable:
                 pack(rows, i * size, *self._plain_row)
                 continue
             prompt = st[1]
-            pack(rows, i * size, *self._row(*st))
+            pack(rows, i * size, *self._row(st[0], len(prompt), st[2]))
             if prompt:
                 last[i] = prompt[-1]
                 if mask:  # the (slot, token) pairs as flat indices into prompt_mask
@@ -265,25 +264,6 @@ class SlotTable:
             pay = self._upload.dev_buf[self._state_bytes :].view(torch.int64)
             v = self._views[n] = (scatters, pay[:n], pay[n : 3 * n].view(2, n), pay[3 * n :])
         return v
-
-    def _row(self, p: SamplingParams, prompt: tuple[int, ...], words: list[tuple[int, int]]):
-        """The struct row of a slot given `p`, `prompt` and its min-token words."""
-        if words:  # padding entries repeat the first: a scatter of equal values
-            pad = [words[0]] * (len(self._no_words) - len(words))
-            ws, bs = zip(*words, *pad, strict=True)
-        else:
-            ws = bs = self._no_words
-        if p.logit_bias:
-            bias = sorted(p.logit_bias.items())
-            k = len(self._no_bias[0]) - len(bias)
-            bids = tuple(t for t, _ in bias) + (-1,) * k
-            bvals = tuple(b for _, b in bias) + (0.0,) * k
-        else:
-            bvals, bids = self._no_bias
-        own = (len(prompt), p.min_tokens)  # in _OWN's order
-        return self._pick(
-            SamplingTensors.host_row(p, self.vocab_size) + own + ws + bvals + bids + bs
-        )
 
     def _column(self, name: str) -> torch.Tensor:
         return getattr(self if name in _OWN else self.tensors, name)

@@ -37,9 +37,12 @@ class PrefillGraphs:
                  buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:  # fmt: skip
         self.forward, self.padding_slot, self.buckets = forward, padding_slot, buckets
         n = buckets[-1]
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), padding_slot, dtype=torch.int64, device=device)
+        # the static inputs as rows of one buffer (ids, positions, slots), so the padding
+        # past a batch is one copy from `_pad`
+        self._inputs = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self._inputs[2] = padding_slot
+        self._pad = self._inputs.clone()
+        self.ids, self.positions, self.slots = self._inputs
         self.rows = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self._capture_fn = GraphCapture(device)
@@ -58,9 +61,7 @@ class PrefillGraphs:
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(slots)
-        self.ids[n:nb].zero_()
-        self.positions[n:nb].zero_()
-        self.slots[n:nb].fill_(self.padding_slot)
+        self._inputs[:, n:nb].copy_(self._pad[:, : nb - n])
         if m:
             self.rows[:m].copy_(rows)
             self.rows[m:mb].zero_()  # extra rows read token 0's logits; dropped below
