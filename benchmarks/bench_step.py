@@ -268,8 +268,11 @@ def run_steady(args) -> dict:
 
 def header(device: str) -> dict:
     dev = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    return dict(device=dev, date=datetime.date.today().isoformat(), torch=torch.__version__,
-                triton=triton.__version__, graphexec=gx.__version__)  # fmt: skip
+    out = dict(device=dev, date=datetime.date.today().isoformat(), torch=torch.__version__,
+               triton=triton.__version__, graphexec=gx.__version__)  # fmt: skip
+    if os.environ.get("GRAPHEXEC_COMMIT"):  # set by benchmarks/gpu/run.sh
+        out["commit"] = os.environ["GRAPHEXEC_COMMIT"]
+    return out
 
 
 def write(result: dict, out: str, keep_rows: bool) -> tuple[str, dict]:
