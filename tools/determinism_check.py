@@ -20,9 +20,17 @@ speculation and with a two-layer draft model of the same shape and vocabulary (s
 K = 3), replayed and eager; (c) with prefill budgets 64 and 256; (d) eagerly; then the
 per-key replay-vs-eager runs as above.
 
-    python tools/determinism_check.py [--model tiny|table|PATH|CONFIG] [--max-batch-size N]
-        [--requests N] [--key-steps N] [--device cuda|cpu] [--speculative all|ngram|draft|none]
-        [--dtype bfloat16|float16|float32] [--threads N]
+Modes. The default (full) mode runs everything above: on the CPU with TinyLM (100k-token
+vocabulary) that takes many minutes. `--quick` checks the same properties on less: a
+batch of 2 (so buckets 1 and 2 only), 2 mixed-workload requests, one step per key, and
+speculation through the draft model only (whose key batches run every spec_k key); with
+`--model PATH|CONFIG`, 2 requests and the n-gram drafter only. Explicit flags override
+what `--quick` picks. Progress lines with an estimate of the time left go to stderr;
+stdout (the summary table) is the same in both modes.
+
+    python tools/determinism_check.py [--quick] [--model tiny|table|PATH|CONFIG]
+        [--max-batch-size N] [--requests N] [--key-steps N] [--device cuda|cpu]
+        [--speculative all|ngram|draft|none] [--dtype bfloat16|float16|float32] [--threads N]
 """
 
 from __future__ import annotations
@@ -48,18 +56,56 @@ def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, lis
     return replayed, wl.compare(replayed, eager)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+class Progress:
+    """Per-phase lines on stderr: what ran, time so far, and an estimate of the time left
+    from the mean time of the phases done (phases still to come may only be guessed)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def grow(self, n: int) -> None:
+        self.total += n
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        spent = time.perf_counter() - self.t0
+        left = spent / self.done * max(self.total - self.done, 0)
+        print(f"[{self.done}/{self.total}] {what}: {spent:.0f} s so far, about {left:.0f} s "
+              "left", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `--quick` fills in the smaller settings the module docstring
+    lists, where no explicit flag was given."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="the same checks on less work (batch 2, 2 requests, 1 step a key, "
+                    "draft-model speculation only): under a minute on a 2-core CPU")  # fmt: skip
     ap.add_argument("--model", default="tiny", metavar="tiny|table|PATH|CONFIG")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                     help="--model PATH|CONFIG: the weights' dtype")  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-batch-size", type=int, default=None, help="default 256 GPU, 8 CPU")
     ap.add_argument("--requests", type=int, default=None, help="mixed workload size")
-    ap.add_argument("--key-steps", type=int, default=8)
-    ap.add_argument("--speculative", choices=("all", "ngram", "draft", "none"), default="all")
+    ap.add_argument("--key-steps", type=int, default=None, help="default 8 (--quick: 1)")
+    ap.add_argument("--speculative", choices=("all", "ngram", "draft", "none"), default=None,
+                    help="default all (--quick: draft; ngram with --model PATH|CONFIG)")
     add_threads_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    real = args.model not in ("tiny", "table")
+    quick = {"max_batch_size": 2, "requests": 2, "key_steps": 1,
+             "speculative": "ngram" if real else "draft"}  # fmt: skip
+    full = {"key_steps": 8, "speculative": "all"}
+    for name, value in (quick if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configure_threads(device.type, args.threads)
@@ -88,6 +134,7 @@ def main() -> int:
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     plain = None
     all_keys = []
+    progress = Progress(len(runs))  # grows by each run's keys once they are captured
     for name in runs:
         ex = gx.DecodeExecutor(model(), max_batch_size=batch, device=device, tokenizer=tok,
                                seed=0, speculative=specs[name])  # fmt: skip
@@ -108,12 +155,15 @@ def main() -> int:
         print(f"[speculative {name}] mixed workload: {n} requests, {trace.steps} steps, "
               f"{trace.tokens} tokens, {len(mism)} replay/eager mismatches"
               + (f", {len(same)} differences from no speculation" if name != "none" else "")
-              + spec)  # fmt: skip
+              + spec, flush=True)  # fmt: skip
+        progress.grow(len(ex.graph_keys))
+        progress.step(f"speculative {name}: capture and mixed workload")
         for key in ex.graph_keys:
             work = wl.key_workload(key, ex.buckets, args.key_steps, grammar=grammar)
             trace, mism = both(ex, work)
             compared.update(wl.outputs_per_key(trace))
             bad += mism
+            progress.step(f"speculative {name}: key {key}")
     per_key = Counter(m.key for m in bad)
     print(f"\n{'key':28s} {'tokens compared':>15s} {'mismatches':>10s}")
     for key in sorted(set(compared) | set(per_key), key=lambda k: (k is not None, str(k))):
@@ -159,6 +209,9 @@ def check_real_model(args, device: torch.device, batch: int, tok: gx.Tokenizer) 
     specs = {"ngram": gx.SpeculativeConfig(3, drafter="ngram"),
              "draft model": gx.SpeculativeConfig(3, drafter=model(layers=2, seed=1))}  # fmt: skip
     specs = {k: v for k, v in specs.items() if args.speculative in ("all", k.split()[0])}
+    print(f"batch invariance of {len(items)} requests: alone, in waves, reordered, with "
+          f"{len(specs)} drafter(s), prefill budgets 64 and 256, eager ...", file=sys.stderr,
+          flush=True)  # fmt: skip
     report = wl.batch_invariance(make, items, specs, budgets=(64, 256))
     streams = len(items)
     print(f"{name} ({'checkpoint' if folder else 'random weights'}, {args.dtype}) on {device}: "
@@ -171,6 +224,7 @@ def check_real_model(args, device: torch.device, batch: int, tok: gx.Tokenizer) 
     ex = make()
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     compared: Counter = Counter()
+    progress = Progress(len(ex.graph_keys))
     for key in ex.graph_keys:
         a, b = wl.replay_and_eager(ex, wl.key_workload(key, ex.buckets, args.key_steps,
                                                        grammar=grammar))  # fmt: skip
@@ -179,6 +233,7 @@ def check_real_model(args, device: torch.device, batch: int, tok: gx.Tokenizer) 
         bad += len(mism)
         if mism:
             print(f"key {key}: {len(mism)} replay/eager mismatches")
+        progress.step(f"replay vs eager, key {key}")
     print(f"\nreplay vs eager over {len(ex.graph_keys)} keys: {sum(compared.values())} tokens "
           f"compared; {bad} mismatches in all, {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 1 if bad else 0

@@ -186,9 +186,12 @@ class DecodeExecutor:
     def abort(self, request_id: str) -> bool:
         """Abort a request (all its streams when n > 1): the next step reports it with
         finish_reason "abort" at the position of its first unreported token (0 when none
-        was reported), with no token. True when queued; False (a no-op) when it has
-        already finished; ValueError for an id that is unknown (never added, or finished
-        and already reported)."""
+        was reported), with no token. True when the abort was queued (the request was
+        queued or running); False, a no-op, for any other id: one that has already
+        finished (its last output returned by `step()` or not yet) or was never added, as
+        vLLM's abort is. Safe to call on a client's disconnect without knowing whether
+        the request ended first. ValueError only when `request_id` is not a non-empty
+        str."""
         return self._queue.abort(request_id)
 
     # ---- the step --------------------------------------------------------------------

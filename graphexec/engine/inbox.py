@@ -177,18 +177,18 @@ class RequestQueue:
                                      min_ids))  # fmt: skip
 
     def abort(self, request_id: str) -> bool:
-        """Queue the abort (True); False when every stream has ended already; ValueError
-        for an unknown id. A stream still queued is dropped here: it never takes a slot."""
+        """Queue the abort (True) of a queued or running id; False, a no-op, for any other
+        id: ended (reported or not) or never added. No record of ended ids is kept (memory
+        stays bounded), so those two cannot be told apart, and a server aborting on
+        disconnect need not know whether the request ended first. A stream still queued
+        is dropped here: it never takes a slot. ValueError only for a non-str or empty id."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         with self._lock:
-            ids = [i for i in self._groups.get(request_id) or [request_id] if i in self._live]
+            ids = [i for i in self._groups.get(request_id) or [request_id]
+                   if i in self._live and i not in self._ended]  # fmt: skip
             if not ids:
-                raise ValueError(
-                    f"request_id {request_id!r} is unknown (never added, or it finished and "
-                    "step() already returned its last output)"
-                )
-            ids = [i for i in ids if i not in self._ended]
-            if not ids:
-                return False  # finished; its end is about to be reported
+                return False  # ended (its end may still be about to be reported) or unknown
             running = []
             for rid in ids:
                 adm = next((c for c in self._inbox if isinstance(c, Admit) and rid in c.ids), None)

@@ -5,7 +5,9 @@ sliding window w, over pos - w < j <= pos). The cache row is [T] long, but a row
 only its live keys: a split-KV ("flash-decoding") kernel whose programs cover fixed key
 ranges, each loading only the part of its range that is live, then a combine kernel that
 merges the partial softmaxes. `decode_attention_reference` is the same computation in
-torch (SDPA with a mask), the CPU route and the tests' definition.
+torch (SDPA with a mask over the whole row), the tests' definition;
+`decode_attention_blocked` is the CPU route: torch over fixed key blocks up to the call's
+furthest position, so its cost follows the live tokens, not T.
 
 Kernels (`decode_attention` launches both; grids are fixed by shapes alone):
 
@@ -33,6 +35,8 @@ import triton
 import triton.language as tl
 
 from graphexec.triton_env import interpreter_enabled
+
+CPU_BLOCK = 256  # keys per block of `decode_attention_blocked` (the CPU route)
 
 
 @dataclass(frozen=True)
@@ -256,10 +260,10 @@ def decode_attention(
     split holds no live key only write two scalars per head.
 
     Route: this Triton kernel runs on CUDA (and on the CPU under ``TRITON_INTERPRET=1``,
-    for tests). `HFTransformer` calls it on CUDA and `decode_attention_reference` (torch
-    SDPA with a position mask over the whole row, the same signature) elsewhere; the two
-    agree to rounding. A row's output is bitwise the same in any batch: no program's work
-    depends on the other rows or on B.
+    for tests). `HFTransformer` and `TinyLM` call it on CUDA and
+    `decode_attention_blocked` (torch over the live key blocks, the same signature) on
+    the CPU; both agree with `decode_attention_reference` to rounding. A row's output
+    is bitwise the same in any batch: no program's work depends on the other rows or B.
     """
     _check(q, kv, slot_ids, positions, window)
     cfg = config or AttentionConfig.default()
@@ -302,7 +306,7 @@ def decode_attention_reference(
     *,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """`decode_attention` in torch (its definition; the CPU route): SDPA over each row's
+    """`decode_attention` in torch (its definition, for tests): SDPA over each row's
     whole cache row [T] with the live keys as the mask. Keys and values outside the mask
     are zeroed first, so stale or NaN entries there cannot reach the output either.
     Static shapes, no host sync. `config` is accepted for the same signature and unused."""
@@ -320,3 +324,68 @@ def decode_attention_reference(
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=live[:, None, None],
                                          scale=scale, enable_gqa=True)  # fmt: skip
     return out.squeeze(2)
+
+
+def decode_attention_blocked(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    *,
+    config: AttentionConfig | None = None,
+    block: int = CPU_BLOCK,
+) -> torch.Tensor:
+    """`decode_attention` in torch over the live keys only: the CPU route (same signature;
+    `config` unused). Its cost grows with the largest position in the call, not with T.
+
+    Keys are cut into fixed blocks ``[i * block, (i + 1) * block)``; the call reads blocks
+    up to the one holding its largest position (one host read: never use it on CUDA, where
+    the step is captured). Per block, for every row and KV head: scores ``q k^T`` ([G, hd]
+    x [hd, block] products, one shape for every block and call), then, with the row max
+    taken over all its blocks (a max is exact in any order), ``p = exp(s - max)``, its sum
+    and ``p v``. Blocks are summed in ascending order, and a block outside a row's live
+    range leaves its sums untouched (`torch.where`, not an added zero). So a row's bits
+    are a function of its own query, slot, position and window: never of B, of the other
+    rows, or of how far they reach. Dead keys and values are zeroed before use (NaN there
+    cannot reach the output); math in float32, the result in q's dtype. Agrees with
+    `decode_attention_reference` to rounding."""
+    _check(q, kv, slot_ids, positions, window)
+    B, H, hd = q.shape
+    T, KV = kv.shape[2], kv.shape[3]
+    G = H // KV
+    if B == 0:
+        return q.new_empty((B, H, hd))
+    pos = positions.clamp(0, T - 1)
+    lo_pos, hi_pos = torch.aminmax(pos)
+    first = 0 if window is None else max(0, int(lo_pos) - window + 1) // block
+    last = int(hi_pos) // block + 1  # blocks [first, last) hold every row's live keys
+    start, stop = first * block, min(last * block, T)
+    j = torch.arange(start, last * block, device=q.device)  # [L] key positions read
+    live = j <= pos[:, None]  # [B, L]; keys past T are never live (pos <= T - 1)
+    if window is not None:
+        live &= j > pos[:, None] - window
+    nb, n = last - first, stop - start
+    # [2, B, KV, nb * block, hd]: one [block, hd] tile per (row, KV head, block); dead
+    # keys zeroed and cast in the one pass that lays them out
+    keys = torch.empty((2, B, KV, nb * block, hd), dtype=torch.float32, device=q.device)
+    torch.where(live[None, :, :n, None, None], kv[:, :, start:stop].index_select(1, slot_ids),
+                torch.zeros(1, device=q.device), out=keys[:, :, :, :n].transpose(2, 3))
+    keys[:, :, :, n:] = 0  # the last block past T, if any
+    keys = keys.view(2, B, KV, nb, block, hd)
+    qg = q.float().reshape(B, KV, 1, G, hd).expand(B, KV, nb, G, hd)
+    s = torch.matmul(qg, keys[0].transpose(-1, -2)) * scale  # [B, KV, nb, G, block]
+    s.masked_fill_(~live.view(B, 1, nb, 1, block), float("-inf"))
+    m = s.amax(dim=(2, 4), keepdim=True)  # finite: a row's own position is live
+    p = torch.exp(s - m)
+    sums = p.sum(-1)  # [B, KV, nb, G]
+    pv = torch.matmul(p, keys[1])  # [B, KV, nb, G, hd]
+    # which blocks hold live keys of each row: ascending, guarded accumulation
+    blive = live.view(B, nb, block).any(-1).view(B, 1, nb, 1)  # [B, 1, nb, 1]
+    den = torch.zeros((B, KV, G), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((B, KV, G, hd), dtype=torch.float32, device=q.device)
+    for i in range(nb):
+        den = torch.where(blive[:, :, i], den + sums[:, :, i], den)
+        acc = torch.where(blive[:, :, i, :, None], acc + pv[:, :, i], acc)
+    return (acc / den[..., None]).reshape(B, H, hd).to(q.dtype)

@@ -11,7 +11,8 @@ position, its slot):
                                                                               references
     norm (+ add)    fused.residual_rms_norm     same                          its reference
     rotary + cache  fused.rope_kv_write         same                          its reference
-    attention       attention.decode_attention  same                          its reference
+    attention       attention.decode_attention  same                          its blocked
+                                                                              torch form
     prefill         token rows                  token rows                    token rows
                                                                               (padded SDPA if
                                                                               not invariant)
@@ -21,7 +22,10 @@ Why a row's result is the same in any call (invariant routes):
   alone (`matmul.MatmulConfig.tile`); on the CPU each row is its own one-row product.
 - Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
-  whose size depends on the cache length T alone, combined in one fixed order.
+  whose size depends on the cache length T alone, combined in one fixed order. On the
+  CPU, fixed blocks of `attention.CPU_BLOCK` keys up to the call's furthest position (so
+  a step's cost follows the live tokens, not T); a block past a row's position leaves
+  its sums untouched.
 - Decode, verify and prefill are the same forward over token rows. A decode row is one
   token per request; verify is B x (K + 1) rows in one call (row t of a request at
   pos + t); a prefill chunk is one row per prompt token. Each layer writes every row's
@@ -51,17 +55,23 @@ def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
     return silu_mul(linear(x, w))
 
 
-def _reference_attention(q, kv, slot_ids, positions, scale, window=None, *, config=None,
-                         rows: int = 64):  # fmt: skip
-    """`attention.decode_attention_reference` over blocks of `rows` rows: it gathers a
-    whole cache row per query, so a prefill of thousands of tokens would otherwise
-    gather them all at once. A row's result does not depend on its block."""
-    if q.shape[0] <= rows:
-        return attention.decode_attention_reference(q, kv, slot_ids, positions, scale, window)
+def _cpu_attention(q, kv, slot_ids, positions, scale, window=None, *, config=None,
+                         key_rows: int = 1 << 15):  # fmt: skip
+    """The CPU route: `attention.decode_attention_blocked` (live key blocks only) over
+    chunks of rows, so that a chunk gathers at most about `key_rows` cached keys per KV
+    head (a prefill of thousands of tokens would otherwise gather them all at once). A
+    row's result does not depend on its chunk, nor on how far the others reach."""
+    N, block = q.shape[0], attention.CPU_BLOCK
+    if N == 0:
+        return attention.decode_attention_blocked(q, kv, slot_ids, positions, scale, window)
+    reach = min(int(positions.max()) + 1, kv.shape[2])  # a host read: the CPU only
+    rows = max(1, key_rows // (-(-reach // block) * block))
+    if N <= rows:
+        return attention.decode_attention_blocked(q, kv, slot_ids, positions, scale, window)
     return torch.cat([
-        attention.decode_attention_reference(q[i : i + rows], kv, slot_ids[i : i + rows],
-                                             positions[i : i + rows], scale, window)
-        for i in range(0, q.shape[0], rows)
+        attention.decode_attention_blocked(q[i : i + rows], kv, slot_ids[i : i + rows],
+                                           positions[i : i + rows], scale, window)
+        for i in range(0, N, rows)
     ])  # fmt: skip
 
 
@@ -109,7 +119,7 @@ class ForwardOps:
         else:
             lin = matmul.linear_reference if batch_invariant else F.linear
             lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
-        attend = attention.decode_attention if cuda else _reference_attention
+        attend = attention.decode_attention if cuda else _cpu_attention
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
                    attend=attend, batch_invariant=batch_invariant,
                    token_rows=cuda or batch_invariant)  # fmt: skip

@@ -55,3 +55,57 @@ def test_inspect_tool_prints_a_row_per_key() -> None:
     rows = [line for line in r.stdout.splitlines() if line.split()[:1] in (["no_filter"],
             ["top_k_top_p"], ["default"])]  # fmt: skip
     assert len(rows) == 2 * 3 * 2
+
+
+def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys) -> None:
+    import argparse
+
+    from graphexec.inspection import add_arguments, inspect_graphs, print_emulated_table
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "table", "--max-batch-size", "2", "--device", "cpu"])
+    assert inspect_graphs(args) == 0
+    ex = gx.DecodeExecutor(gx.models.TableModel(100), max_batch_size=2, device="cpu")
+    ex.capture(progress=False)
+    ex.add_request("a", [1], P(seed=1, max_tokens=3, min_p=0.1))
+    while not ex.idle:
+        ex.step()
+    print_emulated_table(ex, steps_ran=True)  # what inspect --steps N prints after its run
+    out = capsys.readouterr().out
+    for table, steps in zip(out.split("cpu: no CUDA")[1:], ([], ["steps"]), strict=True):
+        assert "emulated" in table and "Not shown (CUDA only): capture time" in table
+        header = next(line for line in table.splitlines() if line.startswith("variant"))
+        assert header.split() == ["variant", "bucket", "logprobs", "spec_k", "serves"] + steps
+        for cuda_only in ("capture s", "kernels", "mem MiB", "replays"):
+            assert cuda_only not in header
+        rows = [line.split() for line in table.splitlines()
+                if line.split()[:1] in (["no_filter"], ["top_k_top_p"], ["default"])]  # fmt: skip
+        assert len(rows) == 2 * 3 * 2 and {r[1] for r in rows} == {"1", "2"}
+        assert any("min-p" in " ".join(r) for r in rows)
+        if steps:  # the emulated replays: the min-p request's steps ran default/b1/nolp
+            ran = {(r[0], r[1], r[2]): int(r[-1]) for r in rows}
+            assert ran[("default", "1", "False")] >= 2 and sum(ran.values()) == ran[
+                ("default", "1", "False")]  # fmt: skip
+
+
+def test_determinism_check_quick_mode_wiring() -> None:
+    """--quick (its run takes ~45 s on a 2-core CPU: too long for the suite) fills in the
+    smaller settings only where no flag was given; the full mode keeps its defaults."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("determinism_check",
+                                                  ROOT / "tools/determinism_check.py")  # fmt: skip
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    full = tool.parse_args([])
+    assert (full.max_batch_size, full.requests, full.key_steps, full.speculative) == (
+        None, None, 8, "all")  # fmt: skip
+    quick = tool.parse_args(["--quick"])
+    assert (quick.max_batch_size, quick.requests, quick.key_steps, quick.speculative) == (
+        2, 2, 1, "draft")  # fmt: skip
+    assert tool.parse_args(["--quick", "--model", "qwen2.5-0.5b"]).speculative == "ngram"
+    mixed = tool.parse_args(["--quick", "--key-steps", "3", "--speculative", "none"])
+    assert (mixed.key_steps, mixed.speculative, mixed.requests) == (3, "none", 2)
+    helptext = tool.parse_args.__doc__ and tool.__doc__
+    assert "--quick" in helptext and "full" in helptext

@@ -1,6 +1,6 @@
-"""Decode attention (`graphexec.models.attention`): the split-KV Triton kernel against the
-torch reference (under TRITON_INTERPRET=1 on the CPU), a row's bits in any batch, and
-keys past the live range never read."""
+"""Decode attention (`graphexec.models.attention`): the split-KV Triton kernel and the
+blocked CPU route against the torch reference (the kernel under TRITON_INTERPRET=1 on
+the CPU), a row's bits in any batch, and keys past the live range never read."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ ensure_interpreter()
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+from graphexec.models import ops
 from graphexec.models.attention import (
     AttentionConfig,
     decode_attention,
+    decode_attention_blocked,
     decode_attention_reference,
 )  # fmt: skip
 
@@ -108,6 +111,104 @@ def test_splits_depend_on_T_only_and_config_is_checked() -> None:
         decode_attention(q.half(), kv, slots, pos, scale, config=CFG)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention_reference(q[:, :5], kv, slots, pos, scale)
+
+
+# ---- the CPU route: torch over live key blocks -------------------------------------------
+
+
+def blocked(block: int):
+    def fn(q, kv, slots, pos, scale, window=None, **_):
+        return decode_attention_blocked(q, kv, slots, pos, scale, window, block=block)
+
+    return fn
+
+
+@pytest.mark.parametrize("block", [16, 32, 256])  # 70 keys: 5 blocks (last padded), 3, 1
+@pytest.mark.parametrize("shape", [(6, 2, 16), (4, 4, 24)], ids=["gqa3-hd16", "mha-hd24"])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_blocked_matches_reference(block, shape, window) -> None:
+    q, kv, slots, pos, scale = case(*shape, seed=5)
+    want = decode_attention_reference(q, kv, slots, pos, scale, window)
+    got = blocked(block)(q, kv, slots, pos, scale, window)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the kernel's tolerance
+    for dtype, atol in ((torch.bfloat16, 3e-2), (torch.float16, 4e-3)):
+        low = blocked(block)(q.to(dtype), kv.to(dtype), slots, pos, scale, window)
+        exact = decode_attention_reference(q.to(dtype).float(), kv.to(dtype).float(), slots,
+                                           pos, scale, window)  # fmt: skip
+        assert low.dtype == dtype
+        torch.testing.assert_close(low.float(), exact, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_blocked_row_bits_do_not_depend_on_the_other_rows_or_their_reach(dtype, window):
+    """A row alone, beside rows that reach other blocks, reordered, repeated, in row
+    chunks of any size: the same bits (compared as integers, so -0.0 != 0.0 too)."""
+    g = torch.Generator().manual_seed(6)
+    T_, S = 1100, 8
+    kv = torch.randn(2, S, T_, 2, 16, generator=g).to(dtype)
+    q = torch.randn(S, 6, 16, generator=g).to(dtype)
+    slots = torch.arange(S)
+    pos = torch.tensor([0, 3, 63, 64, 300, 700, 1023, T_ - 1])
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+
+    def run(rows, **kw):
+        r = torch.tensor(rows)
+        out = ops._cpu_attention(q[r], kv, slots[r], pos[r], 0.25, window, **kw)
+        return out.view(bits)
+
+    full = run(list(range(S)))
+    for rows in ([0], [1], [3, 1], [7, 0], [1, 7, 1], [6, 2, 5, 4, 3, 0, 1, 7]):
+        assert torch.equal(run(rows), full[rows]), rows
+    assert torch.equal(run(list(range(S)), key_rows=300), full)  # chunks of one row
+
+
+class KeyReads(TorchFunctionMode):
+    """Counts the cached keys the CPU route gathers: index_select over the slot dim of a
+    slice of the cache [2, S, n, KV, hd] reads n keys per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_per_row: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.index_select and args[0].dim() == 5:
+            self.keys_per_row.append(args[0].shape[2])
+        return func(*args, **(kwargs or {}))
+
+
+def test_blocked_reads_live_blocks_only() -> None:
+    """The cost follows the furthest position in the call, in whole blocks, not T; keys
+    outside the live blocks are never read (NaN there changes nothing)."""
+    g = torch.Generator().manual_seed(7)
+    T_ = 4096
+    kv = torch.randn(2, 3, T_, 2, 16, generator=g)
+    q = torch.randn(3, 4, 16, generator=g)
+    slots, scale = torch.arange(3), 0.25
+    for pos, window, reads in (([5, 17, 100], None, 256), ([5, 300, 40], None, 512),
+                               ([4095, 0, 1], None, 4096), ([3000, 2990, 3050], 64, 256),
+                               ([3000, 2990, 3050], 300, 512)):  # fmt: skip
+        p = torch.tensor(pos)
+        with KeyReads() as seen:
+            got = decode_attention_blocked(q, kv, slots, p, scale, window)
+        assert seen.keys_per_row == [reads], (pos, window)
+        want = decode_attention_reference(q, kv, slots, p, scale, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    poisoned = kv.clone()
+    poisoned[:, :, 256:] = float("nan")
+    p = torch.tensor([5, 17, 255])
+    assert torch.equal(decode_attention_blocked(q, poisoned, slots, p, scale),
+                       decode_attention_blocked(q, kv, slots, p, scale))  # fmt: skip
+
+
+def test_blocked_edge_cases() -> None:
+    q, kv, slots, _, scale = case(4, 2, 16, seed=4, slots=[0, 1])
+    bad, good = torch.tensor([-3, 10_000]), torch.tensor([0, T - 1])
+    fn = blocked(32)
+    assert torch.equal(fn(q, kv, slots, bad, scale), fn(q, kv, slots, good, scale))
+    assert fn(q[:0], kv, slots[:0], good[:0], scale).shape == (0, 4, 16)
+    assert ops._cpu_attention(q[:0], kv, slots[:0], good[:0], scale).shape == (0, 4, 16)
 
 
 @pytest.mark.gpu

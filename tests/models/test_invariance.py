@@ -95,3 +95,22 @@ def test_a_row_is_the_same_bits_alone_and_in_a_batch(kind) -> None:
         assert torch.equal(alone[0], batch[r]), r
     swapped = m.decode(ids.flip(0), pos.flip(0), slots.flip(0))
     assert torch.equal(swapped.flip(0), batch)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_is_the_same_bits_beside_rows_that_reach_further(kind) -> None:
+    """The CPU route reads key blocks up to the furthest position in the call: a short
+    row beside rows several blocks further on gets its bits alone."""
+    long_t = 700  # CPU_BLOCK = 256: positions below reach blocks 0, 1 and 2
+    if kind == "tiny":
+        m = gx.models.TinyLM(V, seed=3, dim=32, heads=2, max_seq_len=long_t)
+    else:
+        cfg = dict(CFG, max_position_embeddings=long_t)
+        m = gx.models.HFTransformer(cfg, random_state_dict(cfg, seed=0, dtype=torch.float32),
+                                    dtype=torch.float32, max_seq_len=long_t)  # fmt: skip
+    m.bind(SLOTS, "cpu")
+    m.prefill(0, torch.tensor(prompt(9, 30)))
+    ids, pos, slots = torch.tensor([3, 7, 11]), torch.tensor([9, 300, 650]), torch.arange(3)
+    alone = m.decode(ids[:1], pos[:1], slots[:1])
+    for n in (2, 3):  # row 0 rewrites its own key 9 with the same bits each call
+        assert torch.equal(m.decode(ids[:n], pos[:n], slots[:n])[0], alone[0]), n
