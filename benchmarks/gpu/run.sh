@@ -19,9 +19,11 @@
 #       benchmarks/bench_matmul.py --out $OUT; log: $OUT/bench-matmul.log
 #   bash benchmarks/gpu/run.sh check [determinism_check args...]
 #       tools/determinism_check.py; log: $OUT/determinism-check.log
+#   bash benchmarks/gpu/run.sh serve [bench_serve args...]
+#       benchmarks/bench_serve.py --out $OUT (the server's load test); log: $OUT/bench-serve.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step matmul check)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step matmul check serve)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -98,6 +100,12 @@ check() {
     grep -v "^INFO" "$OUT/determinism-check.log" | tail -n 40
 }
 
+serve() {
+    python benchmarks/bench_serve.py --out "$OUT" "$@" >"$OUT/bench-serve.log" 2>&1
+    echo "bench_serve exit code: $?"
+    tail -n 20 "$OUT/bench-serve.log"
+}
+
 rc=0
 for phase in ${phases//,/ }; do
     case "$phase" in
@@ -107,6 +115,7 @@ for phase in ${phases//,/ }; do
     step) step "$@" || rc=1 ;;
     matmul) matmul "$@" || rc=1 ;;
     check) check "$@" || rc=1 ;;
+    serve) serve "$@" || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac
 done

@@ -1,0 +1,326 @@
+"""The Starlette app: OpenAI's /v1/completions and /v1/chat/completions (SSE streaming or
+not), /v1/models, /health and /metrics, over one `AsyncDecodeExecutor` whose stepping
+loop the app owns (started on the first request, closed at shutdown).
+
+A request becomes one `generate` per prompt (its n streams inside); the first output is
+awaited before answering, so admission errors (400) and a full queue (503) come back as
+OpenAI error objects. A client that disconnects, streaming or not, aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from graphexec.async_executor import AsyncDecodeExecutor, QueueFullError
+from graphexec.engine.inbox import ExecutorFullError
+from graphexec.serve.chat import ChatTemplate
+from graphexec.serve.metrics import ServerMetrics
+from graphexec.serve.protocol import APIError, Parsed, model_not_found, param_of, parse_request
+from graphexec.serve.responses import DONE, Choice, Shape
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # the 503's Retry-After: a slot frees within a few steps
+
+
+@dataclass
+class ServedModel:
+    """What the routes need of the model: its id for clients (`aliases` are accepted
+    too), tokenizer, prompt prefix (BOS), context length and chat template."""
+
+    name: str
+    tokenizer: Any
+    max_seq_len: int
+    prompt_prefix: tuple[int, ...] = ()
+    chat: ChatTemplate = field(default_factory=ChatTemplate)
+    aliases: tuple[str, ...] = ()
+
+
+class _Disconnected(Exception):
+    """The client went away before the answer."""
+
+
+class Outputs:
+    """The outputs of a request's generate() calls (one per prompt), merged as they come.
+    One prompt (the usual case) is read straight from its generator; several are pumped
+    into one queue. `close()` ends them, which aborts whatever is still running."""
+
+    def __init__(self, gens: list) -> None:
+        self._one = gens[0] if len(gens) == 1 else None
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._left = len(gens)
+        self._tasks = [] if self._one else [asyncio.create_task(self._pump(g)) for g in gens]
+
+    async def _pump(self, gen) -> None:
+        try:
+            async for o in gen:
+                self._q.put_nowait(o)
+            self._q.put_nowait(None)
+        except Exception as e:  # noqa: BLE001 (raised to the reader)
+            self._q.put_nowait(e)
+
+    def __aiter__(self) -> Outputs:
+        return self
+
+    async def __anext__(self):
+        if self._one is not None:
+            return await self._one.__anext__()
+        while self._left:
+            o = await self._q.get()
+            if o is None:
+                self._left -= 1
+                continue
+            if isinstance(o, BaseException):
+                raise o
+            return o
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        if self._one is not None:  # its `finally` aborts the request if it still runs
+            asyncio.ensure_future(self._one.aclose()).add_done_callback(_quiet)
+        for t in self._tasks:
+            t.cancel()
+
+
+def _quiet(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("closing a request's outputs: %r", task.exception())
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _or_disconnect(request: Request, coro):
+    """Await `coro` unless the client disconnects first (then it is cancelled)."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        raise _Disconnected
+    return work.result()
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Server:
+    """The routes' state: the executor's async front end, the model, the counters."""
+
+    def __init__(self, executor, model: ServedModel, max_queue: int) -> None:
+        self.executor, self.model = executor, model
+        self.aex = AsyncDecodeExecutor(executor, max_waiting=max_queue)
+        self.metrics = ServerMetrics()
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it (its bytes, invalid UTF-8 replaced)."""
+        return self.model.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    # ---- small routes ----------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        ex = self.executor
+        return JSONResponse({"status": "ok", "model": self.model.name, "running": ex.num_running,
+                             "waiting": self.aex.num_waiting, "free_slots": ex.free_slots,
+                             "max_batch_size": ex.max_batch_size})  # fmt: skip
+
+    async def models(self, request: Request) -> Response:
+        m = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "graphexec",
+             "max_model_len": self.model.max_seq_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [m]})
+
+    async def prometheus(self, request: Request) -> Response:
+        text = self.metrics.render(self.executor, self.aex.num_waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    # ---- generation ------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        t0 = time.monotonic()
+        try:
+            body = await self._body(request)
+            parsed = parse_request(body, self._prompts(body, chat), chat=chat,
+                                   max_seq_len=self.model.max_seq_len)  # fmt: skip
+        except APIError as e:
+            return _error(e)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage)
+        n = parsed.params.n
+        choices = [Choice(i) for i in range(n * len(parsed.prompts))]
+        index = {}
+        gens = []
+        for k, prompt in enumerate(parsed.prompts):
+            sub = f"{rid}-{k}"
+            ids = [sub] if n == 1 else [f"{sub}/{i}" for i in range(n)]
+            index.update({s: k * n + i for i, s in enumerate(ids)})
+            gens.append(self.aex.generate(sub, prompt, parsed.params))
+        outs = Outputs(gens)
+        try:
+            first = await _or_disconnect(request, outs.__anext__())
+        except _Disconnected:
+            outs.close()
+            self.metrics.aborted += 1
+            return Response(status_code=499)
+        except APIError as e:
+            outs.close()
+            return _error(e)
+        except (ValueError, ExecutorFullError) as e:
+            outs.close()
+            return _error(self._admission_error(e, parsed, chat))
+        self.metrics.requests += 1
+        self.metrics.ttft.observe(time.monotonic() - t0)
+        run = _Run(self, shape, choices, index, outs, sum(len(p) for p in parsed.prompts))
+        if parsed.stream:
+            return StreamingResponse(run.events(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            return JSONResponse(await _or_disconnect(request, run.collect(first)))
+        except _Disconnected:
+            self.metrics.aborted += 1
+            return Response(status_code=499)
+        finally:
+            outs.close()
+
+    def _admission_error(self, e: Exception, parsed: Parsed, chat: bool) -> APIError:
+        if isinstance(e, QueueFullError) or (
+            isinstance(e, ExecutorFullError) and parsed.params.n <= self.executor.max_batch_size
+        ):
+            self.metrics.rejected += 1
+            return APIError(503, f"the server is busy: {e}", None, "server_busy",
+                            "queue_full", {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        if isinstance(e, ExecutorFullError):
+            return APIError(400, str(e), "n")
+        prompt_field = "messages" if chat else "prompt"
+        return APIError(400, str(e), param_of(str(e), parsed.fields, prompt_field))
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        name = body.get("model")
+        if name is not None and name != self.model.name and name not in self.model.aliases:
+            raise model_not_found(name)
+        return body
+
+    def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
+        tok, m = self.model.tokenizer, self.model
+        if chat:  # the template writes BOS itself, as transformers' apply_chat_template
+            return [tok.encode(m.chat.render(body.get("messages")), allowed_special="all")]
+        p = body.get("prompt")
+        items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append([*m.prompt_prefix, *tok.encode(item)])
+            elif isinstance(item, list) and item and all(type(t) is int for t in item):
+                prompts.append(item)
+            else:
+                raise APIError(400, "prompt must be a str, a list of token ids, or a list of "
+                               "those", "prompt")  # fmt: skip
+        return prompts
+
+
+@dataclass
+class _Run:
+    """One accepted request on its way out: outputs -> choices -> a response or events."""
+
+    server: Server
+    shape: Shape
+    choices: list[Choice]
+    index: dict[str, int]
+    outs: Outputs
+    prompt_tokens: int
+
+    def _take(self, o) -> tuple[Choice, str, dict | None]:
+        c = self.choices[self.index[o.request_id]]
+        had = len(c.logprobs)
+        now = time.monotonic()
+        if o.token_id is not None:
+            self.server.metrics.token()
+            if c.last is not None:
+                self.server.metrics.itl.observe(now - c.last)
+            c.last = now
+        piece = c.add(o, self.server.token_text)
+        return c, piece, (c.logprobs[-1] if len(c.logprobs) > had else None)
+
+    async def collect(self, first) -> dict[str, Any]:
+        self._take(first)
+        async for o in self.outs:
+            self._take(o)
+        return self.shape.full(self.choices, self.prompt_tokens)
+
+    async def events(self, first):
+        """The SSE stream: chat's role chunks, one chunk per token, one per end, [DONE]."""
+        try:
+            if self.shape.chat:
+                for c in self.choices:
+                    yield self.shape.chunk(c, None, role=True)
+            o = first
+            while o is not None:
+                c, piece, lp = self._take(o)
+                if o.token_id is not None or piece:
+                    yield self.shape.chunk(c, piece, lp)
+                if o.finished:
+                    yield self.shape.chunk(c, None, finish=o.finish_reason)
+                o = await anext(self.outs, None)
+            if self.shape.include_usage:
+                yield self.shape.usage_chunk(self.choices, self.prompt_tokens)
+            yield DONE
+        finally:  # the end, or the client left (cancelled): abort what still runs
+            if any(c.finish_reason is None for c in self.choices):
+                self.server.metrics.aborted += 1
+            self.outs.close()
+
+
+def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
+              model_name: str | None = None) -> Starlette:  # fmt: skip
+    """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
+    nobody else). `model` None serves the executor's tokenizer under `model_name` (no BOS
+    prefix, the plain chat template). Requests beyond the free slots wait in arrival
+    order, at most `max_queue` of them (default 4x max_batch_size); past that, 503 with
+    Retry-After."""
+    if model is None:
+        model = ServedModel(model_name or "graphexec", executor.tokenizer,
+                            executor.model.max_seq_len)  # fmt: skip
+    queue = 4 * executor.max_batch_size if max_queue is None else max_queue
+    server = Server(executor, model, queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.aex.close()
+
+    routes = [
+        Route("/health", server.health),
+        Route("/metrics", server.prometheus),
+        Route("/v1/models", server.models),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app

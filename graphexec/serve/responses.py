@@ -1,0 +1,147 @@
+"""OpenAI's response shapes, built from `RequestOutput`s: the per-choice state of one
+request (`Choice`), full responses, SSE chunks and logprobs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphexec.request import RequestOutput
+
+
+@dataclass
+class Choice:
+    """One stream of a request (one prompt x one of its n streams)."""
+
+    index: int
+    seed: int | None = None
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat entries, per token
+    last: float | None = None  # monotonic time of its last token
+
+    def add(self, o: RequestOutput, token_text) -> str:
+        """Take one output; the text it adds (an end without a token adds none)."""
+        self.seed = o.seed
+        piece = o.text or ""
+        if o.token_id is not None:
+            self.tokens += 1
+            if o.logprob is not None:
+                self.logprobs.append(_entry(token_text(o.token_id), o.logprob,
+                                            o.top_logprobs or [], token_text))  # fmt: skip
+        self.text.append(piece)
+        if o.finished:
+            self.finish_reason = o.finish_reason
+        return piece
+
+
+def _entry(tok: str, logprob: float, top: list[tuple[int, float]], token_text) -> dict:
+    return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": (t := token_text(i)), "logprob": lp,
+                              "bytes": list(t.encode("utf-8"))} for i, lp in top]}  # fmt: skip
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"content": entries}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], texts: list[str]) -> dict[str, Any]:
+    """Completions' legacy shape: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+    offsets, at = [], 0
+    for t in texts[: len(entries)]:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets + [at] * (len(entries) - len(offsets)),
+    }
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
+    done = sum(c.tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+            "total_tokens": prompt_tokens + done}  # fmt: skip
+
+
+@dataclass
+class Shape:
+    """How one request is answered: chat or completions, its id, model and options."""
+
+    chat: bool
+    id: str
+    model: str
+    logprobs: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    # a token event of choice (index, seed), split around its text (`chunk`)
+    _texts: dict[tuple[int, int | None], list[str]] = field(default_factory=dict)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        """The non-streaming response."""
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            d: dict[str, Any] = {"index": c.index}
+            if self.chat:
+                d["message"] = {"role": "assistant", "content": text}
+                d["logprobs"] = chat_logprobs(c.logprobs) if self.logprobs else None
+            else:
+                d["text"] = text
+                d["logprobs"] = completion_logprobs(c.logprobs, c.text) if self.logprobs else None
+            d.update(finish_reason=c.finish_reason, seed=c.seed)
+            out.append(d)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": out, "usage": usage(prompt_tokens, choices)}
+
+    def chunk(self, c: Choice, piece: str | None, logprob: dict | None = None,
+              finish: str | None = None, role: bool = False) -> str:  # fmt: skip
+        """One SSE event for choice c: a token's text, its end (finish), or the chat role."""
+        if logprob is None and finish is None and not role:  # a token: the hot path
+            cut = self._texts.get((c.index, c.seed))
+            if cut is None:  # the event with a marker for the text, split once per choice
+                event = self._chunk(c, _MARK, None, None, False)
+                cut = self._texts[(c.index, c.seed)] = event.split(_MARK_JSON)
+            return cut[0] + json.dumps(piece or "", ensure_ascii=False) + cut[1]
+        return self._chunk(c, piece, logprob, finish, role)
+
+    def _chunk(self, c: Choice, piece: str | None, logprob: dict | None, finish: str | None,
+               role: bool) -> str:  # fmt: skip
+        d: dict[str, Any] = {"index": c.index}
+        if self.chat:
+            delta: dict[str, Any] = {} if finish else {"content": piece or ""}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            d["delta"] = delta
+            d["logprobs"] = chat_logprobs([logprob]) if logprob else None
+        else:
+            d["text"] = piece or ""
+            d["logprobs"] = completion_logprobs([logprob], [piece or ""]) if logprob else None
+        d.update(finish_reason=finish, seed=c.seed)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {**self._head(obj), "choices": [d]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def usage_chunk(self, choices: list[Choice], prompt_tokens: int) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse({**self._head(obj), "choices": [], "usage": usage(prompt_tokens, choices)})
+
+
+_MARK = "\x00text\x00"  # never a token's text: the executor's text has no NUL
+_MARK_JSON = json.dumps(_MARK)
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

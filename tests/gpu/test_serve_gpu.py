@@ -1,0 +1,85 @@
+"""The server on CUDA: streams through the OpenAI client, every step replayed from a
+captured graph, equal token for token to the same requests run on the executor directly
+(all at once: another batch composition than the server's arrivals)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+import graphexec as gx
+
+pytestmark = pytest.mark.gpu
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+REQUESTS = [  # (prompt, completions fields, the same as SamplingParams fields)
+    (f"Request {i} says", dict(seed=i, max_tokens=8 + i % 9, temperature=t, top_p=tp),
+     dict(top_k=k, min_p=mp))
+    for i, (t, tp, k, mp) in enumerate(
+        [(0.0, 1.0, 0, 0.0), (0.8, 0.9, 50, 0.0), (1.0, 1.0, 0, 0.05), (0.7, 0.95, 20, 0.0)] * 6
+    )
+]  # fmt: skip
+
+
+def test_server_streams_equal_the_executor_directly() -> None:
+    tok = gx.Tokenizer.cl100k()
+    model = gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=256)
+    ex = gx.DecodeExecutor(model, max_batch_size=16, device="cuda", tokenizer=tok, seed=0)
+    ex.capture(progress=False)
+    assert ex.stats.failed == {}
+    from graphexec.serve.app import build_app
+
+    port = _port()
+    server = uvicorn.Server(uvicorn.Config(build_app(ex, model_name="tiny"), host="127.0.0.1",
+                                           port=port, log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+
+    async def one(client, prompt, fields, extra) -> tuple[str, int]:
+        text, tokens = [], 0
+        stream = await client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                                 extra_body=extra, **fields)  # fmt: skip
+        async for chunk in stream:
+            c = chunk.choices[0]
+            text.append(c.text)
+            tokens += c.finish_reason is None
+        return "".join(text), tokens
+
+    async def main() -> list[tuple[str, int]]:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        return await asyncio.gather(*(one(client, *r) for r in REQUESTS))
+
+    try:
+        served = asyncio.run(main())
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    replays = sum(ex.stats.replays.values())
+    assert replays > 0 and sum(ex.stats.eager_steps.values()) == 0
+
+    got: dict[str, list] = {f"r{i}": [] for i in range(len(REQUESTS))}
+    for i, (prompt, fields, extra) in enumerate(REQUESTS):
+        ex.add_request(f"r{i}", tok.encode(prompt), gx.SamplingParams(**fields, **extra))
+    while not ex.idle:
+        for o in ex.step():
+            got[o.request_id].append(o)
+    direct = [("".join(o.text or "" for o in outs), sum(o.token_id is not None for o in outs))
+              for outs in got.values()]  # fmt: skip
+    assert served == direct
+    assert all(0 < n <= f["max_tokens"] for (_, n), (_, f, _) in zip(direct, REQUESTS, strict=True))

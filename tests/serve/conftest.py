@@ -1,0 +1,106 @@
+"""The serve tests' checkpoint (a tiny random Llama with a trained byte-level BPE
+tokenizer and a chat template) and a server subprocess on a free port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.test_hf_tokenizer import build
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("openai")
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{{ raise_exception('no tools here') }}{% endif %}"
+    "<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer
+
+    folder = build(tmp_path_factory.mktemp("serve_llama"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=2048, eos_token_id=eos,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+    }))  # fmt: skip
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m graphexec serve` subprocess; `url` is its base URL."""
+
+    def __init__(self, folder: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "graphexec", "serve", "--model", str(folder), "--device",
+               "cpu", "--port", str(self.port), "--threads", "1", "--seed", "0",
+               "--log-level", "warning", *args]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block it
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited: {self.log.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the server did not become healthy in 90 s")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def wait_for(self, pred, timeout: float = 10.0) -> dict:
+        """/health once pred(health) holds (asserts that it does in time)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if pred(h) or time.monotonic() > deadline:
+                assert pred(h), h
+                return h
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -1,0 +1,78 @@
+"""The server at its limits: one slot and one waiting place. Requests wait in arrival
+order, the next one gets 503 + Retry-After, and a client that disconnects (streaming or
+not, running or waiting) aborts its request and frees its place."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import Server
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 1900, "seed": 1, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint, "--max-batch-size", "1", "--max-queue", "1")
+    yield s
+    s.stop()
+
+
+def test_queue_full_is_503_and_disconnects_free_the_slot(server, checkpoint) -> None:
+    url = f"{server.url}/v1/completions"
+
+    async def until(http, pred, timeout=10.0):
+        for _ in range(int(timeout / 0.05)):
+            h = (await http.get(f"{server.url}/health")).json()
+            if pred(h):
+                return h
+            await asyncio.sleep(0.05)
+        raise AssertionError(h)
+
+    async def stream(http, body, started: asyncio.Event | None = None) -> str:
+        async with http.stream("POST", url, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            out = []
+            async for line in r.aiter_lines():
+                out.append(line)
+                if started is not None:
+                    started.set()
+            return "\n".join(out)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        async with httpx.AsyncClient(timeout=30) as http, client:
+            started = asyncio.Event()
+            first = asyncio.create_task(stream(http, LONG, started))  # takes the only slot
+            await started.wait()
+            await until(http, lambda h: h["running"] == 1 and h["free_slots"] == 0)
+            # a waiting client that leaves: its place in the queue is freed
+            waiter = asyncio.create_task(http.post(url, json={**LONG, "max_tokens": 3}))
+            await until(http, lambda h: h["waiting"] == 1)
+            waiter.cancel()
+            await until(http, lambda h: h["waiting"] == 0 and h["running"] == 1)
+            # one waits; the next is refused with 503 and Retry-After
+            second = asyncio.create_task(stream(http, {**LONG, "max_tokens": 3, "seed": 4}))
+            await until(http, lambda h: h["waiting"] == 1)
+            with pytest.raises(openai.APIStatusError) as e:
+                await client.completions.create(model=checkpoint.name, prompt="x", max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+            assert e.value.response.headers["retry-after"] == "1"
+            # the streaming client leaves: its request is aborted, the waiter runs
+            first.cancel()
+            body = await asyncio.wait_for(second, 30)
+            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in body
+            await until(http, lambda h: h["free_slots"] == 1 and h["running"] == 0)
+            # a running non-streaming request whose client leaves frees the slot too
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(url, json=LONG, timeout=1.0)
+            await until(http, lambda h: h["free_slots"] == 1 and h["running"] == 0)
+            return (await http.get(f"{server.url}/metrics")).text
+
+    m = asyncio.run(main())
+    assert "graphexec_requests_rejected_total 1\n" in m
+    assert "graphexec_requests_aborted_total 3\n" in m, m
