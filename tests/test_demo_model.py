@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphexec import cli
-from graphexec.demo_model import choose_model
+from graphexec.demo_model import chat_template, choose_model, render_chat
 from tests.test_hf_tokenizer import build
 
 transformers = pytest.importorskip("transformers")
@@ -44,7 +44,7 @@ def test_demo_runs_the_workload_on_a_checkpoint(checkpoint, capsys, restore_thre
     assert "llama checkpoint" in out and "vocabulary 392" in out, out
     assert "determinism check (replay vs eager, tokens and logprobs bit for bit): PASS" in out
     # speculation: the n-gram run only, its streams equal to the ones without
-    assert re.search(r"n-gram .* streams equal: PASS", out), out
+    assert re.search(r"n-gram .* tokens equal the non-speculative run's: PASS", out), out
     assert "draft-model run skipped" in out and "draft model (1-layer" not in out
     parsed = re.findall(r"json schema .* parsed JSON: (.*)", out)
     dates = re.findall(r"regex date .* regex matches: '(.*)'", out)
@@ -104,3 +104,46 @@ def test_bad_model_folders_exit_2_naming_the_problem(
     assert "tokenizer.json" in demo(no_tok)
     (no_tok / "tokenizer.json").write_bytes((checkpoint / "tokenizer.json").read_bytes())
     assert "safetensors" in demo(no_tok)
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def test_a_chat_template_gives_the_demo_chat_prompts(
+    checkpoint, tmp_path, capsys, restore_threads
+) -> None:
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    for p in checkpoint.iterdir():
+        (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": TEMPLATE, "bos_token": {"content": "<|endoftext|>"},
+        "eos_token": "<|endoftext|>",
+    }))  # fmt: skip
+    dm = choose_model(str(folder), torch.device("cpu"))
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    assert dm.chat_template == TEMPLATE and dm.special_tokens == special
+    msgs = [{"role": "user", "content": "hi"}]
+    text = render_chat(TEMPLATE, msgs, dm.special_tokens)
+    assert text == "<|endoftext|><|im_start|>user\nhi<|endoftext|>\n<|im_start|>assistant\n"
+    ids = dm.encode_chat(msgs)
+    assert ids == tuple(dm.tokenizer.encode(text, allowed_special="all")) and ids[0] == 0
+    # transformers 5 keeps the template in chat_template.jinja
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    assert chat_template(folder) == TEMPLATE
+    assert choose_model(str(checkpoint), torch.device("cpu")).chat_template is None
+
+    rc = cli.main(["demo", "--model", str(folder), "--device", "cpu", "--requests", "3",
+                   "--max-batch-size", "2", "--latency-steps", "1", "--threads", "1",
+                   "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "chat prompts (the model's chat template)" in out
+    assert "r0 asked: 'What is the capital of France?" in out
+    assert "determinism check (replay vs eager, tokens and logprobs bit for bit): PASS" in out
+    assert re.search(r"n-gram .* tokens equal the non-speculative run's: PASS", out), out
