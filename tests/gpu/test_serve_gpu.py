@@ -74,9 +74,11 @@ def test_server_streams_equal_the_executor_directly() -> None:
     assert replays > 0 and sum(ex.stats.eager_steps.values()) == 0
 
     got: dict[str, list] = {f"r{i}": [] for i in range(len(REQUESTS))}
-    for i, (prompt, fields, extra) in enumerate(REQUESTS):
-        ex.add_request(f"r{i}", tok.encode(prompt), gx.SamplingParams(**fields, **extra))
-    while not ex.idle:
+    todo = list(enumerate(REQUESTS))[::-1]  # last first: other rows, other neighbours
+    while todo or not ex.idle:
+        while todo and ex.free_slots:
+            i, (prompt, fields, extra) = todo.pop(0)
+            ex.add_request(f"r{i}", tok.encode(prompt), gx.SamplingParams(**fields, **extra))
         for o in ex.step():
             got[o.request_id].append(o)
     direct = [("".join(o.text or "" for o in outs), sum(o.token_id is not None for o in outs))
