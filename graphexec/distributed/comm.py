@@ -60,3 +60,31 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
 
 def bits_f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int32).view(torch.float32)
+
+
+def sum_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's `x` (any shape, e.g. a row-parallel layer's partial [N, D]),
+    the same bits on every rank and for every row whatever the batch: the tensor-parallel
+    model's one all-reduce.
+
+    Algorithm: all-gather the partials into [T, *x.shape] (a copy: every rank then holds
+    the same T tensors, bit for bit), then add them in rank order, elementwise, in float32
+    ((x_0 + x_1) + x_2 ...), and round once to x's dtype. Element i of the result is a
+    function of the T values at i alone, added in an order fixed by T: it cannot depend
+    on the message size, the number of rows, a row's position or the run. NCCL's own
+    all-reduce can: ring and tree algorithms cut the buffer into chunks by its size, and
+    which rank's partial an element's sum starts from follows the chunk it falls in (and
+    the protocol chosen by size), so a row's bits could change with B.
+
+    Cost: each rank receives (T - 1) * x.numel() elements, against 2 (T - 1) / T for a
+    ring all-reduce: the same at T = 2, more for larger T; decode's messages are small
+    (B x D), where the collective's latency, not its bytes, is the cost. Static shapes,
+    no host sync (NCCL: all_gather_into_tensor): capturable in a CUDA graph."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    parts = all_gather(x, group)
+    acc = parts[0].float()
+    for r in range(1, world):
+        acc = acc + parts[r].float()
+    return acc.to(x.dtype)

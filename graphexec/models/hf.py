@@ -9,7 +9,8 @@ batch-invariant, so a row's logits are the same bits whatever else is in the cal
 `sliding_window`, Qwen2's `use_sliding_window` layers) are masks over absolute
 positions: the cache is not a ring buffer. Weights come from a checkpoint folder
 (config.json + safetensors, as `save_pretrained` writes them) or a transformers model
-object; transformers itself is never imported.
+object; transformers itself is never imported. With `tp_group`, each rank holds its
+Megatron-style shard and returns the logits of its vocabulary slice (`hf_shard`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from graphexec.models.hf_config import (
     rope_inv_freq,
     sliding_windows,
 )
+from graphexec.models.hf_shard import TPShard
 from graphexec.models.prefill_graphs import PrefillGraphs
 from graphexec.models.protocol import PrefillBatch, SlotKVCache, tensors_to
 
@@ -75,6 +77,13 @@ class HFTransformer(SlotKVCache):
         fused: norms, rotary embeddings + cache writes and SwiGLU as the Triton kernels of
             `fused` (True), or as their torch references (False); None = the kernels on
             CUDA only. (True on the CPU needs TRITON_INTERPRET=1: for tests.)
+        tp_group: a torch.distributed group of tensor-parallel ranks (None: one rank).
+            Each rank keeps its shard of the weights (`hf_shard`: attention heads, the
+            intermediate and the vocabulary split, o/down all-reduced in a fixed order)
+            and decode / verify / prefill return logits [.., V_r] of its vocabulary slice
+            `vocab_slice` (`distributed.vocab_slices`), what `DecodeExecutor(...,
+            tp_group=)` samples. `state_dict` may hold whole weights or this rank's parts.
+            Then `heads` and `kv_heads` are this rank's; `vocab_size` is the whole V.
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class HFTransformer(SlotKVCache):
         attention: AttentionConfig | None = None,
         matmul: MatmulConfig | None = None,
         fused: bool | None = None,
+        tp_group: Any = None,
     ) -> None:
         if isinstance(model_or_config, dict):
             cfg = dict(model_or_config)
@@ -116,6 +126,9 @@ class HFTransformer(SlotKVCache):
             raise ValueError(f"num_attention_heads ({H}) must be a multiple of "
                              f"num_key_value_heads ({KV})")  # fmt: skip
         self.head_dim = hd = int(cfg.get("head_dim") or D // H)
+        self.tp = tp = TPShard.create(tp_group, cfg)  # ValueError if the heads do not divide
+        self.heads, self.kv_heads = H // tp.world, KV // tp.world  # this rank's
+        self.vocab_slice = tp.vocab
         self.num_layers = int(cfg["num_hidden_layers"])
         self.vocab_size = int(cfg["vocab_size"])
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
@@ -137,12 +150,9 @@ class HFTransformer(SlotKVCache):
             t = state_dict.get(name)
             if t is None:
                 raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"weight {name!r} has shape {list(t.shape)}; the config "
-                                 f"expects {list(shape)}")  # fmt: skip
-            w[name] = t.detach().to(dev, dtype)
+            w[name] = tp.take(name, t.detach(), shape).to(dev, dtype)
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if tied else w["lm_head.weight"]  # [V, D]
+        self.lm_head = self.embed if tied else w["lm_head.weight"]  # [V_r, D]
         self.norm = w["model.norm.weight"]
         self.layers: list[DecoderLayer] = []
         for i in range(self.num_layers):
@@ -172,7 +182,8 @@ class HFTransformer(SlotKVCache):
     ) -> HFTransformer:
         """From a checkpoint folder: config.json and model.safetensors (or shards listed in
         model.safetensors.index.json). `options`: the constructor's keyword arguments
-        (batch_invariant, attention, matmul, fused)."""
+        (batch_invariant, attention, matmul, fused, tp_group). With tp_group each rank
+        reads only its parts of the weights (`hf_shard.TPShard.load`)."""
         from safetensors import safe_open
         from tqdm.auto import tqdm
 
@@ -194,6 +205,11 @@ class HFTransformer(SlotKVCache):
         for f in files:
             if not (folder / f).is_file():
                 raise FileNotFoundError(f"weight shard {f!r} missing from {str(folder)!r}")
+        if options.get("tp_group") is not None:
+            tp = TPShard.create(options["tp_group"], cfg)
+            state = tp.load(folder, files, param_shapes(cfg))
+            return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                       **options)  # fmt: skip
         with tqdm(desc="loading weights", unit="tensor", disable=None) as bar:
             for f in files:
                 with safe_open(str(folder / f), framework="pt") as sf:
@@ -252,8 +268,8 @@ class HFTransformer(SlotKVCache):
         masks = {w: causal & (key_pos > qpos.clamp(max=C - 1) - w)
                  for w in set(self.windows) - {None}}  # fmt: skip
         masks[None] = causal
-        qrows = batch.padded_tokens.view(-1)
-        delta, res = self.embed.index_select(0, batch.token_ids), None
+        qrows, tp = batch.padded_tokens.view(-1), self.tp
+        delta, res = tp.embed(self.embed, batch.token_ids), None
         # cuDNN's SDPA builds a plan per new shape (~50 ms each on an H200), and chunked
         # prefill keeps making new (Lmax, C): the other backends have no per-shape setup
         with sdpa_kernel(PREFILL_SDPA):
@@ -271,8 +287,8 @@ class HFTransformer(SlotKVCache):
                 a = F.scaled_dot_product_attention(q, keys, vals,
                                                    attn_mask=masks[self.windows[i]])  # fmt: skip
                 a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
-                h, res = ops.norm(ops.linear(a, layer.o), res, layer.ln2, self.eps)
-                delta = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
+                h, res = ops.norm(tp.reduce(ops.linear(a, layer.o)), res, layer.ln2, self.eps)
+                delta = tp.reduce(ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down))
         if rows is None:
             return None
         h, _ = ops.norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
@@ -299,11 +315,12 @@ class HFTransformer(SlotKVCache):
         unless `prefill`: then None, and the last layer stops after its cache write).
         Every layer writes all rows' K/V before any attends, so prompt tokens of one slot
         (a prefill segment) and the tokens of a verify see each other causally."""
-        ops = self.ops
+        ops, tp = self.ops, self.tp
         N, H, hd = input_ids.shape[0], self.heads, self.head_dim
         # a bad position never indexes out of the cache (the executor keeps them in range)
         pos = positions.clamp(0, self.max_seq_len - 1)
-        delta, res = self.embed[input_ids], None  # [N, D]: res = x, delta its next update
+        # [N, D]: res = x, delta its next update; row-parallel partials are summed (tp)
+        delta, res = tp.embed(self.embed, input_ids), None
         for i, layer in enumerate(self.layers):
             h, res = ops.norm(delta, res, layer.ln1, self.eps)
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
@@ -313,9 +330,9 @@ class HFTransformer(SlotKVCache):
                 return None  # the last layer's K/V is all that is kept
             a = ops.attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                            config=self.attention)  # fmt: skip
-            h, res = ops.norm(ops.linear(a.reshape(N, H * hd), layer.o), res, layer.ln2,
-                              self.eps)  # fmt: skip
-            delta = ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down)
+            h, res = ops.norm(tp.reduce(ops.linear(a.reshape(N, H * hd), layer.o)), res,
+                              layer.ln2, self.eps)  # fmt: skip
+            delta = tp.reduce(ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down))
         if rows is not None:
             delta, res = delta.index_select(0, rows), res.index_select(0, rows)
         elif prefill:

@@ -44,3 +44,15 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [v for _, v in out]
+
+
+class WithNccl:
+    """`fn(rank, world, *args, group=g)` on rank's own GPU, `g` a new NCCL group of every
+    rank (run_ranks' default group is gloo); pass it to run_ranks in place of fn."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, rank: int, world: int, *args):
+        torch.cuda.set_device(rank)
+        return self.fn(rank, world, *args, group=dist.new_group(backend="nccl"))

@@ -1,0 +1,141 @@
+"""The tensor-parallel decode step: HFTransformer sharded over T GPUs against one GPU.
+
+For each T in --worlds (1: one GPU, no group), T processes (NCCL, one GPU each) build the
+--model config's seeded random weights (bf16; every rank makes the whole state dict from
+the same seed and keeps its shard) as `HFTransformer(..., tp_group=WORLD)`, and a
+`DecodeExecutor(tp_group=WORLD)` whose buckets are --batches, the greedy `no_filter` key
+captured per bucket. Every rank runs the same requests (B of --prompt-len tokens); rank 0
+times `ex.step()` replayed (`bench_step.measure`: the median wall over --steps).
+speedup(T) = step(T = 1) / step(T) at the same B.
+
+Targets (TARGETS) on llama-3.2-1b at B = 32: 1.6x at T = 2, 2.5x at T = 4.
+
+    python benchmarks/bench_tp_step.py --model llama-3.2-1b --worlds 1 2 4 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TARGETS = {2: 1.6, 4: 2.5}  # speedup over T = 1 at B = 32
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) -> None:
+    import bench_step
+    from step_model import resolve
+
+    import graphexec as gx
+    from graphexec.models.hf_random import random_state_dict
+    from graphexec.params import SamplerVariant as SV
+    from graphexec.request import GraphKey
+
+    torch.cuda.set_device(rank)
+    group = None
+    if world > 1:
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        group = dist.group.WORLD
+    try:
+        _, cfg, _ = resolve(args.model)
+        state = random_state_dict(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
+        model = gx.models.HFTransformer(cfg, state, device="cuda", dtype=torch.bfloat16,
+                                        max_seq_len=args.max_seq_len, tp_group=group)  # fmt: skip
+        del state
+        torch.cuda.empty_cache()
+        ex = gx.DecodeExecutor(model, max_batch_size=max(args.batches), device="cuda", seed=0,
+                               buckets=sorted(args.batches), tp_group=group,
+                               tp_method=args.tp_method)  # fmt: skip
+        ex.capture([GraphKey(SV("no_filter"), b, False) for b in sorted(args.batches)],
+                   progress=False)  # fmt: skip
+        rows = []
+        for B in args.batches:
+            prompts = [[(7 * i + j) % 1000 + 1 for j in range(args.prompt_len)] for i in range(B)]
+            r = bench_step.measure(ex, B, lambda i: gx.SamplingParams(temperature=0.0, seed=i,
+                                                                      ignore_eos=True),
+                                   args.steps, None, prompts)  # fmt: skip
+            rows.append(
+                dict(
+                    world=world,
+                    batch=B,
+                    **r,
+                    failed={str(k): v for k, v in ex.stats.failed.items()},
+                )
+            )
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--tp-method", default="auto")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    worlds = [w for w in args.worlds if w <= torch.cuda.device_count()]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for w in worlds:
+            out, init = os.path.join(d, f"w{w}.json"), f"file://{os.path.join(d, f'init{w}')}"
+            mp.spawn(_rank, args=(w, args, init, out), nprocs=w, join=True)
+            rows += json.loads(Path(out).read_text())
+            print(f"T={w}: " + ", ".join(f"B={r['batch']} {r['wall_us']:.0f} us"
+                                         for r in rows if r["world"] == w), flush=True)  # fmt: skip
+    one = {r["batch"]: r["wall_us"] for r in rows if r["world"] == 1}
+    for r in rows:
+        r["speedup"] = one[r["batch"]] / r["wall_us"] if r["batch"] in one else None
+    import triton
+
+    import graphexec as gx
+
+    dev = torch.cuda.get_device_name()
+    result = dict(
+        device=dev,
+        devices=torch.cuda.device_count(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        graphexec=gx.__version__,
+        model=args.model,
+        dtype="bfloat16",
+        prompt_len=args.prompt_len,
+        steps=args.steps,
+        tp_method=args.tp_method,
+        rows=rows,
+        targets={f"speedup_t{t}_b32": f">= {v}" for t, v in TARGETS.items()},
+    )
+    if os.environ.get("GRAPHEXEC_COMMIT"):
+        result["commit"] = os.environ["GRAPHEXEC_COMMIT"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = (
+        Path(args.out)
+        / f"tp-step-{args.model}-{dev.lower().replace(' ', '-')}-{result['date']}.json"
+    )
+    path.write_text(json.dumps(result, indent=1))
+    print("| T | B | replay us | host us | speedup over T = 1 |\n|---:|---:|---:|---:|---:|")
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
+        print(f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | {sp} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()
