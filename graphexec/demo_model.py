@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import graphexec as gx
+from graphexec.chat import ChatTemplate, read_tokenizer_config
 
 # --model names that are not folders (each resolves to a converted checkpoint folder)
 ALIASES = ("smollm2",)
@@ -159,54 +160,21 @@ def _checkpoint(
     )
 
 
-def _tokenizer_config(folder: Path) -> dict:
-    try:
-        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # absent or unreadable: a template is optional
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def chat_template(folder: Path) -> str | None:
-    """The folder's chat template: tokenizer_config.json's "chat_template" (a string, or
-    the one named "default" in a list), else chat_template.jinja; None without one."""
-    t = _tokenizer_config(folder).get("chat_template")
-    if isinstance(t, list):  # [{"name": ..., "template": ...}, ...]
-        t = next((x.get("template") for x in t if x.get("name") == "default"), None)
-    if isinstance(t, str):
-        return t
-    jinja = folder / "chat_template.jinja"
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+    """The folder's chat template, or None (`graphexec.chat.read_tokenizer_config`)."""
+    return read_tokenizer_config(folder)[0]
 
 
 def special_tokens(folder: Path) -> dict[str, str]:
-    """tokenizer_config.json's "bos_token" / "eos_token" strings (a token given as an
-    AddedToken dict counts by its "content")."""
-    cfg, out = _tokenizer_config(folder), {}
-    for name in ("bos_token", "eos_token"):
-        v = cfg.get(name)
-        v = v.get("content") if isinstance(v, dict) else v
-        if isinstance(v, str):
-            out[name] = v
-    return out
+    """The folder's "bos_token" / "eos_token" strings (`read_tokenizer_config`)."""
+    return read_tokenizer_config(folder)[1]
 
 
 def render_chat(template: str, messages: list[dict[str, str]],
                 special: dict[str, str] | None = None) -> str:  # fmt: skip
-    """`messages` rendered by the Jinja chat `template` with the generation prompt, in the
-    sandboxed environment transformers renders templates in (trim_blocks, lstrip_blocks,
-    loop controls, raise_exception)."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            **(special or {}))  # fmt: skip
+    """`messages` rendered by the Jinja chat `template` with the generation prompt
+    (`graphexec.chat.ChatTemplate`)."""
+    return ChatTemplate(template, dict(special or {})).render(messages)
 
 
 def bos_prefix(folder: Path) -> tuple[int, ...]:

@@ -1,84 +1,27 @@
-"""Chat prompts: the checkpoint's chat template rendered as transformers renders it
-(`apply_chat_template(messages, add_generation_prompt=True)`: jinja2 in a sandbox, with
-bos_token / eos_token and raise_exception), or a plain template when it has none."""
+"""The server's chat prompts: OpenAI `messages` checked (`check_messages`) and rendered
+by the checkpoint's template (`graphexec.chat`); a refusal is a 400 naming "messages"."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from datetime import datetime
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
+from graphexec.chat import PLAIN_TEMPLATE, read_tokenizer_config
+from graphexec.chat import ChatTemplate as _Template
 from graphexec.serve.protocol import APIError
 
-# for checkpoints without a template (and TinyLM): role-prefixed lines
-PLAIN_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+__all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "check_messages", "read_tokenizer_config"]
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent=None, separators=None,
-            sort_keys: bool = False) -> str:  # fmt: skip
-    # transformers' filter: jinja2's own escapes HTML, which a prompt must not get
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
-
-
-def _raise(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def read_tokenizer_config(folder: str | Path | None) -> tuple[str | None, dict[str, str]]:
-    """(chat_template, {bos_token, eos_token}) from folder/tokenizer_config.json, when any."""
-    p = Path(folder) / "tokenizer_config.json" if folder else None
-    if p is None or not p.is_file():
-        return None, {}
-    cfg = json.loads(p.read_text(encoding="utf-8"))
-    tpl = cfg.get("chat_template")
-    if isinstance(tpl, list):  # named templates: the default one
-        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-    special = {}
-    for name in ("bos_token", "eos_token"):
-        v = cfg.get(name)
-        v = v.get("content") if isinstance(v, dict) else v
-        if isinstance(v, str):
-            special[name] = v
-    return (tpl if isinstance(tpl, str) else None), special
-
-
-@dataclass
-class ChatTemplate:
-    """Renders messages to the prompt text; `source` None means PLAIN_TEMPLATE."""
-
-    source: str | None = None
-    special_tokens: dict[str, str] = field(default_factory=dict)
-
-    @cached_property
-    def _template(self):
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])  # fmt: skip
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.source or PLAIN_TEMPLATE)
+class ChatTemplate(_Template):
+    """`graphexec.chat.ChatTemplate` for requests: APIError(400, param "messages") when
+    the messages are malformed or the template refuses them."""
 
     def render(self, messages: Any) -> str:
-        """The prompt text for OpenAI `messages`; APIError(400, param "messages") when they
-        are malformed or the template refuses them."""
         from jinja2.exceptions import TemplateError
 
         msgs = check_messages(messages)
-        tokens = {"bos_token": "", "eos_token": "", **self.special_tokens}
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=True, **tokens)
+            return super().render(msgs)
         except TemplateError as e:
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            "messages") from None  # fmt: skip
