@@ -147,6 +147,7 @@ def _checkpoint(
     if tok.vocab_size > model.vocab_size:
         raise ModelChoiceError(f"checkpoint {where}: its tokenizer has {tok.vocab_size} ids, "
                                f"more than the model's vocab_size {model.vocab_size}")  # fmt: skip
+    template, special = read_tokenizer_config(folder)
     return DemoModel(
         name=f"{arch} checkpoint {folder.resolve().name} ({model.num_layers} layers, "
         f"{str(model.dtype).removeprefix('torch.')}, max_seq_len {model.max_seq_len})",
@@ -155,8 +156,8 @@ def _checkpoint(
         draft=None,
         prompt_prefix=prefix,
         random_weights=False,
-        chat_template=chat_template(folder),
-        special_tokens=special_tokens(folder),
+        chat_template=template,
+        special_tokens=special,
     )
 
 

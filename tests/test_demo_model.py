@@ -12,7 +12,7 @@ import torch
 
 from graphexec import cli
 from graphexec.demo_model import chat_template, choose_model, render_chat
-from tests.test_hf_tokenizer import build
+from tests.test_hf_tokenizer import build_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -20,19 +20,7 @@ pytest.importorskip("tokenizers")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer
-
-    folder = build(tmp_path_factory.mktemp("llama"))
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=256, eos_token_id=eos,
-        vocab_size=tok.get_vocab_size(with_added_tokens=True),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)  # overwrites config.json
-    return folder
+    return build_llama(tmp_path_factory.mktemp("llama"))
 
 
 def test_demo_runs_the_workload_on_a_checkpoint(checkpoint, capsys, restore_threads) -> None:

@@ -41,6 +41,26 @@ def build(folder: Path, *, config: dict | None = None) -> Path:
     return folder
 
 
+def build_llama(folder: Path, max_positions: int = 256) -> Path:
+    """`build`'s tokenizer beside a tiny random Llama (2 layers, hidden 64, seed 0) saved by
+    transformers, its EOS the tokenizer's <|endoftext|>: a checkpoint folder for tests."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    build(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=max_positions,
+        eos_token_id=tok.token_to_id("<|endoftext|>"),
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)  # overwrites config.json
+    return folder
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("hf"))

@@ -56,16 +56,15 @@ def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
 
 
 def _cpu_attention(q, kv, slot_ids, positions, scale, window=None, *, config=None,
-                         key_rows: int = 1 << 15):  # fmt: skip
+                   key_rows: int = 1 << 15):  # fmt: skip
     """The CPU route: `attention.decode_attention_blocked` (live key blocks only) over
     chunks of rows, so that a chunk gathers at most about `key_rows` cached keys per KV
     head (a prefill of thousands of tokens would otherwise gather them all at once). A
     row's result does not depend on its chunk, nor on how far the others reach."""
-    N, block = q.shape[0], attention.CPU_BLOCK
-    if N == 0:
-        return attention.decode_attention_blocked(q, kv, slot_ids, positions, scale, window)
-    reach = min(int(positions.max()) + 1, kv.shape[2])  # a host read: the CPU only
-    rows = max(1, key_rows // (-(-reach // block) * block))
+    N, block, rows = q.shape[0], attention.CPU_BLOCK, q.shape[0]
+    if N:
+        reach = min(int(positions.max()) + 1, kv.shape[2])  # a host read: the CPU only
+        rows = max(1, key_rows // (-(-reach // block) * block))
     if N <= rows:
         return attention.decode_attention_blocked(q, kv, slot_ids, positions, scale, window)
     return torch.cat([

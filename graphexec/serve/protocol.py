@@ -155,7 +155,6 @@ def _grammar(body: dict[str, Any]) -> tuple[Grammar | None, str | None]:
 
 
 _LEAD = re.compile(r"^(?:params\.)?([a-z_]+)")
-_EXECUTOR_NAMES = {"prompt_token_ids": "prompt", "bad_words": "bad_words"}
 
 
 def param_of(message: str, fields: dict[str, str], prompt_field: str = "prompt") -> str | None:
@@ -167,7 +166,7 @@ def param_of(message: str, fields: dict[str, str], prompt_field: str = "prompt")
     name = m.group(1)
     if name == "prompt_token_ids":
         return prompt_field
-    return fields.get(name, _EXECUTOR_NAMES.get(name))
+    return fields.get(name)
 
 
 def model_not_found(name: Any) -> APIError:

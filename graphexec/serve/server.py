@@ -51,19 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def served_model(dm, path: str | None, name: str | None, max_seq_len: int):
-    """The `ServedModel` of a `DemoModel` (its chat template and special tokens read from
-    the DemoModel's fields when it has them, else from the folder's tokenizer_config)."""
+    """The `ServedModel` of a `DemoModel` (its chat template and special tokens, read from
+    the checkpoint's tokenizer_config by `choose_model`)."""
     from graphexec.serve.app import ServedModel
-    from graphexec.serve.chat import ChatTemplate, read_tokenizer_config
+    from graphexec.serve.chat import ChatTemplate
 
     folder = path if path and Path(path).is_dir() else None
-    tpl, special = read_tokenizer_config(folder)
-    tpl = getattr(dm, "chat_template", None) or tpl
-    special = getattr(dm, "special_tokens", None) or special
     default = Path(path).resolve().name if folder else (path or "tinylm")
     aliases = tuple(a for a in (path, dm.name) if a)
     return ServedModel(name or default, dm.tokenizer, max_seq_len, tuple(dm.prompt_prefix),
-                       ChatTemplate(tpl, dict(special)), aliases)  # fmt: skip
+                       ChatTemplate(dm.chat_template, dict(dm.special_tokens)),
+                       aliases)  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from tests.test_hf_tokenizer import build
+from tests.test_hf_tokenizer import build_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("openai")
@@ -32,18 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer
-
-    folder = build(tmp_path_factory.mktemp("serve_llama"))
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=2048, eos_token_id=eos,
-        vocab_size=tok.get_vocab_size(with_added_tokens=True),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    folder = build_llama(tmp_path_factory.mktemp("serve_llama"), max_positions=2048)
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "bos_token": "<|endoftext|>",
         "eos_token": "<|endoftext|>",
