@@ -168,7 +168,7 @@ def run_local(batches, vocabs, worlds=(2, 4, 8)) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--batches", type=int, nargs="+", default=[32, 128, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128, 256])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[128256, 151936])
     ap.add_argument("--local", action="store_true", help="one GPU: each method's local part")
     ap.add_argument("--out", default="benchmarks/results")

@@ -5,8 +5,9 @@ For each T in --worlds (1: one GPU, no group), T processes (NCCL, one GPU each) 
 the same seed and keeps its shard) as `HFTransformer(..., tp_group=WORLD)`, and a
 `DecodeExecutor(tp_group=WORLD)` whose buckets are --batches, the greedy `no_filter` key
 captured per bucket. Every rank runs the same requests (B of --prompt-len tokens); rank 0
-times `ex.step()` replayed (`bench_step.measure`: the median wall over --steps).
-speedup(T) = step(T = 1) / step(T) at the same B.
+times `ex.step()` replayed (`bench_step.measure`: the median wall over --steps), and
+the step's collectives alone (`reduce_time`: the 2 L + 1 model reduces of B rows in one
+CUDA graph). speedup(T) = step(T = 1) / step(T) at the same B.
 
 Targets (TARGETS) on llama-3.2-1b at B = 32: 1.6x at T = 2, 2.5x at T = 4.
 
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,19 +43,25 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
     from graphexec.params import SamplerVariant as SV
     from graphexec.request import GraphKey
 
-    torch.cuda.set_device(rank)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
     group = None
     if world > 1:
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
+                                world_size=world)  # fmt: skip
         group = dist.group.WORLD
     try:
         _, cfg, _ = resolve(args.model)
-        state = random_state_dict(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-        model = gx.models.HFTransformer(cfg, state, device="cuda", dtype=torch.bfloat16,
+        state = random_state_dict(cfg, seed=0, device=dev, dtype=dtype)
+        model = gx.models.HFTransformer(cfg, state, device=dev, dtype=dtype,
                                         max_seq_len=args.max_seq_len, tp_group=group)  # fmt: skip
         del state
-        torch.cuda.empty_cache()
-        ex = gx.DecodeExecutor(model, max_batch_size=max(args.batches), device="cuda", seed=0,
+        if cuda:
+            torch.cuda.empty_cache()
+        ex = gx.DecodeExecutor(model, max_batch_size=max(args.batches), device=dev, seed=0,
                                buckets=sorted(args.batches), tp_group=group,
                                tp_method=args.tp_method)  # fmt: skip
         ex.capture([GraphKey(SV("no_filter"), b, False) for b in sorted(args.batches)],
@@ -69,6 +77,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
                     world=world,
                     batch=B,
                     **r,
+                    reduce_us=reduce_time(model, cfg, B, dev) if world > 1 else 0.0,
                     failed={str(k): v for k, v in ex.stats.failed.items()},
                 )
             )
@@ -77,6 +86,40 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
     finally:
         if world > 1:
             dist.destroy_process_group()
+
+
+def reduce_time(model, cfg: dict, B: int, dev: torch.device, reps: int = 20) -> float:
+    """Median us of one step's collectives alone: a CUDA graph of the 2 L + 1 reduces of a
+    decode over B rows ([B, D] in the model's dtype: o and down per layer, the embedding);
+    on the CPU, wall time of the same calls."""
+    n = 2 * int(cfg["num_hidden_layers"]) + 1
+    x = torch.randn(B, int(cfg["hidden_size"]), device=dev).to(model.dtype)
+
+    def run() -> None:
+        for _ in range(n):
+            model.tp.reduce(x)
+
+    run()
+    if dev.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return sorted(times)[reps // 2]
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def main(argv=None) -> dict:
@@ -88,9 +131,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tp-method", default="auto")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: gloo and float32, a smoke test (its times are not performance)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
-    worlds = [w for w in args.worlds if w <= torch.cuda.device_count()]
+    worlds = args.worlds
+    if args.device == "cuda":
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for w in worlds:
@@ -106,16 +153,17 @@ def main(argv=None) -> dict:
 
     import graphexec as gx
 
-    dev = torch.cuda.get_device_name()
+    cuda = args.device == "cuda"
+    dev = torch.cuda.get_device_name() if cuda else "cpu"
     result = dict(
         device=dev,
-        devices=torch.cuda.device_count(),
+        devices=torch.cuda.device_count() if cuda else 0,
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
         triton=triton.__version__,
         graphexec=gx.__version__,
         model=args.model,
-        dtype="bfloat16",
+        dtype="bfloat16" if cuda else "float32",
         prompt_len=args.prompt_len,
         steps=args.steps,
         tp_method=args.tp_method,
@@ -127,13 +175,15 @@ def main(argv=None) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = (
         Path(args.out)
-        / f"tp-step-{args.model}-{dev.lower().replace(' ', '-')}-{result['date']}.json"
+        / f"tp-step-{Path(args.model).stem}-{dev.lower().replace(' ', '-')}-{result['date']}.json"
     )
     path.write_text(json.dumps(result, indent=1))
-    print("| T | B | replay us | host us | speedup over T = 1 |\n|---:|---:|---:|---:|---:|")
+    print("| T | B | step us | host us | collectives us | speedup over T = 1 |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
-        print(f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | {sp} |")
+        print(f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | "
+              f"{r['reduce_us']:.0f} | {sp} |")
     return result
 
 

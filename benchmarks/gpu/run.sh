@@ -5,8 +5,19 @@
 # Output stays short; logs and results go to $OUT.
 #
 #   bash benchmarks/gpu/run.sh test
-#       python -m pytest -m gpu, the test ids shared among JOBS (default 6) processes so
-#       the kernels' compiles run side by side; log: $OUT/pytest-gpu.log
+#       python -m pytest -m "gpu and not multigpu", the test ids shared among JOBS (default
+#       6) processes so the kernels' compiles run side by side, the processes spread over
+#       the visible GPUs; log: $OUT/pytest-gpu.log
+#   bash benchmarks/gpu/run.sh multigpu
+#       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
+#       (MULTIGPU_FILES, default every tests/gpu file with such tests), each under `timeout`
+#       (MULTIGPU_TIMEOUT s, default 300); log: $OUT/pytest-multigpu.log
+#   bash benchmarks/gpu/run.sh tpsample
+#       benchmarks/bench_distributed.py --worlds T (T = the visible GPUs), under `timeout`
+#       (TP_TIMEOUT s, default 240); log: $OUT/bench-tp.log
+#   bash benchmarks/gpu/run.sh tpstep
+#       benchmarks/bench_tp_step.py --model TP_MODEL (default llama-3.2-1b) --worlds 1 T,
+#       under `timeout` (TP_TIMEOUT s, default 240); log: $OUT/bench-tp.log
 #   bash benchmarks/gpu/run.sh bench [BUDGET_S] [bench_sampler args...]
 #       benchmarks/bench_sampler.py --out $OUT --time-budget BUDGET_S (default 420), then
 #       its tables and targets (plot_sampler.py); log: $OUT/bench-sampler.log
@@ -23,7 +34,7 @@
 #       benchmarks/bench_serve.py --out $OUT (the server's load test); log: $OUT/bench-serve.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test bench verify step matmul check serve)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -31,6 +42,7 @@ mkdir -p "$OUT"
 bash .gpu-bundle/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
     FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1 || { echo "bundle install failed"; exit 1; }
 [ -f .gpu-bundle/commit ] && export GRAPHEXEC_COMMIT=$(cat .gpu-bundle/commit)
+ngpu=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 
 run_tests() {
     local log="$OUT/pytest-gpu.log" jobs=${JOBS:-6} rc=0 i dir=/tmp/pytest-gpu
@@ -38,12 +50,15 @@ run_tests() {
     python -c "import datetime, torch, triton; print(torch.cuda.get_device_name(), \
 'torch', torch.__version__, 'triton', triton.__version__, datetime.date.today())" >"$log" 2>&1
     [ -n "${GRAPHEXEC_COMMIT:-}" ] && echo "commit $GRAPHEXEC_COMMIT" >>"$log"
-    python -m pytest -m gpu --collect-only -q 2>/dev/null | grep '::' >"$dir/ids"
-    echo "python -m pytest -m gpu: $(wc -l <"$dir/ids") tests in $jobs processes" | tee -a "$log"
+    python -m pytest -m "gpu and not multigpu" --collect-only -q 2>/dev/null | grep '::' \
+        >"$dir/ids"
+    echo "python -m pytest -m 'gpu and not multigpu': $(wc -l <"$dir/ids") tests in $jobs" \
+        "processes on $ngpu GPUs" | tee -a "$log"
     for ((i = 0; i < jobs; i++)); do
         awk -v n="$jobs" -v i="$i" '(NR - 1) % n == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
-        (xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
+        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) xargs -a "$dir/ids.$i" -d '\n' python -m pytest \
+            -q -p no:cacheprovider -rA --durations=5 -m "gpu and not multigpu" \
             >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
@@ -56,6 +71,45 @@ run_tests() {
     done
     echo "pytest -m gpu exit code: $rc" | tee -a "$log"
     return "$rc"
+}
+
+run_multigpu() {
+    local log="$OUT/pytest-multigpu.log" rc=0 f
+    python -c "import datetime, torch; print(torch.cuda.device_count(), 'x', \
+torch.cuda.get_device_name(), 'torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), \
+datetime.date.today())" 2>&1 | tee "$log"
+    nvidia-smi topo -m >>"$log" 2>&1
+    for f in ${MULTIGPU_FILES:-$(grep -l "multigpu" tests/gpu/test_*.py)}; do
+        timeout -k 10 "${MULTIGPU_TIMEOUT:-300}" python -m pytest -m "gpu and multigpu" -q \
+            -p no:cacheprovider -rA --durations=10 "$f" >>"$log" 2>&1
+        local code=$?
+        echo "$f: exit code $code$([ $code = 124 ] && echo ' (timed out)')" | tee -a "$log"
+        [ $code = 0 ] || rc=1
+        tail -n 4 "$log" | grep -E "passed|failed|skipped" | cut -c1-200
+    done
+    grep -E "^(FAILED|ERROR) " "$log" | cut -c1-300
+    echo "pytest -m 'gpu and multigpu' exit code: $rc" | tee -a "$log"
+    return "$rc"
+}
+
+tpsample() {
+    local log="$OUT/bench-tp.log" code
+    timeout -k 10 "${TP_TIMEOUT:-240}" python benchmarks/bench_distributed.py \
+        --worlds "$ngpu" --out "$OUT" >>"$log" 2>&1
+    code=$?
+    echo "bench_distributed exit code: $code"
+    grep -A 12 "^| T | B | V" "$log"
+    [ "$code" = 0 ]
+}
+
+tpstep() {
+    local log="$OUT/bench-tp.log" code
+    timeout -k 10 "${TP_TIMEOUT:-240}" python benchmarks/bench_tp_step.py \
+        --model "${TP_MODEL:-llama-3.2-1b}" --worlds 1 "$ngpu" --out "$OUT" >>"$log" 2>&1
+    code=$?
+    echo "bench_tp_step exit code: $code"
+    grep -A 12 "^| T | B | step" "$log"
+    [ "$code" = 0 ]
 }
 
 bench() {
@@ -110,6 +164,9 @@ rc=0
 for phase in ${phases//,/ }; do
     case "$phase" in
     test) run_tests || rc=1 ;;
+    multigpu) run_multigpu || rc=1 ;;
+    tpsample) tpsample || rc=1 ;;
+    tpstep) tpstep || rc=1 ;;
     bench) bench "$@" || rc=1 ;;
     verify) verify "$@" || rc=1 ;;
     step) step "$@" || rc=1 ;;

@@ -11,14 +11,21 @@ rank the `SamplerOutput` that `graphexec.sample_logits` gives for the full rows:
 Both hold because the noise is keyed on (seed, position, global token id), never on the
 rank or the row: `all_to_all` samples each row exactly as one GPU would; `vocab_parallel`
 follows the reference sampler's definition on slices (block masses and selections
-combine exactly across ranks as they do across blocks). `auto` picks per batch from an
-estimate of bytes and collectives (`choose_method`). Both are static-shaped with no host
-sync, so a CUDA graph can capture them over an NCCL group.
+combine exactly across ranks as they do across blocks). Both are static-shaped with no
+host sync, so a CUDA graph can capture them over an NCCL group.
 
 Route map (which method serves what):
     all_to_all       every variant and backend (Triton on CUDA), logprobs, B < T
-                     (padded to a multiple of T)
-    vocab_parallel   every variant, torch ops (the reference's arithmetic, exactly)
+                     (padded to a multiple of T); what "auto" runs
+    vocab_parallel   every variant, torch ops (the reference's arithmetic, exactly); only
+                     when asked for by name
+
+Why "auto" is all_to_all: vocab_parallel sends the fewest bytes (12-36 KB a row against
+(T - 1) / T of a bf16 row) but is a chain of ~200 small torch ops and ~20 collectives
+whose latencies add up: measured over NCCL it is 20-100x slower than all_to_all at
+every batch and vocabulary tried (benchmarks/results/distributed-*.json). It stays as
+the executable definition of sampling on slices, which the tests check both methods
+against.
 """
 
 from __future__ import annotations
@@ -72,30 +79,6 @@ class TensorParallel:
         return self.slices[self.rank]
 
 
-@dataclass(frozen=True)
-class MethodCosts:
-    """The estimate `auto` uses: time = bytes / bandwidth + collectives * latency."""
-
-    bandwidth: float = 100e9  # bytes/s a rank moves in a collective
-    latency: float = 20e-6  # seconds per collective
-    torch_op: float = 4e-6  # seconds per torch op of vocab_parallel (it is many small ops)
-
-
-def choose_method(batch: int, vocab_size: int, world: int, variant: SamplerVariant,
-                  itemsize: int = 2, logprobs: bool = False,
-                  costs: MethodCosts = MethodCosts()) -> str:  # fmt: skip
-    """The method `auto` picks for a batch: the one with the lower estimated time."""
-    nb = -(-vocab_size // 128)
-    filtered = variant is not SamplerVariant.NO_FILTER
-    a2a_bytes = batch * vocab_size * itemsize * (world - 1) / world
-    a2a = a2a_bytes / costs.bandwidth + 2 * costs.latency
-    vp_bytes = batch * (12 * nb + (8 * nb + 4 * 256 * 24 if filtered else 0) + 64)
-    n_coll = 6 + (13 if filtered else 0) + (6 if logprobs else 0)
-    n_ops = 60 + (150 if filtered else 0) + (40 if logprobs else 0)
-    vp = 2 * vp_bytes / costs.bandwidth + n_coll * costs.latency + n_ops * costs.torch_op
-    return "vocab_parallel" if vp < a2a else "all_to_all"
-
-
 def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
                 table: SamplingTensors, out: SamplerOutput, bitmask=None,
                 variant: SamplerVariant = SamplerVariant.DEFAULT, backend: str | None = None,
@@ -105,10 +88,7 @@ def sample_step(shard: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     is this rank's slice of B rows; `table`, `bitmask` [B, ceil(V/32)] and `count_ids`
     keep full-vocabulary ids. Every rank gets the same `out`. flag_inf: mark rows whose
     sampled token's raw logit is +inf (`sampling.flags.flag_inf`)."""
-    if method == "auto":
-        method = choose_method(shard.shape[0], tp.vocab_size, tp.world, variant,
-                               shard.element_size(), out.logprobs is not None)  # fmt: skip
-    if method == "all_to_all":
+    if method in ("auto", "all_to_all"):
         from graphexec.distributed import all_to_all
 
         return all_to_all.sample(shard, slot_ids, positions, table, out, bitmask, variant,
@@ -198,5 +178,5 @@ def sample_logits(logits_shard: torch.Tensor, params: Sequence[SamplingParams],
                        backend, tp=tp, method=method)  # fmt: skip
 
 
-__all__ = ["METHODS", "MethodCosts", "TensorParallel", "choose_method", "for_executor",
-           "sample_logits", "sample_step", "vocab_slices"]  # fmt: skip
+__all__ = ["METHODS", "TensorParallel", "for_executor", "sample_logits", "sample_step",
+           "vocab_slices"]  # fmt: skip

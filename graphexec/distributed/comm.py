@@ -84,7 +84,9 @@ def sum_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     parts = all_gather(x, group)
+    if world == 2:  # torch adds half types in float32 and rounds once: the same bits, 1 kernel
+        return parts[0] + parts[1]
     acc = parts[0].float()
     for r in range(1, world):
-        acc = acc + parts[r].float()
+        acc.add_(parts[r])  # float32 += the exact upcast of parts[r]
     return acc.to(x.dtype)

@@ -179,18 +179,26 @@ def rows_alone_equal_batched(m: HFTransformer) -> bool:
 
 def reduce_is_fixed(rank: int, world: int) -> bool:
     """`sum_in_rank_order`: every rank's partials [N, D] (seeded by rank) summed in rank
-    order in float32, the same bits for a row alone as in the batch."""
+    order in float32 and rounded once (float32 and bf16 partials), the same bits for a row
+    alone as in the batch."""
     import torch.distributed as dist
 
     from graphexec.distributed.comm import sum_in_rank_order
 
-    parts = [torch.randn(5, 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    want = parts[0]
-    for p in parts[1:]:
-        want = want + p
-    got = sum_in_rank_order(parts[rank], dist.group.WORLD)
-    rows = [sum_in_rank_order(parts[rank][i : i + 1], dist.group.WORLD) for i in range(5)]
-    return torch.equal(got, want) and torch.equal(torch.cat(rows), got)
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        g = [torch.Generator().manual_seed(r) for r in range(world)]
+        parts = [(torch.randn(5, 7, generator=g[r]) * 10 ** torch.randint(-3, 4, (5, 7),
+                  generator=g[r])).to(dtype) for r in range(world)]  # fmt: skip
+        want = parts[0].float()
+        for p in parts[1:]:
+            want = want + p.float()
+        want = want.to(dtype)
+        got = sum_in_rank_order(parts[rank], dist.group.WORLD)
+        rows = [sum_in_rank_order(parts[rank][i : i + 1], dist.group.WORLD) for i in range(5)]
+        ok &= got.dtype == dtype and torch.equal(got, want)
+        ok &= torch.equal(torch.cat(rows), got)
+    return ok
 
 
 def check_logits_and_loading(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
