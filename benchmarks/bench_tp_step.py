@@ -83,6 +83,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
             )
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
+        if world > 1 and cuda:
+            dist.barrier()
+            # destroying NCCL communicators that CUDA graphs captured can block forever
+            # (NCCL 2.28, torch 2.11): the rows are written, so leave without it
+            os._exit(0)
     finally:
         if world > 1:
             dist.destroy_process_group()
