@@ -136,8 +136,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tp-method", default="auto")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: gloo and float32, a smoke test (its times are not performance)")
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: gloo and float32, a smoke test (its times are not performance)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     worlds = args.worlds
@@ -155,6 +159,7 @@ def main(argv=None) -> dict:
     for r in rows:
         r["speedup"] = one[r["batch"]] / r["wall_us"] if r["batch"] in one else None
     import triton
+    from step_model import resolve
 
     import graphexec as gx
 
@@ -180,15 +185,19 @@ def main(argv=None) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = (
         Path(args.out)
-        / f"tp-step-{Path(args.model).stem}-{dev.lower().replace(' ', '-')}-{result['date']}.json"
+        / f"tp-step-{resolve(args.model)[0]}-{dev.lower().replace(' ', '-')}-{result['date']}.json"
     )
     path.write_text(json.dumps(result, indent=1))
-    print("| T | B | step us | host us | collectives us | speedup over T = 1 |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| T | B | step us | host us | collectives us | speedup over T = 1 |\n"
+        "|---:|---:|---:|---:|---:|---:|"
+    )
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
-        print(f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | "
-              f"{r['reduce_us']:.0f} | {sp} |")
+        print(
+            f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | "
+            f"{r['reduce_us']:.0f} | {sp} |"
+        )
     return result
 
 
