@@ -98,14 +98,14 @@ class _nccl:
 def _executor_streams(rank: int, world: int, spec: bool, group=None) -> dict:
     torch.cuda.set_device(rank)
     tok = gx.Tokenizer.cl100k()
+    m = gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=128, shard=(rank, world))
+    s = gx.SpeculativeConfig(3, drafter="ngram") if spec else None
+    ex = gx.DecodeExecutor(m, max_batch_size=16, device=f"cuda:{rank}", tokenizer=tok,
+                           seed=0, speculative=s, tp_group=group)  # fmt: skip
+    ex.capture(progress=False)
+    items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8)
     out = {}
-    for mode in (None, "eager"):
-        m = gx.models.TinyLM(tok.vocab_size, seed=0, max_seq_len=128, shard=(rank, world))
-        s = gx.SpeculativeConfig(3, drafter="ngram") if spec else None
-        ex = gx.DecodeExecutor(m, max_batch_size=16, device=f"cuda:{rank}", tokenizer=tok,
-                               seed=0, speculative=s, tp_group=group)  # fmt: skip
-        ex.capture(progress=False)
-        items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8)
+    for mode in (None, "eager"):  # one executor: its slots are freed between the runs
         trace = wl.run(ex, items, mode=mode)
         out[mode] = {r: [o.token_id for o in v] for r, v in sorted(trace.outputs.items())}
     return out
