@@ -112,19 +112,9 @@ def reduce_time(model, cfg: dict, B: int, dev: torch.device, reps: int = 20) -> 
             run()
             times.append((time.perf_counter() - t0) * 1e6)
         return sorted(times)[reps // 2]
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[reps // 2]
+    from bench_distributed import time_graph
+
+    return time_graph(run, reps)
 
 
 def main(argv=None) -> dict:
