@@ -58,7 +58,7 @@ run_tests() {
         awk -v n="$jobs" -v i="$i" '(NR - 1) % n == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
         (CUDA_VISIBLE_DEVICES=$((i % ngpu)) xargs -a "$dir/ids.$i" -d '\n' python -m pytest \
-            -q -p no:cacheprovider -rA --durations=5 -m "gpu and not multigpu" \
+            -q -p no:cacheprovider -rA --durations=5 \
             >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait

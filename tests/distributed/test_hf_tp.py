@@ -21,7 +21,6 @@ What is checked, and to what precision:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -34,6 +33,7 @@ import graphexec.workload as wl
 from graphexec.models import HFTransformer
 from graphexec.models.hf_config import param_shapes
 from graphexec.models.hf_shard import SPLITS, TPShard, check_divisible
+from tests.distributed.arrangements import arrangements, same, streams
 from tests.distributed.ranks import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # measured: |diff| <= 1e-7 on logits <= 0.4
@@ -272,47 +272,17 @@ def executor(m, spec: bool = False, **kw) -> gx.DecodeExecutor:
     return ex
 
 
-def streams(trace: wl.Trace) -> dict[str, list[tuple[int, float | None]]]:
-    return {r: [(o.token_id, o.logprob) for o in v] for r, v in sorted(trace.outputs.items())}
-
-
-def arrangements(make) -> dict[str, dict]:
-    """The streams of `items()` on executors from `make(spec)`: "one batch" and every
-    other arrangement, by name."""
-    ex = make(False)
-    traces = wl.compositions(ex, items(), waves=2)  # one batch, alone, waves, reversed
-    together = sorted(items(), key=lambda it: it.request_id)  # another admission order
-    together = [dataclasses.replace(it, arrive=0) for it in together]
-    traces["eager"] = wl.run(ex, together, mode="eager")
-    traces["second run"] = wl.run(make(False), together)
-    spec = make(True)
-    traces["ngram"] = wl.run(spec, together)
-    traces["ngram, eager"] = wl.run(spec, together, mode="eager")
-    assert sum(ex.stats.replays.values()) > 0  # replayed (emulated capture on the CPU)
-    assert any(k.spec_k for k in wl.outputs_per_key(traces["ngram"]))  # drafts verified
-    return {name: streams(t) for name, t in traces.items()}
-
-
 def _executor_streams(rank: int, world: int, paths: dict[str, str], cases) -> dict:
     """Per case (checkpoint, tp_method): `arrangements` on this rank."""
     import torch.distributed as dist
 
     return {kind: arrangements(functools.partial(
-                _tp_executor, paths[kind], group=dist.group.WORLD, method=method))
+                _tp_executor, paths[kind], group=dist.group.WORLD, method=method), items(), 2)
             for kind, method in cases}  # fmt: skip
 
 
 def _tp_executor(path: str, spec: bool, *, group, method: str) -> gx.DecodeExecutor:
     return executor(load(path, tp=True), spec, tp_group=group, tp_method=method)
-
-
-def same(got: dict, want: dict, what: str, rel: float = 1e-5) -> None:
-    """Tokens exactly; logprobs to `rel` (the TP sampler's sums over slices)."""
-    assert {r: [t for t, _ in v] for r, v in got.items()} == {
-        r: [t for t, _ in v] for r, v in want.items()}, what  # fmt: skip
-    for r, v in want.items():
-        lps = [(a, b) for (_, a), (_, b) in zip(v, got[r], strict=True) if a is not None]
-        assert [b for _, b in lps] == pytest.approx([a for a, _ in lps], rel=rel, abs=rel / 10)
 
 
 def check_streams(per_rank: list[dict], paths: dict[str, str], kinds) -> None:

@@ -15,7 +15,6 @@ differently from one method to the other). A shape whose heads do not divide by 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from graphexec import workload as wl
 from graphexec.models import HFTransformer
 from graphexec.models.hf_random import random_state_dict
 from graphexec.models.hf_shard import check_divisible
+from tests.distributed.arrangements import arrangements, same
 from tests.distributed.ranks import WithNccl, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -49,10 +49,6 @@ def items(vocab_size: int) -> list[wl.WorkItem]:
     return mixed + loops
 
 
-def streams(trace: wl.Trace) -> dict[str, list[tuple[int, float | None]]]:
-    return {r: [(o.token_id, o.logprob) for o in v] for r, v in sorted(trace.outputs.items())}
-
-
 def _rank_streams(rank: int, world: int, cfg: dict, device: str = "cuda",
                   dtype: torch.dtype = torch.bfloat16, group=None) -> dict:  # fmt: skip
     """Every arrangement's streams on this rank (module docstring); `device` "cuda" is
@@ -72,25 +68,7 @@ def _rank_streams(rank: int, world: int, cfg: dict, device: str = "cuda",
         assert ex.stats.failed == {}, ex.stats.failed
         return ex
 
-    ex = make(False)
-    traces = wl.compositions(ex, work, waves=3)  # one batch, alone, waves, reversed
-    together = [dataclasses.replace(it, arrive=0) for it in work]
-    traces["eager"] = wl.run(ex, together, mode="eager")
-    traces["second run"] = wl.run(make(False), together)
-    spec = make(True)
-    traces["ngram"] = wl.run(spec, together)
-    traces["ngram, eager"] = wl.run(spec, together, mode="eager")
-    assert sum(ex.stats.replays.values()) > 0 and sum(spec.stats.replays.values()) > 0
-    assert any(k.spec_k for k in wl.outputs_per_key(traces["ngram"]))
-    return {n: streams(t) for n, t in traces.items()}
-
-
-def same(got: dict, want: dict, what: str) -> None:
-    assert {r: [t for t, _ in v] for r, v in got.items()} == {
-        r: [t for t, _ in v] for r, v in want.items()}, what  # fmt: skip
-    for r, v in want.items():
-        lps = [(a, b) for (_, a), (_, b) in zip(v, got[r], strict=True) if a is not None]
-        assert [b for _, b in lps] == pytest.approx([a for a, _ in lps], rel=1e-5, abs=1e-6)
+    return arrangements(make, work, waves=3)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "llama-3.2-1b"])
