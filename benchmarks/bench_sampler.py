@@ -1,58 +1,68 @@
 #!/usr/bin/env python
-"""Sampler benchmark: graphexec vs FlashInfer vs torch-native samplers, against the memory floor.
+"""Sampler benchmark: graphexec vs FlashInfer vs torch-native samplers, against a measured
+read floor.
 
 For every dtype x V x B x logits shape it times each method of `sampler_methods.py`
 eagerly and as a CUDA-graph replay and writes `<out>/sampler-<gpu-slug>-<YYYY-MM-DD>.json`:
 
     {"device", "torch", "triton", "flashinfer", "date", "bandwidth_TBps", "runs",
-     "rows": [{"method", "B", "V", "dtype", "shape", "eager_us", "graph_us", "floor_us"},
-              ...], ...}
+     "rows": [{"method", "B", "V", "dtype", "shape", "eager_us", "graph_us", "read_floor_us",
+               "floor_us"}, ...], ...}
 
-Shapes (`--shapes`, `sampler_methods.SHAPES`): "peaked" (-2 ln rank, as a real model's),
-"randn3" (randn * 3), "flat" (randn * 0.25: top-p 0.9 and min-p 0.05 keep more than half
-the vocabulary), "ties" (all equal). `--sweep` adds randn * s at temperature t for s in
-0.3, 1, 3, 10 and t in 0.5, 1, 1.5, their rows' top-p mixed (0.5 to 0.99, per row) in
-every method that takes one (`sampler_methods.SWEEP`). A sampler's time may depend on the
-shape; the README's tables report each method's worst.
+The default grid is the sampler issue's: fp32 and bf16 logits, V in {128256, 151936}, B in
+{1, 32, 128, 256}, the SHAPES below, and the real rows at V = 49152; `--sweep` adds the
+sweep shapes. Shapes (`--shapes`, `sampler_shapes.py`): "peaked" (-2 ln rank, as a real
+model's), "randn3" (randn * 3), "flat" (randn * 0.25: top-p 0.9 and min-p 0.05 keep more
+than half the vocabulary), "ties" (all equal). `--sweep` adds randn * s at temperature t for
+s in 0.3, 1, 3, 10 and t in 0.5, 1, 1.5, their rows' top-p mixed (0.5 to 0.99, per row) in
+every method that takes one. `--real` adds blocks at V = 49152 of shape "real": rows of
+SmolLM2-135M-Instruct's logits (`data/smollm2-logits.pt`, `real_logits.py`); it is on by
+default when neither --vocab nor --shapes is given (and whenever --shapes names "real"),
+`--no-real` turns it off. A sampler's time may depend on the shape; the tables report
+each method's worst.
 
-A row whose method failed has an "error" key and null timings; one method failing never
-stops the run, and the JSON is rewritten after every (dtype, V, B) block, so an interrupted
-run keeps what it measured. floor_us = B * V * bytes_per_element / copy bandwidth: the time
-to read the logits once (bf16 logits: 2 bytes per element), with the bandwidth (bytes read +
-written) of a 2 GiB device-to-device copy measured in the same run.
+The floor. `floor.read` (always timed, first in each (dtype, V, B) block, on the block's
+first shape) is a kernel that reads every logit once and writes each row's max
+(`floor_kernel.py`), timed exactly as the samplers are. Every row of the block gets
+read_floor_us: its graph_us (a CPU run: its eager_us). floor_us = B * V * bytes per
+element / copy bandwidth (the bandwidth, bytes read + written, of a 2 GiB device-to-device
+copy measured in the same run) stays as a column: the estimate the read floor replaces.
 
-Every row uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p
+Every sampler uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p
 0.05, a seed per row. The graphexec methods call `graphexec.sample_step` on preallocated
 static buffers and a persistent workspace (one table slot per row, slot_ids = arange(B)),
 exactly what the executor captures; backend "triton" on CUDA, "torch" on CPU.
 FlashInfer's logits entry points cast bf16 logits to fp32 inside the call (timed).
 
-Timing (CUDA): median over reps of CUDA-event time per call, a 256 MiB buffer written
-before every call so the logits are never served from L2 (the floor assumes a read from
-HBM), then a code-heavy kernel on every SM (`icache_evict.py`) so each call starts with
-cold instruction caches, as it does after a model forward (`--warm-icache`: without it,
-as runs before the last of 2026-11-25 were made; a large kernel timed back to back then
-keeps its code warm and looks faster than it is in an engine). eager_us: the GPU is idle
-when the call starts, so it includes the host's launch overhead. graph_us: the call is one
-CUDAGraph.replay() enqueued behind the flush, so it is the GPU time of the captured
-kernels (no graph-launch latency). On the CPU only eager
-times are taken (perf_counter, no flush) and graph_us is null.
+Timing (CUDA, every method, floor.read included; `sampler_timing.Timer`): median over reps
+of CUDA-event time per call. Before every call a code-heavy kernel runs on every SM
+(`icache_evict.py`; `--warm-icache` skips it), so each call starts with cold instruction
+caches as after a model forward; then the L2 is flushed by reading a 256 MiB buffer (no
+writes: the call starts with its logits out of L2 and no dirty lines for it to write back;
+runs before this change wrote the buffer, so each call first paid that write-back).
+eager_us: the GPU is idle when the call starts, so it includes the host's launch overhead.
+graph_us: one CUDAGraph.replay() enqueued behind the flush, the GPU time of the captured
+kernels (no graph-launch latency). On the CPU only eager times are taken (perf_counter, no
+flush) and graph_us is null.
 
-Splitting a sweep (each GPU command has a time limit): `--time-budget S` starts no new
-(dtype, V, B) block after S seconds (it prints the skipped blocks; the JSON is still
-written). `--append` loads the output JSON of the same name (same device, same date) and
-keeps its rows, replacing those of the same (method, B, V, dtype); "runs" lists each
-invocation (argv, bandwidth, versions, skipped blocks): a row's floor_us is from its own
-run. `--resume` (implies --append) also skips blocks that already have a row for every
-selected method (a failed row counts too).
+A row whose method failed has an "error" key and null timings; one method failing never
+stops the run, and the JSON is rewritten after every (dtype, V, B) block, so an interrupted
+run keeps what it measured. Splitting a sweep (each GPU command has a time limit):
+`--time-budget S` starts no new block after S seconds (it prints the skipped blocks; the
+JSON is still written). `--append` loads the output JSON of the same name (same device,
+same date) and keeps its rows, replacing those of the same (method, B, V, dtype, shape);
+"runs" lists each invocation (argv, bandwidth, versions, skipped blocks): a row's floors are
+from its own run. `--resume` (implies --append) also skips blocks that already have a row
+for every selected method and shape (a failed row counts too).
 
 FlashInfer JIT: the first call of a FlashInfer method builds its module (sampling about
 80 s, cake_sampling about 300 s on a fresh host; see ../shared/gpu/README.md for prebuilt
 modules). That time is not in any row; it is recorded in "first_call_s". `--jit-only`
 builds them and exits, so the timed run can go in a separate command.
 
-    python benchmarks/bench_sampler.py                       # default sweep (fp32)
-    python benchmarks/bench_sampler.py --time-budget 420 --resume   # continue a sweep
+    python benchmarks/bench_sampler.py --sweep                  # the issue's grid (+ real)
+    python benchmarks/bench_sampler.py --sweep --time-budget 420 --resume   # continue it
+    python benchmarks/bench_sampler.py --quick --batch 1,256 --dtypes float32   # quick look
     python benchmarks/bench_sampler.py --dtypes bfloat16 --methods flashinfer,torch
     python benchmarks/bench_sampler.py --device cpu --batch 1,8 --vocab 1000 --quick \\
         --methods torch,graphexec --out /tmp/benchout        # CPU smoke run
@@ -64,16 +74,28 @@ import argparse
 import datetime
 import json
 import os
-import re
-import statistics
 import sys
 import time
 
 import torch
+from bench_common import (
+    CPU_NOTE,
+    DTYPES,
+    ints,
+    load_previous,
+    measure_bandwidth,
+    resolve_device,
+    slug,
+    versions,
+    write_results,
+)
 from sampler_methods import (
+    FLOOR,
     METHODS,
     MIN_P,
     NUM_LOGPROBS,
+    REAL,
+    REAL_V,
     SHAPES,
     SWEEP,
     TEMPERATURE,
@@ -87,75 +109,31 @@ from sampler_methods import (
     run_method,
     select_methods,
 )
+from sampler_timing import FLUSH_DESCRIPTION
 
-COPY_BYTES = 1 << 30  # each way: a 2 GiB (read + write) copy
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ----------------------------------------------------------------------------- driver
-
-
-def measure_bandwidth(device: torch.device) -> float:
-    """Copy bandwidth in bytes/s, counting bytes read + written."""
-    n = COPY_BYTES if device.type == "cuda" else 64 << 20
-    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    return 2 * n / statistics.median(times)
-
-
-def versions() -> dict:
-    info = {"torch": torch.__version__, "triton": None, "flashinfer": None}
-    # the GPU host gets a copy of the tree without .git: the caller names the commit
-    if os.environ.get("GRAPHEXEC_COMMIT"):
-        info["commit"] = os.environ["GRAPHEXEC_COMMIT"]
-    for mod in ("triton", "flashinfer"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception as e:
-            info[mod] = None
-            info[f"{mod}_import_error"] = error_text(e)
-    return info
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+DEFAULT_BATCH, DEFAULT_VOCAB = [1, 32, 128, 256], [128256, 151936]
+DEFAULT_DTYPES = "float32,bfloat16"
+ALL_SHAPES = {**SHAPES, **SWEEP, **REAL}
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'method':36} {'dtype':8} {'shape':7} {'V':>7} {'B':>4} {'eager_us':>10}"
-    print("\n" + head + f" {'graph_us':>10} {'floor_us':>9} {'graph/floor':>11}  error")
+    head = f"{'method':36} {'dtype':8} {'shape':10} {'V':>7} {'B':>4} {'eager_us':>10}"
+    print("\n" + head + f" {'graph_us':>10} {'read_floor':>10} {'x floor':>7} {'floor_us':>9}"
+          "  error")  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["dtype"], r["V"], r["method"], r.get("shape", ""),
                                          r["B"])):  # fmt: skip
 
         def f(v, w):
             return f"{v:>{w}.1f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
 
-        t = r["graph_us"] if r["graph_us"] is not None else None
-        ratio = t / r["floor_us"] if t is not None and r["floor_us"] else None
+        t = r["graph_us"] if r["graph_us"] is not None else r["eager_us"]
+        fl = r.get("read_floor_us")
+        ratio = t / fl if t is not None and fl else None
         err = (r.get("error") or r.get("warning") or "")[:60]
         print(
-            f"{r['method']:36} {r['dtype']:8} {r.get('shape', '-'):7} {r['V']:>7} {r['B']:>4} "
-            f"{f(r['eager_us'], 10)} {f(r['graph_us'], 10)} {f(r['floor_us'], 9)} "
-            f"{f(ratio, 11)}  {err}"
+            f"{r['method']:36} {r['dtype']:8} {r.get('shape', '-'):10} {r['V']:>7} {r['B']:>4} "
+            f"{f(r['eager_us'], 10)} {f(r['graph_us'], 10)} {f(fl, 10)} {f(ratio, 7)} "
+            f"{f(r['floor_us'], 9)}  {err}"
         )
 
 
@@ -165,49 +143,6 @@ def results_path(out: str, device_name: str, date: str) -> str:
 
 def row_key(r: dict) -> tuple:
     return (r["method"], r["B"], r["V"], r["dtype"], r.get("shape"))
-
-
-def load_previous(path: str) -> dict | None:
-    """The results JSON at path for --append, or None (with a note) when there is none."""
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        print(f"--append: extending {path} ({len(old['rows'])} rows)", flush=True)
-        return old
-    folder = os.path.dirname(path) or "."
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    kind = os.path.basename(path).split("-", 1)[0] + "-"  # sampler- / verify-
-    others = sorted(f for f in names if f.startswith(kind) and f.endswith(".json"))
-    print(
-        f"--append: no {path}; starting a new file"
-        + (f" (not merged, another device or date: {', '.join(others)})" if others else ""),
-        flush=True,
-    )
-    return None
-
-
-def resolve_device(name: str) -> torch.device:
-    """--device as a device with its index (a bare "cuda" is the current one, made so)."""
-    device = torch.device(name)
-    if device.type == "cuda":
-        if device.index is not None:
-            torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-CPU_NOTE = ("note: CPU timings are not performance numbers (eager calls of the torch backend "
-            "or the Triton interpreter: a smoke run of the script); benchmark on CUDA")  # fmt: skip
-
-
-def write_results(path: str, result: dict, rows: dict, first_call: dict, old: dict | None):
-    """The results JSON: `result` with `rows` (by row key, in file order) and the first
-    calls' times (an --append run keeps the earlier run's for methods it did not time)."""
-    result["first_call_s"] = {**(old or {}).get("first_call_s", {}), **first_call}
-    result["rows"] = list(rows.values())
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 def run_summary(r: dict) -> dict:
@@ -226,26 +161,57 @@ def describe_blocks(blocks: list[tuple[str, int, int]]) -> str:
     return "; ".join(f"{d} V={V} B={','.join(map(str, bs))}" for (d, V), bs in by.items())
 
 
-def time_block(methods, dname, shape, B, V, device, bw, timer, first_call, backend) -> list:
-    """One row per method on [B, V] logits of one shape and dtype."""
-    try:
-        logits = make_logits(shape, B, V, DTYPES[dname], device, seed=B * 7 + V)
-    except Exception as e:  # out of memory: record and go on
-        return [dict(blank_row(m, B, V, dname), shape=shape, error=error_text(e)) for m in methods]
-    case = Case(logits, B, V, device, backend, shape)
-    floor = round(B * V * logits.element_size() / bw * 1e6, 3)
-    block = []
-    for m in methods:
-        row = run_method(m, case, timer, first_call)
-        row["shape"] = shape
-        row["floor_us"] = floor
-        block.append(row)
-        print(
-            f"{m:36} {dname:8} {shape:7} V={V:<7} B={B:<4} eager {row['eager_us']} us  "
-            f"graph {row['graph_us']} us  floor {row['floor_us']} us"
-            + (f"  ERROR {row['error']}" if "error" in row else ""),
-            flush=True,
-        )
+def plan_blocks(dtypes, vocab, batches, shapes, real: bool) -> list[tuple[str, int, int, list]]:
+    """(dtype, V, B, shapes) per block: the synthetic shapes at every V of `vocab`, and
+    with `real` the real rows at REAL_V (beside them when REAL_V is in `vocab`)."""
+    per_v = {V: [s for s in shapes if s not in REAL] for V in vocab}
+    if real:
+        per_v.setdefault(REAL_V, []).extend(REAL)
+    return [(d, V, B, ss) for d in dtypes for V, ss in per_v.items() if ss for B in batches]
+
+
+def block_done(rows: dict, methods: list[str], d: str, V: int, B: int, shapes: list) -> bool:
+    """--resume: every method has a row for every shape (floor.read: for one shape)."""
+    floor = FLOOR not in methods or any(k[:4] == (FLOOR, B, V, d) for k in rows)
+    return floor and all((m, B, V, d, s) in rows for m in methods if m != FLOOR for s in shapes)
+
+
+def _report(row: dict, dname: str, shape: str, V: int, B: int) -> None:
+    print(
+        f"{row['method']:36} {dname:8} {shape:10} V={V:<7} B={B:<4} eager {row['eager_us']} us"
+        f"  graph {row['graph_us']} us  read floor {row.get('read_floor_us')} us"
+        + (f"  ERROR {row['error']}" if "error" in row else ""),
+        flush=True,
+    )
+
+
+def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, backend) -> list:
+    """One row per method and shape on [B, V] logits of one dtype; floor.read once, first,
+    on the first shape whose logits could be made: its time is each row's read_floor_us."""
+    block, read_floor, floor_done = [], None, FLOOR not in methods
+    for i, shape in enumerate(shapes):
+        try:
+            logits = make_logits(shape, B, V, DTYPES[dname], device, seed=B * 7 + V)
+        except Exception as e:  # out of memory, no real rows: record and go on
+            last = i == len(shapes) - 1
+            block += [dict(blank_row(m, B, V, dname), shape=shape, error=error_text(e))
+                      for m in methods if m != FLOOR or (last and not floor_done)]  # fmt: skip
+            continue
+        case = Case(logits, B, V, device, backend, shape)
+        floor = round(B * V * logits.element_size() / bw * 1e6, 3)
+        for m in methods:
+            if m == FLOOR and floor_done:
+                continue  # once per block: reading does not depend on the values
+            row = run_method(m, case, timer, first_call)
+            row["shape"] = shape
+            if m == FLOOR:
+                read_floor = row["graph_us"] if timer.cuda else row["eager_us"]
+                floor_done = True
+            row["read_floor_us"] = read_floor
+            row["floor_us"] = floor
+            block.append(row)
+            _report(row, dname, shape, V, B)
+        del case, logits
     return block
 
 
@@ -253,14 +219,23 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--batch", type=ints, default=[1, 8, 32, 128, 256])
-    ap.add_argument("--vocab", type=ints, default=[128256, 151936])
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    ap.add_argument("--batch", type=ints, default=DEFAULT_BATCH, help="default: %(default)s")
+    ap.add_argument("--vocab", type=ints, default=None, help=f"default: {DEFAULT_VOCAB}")
+    ap.add_argument("--shapes", default=None, help=f"comma list of {[*SHAPES, *SWEEP, *REAL]} "
+                    f"(default: {','.join(SHAPES)})")  # fmt: skip
     ap.add_argument(
         "--sweep", action="store_true", help=f"also time the sweep shapes: {', '.join(SWEEP)}"
     )
-    ap.add_argument("--methods", default=None, help="comma list of names or substrings")
-    ap.add_argument("--dtypes", default="float32", help=f"comma list of {list(DTYPES)}")
+    ap.add_argument(
+        "--real",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"also time the real rows (shape 'real') at V = {REAL_V} (default: on when "
+        "neither --vocab nor --shapes is given, or --shapes names 'real')",
+    )
+    ap.add_argument("--methods", default=None, help="comma list of names or substrings "
+                    f"({FLOOR} is always timed)")  # fmt: skip
+    ap.add_argument("--dtypes", default=DEFAULT_DTYPES, help=f"comma list of {list(DTYPES)}")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
@@ -278,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         "--append",
         action="store_true",
         help="keep the rows of an existing output JSON of the same name; replace those of the "
-        "same (method, B, V, dtype)",
+        "same (method, B, V, dtype, shape)",
     )
     ap.add_argument(
         "--resume",
         action="store_true",
         help="--append, and skip (dtype, V, B) blocks that already have a row for every "
-        "selected method (failed rows count: rerun them without --resume)",
+        "selected method and shape (failed rows count: rerun them without --resume)",
     )
     ap.add_argument(
         "--warm-icache",
@@ -303,21 +278,26 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     if device.type != "cuda":
         print(CPU_NOTE, flush=True)
-    methods = select_methods(args.methods)
+    methods = [FLOOR, *(m for m in select_methods(args.methods) if m != FLOOR)]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in DTYPES:
             raise SystemExit(f"--dtypes: {d!r} is not one of {list(DTYPES)}")
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = [s.strip() for s in (args.shapes or ",".join(SHAPES)).split(",") if s.strip()]
     for s in shapes:
-        if s not in SHAPES and s not in SWEEP:
-            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES) + list(SWEEP)}")
+        if s not in SHAPES and s not in SWEEP and s not in REAL:
+            raise SystemExit(f"--shapes: {s!r} is not one of {[*SHAPES, *SWEEP, *REAL]}")
     if args.sweep:
         shapes += [s for s in SWEEP if s not in shapes]
+    real = args.real if args.real is not None else (
+        "real" in shapes or (args.vocab is None and args.shapes is None))  # fmt: skip
+    shapes = [s for s in shapes if s not in REAL]
+    vocab = args.vocab if args.vocab is not None else DEFAULT_VOCAB
     if args.jit_only:
-        args.batch, args.vocab, dtypes, args.quick = [1], args.vocab[:1], dtypes[:1], True
-        shapes = shapes[:1]
+        args.batch, vocab, dtypes, args.quick = [1], vocab[:1], dtypes[:1], True
+        shapes, real = (shapes or list(SHAPES))[:1], False
         args.append = args.resume = False
+    blocks = plan_blocks(dtypes, vocab, args.batch, shapes, real)
     timer = Timer(device, args.quick, evict_icache=not args.warm_icache)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw = measure_bandwidth(device)
@@ -329,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         "date": today,
         "bandwidth_TBps": round(bw / 1e12, 4),
         "cuda": torch.version.cuda,
-        "timing": "median us per call; CUDA: events, 256 MiB L2 flush before each call"
-        + (" and the SMs' instruction caches evicted" if timer.evict is not None else "")
+        "timing": f"median us per call; CUDA: events, {FLUSH_DESCRIPTION}"
+        + (", the SMs' instruction caches evicted before it" if timer.evict is not None else "")
         + "; eager from an idle GPU (includes launch overhead); graph = GPU time of one "
-        "replay; CPU: perf_counter, eager only",
+        f"replay; read_floor_us = {FLOOR} timed the same way (graph_us; CPU: eager_us); "
+        "floor_us = bytes / copy bandwidth; CPU: perf_counter, eager only",
+        "flush": FLUSH_DESCRIPTION if timer.cuda else None,
         "icache": None if not timer.cuda else "evicted" if timer.evict is not None else "warm",
         "params": dict(
             temperature=TEMPERATURE,
@@ -340,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             top_p=TOP_P,
             min_p=MIN_P,
             logprobs=NUM_LOGPROBS,
-            shapes={s: SHAPES.get(s) or SWEEP[s] for s in shapes},
+            shapes={s: ALL_SHAPES[s] for s in dict.fromkeys(s for b in blocks for s in b[3])},
         ),
         "methods": {m: METHODS[m] for m in methods},
         "first_call_s": {},
@@ -365,26 +347,21 @@ def main(argv: list[str] | None = None) -> int:
         write_results(path, result, rows, first_call, old)
 
     new_rows, done = [], []
-    for dname in dtypes:
-        for V in args.vocab:
-            for B in args.batch:
-                if args.resume and all((m, B, V, dname, s) in rows for m in methods
-                                       for s in shapes):  # fmt: skip
-                    done.append((dname, V, B))
-                    continue
-                if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
-                    skipped.append((dname, V, B))
-                    continue
-                block = []
-                for shape in shapes:
-                    block += time_block(methods, dname, shape, B, V, device, bw, timer,
-                                        first_call, result["gx_backend"])  # fmt: skip
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                new_rows += block
-                rows.update((row_key(r), r) for r in block)
-                if not args.jit_only:
-                    write()
+    for dname, V, B, block_shapes in blocks:
+        if args.resume and block_done(rows, methods, dname, V, B, block_shapes):
+            done.append((dname, V, B))
+            continue
+        if args.time_budget is not None and time.monotonic() - t_start > args.time_budget:
+            skipped.append((dname, V, B))
+            continue
+        block = time_block(methods, dname, block_shapes, B, V, device, bw, timer, first_call,
+                           result["gx_backend"])  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        new_rows += block
+        rows.update((row_key(r), r) for r in block)
+        if not args.jit_only:
+            write()
     if args.jit_only:
         print("first-call seconds:", json.dumps(first_call))
         return 0

@@ -29,8 +29,9 @@ both by row) and "no_filter" (temperature only); a seed per row.
     torch.rejection            vLLM-style torch rejection sampler (one-hot q implicit)
 
 Timing (CUDA): each call is captured once in a CUDA graph over static buffers and replayed;
-us is the median of CUDA-event times per replay, each after a 256 MiB L2 flush and (unless
---warm-icache) an instruction-cache eviction, as in bench_sampler.py. floor_us = B * (K+1)
+us is the median of CUDA-event times per replay, each after (unless --warm-icache) an
+instruction-cache eviction and a 256 MiB L2 flush by reading (no dirty lines left for the
+call to write back), as in bench_sampler.py (`sampler_timing.Timer`). floor_us = B * (K+1)
 * V * 4 / copy bandwidth measured in the same run: one read of the logits. On the CPU
 (a smoke run) us is the median eager perf_counter time and FlashInfer rows are errors.
 
@@ -61,7 +62,7 @@ import sys
 import time
 
 import torch
-from bench_sampler import (
+from bench_common import (
     CPU_NOTE,
     ints,
     load_previous,
@@ -73,6 +74,7 @@ from bench_sampler import (
 )
 from plot_verify import summary_table
 from sampler_methods import SHAPES, Timer, error_text, make_logits
+from sampler_timing import FLUSH_DESCRIPTION
 from verify_methods import (
     METHODS,
     TABLES,
@@ -233,9 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.gx_backend or ("triton" if device.type == "cuda" else "torch")
     timing = "median us per eager call (perf_counter; no graphs on the CPU)"
     if timer.cuda:
-        evict = " and the SMs' instruction caches evicted" if timer.evict is not None else ""
-        timing = f"median us per CUDA-graph replay (CUDA events), a 256 MiB L2 flush{evict} " \
-            "before each"  # fmt: skip
+        evict = ", the SMs' instruction caches evicted before it" if timer.evict else ""
+        timing = f"median us per CUDA-graph replay (CUDA events), {FLUSH_DESCRIPTION}{evict}"
     result = {
         "device": name,
         **info,

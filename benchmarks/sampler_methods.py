@@ -1,78 +1,47 @@
-"""The methods `bench_sampler.py` times (graphexec, FlashInfer, torch-native), the logits
-shapes it times them on, and how one is timed.
+"""The methods `bench_sampler.py` times: the read floor, graphexec, FlashInfer, torch-native.
 
 METHODS names and describes each method; BUILDERS[name](case) prepares one on a Case (static
-[B, V] logits on a device) and returns a Bench whose fn() is one sampler call. Every method
-uses per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p 0.05, a seed
-per row. graphexec and FlashInfer are imported on first use, so this module imports with
-torch alone. SHAPES / make_logits: the logits each case is timed on. run_method(name,
-case, Timer(...), first_call) times one method on one case and returns its results row
-(see bench_sampler.py for the timing).
+[B, V] logits on a device) and returns a Bench whose fn() is one call. Every sampler uses
+per-row parameter tensors: temperature 0.8, top-k 50, top-p 0.9, min-p 0.05, a seed per
+row. `floor.read` is the measured floor: a kernel that reads every logit once and writes
+each row's max (`floor_kernel.py`), timed like the samplers. graphexec, FlashInfer and
+Triton are imported on first use, so this module imports with torch alone. The logits
+shapes are in `sampler_shapes.py`, the timing protocol (`Timer`: the L2 flushed by reading
+before every call, the instruction caches evicted) in `sampler_timing.py`; both are
+re-exported here. run_method(name, case, Timer(...), first_call) times one method on one
+case, eagerly and as a CUDA-graph replay, and returns its results row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from sampler_shapes import (  # noqa: F401  (re-exported)
+    MIN_P,
+    NUM_LOGPROBS,
+    REAL,
+    REAL_V,
+    SHAPES,
+    SWEEP,
+    SWEEP_TOP_P,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    make_logits,
+)
+from sampler_shapes import row_top_p as _row_top_p
+from sampler_timing import FLUSH_BYTES, Timer, check_tokens, error_text  # noqa: F401
 
-TEMPERATURE, TOP_K, TOP_P, MIN_P, NUM_LOGPROBS = 0.8, 50, 0.9, 0.05, 20
-FLUSH_BYTES = 256 << 20
-
-SHAPES = {
-    "peaked": "logit_i = -2 ln(rank_i), ranks permuted per row (Zipf-like, as a real model's)",
-    "randn3": "randn * 3",
-    "flat": "randn * 0.25: top-p 0.9 and min-p 0.05 keep more than half of the vocabulary",
-    "ties": "every logit equal",
-}
-
-
-# --sweep: randn * s at temperature t, for every (s, t); rows of these shapes also mix
-# their top-p (SWEEP_TOP_P, cycled over the rows) in every method that takes one
-SWEEP_SCALES = (0.3, 1.0, 3.0, 10.0)
-SWEEP_TEMPERATURES = (0.5, 1.0, 1.5)
-SWEEP_TOP_P = (0.5, 0.8, 0.9, 0.95, 0.99)
-SWEEP = {f"randn{s:g}@T{t:g}": f"randn * {s:g} at temperature {t:g} (the methods' "
-         f"temperature {TEMPERATURE:g} over logits scaled by {TEMPERATURE:g} / {t:g}); per-row "
-         f"top-p cycling {SWEEP_TOP_P}"
-         for s in SWEEP_SCALES for t in SWEEP_TEMPERATURES}  # fmt: skip
-
-
-def row_top_p(c: Case) -> torch.Tensor:
-    """[B] f32 top-p of the rows: TOP_P, or SWEEP_TOP_P cycled on sweep shapes."""
-    if c.shape in SWEEP:
-        vals = [SWEEP_TOP_P[b % len(SWEEP_TOP_P)] for b in range(c.B)]
-        return torch.tensor(vals, dtype=torch.float32, device=c.device)
-    return torch.full((c.B,), TOP_P, dtype=torch.float32, device=c.device)
-
-
-def make_logits(shape: str, B: int, V: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> torch.Tensor:  # fmt: skip
-    """[B, V] logits of one of SHAPES or SWEEP, generated on the device."""
-    g = torch.Generator(device).manual_seed(seed)
-    if shape in SWEEP:
-        s, t = (float(v) for v in shape[len("randn") :].split("@T"))
-        x = torch.randn(B, V, device=device, generator=g) * (s * TEMPERATURE / t)
-    elif shape == "peaked":
-        ranks = torch.argsort(torch.rand(B, V, device=device, generator=g), dim=1) + 1
-        x = -2.0 * torch.log(ranks.float())
-    elif shape == "randn3":
-        x = torch.randn(B, V, device=device, generator=g) * 3
-    elif shape == "flat":
-        x = torch.randn(B, V, device=device, generator=g) * 0.25
-    elif shape == "ties":
-        x = torch.full((B, V), 1.0, device=device)
-    else:
-        raise ValueError(f"shape must be one of {list(SHAPES)}, got {shape!r}")
-    return x.to(dtype)
-
+FLOOR = "floor.read"
 
 METHODS = {
+    FLOOR: "the read floor: floor_kernel.RowMax, one launch that reads every logit once and "
+    "writes each row's max (torch.amax where Triton cannot run)",
     "graphexec.no_filter": "sample_step, temperature only (variant no_filter)",
     "graphexec.top_k_top_p": "sample_step, temperature + top-k + top-p (variant top_k_top_p)",
     "graphexec.top_p": "sample_step, temperature + top-p, no top-k (variant top_k_top_p)",
@@ -100,16 +69,36 @@ class Case:
     V: int
     device: torch.device
     gx_backend: str
-    shape: str = ""  # the logits' shape (SHAPES or SWEEP)
+    shape: str = ""  # the logits' shape (SHAPES, SWEEP or REAL)
+
+
+def row_top_p(c: Case) -> torch.Tensor:
+    """[B] f32 top-p of the case's rows: TOP_P, or SWEEP_TOP_P cycled on sweep shapes."""
+    return _row_top_p(c.shape, c.B, c.device)
 
 
 @dataclass
 class Bench:
     fn: Callable[[], torch.Tensor]  # one sampler call; returns the sampled ids
     note: str | None = None
+    tokens: bool = True  # fn returns token ids (checked to lie in [0, V))
 
 
 # ----------------------------------------------------------------------------- methods
+
+
+def _floor_read(c: Case) -> Bench:
+    """The Triton kernel on CUDA and with the triton backend (on the CPU: the interpreter);
+    torch.amax elsewhere (a CPU smoke run; the row's note says so)."""
+    if c.device.type == "cuda" or c.gx_backend == "triton":
+        from floor_kernel import RowMax
+
+        row_max = RowMax(c.B, c.V, c.logits.dtype, c.device)
+        note = f"{row_max.num_slices} slices of {row_max.slice} logits a row"
+        return Bench(lambda: row_max(c.logits), note=note, tokens=False)
+    out = torch.empty(c.B, dtype=c.logits.dtype, device=c.device)
+    note = "torch.amax (no Triton here: --gx-backend triton runs the kernel)"
+    return Bench(lambda: torch.amax(c.logits, dim=1, out=out), note=note, tokens=False)
 
 
 def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False):
@@ -249,6 +238,7 @@ def _torch_no_filter(c: Case) -> Bench:
 
 _T = dict(temperature=TEMPERATURE)
 BUILDERS: dict[str, Callable[[Case], Bench]] = {
+    FLOOR: _floor_read,
     "graphexec.no_filter": _gx(_T),
     "graphexec.top_k_top_p": _gx(dict(_T, top_k=TOP_K, top_p=TOP_P)),
     "graphexec.top_p": _gx(dict(_T, top_p=TOP_P)),
@@ -290,86 +280,7 @@ def select_methods(spec: str | None) -> list[str]:
     return pick_methods(spec, METHODS, METHODS)
 
 
-# ----------------------------------------------------------------------------- timing one method
-
-
-class Timer:
-    """Median times per call; on CUDA the L2 is flushed before each call and, with
-    evict_icache, the SMs' instruction caches too (`icache_evict`)."""
-
-    def __init__(self, device: torch.device, quick: bool, evict_icache: bool = False):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.budget_s, self.min_reps, self.max_reps = (0.03, 3, 20) if quick else (0.15, 10, 200)
-        self.flush = None
-        self.evict = None
-        if self.cuda:
-            self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
-            if evict_icache:
-                from icache_evict import ICacheEvictor
-
-                self.evict = ICacheEvictor(device)
-
-    def _reps(self, est_us: float) -> int:
-        n = int(self.budget_s * 1e6 / max(est_us + (80.0 if self.cuda else 0.0), 1.0))
-        return max(self.min_reps, min(self.max_reps, n))
-
-    def _cuda_median(self, fn: Callable, reps: int, sync_each: bool) -> float:
-        ev = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(reps)
-        ]
-        torch.cuda.synchronize(self.device)
-        for start, end in ev:
-            self.flush.zero_()
-            if self.evict is not None:
-                self.evict()
-            if sync_each:
-                torch.cuda.synchronize(self.device)
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(self.device)
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
-
-    def time(self, fn: Callable, sync_each: bool) -> float:
-        """Median microseconds per call of fn (already warmed up)."""
-        if self.cuda:
-            est = self._cuda_median(fn, 3, sync_each)
-            return self._cuda_median(fn, self._reps(est), sync_each)
-        t0 = time.perf_counter()
-        fn()
-        times = []
-        for _ in range(self._reps((time.perf_counter() - t0) * 1e6)):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-
-    def capture(self, fn: Callable) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = fn()
-        graph.replay()
-        torch.cuda.synchronize(self.device)
-        return graph, result
-
-
-def check_tokens(tok: torch.Tensor, V: int) -> str | None:
-    tok = tok.reshape(-1)
-    lo, hi = int(tok.min()), int(tok.max())
-    return None if 0 <= lo and hi < V else f"sampled ids outside [0, {V}): min {lo}, max {hi}"
-
-
-def error_text(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".strip()
-    return msg if len(msg) <= 600 else msg[:600] + " ..."
+# ----------------------------------------------------------------------------- one method's row
 
 
 def blank_row(method: str, B: int, V: int, dtype: str) -> dict:
@@ -397,7 +308,7 @@ def run_method(name: str, case: Case, timer: Timer, first_call: dict) -> dict:
         if timer.cuda:
             torch.cuda.synchronize(case.device)
         first_call.setdefault(name, round(time.perf_counter() - t0, 3))
-        bad = check_tokens(tok, case.V)
+        bad = check_tokens(tok, case.V) if bench.tokens else None
         if bad:
             row["warning"] = f"eager: {bad}"
         for _ in range(2):
@@ -412,7 +323,7 @@ def run_method(name: str, case: Case, timer: Timer, first_call: dict) -> dict:
     graph = None
     try:
         graph, result = timer.capture(bench.fn)
-        bad = check_tokens(result, case.V)
+        bad = check_tokens(result, case.V) if bench.tokens else None
         if bad:
             row["warning"] = f"{row.get('warning', '')} graph: {bad}".strip()
         row["graph_us"] = round(timer.time(graph.replay, sync_each=False), 2)

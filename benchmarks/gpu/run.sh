@@ -20,7 +20,9 @@
 #       under `timeout` (TP_TIMEOUT s, default 240); log: $OUT/bench-tp.log
 #   bash benchmarks/gpu/run.sh bench [BUDGET_S] [bench_sampler args...]
 #       benchmarks/bench_sampler.py --out $OUT --time-budget BUDGET_S (default 420), then
-#       its tables and targets (plot_sampler.py); log: $OUT/bench-sampler.log
+#       its tables and targets (plot_sampler.py); log: $OUT/bench-sampler.log. To go on
+#       with a sweep in a later command, carry the day's JSON in the tree, name it in
+#       SAMPLER_RESUME (copied into $OUT first) and pass --resume.
 #   bash benchmarks/gpu/run.sh verify [BUDGET_S] [bench_verify args...]
 #       benchmarks/bench_verify.py --out $OUT --time-budget BUDGET_S (default 420), then
 #       its table (plot_verify.py --markdown); log: $OUT/bench-verify.log
@@ -115,6 +117,9 @@ tpstep() {
 bench() {
     local budget=${1:-420} log="$OUT/bench-sampler.log" json
     shift $(($# < 1 ? $# : 1))
+    if [ -n "${SAMPLER_RESUME:-}" ]; then
+        cp "$SAMPLER_RESUME" "$OUT"/ || { echo "SAMPLER_RESUME: no $SAMPLER_RESUME"; return 1; }
+    fi
     python benchmarks/bench_sampler.py --out "$OUT" --time-budget "$budget" "$@" >"$log" 2>&1
     echo "bench_sampler exit code: $?"
     grep -E "ERROR|skipped|^wrote" "$log" | cut -c1-240
