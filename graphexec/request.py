@@ -11,7 +11,8 @@ from graphexec.params import SamplerVariant, SamplingParams
 
 @dataclass(frozen=True, order=True)
 class GraphKey:
-    """The identity of one captured graph."""
+    """The identity of one captured graph (the executor captures only the variants with
+    distinct kernels on its sampler backend: `engine.variants`)."""
 
     variant: SamplerVariant
     bucket: int  # static batch size of the graph; rows past the real batch are padding
@@ -49,7 +50,9 @@ class RequestOutput:
         "error" (see `message`).
     seed: the request's seed (drawn at admission when the params had none), so any stream
         can be replayed.
-    key: the graph key of the step that drew the token; None for ends without a token.
+    key: the graph key of the step that drew the token (the graph that served its chunk:
+        on Triton and torch a top_k_top_p chunk is drawn by default's, `engine.variants`);
+        None for ends without a token.
     text: the text this token adds to the output (when the executor has a tokenizer and
         detokenises): never a partial UTF-8 character; held back while it could still be
         the start of a stop string; cut before a matched stop string.

@@ -1,7 +1,7 @@
 """Capture every graph key of an executor (TinyLM by default) and print one row per key.
 
 python tools/inspect_graphs.py [--model tiny|table] [--max-batch-size N] [--steps N]
-                               [--dot top_k_top_p/b8/lp --dot-path g.dot] [--threads N]
+                               [--dot default/b8/lp --dot-path g.dot] [--threads N]
 (the same as `python -m graphexec inspect`; --dot needs CUDA and exits 2 without it)
 """
 

@@ -108,7 +108,8 @@ class DecodeExecutor:
                                    tp is not None)  # fmt: skip
         self.requests = Requests(self._queue, self.slots, self.masks, self.prefiller,
                                  self.buckets, model.max_seq_len, self.eos_token_ids,
-                                 tokenizer if self.detokenize else None, self.drafter)  # fmt: skip
+                                 tokenizer if self.detokenize else None, self.drafter,
+                                 backend=self.backend)  # fmt: skip
         self.last_step_timing = StepTiming()
         self._steps = 0
         self._stepping = threading.Lock()
@@ -136,6 +137,8 @@ class DecodeExecutor:
 
     @property
     def graph_keys(self) -> list[GraphKey]:
+        """The captured keys, largest bucket first: one per distinct graph (a variant
+        whose kernels another's graph runs has none: `engine.variants`)."""
         return list(self.runner.graphs.steps)
 
     @property
@@ -163,8 +166,11 @@ class DecodeExecutor:
             self._stepping.release()
 
     def capture(self, keys: Sequence[GraphKey] | None = None, progress: bool = True) -> None:
-        """Warm up and capture every key (default: all of them), largest bucket first,
-        into one shared pool. A key that fails is logged and served eagerly."""
+        """Warm up and capture every key (default: all of them, for the variants with
+        distinct kernels on this backend), largest bucket first, into one shared pool. A
+        key named here is captured as the key that serves it (`variants.served_by`: a
+        top_k_top_p key as default's on Triton and torch). A key that fails is logged and
+        served eagerly."""
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
         with self._step_thread():

@@ -1,11 +1,14 @@
 """Graph keys and batch buckets: which captured CUDA graph a decode step replays.
 
 One graph is captured per `GraphKey` (sampler variant x batch bucket x logprobs on/off x
-speculative width).
+speculative width), for the variants that run distinct kernels on the sampler backend
+(`variants.distinct_variants`: on Triton and torch, `top_k_top_p` runs `default`'s
+kernels, so it has no graph of its own).
 A step's key comes from host-side copies of its requests' parameters only (no GPU sync):
-the variant from `choose_variant`, the smallest bucket that holds the batch, and logprobs
-on if any row asked for them. A batch larger than the largest bucket is served as several
-chunks, each with its own key.
+the variant from `choose_variant` routed to the graph that serves it
+(`variants.served_by`), the smallest bucket that holds the batch, and logprobs on if any
+row asked for them. A batch larger than the largest bucket is served as several chunks,
+each with its own key.
 
 `CapturedGraphs` captures and replays: on CUDA one `torch.cuda.CUDAGraph` per key, all in
 one shared memory pool, largest bucket first; without CUDA the capture is emulated (the
@@ -20,13 +23,15 @@ import os
 import re
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from graphexec.capture import GraphCapture
-from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.engine.variants import distinct_variants, served_by
+from graphexec.params import VARIANT_ORDER, SamplingParams, choose_variant
 from graphexec.request import GraphKey
 
 log = logging.getLogger(__name__)
@@ -70,29 +75,38 @@ def chunks(batch_size: int, buckets: Sequence[int]) -> list[tuple[int, int, int]
 
 
 def plan_step(
-    params: Sequence[SamplingParams], buckets: Sequence[int]
+    params: Sequence[SamplingParams], buckets: Sequence[int], backend: str | None = None
 ) -> list[tuple[GraphKey, slice]]:
     """The keys one step replays and the rows each serves, in row order.
 
     Rows are cut into chunks of at most the largest bucket; each chunk gets the variant
     and logprobs flag of its own rows (a chunk's key never depends on the other chunks),
     so a request's chunk never changes its token: variants and buckets are not semantics.
+    With `backend`, the variant is the one whose graph serves the chosen one there
+    (`served_by`); None keeps `choose_variant`'s choice.
     """
     plan = []
     for start, n, bucket in chunks(len(params), buckets):
         rows = params[start : start + n]
-        key = GraphKey(choose_variant(rows), bucket, any(p.logprobs is not None for p in rows))
+        variant = choose_variant(rows)
+        if backend is not None:
+            variant = served_by(variant, backend)
+        key = GraphKey(variant, bucket, any(p.logprobs is not None for p in rows))
         plan.append((key, slice(start, start + n)))
     return plan
 
 
-def all_keys(buckets: Sequence[int], spec_ks: Sequence[int] = (0,)) -> list[GraphKey]:
-    """Every key to capture, largest bucket first (later, smaller graphs reuse its pool)."""
+def all_keys(
+    buckets: Sequence[int], spec_ks: Sequence[int] = (0,), backend: str | None = None
+) -> list[GraphKey]:
+    """Every key to capture, largest bucket first (later, smaller graphs reuse its pool):
+    with `backend`, only its distinct variants (`distinct_variants`); None: all three."""
+    variants = VARIANT_ORDER if backend is None else distinct_variants(backend)
     return [
         GraphKey(v, b, lp, k)
         for b in sorted(buckets, reverse=True)
         for k in sorted(spec_ks, reverse=True)
-        for v in SamplerVariant
+        for v in variants
         for lp in (False, True)
     ]
 
@@ -108,6 +122,7 @@ class CapturedStep:
     pool_bytes: int  # memory the pool grew by while this key was captured
     kernel_nodes: int | None  # kernel nodes in the graph (debug capture only)
     replays: int = 0
+    kernels: Counter | None = None  # kernel name -> nodes, from the DOT (debug capture only)
 
 
 class CapturedGraphs:
@@ -147,12 +162,14 @@ class CapturedGraphs:
             self.fail(key, f"{type(e).__name__}: {e}")
             return False
         torch.cuda.synchronize(self.device)
-        nodes = self._count_kernels(key, graph) if self.debug else None
+        names = self._kernel_names(key, graph) if self.debug else None
+        nodes = None if names is None else sum(names.values())
         grew = torch.cuda.memory_reserved(self.device) - before
-        self.steps[key] = CapturedStep(key, graph, fn, time.perf_counter() - t0, grew, nodes)
+        self.steps[key] = CapturedStep(key, graph, fn, time.perf_counter() - t0, grew, nodes,
+                                       kernels=names)  # fmt: skip
         return True
 
-    def _count_kernels(self, key: GraphKey, graph: torch.cuda.CUDAGraph) -> int:
+    def _kernel_names(self, key: GraphKey, graph: torch.cuda.CUDAGraph) -> Counter:
         fd, path = tempfile.mkstemp(suffix=".dot")
         os.close(fd)
         try:
@@ -162,7 +179,7 @@ class CapturedGraphs:
         finally:
             os.unlink(path)
         self._dots[key] = dot
-        return len(re.findall(r"\bKERNEL\b", dot))
+        return dot_kernels(dot)
 
     def write_dot(self, key: GraphKey, path: str) -> None:
         if key not in self._dots:
@@ -181,3 +198,39 @@ class CapturedGraphs:
             step.fn()
         step.replays += 1
         return True
+
+
+# a kernel node of cudaGraphDebugDotPrint's verbose DOT, as `CUDAGraph.debug_dump` writes it:
+#   label="{KERNEL\n| {ID | 14 (topoId: 6) | ampere_sgemm_128x64_nn\<\<\<\{16,10,4\},128,0\>\>\>}
+_KERNEL_ID = re.compile(r"\{ID \| [^|]*\| ([^|}]+?)(?:\\<|\})")
+
+
+def dot_kernels(dot: str) -> Counter:
+    """Kernel name -> kernel nodes of a CUDA graph's DOT (`CUDAGraph.debug_dump`), in
+    node order; C++ names shortened (`short_kernel_name`). A kernel node whose name
+    cannot be read counts as "?"."""
+    names: Counter = Counter()
+    for m in re.finditer(r"\bKERNEL\b", dot):
+        end = dot.find('"]', m.end())
+        name = _KERNEL_ID.search(dot, m.end(), end if end >= 0 else len(dot))
+        names[short_kernel_name(name.group(1).strip()) if name else "?"] += 1
+    return names
+
+
+def short_kernel_name(name: str) -> str:
+    """An Itanium-mangled C++ kernel name as its qualified name without template
+    arguments or parameters (`_ZN2at6native13reduce_kernelILi128E...` ->
+    `at::native::reduce_kernel`); any other name (Triton's) as it is."""
+    if not name.startswith("_Z"):
+        return name
+    s, parts = name[2:], []
+    nested = s.startswith("N")
+    if nested:
+        s = s[1:].lstrip("rVK")  # cv-qualifiers of a member function
+    while (m := re.match(r"\d+", s)) is not None:
+        n = int(m.group())
+        parts.append(s[m.end() : m.end() + n])
+        s = s[m.end() + n :]
+        if not nested:
+            break
+    return "::".join(parts) if parts else name

@@ -1,5 +1,6 @@
 """The step plan: the ordered decode rows of a step, cut into chunks of at most the
-largest bucket, each with its `GraphKey`.
+largest bucket, each with its `GraphKey` (the variant: `choose_variant`'s choice routed to
+the graph that serves it on the sampler backend, `variants.served_by`).
 
 It is rebuilt only when a request is admitted, finishes or is aborted. Its per-row
 counters (tokens generated, token limit) are numpy columns, so a step touches no
@@ -16,15 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphexec.engine.graphs import chunks
+from graphexec.engine.variants import served_by
 from graphexec.params import VARIANT_ORDER
 from graphexec.request import GraphKey, Request
 
 
-def chunk_key(rows: list[Request], bucket: int) -> GraphKey:
+def chunk_key(rows: list[Request], bucket: int, backend: str) -> GraphKey:
     """The key of a chunk of rows: `choose_variant`'s choice, from the ranks cached at
-    admission (no per-step scan of the parameters)."""
-    rank = max(r.variant_rank for r in rows)
-    return GraphKey(VARIANT_ORDER[rank], bucket, any(r.params.logprobs is not None for r in rows))
+    admission (no per-step scan of the parameters), served by its graph on `backend`."""
+    variant = served_by(VARIANT_ORDER[max(r.variant_rank for r in rows)], backend)
+    return GraphKey(variant, bucket, any(r.params.logprobs is not None for r in rows))
 
 
 @dataclass
@@ -43,11 +45,11 @@ class BatchPlan:
 
     @classmethod
     def build(cls, rows: list[Request], buckets: Sequence[int], max_seq_len: int,
-              has_mask) -> BatchPlan:  # fmt: skip
+              has_mask, backend: str) -> BatchPlan:  # fmt: skip
         return cls(
             rows=rows,
             chunks=[
-                (chunk_key(rows[start : start + n], bucket), start, n)
+                (chunk_key(rows[start : start + n], bucket, backend), start, n)
                 for start, n, bucket in chunks(len(rows), buckets)
             ],
             generated=np.array([r.generated for r in rows], dtype=np.int64),

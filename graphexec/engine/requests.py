@@ -34,12 +34,14 @@ class Requests:
         eos_token_ids: ids that stop a request unless ignore_eos.
         tokenizer: detokenises outputs when given (None: no text).
         drafter: the speculative `Drafter` (keeps n-gram histories), or None.
+        backend: the sampler backend, whose graphs serve the plan's variants.
     """
 
     def __init__(self, queue: RequestQueue, slots: SlotTable, masks, prefiller: Prefiller,
                  buckets, max_seq_len: int, eos_token_ids: tuple[int, ...], tokenizer=None,
-                 drafter=None) -> None:  # fmt: skip
+                 drafter=None, *, backend: str) -> None:  # fmt: skip
         self.queue, self.slots, self.masks, self.prefiller = queue, slots, masks, prefiller
+        self.backend = backend
         self.buckets, self.max_seq_len = buckets, max_seq_len
         self.eos_token_ids, self.tokenizer, self.drafter = eos_token_ids, tokenizer, drafter
         self.running: dict[str, Request] = {}
@@ -108,7 +110,8 @@ class Requests:
         """The step plan of the running requests (built when they changed)."""
         if self._plan is None:
             self._plan = BatchPlan.build(list(self.running.values()), self.buckets,
-                                         self.max_seq_len, self.masks.has)  # fmt: skip
+                                         self.max_seq_len, self.masks.has,
+                                         self.backend)  # fmt: skip
         return self._plan
 
     def retire_plan(self) -> None:

@@ -55,6 +55,16 @@ def test_plan_picks_variant_bucket_and_logprobs() -> None:
     assert plan[0][0].variant is SamplerVariant.DEFAULT
 
 
+@pytest.mark.parametrize("backend, served", [("torch", "default"), ("triton", "default"),
+                                             ("flashinfer", "top_k_top_p")])  # fmt: skip
+def test_plan_routes_the_chosen_variant_to_the_graph_that_serves_it(backend, served) -> None:
+    b = default_buckets(16)
+    rows = [P(seed=1), P(top_k=5, seed=2), P(top_p=0.9, seed=3, logprobs=0)]
+    assert plan_step(rows, b, backend) == [(GraphKey(SamplerVariant(served), 4, True), slice(0, 3))]
+    for rows, v in (([P(seed=1)], "no_filter"), ([P(min_p=0.1, seed=1)], "default")):
+        assert plan_step(rows, b, backend)[0][0].variant is SamplerVariant(v)
+
+
 def test_plan_splits_batches_larger_than_the_largest_bucket() -> None:
     b = (1, 2, 4, 8)
     params = [P(seed=i) for i in range(8)] + [P(seed=8, min_p=0.1), P(seed=9, logprobs=2)]
@@ -68,6 +78,18 @@ def test_all_keys_largest_bucket_first_and_complete() -> None:
     keys = all_keys((1, 4, 2))
     assert len(keys) == len(set(keys)) == 3 * 3 * 2
     assert [k.bucket for k in keys][:6] == [4] * 6 and keys[-1].bucket == 1
+
+
+def test_all_keys_of_a_backend_are_its_distinct_variants_only() -> None:
+    sv = SamplerVariant
+    for backend in ("torch", "triton"):
+        keys = all_keys((1, 4, 2), (0, 3), backend)
+        assert len(keys) == len(set(keys)) == 3 * 2 * 2 * 2
+        assert set(keys) == {GraphKey(v, b, lp, k) for v in (sv.NO_FILTER, sv.DEFAULT)
+                             for b in (1, 2, 4) for lp in (False, True)
+                             for k in (0, 3)}  # fmt: skip
+    assert len(all_keys(default_buckets(256), backend="triton")) == 20 * 2 * 2  # was 120
+    assert set(all_keys((1, 2), backend="flashinfer")) == set(all_keys((1, 2)))
 
 
 def test_graph_key_is_frozen_and_validated() -> None:

@@ -54,7 +54,8 @@ def test_inspect_tool_prints_a_row_per_key() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.split()[:1] in (["no_filter"],
             ["top_k_top_p"], ["default"])]  # fmt: skip
-    assert len(rows) == 2 * 3 * 2
+    assert len(rows) == 2 * 2 * 2  # no top_k_top_p rows: default's graph serves it
+    assert all(line.split()[0] != "top_k_top_p" for line in rows)
 
 
 def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys) -> None:
@@ -76,13 +77,34 @@ def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys
     for table, steps in zip(out.split("cpu: no CUDA")[1:], ([], ["steps"]), strict=True):
         assert "emulated" in table and "Not shown (CUDA only): capture time" in table
         header = next(line for line in table.splitlines() if line.startswith("variant"))
-        assert header.split() == ["variant", "bucket", "logprobs", "spec_k", "serves"] + steps
+        assert header.split() == ["variant", "bucket", "logprobs", "spec_k", "serves",
+                                  "set"] + steps  # fmt: skip
         for cuda_only in ("capture s", "kernels", "mem MiB", "replays"):
             assert cuda_only not in header
         rows = [line.split() for line in table.splitlines()
                 if line.split()[:1] in (["no_filter"], ["top_k_top_p"], ["default"])]  # fmt: skip
-        assert len(rows) == 2 * 3 * 2 and {r[1] for r in rows} == {"1", "2"}
-        assert any("min-p" in " ".join(r) for r in rows)
+        assert len(rows) == 2 * 2 * 2 and {r[1] for r in rows} == {"1", "2"}
+        serves = {r[0]: r[4] for r in rows}
+        assert serves == {"no_filter": "no_filter", "default": "top_k_top_p,default"}
+        names = (["no_filter:"], ["top_k_top_p:"], ["default:"])
+        legend = {line.split(":")[0].strip(): line.split()[1:] for line in table.splitlines()
+                  if line.split()[:1] in names}  # fmt: skip
+        assert legend["top_k_top_p"][-2:] == ["graph:", "default"]  # the variants' legend
+        assert legend["no_filter"][-1] == "no_filter" and legend["default"][-1] == "default"
+        # one kernel set per variant x logprobs, listed under the table
+        sets = {(r[0], r[2]): r[5] for r in rows}
+        assert len(set(sets.values())) == 4 and "the sampler kernels each key launches" in table
+        blocks: dict = {}  # set label -> its lines
+        for line in table.split("Kernel sets:")[1].splitlines():
+            if line.startswith("  ") and not line.startswith("   "):
+                blocks[line.split()[0]] = []
+            if blocks:
+                blocks[list(blocks)[-1]].append(line)
+        assert set(blocks) == set(sets.values())
+        block = " ".join(blocks[sets[("no_filter", "False")]])
+        assert "1 launch: no_filter/nolp (buckets 1,2)" in block and "_stats_kernel," not in block
+        block = " ".join(blocks[sets[("default", "True")]])
+        assert "_select_kernel x2" in block and "_raw_logprobs_kernel" in block
         if steps:  # the emulated replays: the min-p request's steps ran default/b1/nolp
             ran = {(r[0], r[1], r[2]): int(r[-1]) for r in rows}
             assert ran[("default", "1", "False")] >= 2 and sum(ran.values()) == ran[

@@ -63,7 +63,7 @@ def test_batch_invariance_with_table_model(tok) -> None:
 
 def test_capture_every_key_with_tiny_lm_at_full_vocab(tok) -> None:
     ex = executor(gx.models.TinyLM(tok.vocab_size, seed=0), tok, 256)
-    assert len(ex.graph_keys) == 20 * 3 * 2
+    assert len(ex.graph_keys) == 20 * 2 * 2  # no_filter, default (it serves top_k_top_p)
     assert all(s.graph is not None for s in ex.graphs.steps.values())
     items = wl.mixed_workload(300, tok.vocab_size, seed=2, grammars=True, spread=20)
     trace = wl.run(ex, items)
