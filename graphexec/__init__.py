@@ -19,6 +19,10 @@ from graphexec.speculative import SpeculativeConfig, VerifyOutput, verify_drafts
 from graphexec.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
+# The definition of every seeded stream (`graphexec.sampling.reference`): a seeded request
+# gets the same tokens from every release with the same STREAM_VERSION. 2: a filtered row
+# draws its candidate unfiltered and keeps it when the filters do, else a fallback draw.
+STREAM_VERSION = 2
 
 __all__ = [
     "AsyncDecodeExecutor",
@@ -27,6 +31,7 @@ __all__ = [
     "ExecutorFullError",
     "ExecutorStats",
     "RequestOutput",
+    "STREAM_VERSION",
     "Grammar",
     "ModelOutputError",
     "PromptLogprob",

@@ -15,8 +15,9 @@ Salmon et al. (SC'11) generator: ten rounds of two 32x32->64 multiplications wit
 constants 0xD2511F53 and 0xCD9E8D57 and Weyl key increments 0x9E3779B9, 0xBB67AE85.
 
 `stream` separates independent uses of the same (seed, pos, token): token noise, the
-block noise of the two-level draw (keyed on the block index), speculative acceptance
-coins, recovered-token noise, a rejection-mode draft model's draw. Nothing here holds
+block noise of the two-level draw (keyed on the block index), the fallback draw of a
+filtered row whose candidate was not kept (its own token and block streams), speculative
+acceptance coins, recovered-token noise, a rejection-mode draft model's draw. Nothing here holds
 state: there is no generator object, no global RNG and no per-batch offset, which is what makes a
 request's draws independent of batch, bucket, row, variant and eager-vs-replay.
 
@@ -50,6 +51,8 @@ class Stream(enum.IntEnum):
     BLOCK = 3  # the block choice of the two-level draw ("token_id" = block index)
     MODEL = 4  # TableModel's logits (test model; never sampling noise)
     SPEC_DRAFT = 5  # speculative decoding, rejection mode: a draft model's own draw
+    FALLBACK_TOKEN = 6  # a filtered row's fallback draw (its candidate was not kept): tokens
+    FALLBACK_BLOCK = 7  # ... and its block choice
 
 
 def _mul32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,11 @@ from the whole row, bit for bit (its definition, step by step, on a slice):
   5. top-p      the same selection with a mass histogram beside the counts, the exact
                 int64 fixed point of the definition; the boundary group's kept count is
                 exact integer arithmetic; min-p needs only y
-  6. draw       kept block masses K_b (all-reduce sum); the block b* from the block noise
-                (same on every rank); each rank's best score in b* and its id (one
-                all-gather of [B, 2]): the winner of winners, ties to the lower id
+  6. draw       the candidate: the block b* from Q_b and the block noise (the same on
+                every rank); each rank's best score in b* and its id (one all-gather of
+                [B, 2]): the winner of winners, ties to the lower id. Filtered rows: the
+                candidate's owner says whether it is kept (all-reduce max); kept block
+                masses K_b (all-reduce sum) and the same draw on the fallback streams
   7. logprobs   max and sum of exp (all-reduce), the token's value from its owner, its
                 rank (all-reduce sum of counts), top-N by merging each rank's top-N
 
@@ -38,7 +40,9 @@ from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.flags import INF_TOKEN
 from graphexec.sampling.reference import (
+    CANDIDATE,
     DRAW_BLOCK,
+    FALLBACK,
     MASS_SCALE,
     effective_inv_t,
     first_argmax,
@@ -52,14 +56,15 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 _INF = float("inf")
 
 
-def gumbel_range(seed: torch.Tensor, pos: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """[B, hi - lo] token noise of ids lo..hi-1: `row_gumbel`'s columns, bit for bit."""
+def gumbel_range(seed: torch.Tensor, pos: torch.Tensor, lo: int, hi: int,
+                 stream: int = Stream.TOKEN) -> torch.Tensor:  # fmt: skip
+    """[B, hi - lo] token noise of ids lo..hi-1: `row_gumbel_stream`'s columns, bit for bit."""
     g0, g1 = lo // 4, (hi + 3) // 4
     groups = torch.arange(g0, g1, device=seed.device, dtype=torch.int64)
     s = seed.to(torch.int64).unsqueeze(1)
     zero = torch.zeros((), dtype=torch.int64, device=seed.device)
     words = philox4x32(groups.unsqueeze(0), pos.to(torch.int64).unsqueeze(1),
-                       zero + int(Stream.TOKEN), zero, s & 0xFFFFFFFF, s >> 32)  # fmt: skip
+                       zero + int(stream), zero, s & 0xFFFFFFFF, s >> 32)  # fmt: skip
     bits = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], -1)
     bits = bits[:, lo - 4 * g0 : lo - 4 * g0 + hi - lo]
     u = ((bits >> 8) | 1).to(torch.float32) * 2.0**-24
@@ -174,6 +179,27 @@ def _block_mass(xb, xm_mine, inv_t, keep_b=None) -> torch.Tensor:
     return torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0).sum(-1)
 
 
+def _two_level(y, xc, ym, mass, among, greedy, seed, positions, streams, cols, V, g):
+    """[B] the two-level draw over the tokens `among` of the slices (`reference.two_level`;
+    greedy rows: the first argmax of xc): the block from the block noise (the same on
+    every rank), each rank's best score in it and its id (one all-gather of [B, 2]), the
+    winner of winners, ties to the lower id."""
+    lo, hi = cols
+    lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -_INF)
+    chosen = first_argmax(lm + row_gumbel_stream(seed, positions, lm.shape[1], streams[1]))
+    ids = torch.arange(lo, hi, device=y.device)
+    in_block = (ids // DRAW_BLOCK).unsqueeze(0) == chosen.unsqueeze(1)
+    noise = gumbel_range(seed, positions, lo, hi, streams[0])
+    score = torch.where(in_block & among, y + noise, -_INF)
+    score = torch.where(greedy, xc, score)
+    best = score.max(1).values
+    mine = torch.where(best > -_INF, first_argmax(score) + lo, V)
+    both = all_gather(torch.stack([f32_bits(best), mine], 1), g)  # [T, B, 2]
+    s_all, id_all = bits_f32(both[..., 0]), both[..., 1]
+    top = s_all.max(0).values
+    return torch.where(s_all == top.unsqueeze(0), id_all, V).min(0).values
+
+
 def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out: SamplerOutput,
            bitmask=None, variant=SamplerVariant.DEFAULT, *, tp, count_ids=None,
            flag_inf: bool = False) -> SamplerOutput:  # fmt: skip
@@ -200,9 +226,11 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
     all_reduce(q, "sum", g)
     ym = torch.where(xm > -_INF, (xm - m) * inv_t.view(-1, 1), -_INF)
     live = y > -_INF
-    if variant is SamplerVariant.NO_FILTER:
-        kept, mass = live, q
-    else:
+    seed = table.seed[slot_ids]
+    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
+    # the candidate: the two-level draw over every live token
+    tok = _two_level(y, xc, ym, q, live, greedy, seed, positions, CANDIDATE, (lo, hi), V, g)
+    if variant is not SamplerVariant.NO_FILTER:
         terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
         kept = _filters(y, order_key(y), slot_ids, table, terms.sum(-1), tp)
         plain = plain_rows(slot_ids, table).unsqueeze(1)
@@ -210,20 +238,14 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
         kb, _ = _blocks(kept, lo, hi, nb, False)
         k_mass = torch.zeros_like(q)
         k_mass[:, b0 : b0 + xb.shape[1]] = _block_mass(xb, xm_mine, inv_t, kb)
-        mass = torch.where(plain, q, all_reduce(k_mass, "sum", g))
-    seed = table.seed[slot_ids]
-    lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -_INF)
-    chosen = first_argmax(lm + row_gumbel_stream(seed, positions, nb, Stream.BLOCK))
-    ids = torch.arange(lo, hi, device=x.device)
-    in_block = (ids // DRAW_BLOCK).unsqueeze(0) == chosen.unsqueeze(1)
-    score = torch.where(in_block & kept, y + gumbel_range(seed, positions, lo, hi), -_INF)
-    score = torch.where((table.temperature[slot_ids] == 0).unsqueeze(1), xc, score)
-    best = score.max(1).values
-    mine = torch.where(best > -_INF, first_argmax(score) + lo, V)
-    both = all_gather(torch.stack([f32_bits(best), mine], 1), g)  # [T, B, 2]
-    s_all, id_all = bits_f32(both[..., 0]), both[..., 1]
-    top = s_all.max(0).values
-    tok = torch.where(s_all == top.unsqueeze(0), id_all, V).min(0).values
+        all_reduce(k_mass, "sum", g)
+        # kept where the candidate's owner says so; else the fallback draw over the kept set
+        mine = (tok >= lo) & (tok < hi)
+        at = (tok - lo).clamp(0, hi - lo - 1).unsqueeze(1)
+        in_kept = all_reduce((mine & kept.gather(1, at).squeeze(1)).to(torch.int32), "max", g)
+        fb = _two_level(y, xc, ym, k_mass, kept, greedy, seed, positions, FALLBACK, (lo, hi),
+                        V, g)  # fmt: skip
+        tok = torch.where((in_kept > 0) | greedy.squeeze(1), tok, fb)
     tok = torch.where(valid, tok, -1)
     if flag_inf:  # as `step.flag_inf`: an invalid row reads id 0
         hit = torch.isposinf(value_at(shard, tok, tp))

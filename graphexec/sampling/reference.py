@@ -25,28 +25,38 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
    with ym_b = (xm_b - m) * s the block's max of y, so the sampler gets it from one
    read of the row without knowing m in advance.
 6. **Draw.** Greedy rows take the argmax of x. A row whose maximum is -inf has nothing
-   to sample: valid = False, token -1. Every other row takes the **two-level draw**,
-   which reads the row once and draws token noise for one block only. Cut the row into
-   blocks of DRAW_BLOCK consecutive token ids; with g(seed, pos, i, stream) the Gumbel
-   noise of `graphexec.rng` and ties always to the lower index:
+   to sample: valid = False, token -1. Every other row draws first and filters second:
+   a. **Candidate.** c = the **two-level draw** over every live token (the row
+      unfiltered), with the noise streams TOKEN and BLOCK.
+   b. **Membership.** If c is in the kept set of step 5, c is the token.
+   c. **Fallback.** Otherwise the token is the two-level draw over the kept set, with
+      the independent streams FALLBACK_TOKEN and FALLBACK_BLOCK.
+   With kept set K of mass m (under the unfiltered distribution p) this is exact:
+   P(x) = p_x + (1 - m) p_x / m = p_x / m for x in K. Rows with no active filter keep
+   every live token, so their token is always the candidate.
+   The two-level draw reads the row once and draws token noise for one block only. Cut
+   the row into blocks of DRAW_BLOCK consecutive token ids; with g(seed, pos, i, stream)
+   the Gumbel noise of `graphexec.rng` and ties always to the lower index:
        L_b = ym_b + log(fp32(K_b))         (-inf where K_b = 0)
-       b*  = argmax of L_b + g(seed, pos, b, BLOCK)
-       token = argmax of y + g(seed, pos, token, TOKEN) over the kept tokens of block b*
-   K_b is the block's kept mass relative to its max, an exact int64 sum
-       K_b = sum over the kept i of trunc(exp((x_i - xm_b) * s) * 2**32)
+       b*  = argmax of L_b + g(seed, pos, b, block stream)
+       token = argmax of y + g(seed, pos, token, token stream) over the drawn-from
+               tokens of block b*
+   K_b is the block's mass over the tokens drawn from, relative to its max, an exact
+   int64 sum
+       K_b = sum over those i of trunc(exp((x_i - xm_b) * s) * 2**32)
    with xm_b the block max of the collapsed x, so the first read of the row gives it
-   without knowing m. Rows with no active filter (top-k off, top-p 1, min-p 0) keep
-   every finite x_i: K_b = Q_b, the same sum over the whole block; so does a filtered
-   row's block whose every live token is kept.
-   P(b) is the block's share of the kept mass and P(token | b) its share within the
-   block, so the draw is exact up to the 2**-32 fixed point (per token, relative to its
-   block max); every block holding a kept token holds one of mass 2**32 (its kept max).
+   without knowing m. For the candidate (every finite x_i) K_b = Q_b, the block stats.
+   P(b) is the block's share of the mass and P(token | b) its share within the block, so
+   the draw is exact up to the 2**-32 fixed point (per token, relative to its block
+   max); every block holding a drawn-from token holds one of mass 2**32 (its max).
 7. **Logprobs** of the raw row (default) or of the processed row y before the filters
    (`logprobs_mode="processed"`), both +inf-collapsed: lp = (v - m) - log(sum
    exp(v - m)); rank = 1 + #(v_j > v_token); the top-N by (v desc, id asc).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -255,6 +265,74 @@ def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Ten
     return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
+def two_level(
+    y: torch.Tensor,
+    ym: torch.Tensor,
+    mass: torch.Tensor,
+    among: torch.Tensor,
+    seed: torch.Tensor,
+    positions: torch.Tensor,
+    streams: tuple[int, int],
+    draw_block: int,
+) -> torch.Tensor:
+    """[B] the two-level draw of step 6 over the tokens `among` [B, V] (block masses
+    `mass` [B, nblocks] over them), with noise streams (token, block)."""
+    V = y.shape[1]
+    lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -torch.inf)
+    bg = row_gumbel_stream(seed, positions, lm.shape[1], streams[1])
+    chosen = first_argmax(lm + bg)
+    in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
+    g = row_gumbel_stream(seed, positions, V, streams[0])
+    return first_argmax(torch.where(in_block & among, y + g, -torch.inf))
+
+
+CANDIDATE = (Stream.TOKEN, Stream.BLOCK)
+FALLBACK = (Stream.FALLBACK_TOKEN, Stream.FALLBACK_BLOCK)
+
+
+@dataclass
+class Draw:
+    """Step 6 per row: the token, whether the row had one, and how it was reached
+    (`candidate` [B]: the unfiltered draw; `kept` [B]: whether the token is it)."""
+
+    token_ids: torch.Tensor
+    valid: torch.Tensor
+    candidate: torch.Tensor
+    kept: torch.Tensor
+
+
+def draw_rows(
+    xc: torch.Tensor,
+    y: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    table: SamplingTensors,
+    kept: torch.Tensor | None,
+    draw_block: int = DRAW_BLOCK,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Draw:
+    """Step 6 from scaled rows y (xc: collapsed y's source, for greedy rows and the block
+    masses; stats: its `block_stats`, if known; kept: the filters' mask, None when no row
+    has an active filter)."""
+    seed = table.seed[slot_ids]
+    inv_t = effective_inv_t(slot_ids, table)
+    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
+    ym = torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
+    live = y > -torch.inf
+    cand = two_level(y, ym, q, live, seed, positions, CANDIDATE, draw_block)
+    tok, in_kept = cand, torch.ones_like(cand, dtype=torch.bool)
+    if kept is not None:
+        kept = torch.where(plain_rows(slot_ids, table).unsqueeze(1), live, kept)
+        in_kept = kept.gather(1, cand.unsqueeze(1)).squeeze(1)
+        kb = kept_block_mass(xc, kept, inv_t, draw_block)
+        fallback = two_level(y, ym, kb, kept, seed, positions, FALLBACK, draw_block)
+        tok = torch.where(in_kept, cand, fallback)
+    greedy = table.temperature[slot_ids] == 0
+    tok = torch.where(greedy, first_argmax(xc), tok)
+    valid = xc.max(dim=-1).values > -torch.inf
+    return Draw(torch.where(valid, tok, -1), valid, cand, in_kept | greedy)
+
+
 def draw(
     xc: torch.Tensor,
     y: torch.Tensor,
@@ -265,31 +343,9 @@ def draw(
     draw_block: int = DRAW_BLOCK,
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 6: (token_ids [B] i64, valid [B] bool) from scaled rows y (xc: collapsed y's
-    source, for greedy rows and the block masses; stats: its `block_stats`, if known;
-    kept: the filters' mask, None when no row has an active filter)."""
-    B, V = y.shape
-    seed = table.seed[slot_ids]
-    inv_t = effective_inv_t(slot_ids, table)
-    xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
-    ym = torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
-    live = y > -torch.inf
-    if kept is None:  # no row filters: every block keeps its Q_b
-        kept, mass = live, q
-    else:
-        plain = plain_rows(slot_ids, table).unsqueeze(1)
-        kept = torch.where(plain, live, kept)
-        mass = torch.where(plain, q, kept_block_mass(xc, kept, inv_t, draw_block))
-    lm = torch.where(mass > 0, ym + torch.log(mass.to(torch.float32)), -torch.inf)
-    bg = row_gumbel_stream(seed, positions, lm.shape[1], Stream.BLOCK)
-    chosen = first_argmax(lm + bg)
-    in_block = (torch.arange(V, device=y.device) // draw_block).unsqueeze(0) == chosen.unsqueeze(1)
-    score = torch.where(in_block & kept, y + row_gumbel(seed, positions, V), -torch.inf)
-    greedy = table.temperature[slot_ids] == 0
-    score = torch.where(greedy.unsqueeze(1), xc, score)
-    valid = xc.max(dim=-1).values > -torch.inf
-    tok = first_argmax(score)
-    return torch.where(valid, tok, -1), valid
+    """Step 6: (token_ids [B] i64, valid [B] bool); see `draw_rows`."""
+    d = draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats)
+    return d.token_ids, d.valid
 
 
 def block_ordered_sum(e: torch.Tensor, block: int = DRAW_BLOCK) -> torch.Tensor:

@@ -250,10 +250,12 @@ def test_bench_shapes_take_the_fast_routes(shape):
 
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
-                                   dict(short_blocks=0)])  # fmt: skip
+                                   dict(short_blocks=0), dict(check_blocks=0),
+                                   dict(check_blocks=1)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps,
-    the short route off: the same tokens as the GPU preset, on every shape and filter."""
+    the short route off, every candidate decided by the cut or by the check pass: the same
+    tokens as the GPU preset, on every shape and filter."""
     from graphexec.sampling.triton.sampler_config import SamplerConfig
 
     V, B = 128256, 48
@@ -372,3 +374,55 @@ def test_every_filter_is_exact_on_gpu(name, shape):
     probs, kept = kept_probs(row, 0.8, filt)
     assert kept >= 3
     chi_square_gpu(row, gx.SamplingParams(temperature=0.8, seed=77, **filt), probs, 200_000)
+
+
+@pytest.mark.parametrize("shape,filt", [("flat", dict(top_p=0.7)),
+                                        ("peaked", dict(top_k=6, top_p=0.8)),
+                                        ("flat", dict(min_p=0.4))])  # fmt: skip
+def test_candidate_and_fallback_routes_are_exact_on_gpu(shape, filt):
+    """Chi-square (alpha 1e-6) of the Triton tokens of 200,000 draws of one row, split by
+    the route the reference says each draw took (candidate kept, or the fallback draw),
+    and of all of them: each follows the filtered distribution. The Triton tokens equal
+    the reference's, so its routes are theirs."""
+    import numpy as np
+    import scipy.stats
+
+    V, n, chunk = 12 * reference.DRAW_BLOCK, 200_000, 25_000
+    g = torch.Generator().manual_seed(31)
+    if shape == "flat":
+        row = torch.randn(V, generator=g) * 0.4
+    else:
+        row = -2.0 * torch.log(torch.randperm(V, generator=g).float() + 1)
+    probs, _ = kept_probs(row, 0.8, filt)
+    params = gx.SamplingParams(temperature=0.8, seed=91, **filt)
+    toks, took = [], []
+    for start in range(0, n, chunk):
+        logits = row.cuda().expand(chunk, -1).contiguous()
+        pos = torch.arange(start, start + chunk)
+        out = gx.sample_logits(logits, [params] * chunk, pos, backend="triton")
+        table = SamplingTensors.from_params([params], V, "cuda")
+        slots = torch.zeros(chunk, dtype=torch.int64, device="cuda")
+        xc = reference.collapse_inf(reference.process_logits(logits, slots, table))
+        y = reference.scale(xc, slots, table)
+        inv_t = reference.effective_inv_t(slots, table)
+        stats = reference.block_stats(xc, inv_t, reference.DRAW_BLOCK)
+        kept = reference.filter_mask(
+            y, slots, table, reference.row_mass(xc, inv_t, reference.DRAW_BLOCK, stats)
+        )
+        d = reference.draw_rows(xc, y, slots, pos.cuda(), table, kept, stats=stats)
+        same = (d.token_ids == out.token_ids).float().mean().item()
+        assert same > 0.9999, f"Triton and reference tokens agree on {same:.5f} of draws"
+        toks.append(out.token_ids.cpu().numpy())
+        took.append(d.kept.cpu().numpy())
+    toks, took = np.concatenate(toks), np.concatenate(took)
+    assert took.sum() > 10_000 and (~took).sum() > 10_000, "both routes must be taken"
+    for name, sel in (("candidate", took), ("fallback", ~took), ("all", took | ~took)):
+        counts = np.bincount(toks[sel], minlength=V)
+        assert not (counts * (probs == 0)).any(), f"{name}: a token outside the kept set"
+        exp = probs * sel.sum()
+        big = exp >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        ex = np.append(exp[big], exp[~big].sum())
+        keep = ex > 0
+        pval = scipy.stats.chisquare(obs[keep], ex[keep] * obs.sum() / ex[keep].sum()).pvalue
+        assert pval > 1e-6, f"{name} route: chi-square p = {pval:.3g}"

@@ -16,11 +16,14 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
 P = gx.SamplingParams
 # the interpreter preset with blocks of 16 tokens (a few hundred tokens make many blocks),
-# and the GPU preset as it runs on a GPU; the first two with the short route off, so that
-# filtered rows reach the selection passes the tests of those passes look at
+# and the GPU preset as it runs on a GPU; the first two with the short route and the
+# candidate's early decision off, so that filtered rows reach the selection passes the
+# tests of those passes look at
 CONFIGS = {
-    "interp16": SamplerConfig.interpreter().replace(draw_block=16, short_blocks=0),
-    "gpu_preset": SamplerConfig.gpu().replace(short_blocks=0),
+    "interp16": SamplerConfig.interpreter().replace(
+        draw_block=16, short_blocks=0, check_blocks=0
+    ),  # fmt: skip
+    "gpu_preset": SamplerConfig.gpu().replace(short_blocks=0, check_blocks=0),
     "interp16_short": SamplerConfig.interpreter().replace(draw_block=16),
     "gpu_short": SamplerConfig.gpu(),
 }

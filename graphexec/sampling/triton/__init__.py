@@ -19,22 +19,32 @@ Launches per variant (grids of B x S programs, S programs per row, or B row prog
 row's last program of a pass serves what follows it, through an acq_rel counter per row):
 
     no_filter             stats (the row tail runs in its last program per row)
-    top_k_top_p, default  stats, tail, short, select, kept, finish, then round 2's select,
-                          kept, finish (rows not in a launch's route leave at once)
+    top_k_top_p, default  stats, tail, check, short, select, kept, finish, then round 2's
+                          select, kept, finish (rows not in a launch's route leave at once)
     + logprobs            raw_logprobs, logprobs
 
+Draw first, filter second (`reference`, step 6): every filtered row first draws its
+candidate c from the whole row, exactly as no_filter does (the two-level draw by the block
+stats Q_b; one block read again). If c is in the kept set it is the token; else the row
+takes the cut's machinery below and draws from the kept set on the fallback streams.
 Routes, one per row, and what serves it (kernels are `file:function` in this package;
 passes are reads of the row, worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
 | done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel (no_filter) or stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
-| short | top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 1 + the listed blocks | short:short_draw |
-| cut | min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 2 (only the blocks min-p cuts) | stats:_plan |
-| select | top-k / top-p, more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 3 | stats:_plan |
-| round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 5 | select:_bracket, kept:_finish |
-| exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 5 + 31 | kept:_finish |
+| candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + check:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, check:_decide_row |
+| short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:short_draw |
+| cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |
+| select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
+| round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 6 | select:_bracket, kept:_finish |
+| exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 6 + 31 | kept:_finish |
 | + logprobs | rows asking for logprobs (any route) | raw_logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:_write_logprobs |
+
+A row of the last four routes ends in `draw.fallback_draw`: its candidate if it was left
+undecided and the cut keeps it, else the fallback draw. The candidate route is how most
+rows end: a kept set of mass m keeps the candidate with probability m (top-p 0.9: about
+nine rows in ten), and on a peaked row its check reads a few blocks.
 
 Each later pass reads only the listed blocks: peaked rows read a few dozen blocks again
 (and take the short route: one program gathers the candidates, sorts them and resolves

@@ -16,7 +16,9 @@ scalars, evaluated per token by `kept_mask`:
               pack is >= cut (cut: the pack of the last kept bracket token)
 
 Every route's kept set takes this form: no filter (all above), min-p alone (above, y >=
-log_min_p), ties and the exact search (all bracket 1), the selection (`kept`).
+log_min_p), ties and the exact search (all bracket 1), the selection (`kept`). A filtered
+row's token is its candidate (`two_level_draw` over the whole row, streams TOKEN and
+BLOCK) where the kept set holds it, else `fallback_draw`'s (streams FALLBACK_*).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from graphexec.rng import Stream
+from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.keys import INT32_MAX, collapse_inf, first_argmax, pack
 from graphexec.sampling.triton.philox import block_bits, gumbel
 from graphexec.sampling.triton.process import tile_x
@@ -33,6 +36,8 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 FINE = tl.constexpr(32)  # fine bins to a histogram bin: where the bracket's bounds lie
 TOKEN = tl.constexpr(int(Stream.TOKEN))
 BLOCK = tl.constexpr(int(Stream.BLOCK))
+FALLBACK_TOKEN = tl.constexpr(int(Stream.FALLBACK_TOKEN))
+FALLBACK_BLOCK = tl.constexpr(int(Stream.FALLBACK_BLOCK))
 
 
 @triton.jit
@@ -67,21 +72,42 @@ def kept_mask(y, pk, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: t
 @triton.jit
 def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top, inv_w, jhi, j1,
                    j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
-                   NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
-    """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise, then the kept
-    token of that block with the largest y plus token noise (ties to the lower id).
-    ym, kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept)."""
+                   NBINS: tl.constexpr, FL: tl.constexpr, BS: tl.constexpr = BLOCK,
+                   TS: tl.constexpr = TOKEN):  # fmt: skip
+    """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise (stream BS), then
+    the kept token of that block with the largest y plus token noise (stream TS; ties to
+    the lower id). ym, kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept).
+    Returns (token, its y)."""
     b = tl.arange(0, NBLK_P2)
     lm = tl.where(kv > 0, ym + tl.log(kv.to(tl.float32)), float("-inf"))
-    key = tl.where(b < NBLK, lm + gumbel(block_bits(seed, pos, 0, NBLK_P2, BLOCK)), float("-inf"))
+    key = tl.where(b < NBLK, lm + gumbel(block_bits(seed, pos, 0, NBLK_P2, BS)), float("-inf"))
     best_key, bstar = first_argmax(key, b, NBLK_P2)
     start = bstar * DB
     offs = start + tl.arange(0, DB)
     x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, FL), has_inf)
     y = (x - m) * s
     kept = kept_mask(y, pack(y, offs), lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
-    sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TOKEN)), float("-inf"))
+    sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TS)), float("-inf"))
     best, tok = first_argmax(sc, offs, INT32_MAX)
+    return tok, tl.max(tl.where(offs == tok, y, float("-inf")), axis=0)
+
+
+@triton.jit
+def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi, j1, j2,
+                  jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+                  NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """The token of a filtered row once its kept set is known (the arguments of
+    `two_level_draw`): its candidate where the set holds it (W.rowi's I_CAND, -1 once the
+    candidate was known to be out), else the fallback draw over the set."""
+    cand = tl.load(W.rowi + row * cf.NUM_I + cf.I_CAND).to(tl.int32)
+    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+    keep = kept_mask(yc, pack(yc, tl.maximum(cand, 0)), lo, top, inv_w, jhi, j1, j2, jlo, cut,
+                     midk, lnmp, NBINS)  # fmt: skip
+    tok = cand
+    if (cand < 0) | (keep == 0):
+        tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top,
+                                       inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2,
+                                       DB, NBINS, FL, FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
     return tok
 
 

@@ -13,7 +13,8 @@ the row's order and the exact mass before it, from every pair, no sort). A cut e
 (above, inside the middle, past the brackets) or a bracket past the gather cap sends the
 row to round 2 (`select.plan_round2`: these kernels again over a narrower range), and in
 round 2 to the exact search (`exact`). The kept bracket tokens' masses are added to their
-blocks, and the row is drawn (`draw.two_level_draw`).
+blocks, and the row is drawn (`draw.fallback_draw`: its candidate if kept, else the
+fallback draw).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, two_level_draw
+from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import (
     BIG_KEY,
@@ -38,10 +39,11 @@ from graphexec.sampling.triton.keys import (
 )
 from graphexec.sampling.triton.process import (
     bias_ids,
+    list_tile,
     row_params,
 )
 from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
-from graphexec.sampling.triton.short import cut_tiles, list_tile
+from graphexec.sampling.triton.short import cut_tiles
 
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
 
@@ -242,9 +244,9 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         if midk:
             kv += tl.load(W.kept_mid + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                           cache_modifier=".cg")  # fmt: skip
-        tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top, inv_w,
-                             jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
-                             FL)  # fmt: skip
+        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi,
+                            j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
+                            FL)  # fmt: skip
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, tok >= 0)
 

@@ -13,6 +13,7 @@ import triton
 from graphexec.params import SamplerVariant
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
+from graphexec.sampling.triton.check import _check_kernel
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import write_logprobs
 from graphexec.sampling.triton.process import proc_args
@@ -69,8 +70,14 @@ def sample(
     if filters:
         _tail_kernel[(B,)](
             P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db, FL=fl,
-            NBINS=cfg.bins, enable_fp_fusion=False, num_warps=cfg.tail_warps,
+            NBINS=cfg.bins, R=r, CB=cfg.check_blocks, enable_fp_fusion=False,
+            num_warps=cfg.tail_warps,
         )  # fmt: skip
+        if cfg.check_blocks:
+            _check_kernel[(B * S2,)](
+                P, W, out.token_ids, out.valid, S2, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, R=r,
+                DB=db, NBINS=cfg.bins, FL=fl, enable_fp_fusion=False, num_warps=cfg.num_warps,
+            )  # fmt: skip
         if cfg.short_blocks:
             _short_kernel[(B,)](
                 P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db,

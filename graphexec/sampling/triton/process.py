@@ -172,6 +172,19 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
     return tl.where(ok, x, float("-inf"))
 
 
+@triton.jit
+def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
+              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
+    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
+    e = e0 + tl.arange(0, R)
+    bid = tl.load(W.blocks + row * NBLK + e, mask=e < n_list, other=NBLK)
+    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+    lo = tl.min(bid, axis=0) * DB
+    hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
+    return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
+
+
 def proc_args(
     logits: torch.Tensor,
     slot_ids: torch.Tensor,

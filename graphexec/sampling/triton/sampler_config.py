@@ -25,10 +25,11 @@ R_SELECT = tl.constexpr(2)  # top-k / top-p: histogram, then a bracket gathered,
 R_EXACT = tl.constexpr(3)  # neither bracket resolved: the serial exact search served it
 R_REFINE = tl.constexpr(4)  # round 1's bracket is past the gather cap: go to round 2
 R_ROUND2 = tl.constexpr(5)  # round 1 did not resolve: round 2's narrower bracket served it
+R_CHECK = tl.constexpr(6)  # the candidate's membership needs the check pass (many blocks)
 
 # Columns of Workspace.rowf (f32): the row max, 1/T, the bins' low and top ends (y), their
-# scale, the lowest y whose block K_b the draw reads
-F_M, F_S, F_LO, F_INVW, F_KLO, F_TOP = (tl.constexpr(i) for i in range(6))
+# scale, the lowest y whose block K_b the draw reads, the candidate's y
+F_M, F_S, F_LO, F_INVW, F_KLO, F_TOP, F_YC = (tl.constexpr(i) for i in range(7))
 # Columns of Workspace.rowi (i64): the route, the block list's length, the bracket's bin
 # bounds (above: j < J_HI; bracket 1: J_HI..J_1; middle: J_1 < j < J_2; bracket 2:
 # J_2..J_LO), whether no live token lies below lo; then what the kept pass sums: numbers
@@ -40,7 +41,10 @@ I_NAB, I_NABM, I_MAB, I_NMID, I_NMIDM, I_MMID, I_NBELM, I_NBEL, I_NG = (
     tl.constexpr(i) for i in range(8, 17)
 )
 I_NTOP, I_MTOP, I_RA, I_RB = (tl.constexpr(i) for i in range(17, 21))
-NUM_I = tl.constexpr(24)
+# the candidate (`candidate`): its token id (-1 once it is known to be outside the kept
+# set), then the check pass's count and exact mass of the tokens ranked above it
+I_CAND, I_CCNT, I_CMASS = (tl.constexpr(i) for i in range(24, 27))
+NUM_I = tl.constexpr(32)
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,11 @@ class SamplerConfig:
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
     programs: stats-pass programs to aim for over the batch (rows x slices).
-    late_programs: the same for the select and kept passes, which read fewer blocks
-        (about two per SM: one row per program at large B, many at B = 1); round 2
-        spreads its few rows over this many programs whatever B is.
+    late_programs: the same for the check, select and kept passes, which read fewer
+        blocks; round 2 spreads its few rows over this many programs whatever B is. A
+        program walks its blocks through the row's block list (dependent loads), so a
+        flat row needs many programs; rows with few listed blocks pay a few us for the
+        programs that leave at once.
     bins: histogram bins of the selection pass (a power of two).
     gather_cap: most bracket tokens a row gathers and resolves by counting; a row past
         it takes round 2 (a bracket over a narrower range), and past it again the serial
@@ -67,6 +73,10 @@ class SamplerConfig:
         the short route off.
     short_tokens: most candidates (tokens with y >= lo) of such a row (a power of two, 16
         to gather_cap): its cut is found by sorting them.
+    check_blocks: most blocks the row tail reads to decide whether a filtered row's
+        candidate is kept (`candidate`); a row with more takes the check pass, spread
+        over late_programs. 0 decides no candidate early: every filtered row takes the
+        cut's passes and its candidate is tested against the cut (for tests of them).
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
         row past it goes to the general writer.
     num_warps: warps of the passes' programs (stats, select, kept): a small program
@@ -78,13 +88,14 @@ class SamplerConfig:
     draw_block: int = DRAW_BLOCK
     tile_blocks: int = 8
     programs: int = 4096
-    late_programs: int = 264
+    late_programs: int = 2048
     bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
     search_blocks: int = 4
     short_blocks: int = 128
     short_tokens: int = 128
+    check_blocks: int = 16
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
@@ -103,6 +114,8 @@ class SamplerConfig:
                 "SamplerConfig.short_tokens must be between 16 and gather_cap "
                 f"({self.gather_cap}), got {self.short_tokens}"
             )
+        if self.check_blocks < 0:
+            raise ValueError(f"SamplerConfig.check_blocks must be >= 0, got {self.check_blocks}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "late_programs", "num_warps", "tail_warps"):
@@ -125,6 +138,7 @@ class SamplerConfig:
             search_blocks=4,
             short_blocks=8,
             short_tokens=64,
+            check_blocks=8,
             logprobs_cap=64,
             num_warps=4,
             tail_warps=4,

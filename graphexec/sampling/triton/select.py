@@ -31,8 +31,7 @@ import triton.language as tl
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
-from graphexec.sampling.triton.process import bias_ids
-from graphexec.sampling.triton.short import list_tile
+from graphexec.sampling.triton.process import bias_ids, list_tile
 from graphexec.sampling.triton.stats import arrive
 
 

@@ -13,7 +13,7 @@ min-p's the pack of y = log_min_p. The kept set never reaches below the candidat
 
 One loop over the listed blocks, R at a time (registers stay those of a [R, DB] tile),
 compacts the candidates (pack and x) into the row's gather buffers; the kept ones then
-add their masses to their blocks' K_b, and the row is drawn (`draw.two_level_draw`).
+add their masses to their blocks' K_b, and the row is drawn (`draw.fallback_draw`).
 min-p alone needs no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of
 them: more go to the kept pass, which spreads them over several programs). A row past
 either bound (more than `short_blocks` listed blocks, or more candidates than
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.draw import FLT_MAX, block_y, two_level_draw
+from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import (
     BIG_KEY,
     PAD_KEY,
@@ -38,22 +38,9 @@ from graphexec.sampling.triton.keys import (
 )
 from graphexec.sampling.triton.process import (
     bias_ids,
+    list_tile,
     row_params,
-    tile_x,
 )  # fmt: skip
-
-
-@triton.jit
-def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
-    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
-    e = e0 + tl.arange(0, R)
-    bid = tl.load(W.blocks + row * NBLK + e, mask=e < n_list, other=NBLK)
-    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
-    lo = tl.min(bid, axis=0) * DB
-    hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB
-    return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
 
 
 @triton.jit
@@ -152,9 +139,9 @@ def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route,
         # tokens all lie in the listed blocks (ym_b >= lo)
         rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
         kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
-        tok = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, -FLT_MAX, 0.0,
-                             0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK,
-                             NBLK_P2, DB, 1, FL)  # fmt: skip
+        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0,
+                            0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB,
+                            1, FL)  # fmt: skip
         route = route * 0  # R_DONE
     return tok, route
 

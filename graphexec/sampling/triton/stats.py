@@ -12,9 +12,11 @@ and, with logprobs on, the raw logits' block max and sum of exp. A block never s
 two programs and Q_b is an integer sum, so no split of the row changes a stat.
 
 The row's last program to finish (an acq_rel counter per row) serves the row
-(`_row_tail`): invalid, greedy, no active filter, all live tokens tied; or plans its next
-passes (`_plan`): min-p alone (`R_CUT`) or a selection (`R_SELECT`), with a lower bound lo
-of its kept values and the list of the blocks that reach it.
+(`_row_tail`): invalid, greedy, no active filter, all live tokens tied; a filtered row
+draws its candidate and keeps it when `candidate` can tell it is in the kept set; else it
+takes the check pass (`R_CHECK`) or plans its next passes (`_plan`): min-p alone
+(`R_CUT`) or a selection (`R_SELECT`), with a lower bound lo of its kept values and the
+list of the blocks that reach it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
+from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
 from graphexec.sampling.triton.draw import (
+    FALLBACK_BLOCK,
+    FALLBACK_TOKEN,
     FLT_MAX,
     block_y,
     greedy_token,
@@ -81,7 +86,8 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
                NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """A filtered row whose live tokens all share one value (+inf rows included): each
     weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
-    (`reference`, step 5, with every q equal); then the two-level draw over it."""
+    (`reference`, step 5, with every q equal); its candidate where it is one of them, else
+    the fallback draw over them."""
     b = tl.arange(0, NBLK_P2)
     n_b = q >> 32
     n_live = tl.sum(n_b, axis=0)
@@ -98,10 +104,17 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
     last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
     kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
     cut = pack(tl.zeros([], dtype=tl.float32), last)
-    return two_level_draw(P, row, slot, ids, ym, kv, tl.where(mx == float("inf"), 0.0, mx), 1.0,
-                          mx == float("inf"), seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30,
-                          (1 << 30) + 1, 1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1,
-                          FL)  # fmt: skip
+    m = tl.where(mx == float("inf"), 0.0, mx)
+    # the candidate (every live token), kept when it is one of the first L live ids
+    tok, y_unused = two_level_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
+                                   pos, -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
+                                   NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+    if tok > last:
+        tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
+                                       seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,
+                                       1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL,
+                                       FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
+    return tok
 
 
 @triton.jit
@@ -161,9 +174,28 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
 
 
 @triton.jit
+def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+             NBINS: tl.constexpr):  # fmt: skip
+    """`_plan` from the row's stored stats (its max and 1/T in rowf): the plan of a row
+    whose candidate the check pass did not keep."""
+    b = tl.arange(0, NBLK_P2)
+    bm = b < NBLK
+    m = tl.load(W.rowf + row * 8 + cf.F_M)
+    s = tl.load(W.rowf + row * 8 + cf.F_S)
+    xm = tl.load(W.xm + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    ym = block_y(xm, m, s, False)
+    q = tl.load(W.q + row * NBLK + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.where(ym > float("-inf"), q, 0)
+    xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+    return _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row),
+                 NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+
+
+@triton.jit
 def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
               NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-              FL: tl.constexpr):  # fmt: skip
+              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):  # fmt: skip
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     b = tl.arange(0, NBLK_P2)
@@ -200,14 +232,32 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                     tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
                                      seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
-                    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                    route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total,
-                                  NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+                    c, yc = two_level_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                           -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
+                                           NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
+                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
+                    ri = W.rowi + row * cf.NUM_I
+                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
+                    if state == KEPT:
+                        tok = c
+                    else:
+                        fr = W.rowf + row * 8
+                        tl.store(fr + cf.F_M, m)
+                        tl.store(fr + cf.F_S, s)
+                        tl.store(fr + cf.F_YC, yc)
+                        if state == cf.R_CHECK:
+                            route = tl.full([], cf.R_CHECK, tl.int32)
+                        else:
+                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+                            route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
+                                          total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             else:
                 # every live token kept ("above": bin 0 < 1), K_b = Q_b
-                tok = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
-                                     -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
-                                     NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+                tok, y_unused = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
+                                               pos, -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0,
+                                               float("-inf"), NBLK, NBLK_P2, DB, 1,
+                                               FL)  # fmt: skip
     if route == cf.R_DONE:
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
@@ -278,7 +328,8 @@ def _stats_kernel(
                      RAW_LP, FL, False, not TAIL)  # fmt: skip
     if TAIL:
         if arrive(W, row, 0, S):
-            _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, False, NBLK_P2, NB_P2, DB, NBINS, FL)
+            _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, False, NBLK_P2, NB_P2, DB, NBINS, FL,
+                      R, 0)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -286,12 +337,13 @@ def _tail_kernel(
     P, W,
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    FL: tl.constexpr,
+    FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     """Grid (B,): the row tail of the filtered variants, a launch of its own so that the
-    stats pass keeps the registers of a streaming loop (its occupancy). Program 0 empties
-    round 2's row list, which the finish of round 1 fills."""
+    stats pass keeps the registers of a streaming loop (its occupancy): the candidate, and
+    its membership over at most CB blocks (`candidate`). Program 0 empties round 2's row
+    list, which the finish of round 1 fills."""
     if tl.program_id(0) == 0:
         tl.store(W.refine, 0)
     _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, NBLK_P2, NB_P2, DB, NBINS,
-              FL)  # fmt: skip
+              FL, R, CB)  # fmt: skip
