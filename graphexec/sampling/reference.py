@@ -333,21 +333,6 @@ def draw_rows(
     return Draw(torch.where(valid, tok, -1), valid, cand, in_kept | greedy)
 
 
-def draw(
-    xc: torch.Tensor,
-    y: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    kept: torch.Tensor | None,
-    draw_block: int = DRAW_BLOCK,
-    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 6: (token_ids [B] i64, valid [B] bool); see `draw_rows`."""
-    d = draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats)
-    return d.token_ids, d.valid
-
-
 def block_ordered_sum(e: torch.Tensor, block: int = DRAW_BLOCK) -> torch.Tensor:
     """[B] sums of the rows of e [B, V]: each block of `block` columns summed, then the
     blocks. torch splits one long row's sum across threads when the batch is small and
@@ -409,11 +394,11 @@ def sample(
     kept = None
     if variant is not SamplerVariant.NO_FILTER:
         kept = filter_mask(y, slot_ids, table, row_mass(xc, inv_t, draw_block, stats))
-    tokens, valid = draw(xc, y, slot_ids, positions, table, kept, draw_block, stats)
-    out.token_ids.copy_(tokens)
-    out.valid.copy_(valid)
+    d = draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats)
+    out.token_ids.copy_(d.token_ids)
+    out.valid.copy_(d.valid)
     if out.logprobs is not None:
-        write_logprobs(sanitize(logits), y, slot_ids, table, tokens, out)
+        write_logprobs(sanitize(logits), y, slot_ids, table, d.token_ids, out)
     return out
 
 

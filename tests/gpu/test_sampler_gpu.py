@@ -294,24 +294,32 @@ def test_bad_rows_on_gpu():
 
 def chi_square_gpu(row: torch.Tensor, params: gx.SamplingParams, probs, n: int) -> None:
     import numpy as np
-    import scipy.stats
 
-    V, chunk = row.shape[0], 25_000
+    chunk = 25_000
     toks = []
     for start in range(0, n, chunk):
         logits = row.cuda().expand(chunk, -1).contiguous()
         out = gx.sample_logits(logits, [params] * chunk, torch.arange(start, start + chunk))
         assert out.valid.all()
         toks.append(out.token_ids.cpu().numpy())
-    counts = np.bincount(np.concatenate(toks), minlength=V)
-    assert not (counts * (probs == 0)).any(), "a token outside the support"
-    exp = probs * n
+    assert_chi_square(np.concatenate(toks), probs, "")
+
+
+def assert_chi_square(tokens, probs, name: str) -> None:
+    """Chi-square (alpha 1e-6) of tokens against probabilities (bins of expected count < 5
+    pooled), none outside the support."""
+    import numpy as np
+    import scipy.stats
+
+    counts = np.bincount(tokens, minlength=probs.shape[0])
+    assert not (counts * (probs == 0)).any(), f"{name}: a token outside the support"
+    exp = probs * len(tokens)
     big = exp >= 5
     obs = np.append(counts[big], counts[~big].sum())
     ex = np.append(exp[big], exp[~big].sum())
     keep = ex > 0
     pval = scipy.stats.chisquare(obs[keep], ex[keep] * obs.sum() / ex[keep].sum()).pvalue
-    assert pval > 1e-6, f"chi-square p = {pval:.3g}"
+    assert pval > 1e-6, f"{name} chi-square p = {pval:.3g}"
 
 
 def test_two_level_draw_is_exact_on_gpu():
@@ -385,7 +393,6 @@ def test_candidate_and_fallback_routes_are_exact_on_gpu(shape, filt):
     and of all of them: each follows the filtered distribution. The Triton tokens equal
     the reference's, so its routes are theirs."""
     import numpy as np
-    import scipy.stats
 
     V, n, chunk = 12 * reference.DRAW_BLOCK, 200_000, 25_000
     g = torch.Generator().manual_seed(31)
@@ -417,12 +424,4 @@ def test_candidate_and_fallback_routes_are_exact_on_gpu(shape, filt):
     toks, took = np.concatenate(toks), np.concatenate(took)
     assert took.sum() > 10_000 and (~took).sum() > 10_000, "both routes must be taken"
     for name, sel in (("candidate", took), ("fallback", ~took), ("all", took | ~took)):
-        counts = np.bincount(toks[sel], minlength=V)
-        assert not (counts * (probs == 0)).any(), f"{name}: a token outside the kept set"
-        exp = probs * sel.sum()
-        big = exp >= 5
-        obs = np.append(counts[big], counts[~big].sum())
-        ex = np.append(exp[big], exp[~big].sum())
-        keep = ex > 0
-        pval = scipy.stats.chisquare(obs[keep], ex[keep] * obs.sum() / ex[keep].sum()).pvalue
-        assert pval > 1e-6, f"{name} route: chi-square p = {pval:.3g}"
+        assert_chi_square(toks[sel], probs, f"{name} route")
