@@ -265,6 +265,12 @@ def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Ten
     return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
+def block_ymax(xc: torch.Tensor, xm: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+    """[B, nblocks] ym_b: the block maxes xm_b of collapsed rows xc on the scale of y
+    (-inf for dead blocks)."""
+    return torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
+
+
 def two_level(
     y: torch.Tensor,
     ym: torch.Tensor,
@@ -317,7 +323,7 @@ def draw_rows(
     seed = table.seed[slot_ids]
     inv_t = effective_inv_t(slot_ids, table)
     xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
-    ym = torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
+    ym = block_ymax(xc, xm, inv_t)
     live = y > -torch.inf
     cand = two_level(y, ym, q, live, seed, positions, CANDIDATE, draw_block)
     tok, in_kept = cand, torch.ones_like(cand, dtype=torch.bool)
@@ -372,6 +378,29 @@ def write_logprobs(
         out.top_logprobs.copy_((sv[:, :n] - m) - lse)
 
 
+def draw_batch(
+    logits: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    table: SamplingTensors,
+    bitmask: torch.Tensor | None = None,
+    variant: SamplerVariant = SamplerVariant.DEFAULT,
+    *,
+    draw_block: int = DRAW_BLOCK,
+    count_ids: torch.Tensor | None = None,
+) -> tuple[Draw, torch.Tensor]:
+    """Steps 1-6 of raw logits [B, V]: (the `Draw`, the scaled rows y)."""
+    xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask, count_ids))
+    y = scale(xc, slot_ids, table)
+    # block stats serve both the top-p total and the two-level draw: computed once
+    inv_t = effective_inv_t(slot_ids, table)
+    stats = block_stats(xc, inv_t, draw_block)
+    kept = None
+    if variant is not SamplerVariant.NO_FILTER:
+        kept = filter_mask(y, slot_ids, table, row_mass(xc, inv_t, draw_block, stats))
+    return draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats), y
+
+
 def sample(
     logits: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -386,15 +415,8 @@ def sample(
 ) -> SamplerOutput:
     """The torch backend of `graphexec.sampling.pipeline.sample_step` (`draw_block` is
     for tests only: the library always uses DRAW_BLOCK)."""
-    xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask, count_ids))
-    y = scale(xc, slot_ids, table)
-    # block stats serve both the top-p total and the two-level draw: computed once
-    inv_t = effective_inv_t(slot_ids, table)
-    stats = block_stats(xc, inv_t, draw_block)
-    kept = None
-    if variant is not SamplerVariant.NO_FILTER:
-        kept = filter_mask(y, slot_ids, table, row_mass(xc, inv_t, draw_block, stats))
-    d = draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats)
+    d, y = draw_batch(logits, slot_ids, positions, table, bitmask, variant,
+                      draw_block=draw_block, count_ids=count_ids)  # fmt: skip
     out.token_ids.copy_(d.token_ids)
     out.valid.copy_(d.valid)
     if out.logprobs is not None:

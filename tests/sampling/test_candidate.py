@@ -62,9 +62,11 @@ def test_fallback_exactly_when_the_candidate_is_out(case: Case) -> None:
     n = 4000
     d, kept, (xc, y, stats, table, slots) = draw_many(ROW, case, 11, n)
     live = y > -torch.inf
+    inv_t = ref.effective_inv_t(slots, table)
+    ym = ref.block_ymax(xc, stats[0], inv_t)
     # the candidate is the unfiltered draw: the same as the no-filter row's token
-    plain = ref.two_level(y, stats_ym(xc, stats, table, slots), stats[1], live,
-                          table.seed[slots], torch.arange(n), ref.CANDIDATE, 8)  # fmt: skip
+    plain = ref.two_level(y, ym, stats[1], live, table.seed[slots], torch.arange(n),
+                          ref.CANDIDATE, 8)  # fmt: skip
     assert torch.equal(d.candidate, plain)
     in_kept = kept.gather(1, d.candidate.unsqueeze(1)).squeeze(1)
     assert torch.equal(d.kept, in_kept)
@@ -72,18 +74,11 @@ def test_fallback_exactly_when_the_candidate_is_out(case: Case) -> None:
     out = ~in_kept
     assert 0.05 < out.float().mean() < 0.95, "both routes must be taken"
     # the others take the fallback draw (its own streams) over the kept set
-    kb = ref.kept_block_mass(xc, kept, ref.effective_inv_t(slots, table), 8)
-    fb = ref.two_level(y, stats_ym(xc, stats, table, slots), kb, kept, table.seed[slots],
-                       torch.arange(n), ref.FALLBACK, 8)  # fmt: skip
+    kb = ref.kept_block_mass(xc, kept, inv_t, 8)
+    fb = ref.two_level(y, ym, kb, kept, table.seed[slots], torch.arange(n), ref.FALLBACK, 8)
     assert torch.equal(d.token_ids[out], fb[out])
     assert kept.gather(1, d.token_ids.unsqueeze(1)).all()
     assert ref.FALLBACK == (Stream.FALLBACK_TOKEN, Stream.FALLBACK_BLOCK)
-
-
-def stats_ym(xc, stats, table, slots):
-    xm = stats[0]
-    inv_t = ref.effective_inv_t(slots, table)
-    return torch.where(xm > -torch.inf, (xm - ref.row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
 
 
 def chi2(probs: np.ndarray, tokens: np.ndarray) -> float:
@@ -146,14 +141,8 @@ def test_triton_routes_and_tokens_equal_the_reference(shape: str, config: str) -
     # rows with one filter (top-k, top-p or min-p alone) are decided exactly before the
     # cut: I_CAND is the candidate where the reference kept it, -1 where it took the
     # fallback
-    table = both.table
-    slots = torch.arange(B)
-    xc = ref.collapse_inf(ref.process_logits(logits_of(shape, B, Vt, seed=9), slots, table))
-    y = ref.scale(xc, slots, table)
-    inv_t = ref.effective_inv_t(slots, table)
-    stats = ref.block_stats(xc, inv_t, 16)
-    kept = ref.filter_mask(y, slots, table, ref.row_mass(xc, inv_t, 16, stats))
-    d = ref.draw_rows(xc, y, slots, torch.arange(B) * 7 + 3, table, kept, 16, stats)
+    d, _ = ref.draw_batch(logits_of(shape, B, Vt, seed=9), torch.arange(B), torch.arange(B) * 7 + 3,
+                          both.table, draw_block=16)  # fmt: skip
     single = [i for i in range(B) if i % len(EXACT + MIXED) < len(EXACT)]
     cand = both.ws.rowi[:, int(I_CAND)]
     for i in single:

@@ -93,6 +93,16 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top,
 
 
 @triton.jit
+def candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos, NBLK,
+                   NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """A row's candidate: `two_level_draw` over every live token (K_b = Q_b, all "above":
+    bin 0 < jhi = 1), streams TOKEN and BLOCK; the whole draw of a row without filters.
+    Returns (token, its y)."""
+    return two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos, -FLT_MAX, 0.0, 0.0,
+                          1, 0, 1, 0, 0, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+
+
+@triton.jit
 def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi, j1, j2,
                   jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
                   NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip

@@ -31,6 +31,7 @@ from graphexec.sampling.triton.draw import (
     FALLBACK_TOKEN,
     FLT_MAX,
     block_y,
+    candidate_draw,
     greedy_token,
     two_level_draw,
 )  # fmt: skip
@@ -106,9 +107,8 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
     cut = pack(tl.zeros([], dtype=tl.float32), last)
     m = tl.where(mx == float("inf"), 0.0, mx)
     # the candidate (every live token), kept when it is one of the first L live ids
-    tok, y_unused = two_level_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
-                                   pos, -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
-                                   NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+    tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
+                                   pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
     if tok > last:
         tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
                                        seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,
@@ -232,9 +232,8 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                     tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
                                      seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
-                    c, yc = two_level_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                           -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0, float("-inf"),
-                                           NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
                     state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
                                            lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
                     ri = W.rowi + row * cf.NUM_I
@@ -243,21 +242,19 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
                         tok = c
                     else:
                         fr = W.rowf + row * 8
-                        tl.store(fr + cf.F_M, m)
-                        tl.store(fr + cf.F_S, s)
                         tl.store(fr + cf.F_YC, yc)
                         if state == cf.R_CHECK:
+                            # the check pass's row scale (`_plan` stores it for the others)
+                            tl.store(fr + cf.F_M, m)
+                            tl.store(fr + cf.F_S, s)
                             route = tl.full([], cf.R_CHECK, tl.int32)
                         else:
                             yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
                             route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
                                           total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             else:
-                # every live token kept ("above": bin 0 < 1), K_b = Q_b
-                tok, y_unused = two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
-                                               pos, -FLT_MAX, 0.0, 0.0, 1, 0, 1, 0, 0, 0,
-                                               float("-inf"), NBLK, NBLK_P2, DB, 1,
-                                               FL)  # fmt: skip
+                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
+                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
     if route == cf.R_DONE:
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
