@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu/run.sh test
 #       python -m pytest -m "gpu and not multigpu", the test ids shared among JOBS (default
 #       6) processes so the kernels' compiles run side by side, the processes spread over
-#       the visible GPUs; log: $OUT/pytest-gpu.log
+#       the visible GPUs; log: $OUT/pytest-gpu.log. TEST_FILES (paths) and TEST_SKIP (an
+#       extended regex of ids to leave out) split the suite over several commands
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every tests/gpu file with such tests), each under `timeout`
@@ -52,8 +53,9 @@ run_tests() {
     python -c "import datetime, torch, triton; print(torch.cuda.get_device_name(), \
 'torch', torch.__version__, 'triton', triton.__version__, datetime.date.today())" >"$log" 2>&1
     [ -n "${GRAPHEXEC_COMMIT:-}" ] && echo "commit $GRAPHEXEC_COMMIT" >>"$log"
-    python -m pytest -m "gpu and not multigpu" --collect-only -q 2>/dev/null | grep '::' \
-        >"$dir/ids"
+    # TEST_FILES (default tests/gpu) splits the suite over several device commands
+    python -m pytest -m "gpu and not multigpu" --collect-only -q ${TEST_FILES:-tests/gpu} \
+        2>/dev/null | grep '::' | grep -v -E "${TEST_SKIP:-^$}" >"$dir/ids"
     echo "python -m pytest -m 'gpu and not multigpu': $(wc -l <"$dir/ids") tests in $jobs" \
         "processes on $ngpu GPUs" | tee -a "$log"
     for ((i = 0; i < jobs; i++)); do
