@@ -71,10 +71,13 @@ def test_every_arrangement_gives_the_same_streams(cfg, weights, tok) -> None:
     assert sum(differing.values()) == 0, {n: b[:3] for n, b in report.items() if b}
 
 
-def test_the_cublas_route_differs_across_batches(cfg, weights) -> None:
-    """Why the invariant route exists: with batch_invariant=False a row's logits in a
-    batch of 48 are not its logits alone (cuBLAS picks its kernels by M); with it, they
-    are, and verify's one forward equals its K + 1 decodes."""
+def test_invariant_route_rows_do_not_depend_on_the_batch(cfg, weights) -> None:
+    """With batch_invariant=True a row's logits in a batch of 48 are its logits alone, bit
+    for bit, and verify's one forward equals its K + 1 decodes. The cuBLAS route
+    (batch_invariant=False) promises neither: it is only checked to stay within bf16
+    rounding of the invariant one; how many of its rows differ is printed, not asserted
+    (that depends on the kernels cuBLAS picks on this card)."""
+    logits = {}
     for invariant in (False, True):
         m = model(cfg, weights, batch_invariant=invariant)
         m.bind(49, "cuda")
@@ -87,10 +90,11 @@ def test_the_cublas_route_differs_across_batches(cfg, weights) -> None:
         batch = m.decode(ids, pos, slots)
         alone = torch.cat([m.decode(ids[r : r + 1], pos[r : r + 1], slots[r : r + 1])
                            for r in range(48)])  # fmt: skip
+        logits[invariant] = batch.float()
         differ = int((batch != alone).any(dim=1).sum())
         print(f"batch_invariant={invariant}: {differ} of 48 rows differ alone vs batched")
-        assert (differ == 0) == invariant
         if invariant:  # verify over 4 tokens a row: one forward, K + 1 decodes' bits
+            assert differ == 0
             m.kv_cache.copy_(cache)
             drafts = torch.randint(0, 151936, (48, 3), generator=gen).cuda()
             ids4 = torch.cat([ids[:, None], drafts], dim=1)
@@ -98,6 +102,7 @@ def test_the_cublas_route_differs_across_batches(cfg, weights) -> None:
             m.kv_cache.copy_(cache)
             for t in range(4):
                 assert torch.equal(got[:, t], m.decode(ids4[:, t], pos + t, slots)), t
+    assert _rel_err(logits[False], logits[True]).max() < 0.05  # both bf16-sized errors
 
 
 def test_replay_equals_eager_for_every_key(cfg, weights, tok) -> None:
