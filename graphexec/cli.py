@@ -153,7 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     from graphexec.serve.server import add_arguments as add_serve_arguments
 
     add_serve_arguments(s)
+    m = sub.add_parser("models", help="download and convert a real model into the cache: "
+                       "models smollm2 (about 15 s)")  # fmt: skip
+    from graphexec.models.smollm2 import add_arguments as add_models_arguments
+
+    add_models_arguments(m)
     args = parser.parse_args(argv)
+    if args.cmd == "models":  # sets no threads: the conversion is numpy
+        from graphexec.models.smollm2 import models_command
+
+        return models_command(args)
     configure_threads(_default_device(args.device), args.threads)
     if args.cmd == "demo":
         from graphexec.demo import demo

