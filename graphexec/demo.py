@@ -1,29 +1,30 @@
-"""`python -m graphexec demo [--model PATH|smollm2]`: the decode loop on a mixed workload,
-replay vs eager.
+"""`python -m graphexec demo [--model ...]`: the decode loop on a real workload, replay vs
+eager, then with speculation.
 
-TinyLM (random weights, so its text is noise) at the bundled cl100k vocabulary, or with
-`--model PATH` a Llama / Qwen2 / Mistral checkpoint folder and its own tokenizer
-(`graphexec.demo_model`), driven by the executor: greedy, top-k/top-p, top-p, min-p,
-penalties, logit bias, logprobs, JSON-schema and regex grammars, seeded and unseeded
-requests arriving over time (prompts encoded by the model's tokenizer). It
-prints the captured keys, throughput, step latency eager vs replay, the determinism
+The model (`--model`, `graphexec.model_choice`): by default SmolLM2-135M-Instruct when the
+models extra gives it (`graphexec.models.smollm2.checkpoint()`), else TinyLM (random
+weights, so its text is noise; one line says so and how to get the real model). A model
+with a chat template (SmolLM2, a chat checkpoint) answers chat prompts rendered by its
+template: greedy and sampled answers and a JSON-schema answer. Other models run the mixed
+workload: greedy, top-k/top-p, top-p, min-p, penalties, logit bias, logprobs, JSON-schema
+and regex grammars, seeded and unseeded requests arriving over time.
+
+It prints the captured keys, throughput, step latency eager vs replay, the determinism
 check (the same workload in eager mode must give the same tokens and logprobs bit for
-bit), and every request's output as it finishes, grammar outputs parsed. Then the same workload with
-speculation (strict verification, K = 4): an n-gram drafter and a draft model (a TinyLM
-made of the target's first layer: the same seed, one layer; TinyLM only, so a checkpoint
-gets the n-gram run alone), with acceptance rate, tokens per request per step, step
-latency, and whether every stream equals the one without.
+bit) and every request's output as it finishes, grammar outputs parsed. Then the same
+workload with speculation (strict verification, K = 4): an n-gram drafter and a draft
+model (`DemoModel.draft`: a 1-layer TinyLM, or a checkpoint's own first layers and head),
+with acceptance rate, tokens per request per step, step latency, and whether every
+stream equals the one without.
 
-A checkpoint with a chat template (`--model smollm2`: SmolLM2-135M-Instruct from the models
-extra) runs chat prompts instead, rendered by its template: greedy and sampled answers and
-a JSON-schema answer, the same checks after. Each request's text is printed as soon as it
-finishes, and every run shows a progress line, so a slow CPU is never silent for minutes.
+On the CPU the workload is proportionate (`demo_workload.plan_for`: fewer requests and
+tokens, a smaller batch, fewer latency steps), so the whole demo takes a minute or two
+on two cores. Progress bars show on a terminal only; a log file gets the lines alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import re
@@ -37,54 +38,29 @@ from tqdm.auto import tqdm
 import graphexec as gx
 from graphexec import workload as wl
 from graphexec.demo_model import DemoModel, ModelChoiceError, choose_model
+from graphexec.demo_workload import PERSON_SCHEMA, DemoPlan, build_workload, plan_for
 
-PROMPTS = [
-    "The quick brown fox", "Once upon a time", "In a distant galaxy", "The recipe calls for",
-    "Answer yes or no:", "The meeting is on", "def main():", "Dear committee,",
-]  # fmt: skip
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                   "city": {"type": "string"}},
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}  # fmt: skip
-# (kind, user message, parameters): the chat workload of a model with a chat template
-CHATS = [
-    ("greedy", "What is the capital of France? Answer in one sentence.",
-     gx.SamplingParams(temperature=0.0, max_tokens=32)),
-    ("greedy", "Rewrite this sentence in the past tense: The cat sits on the mat and "
-     "watches the birds in the garden.", gx.SamplingParams(temperature=0.0, max_tokens=40)),
-    ("top-p 0.9", "Write a haiku about the ocean.",
-     gx.SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40)),
-    ("greedy", "Give me three tips for staying focused while studying.",
-     gx.SamplingParams(temperature=0.0, max_tokens=64)),
-    ("json schema", "Alice is 30 years old and lives in Paris. Give her name, age and city "
-     "as JSON.", gx.SamplingParams(temperature=0.0, max_tokens=48,
-                                   grammar=gx.Grammar.json_schema(PERSON_SCHEMA))),
-]  # fmt: skip
+__all__ = ["PERSON_SCHEMA", "demo", "default_model", "on_terminal"]
 
 
-def _workload(dm: DemoModel, n: int | None,
-              seed: int) -> tuple[list[wl.WorkItem], dict[str, str]]:  # fmt: skip
-    """The chat workload for a model with a chat template (`CHATS`, one arriving a step;
-    n defaults to one each) and its questions by request id, else the mixed workload
-    with `PROMPTS` (n defaults to 24) and no questions; prompts encoded by the model's
-    own tokenizer."""
-    if dm.chat_template is not None:
-        items, questions = [], {}
-        for i in range(len(CHATS) if n is None else n):
-            kind, text, params = CHATS[i % len(CHATS)]
-            prompt = dm.encode_chat([{"role": "user", "content": text}])
-            params = dataclasses.replace(params, seed=seed + i)
-            items.append(wl.WorkItem(f"r{i}", prompt, params, arrive=i, kind=kind))
-            questions[f"r{i}"] = text
-        return items, questions
-    items = wl.mixed_workload(24 if n is None else n, dm.tokenizer.vocab_size, seed=seed,
-                              grammars=True, max_tokens=(8, 24))  # fmt: skip
-    items = [dataclasses.replace(it, prompt=dm.encode(PROMPTS[i % len(PROMPTS)]))
-             for i, it in enumerate(items)]  # fmt: skip
-    return items, {}
+def on_terminal() -> bool:
+    """Progress bars only on a terminal: a log file gets the lines alone."""
+    return sys.stderr.isatty()
+
+
+def default_model(device: torch.device, dtype: str, max_seq_len: int | None,
+                  seed: int) -> tuple[DemoModel, str | None]:  # fmt: skip
+    """The demo's model without --model: SmolLM2-135M-Instruct when the models extra gives
+    it, else TinyLM and the one line that says its text is noise and how to get SmolLM2."""
+    from graphexec.models import smollm2
+
+    try:
+        smollm2.checkpoint()
+    except smollm2.MissingExtraError as e:
+        note = (f"TinyLM has random weights, so its text is noise; for real text "
+                f"(SmolLM2-135M-Instruct): {e}")  # fmt: skip
+        return choose_model("tiny", device, dtype, max_seq_len, seed=seed), note
+    return choose_model("smollm2", device, dtype, max_seq_len, seed=seed), None
 
 
 # a finished request's line from its id and outputs
@@ -183,25 +159,33 @@ def _show(tok: gx.Tokenizer, it: wl.WorkItem, outs: list[gx.RequestOutput],
 def demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
+    quiet = args.quiet or not on_terminal()
     try:
-        dm = choose_model(args.model, device, args.dtype, args.max_seq_len, seed=args.seed)
+        if args.model is None:
+            dm, note = default_model(device, args.dtype, args.max_seq_len, args.seed)
+        else:
+            dm, note = choose_model(args.model, device, args.dtype, args.max_seq_len,
+                                    seed=args.seed), None  # fmt: skip
     except ModelChoiceError as e:
         print(f"graphexec demo: {e}", file=sys.stderr)
         return 2
+    spec = "none" if not args.speculative else args.speculative_runs
+    plan = plan_for(dm, cuda, args.requests, args.max_batch_size, args.latency_steps, spec)
     tok = dm.tokenizer
-    # a real model's forward is slow on the CPU: a smaller batch keeps each step short
-    batch = args.max_batch_size or (64 if cuda else 16 if dm.random_weights else 8)
-    ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device, tokenizer=tok, seed=0)
+    ex = gx.DecodeExecutor(dm.make(), max_batch_size=plan.batch, device=device, tokenizer=tok,
+                           seed=0)  # fmt: skip
+    if note:
+        print(note)
     print(f"graphexec {gx.__version__} on {device}: {dm.name}, vocabulary {tok.vocab_size} "
-          f"({tok.name}), EOS {list(tok.eos_token_ids)}, max_batch_size {batch}, "
+          f"({tok.name}), EOS {list(tok.eos_token_ids)}, max_batch_size {plan.batch}, "
           f"buckets {list(ex.buckets)}")  # fmt: skip
     t0 = time.perf_counter()
-    ex.capture(progress=not args.quiet)
+    ex.capture(progress=not quiet)
     how = "CUDA graphs" if cuda else "emulated graphs (no CUDA: recorded calls)"
     print(f"captured {len(ex.graph_keys)} keys ({how}) in {time.perf_counter() - t0:.1f} s; "
           f"failed: {len(ex.stats.failed)}")  # fmt: skip
 
-    items, questions = _workload(dm, args.requests, args.seed)
+    items, questions = build_workload(dm, plan, args.seed)
     by_id = {it.request_id: it for it in items}
     width = 60 if dm.random_weights else None
 
@@ -211,11 +195,11 @@ def demo(args: argparse.Namespace) -> int:
 
     noise = " (random weights: the free text is noise)" if dm.random_weights else ""
     kind = "chat prompts (the model's chat template)" if questions else "mixed workload"
-    print(f"\n{kind}, each request's output as it finishes{noise}:")
-    replayed = _run(ex, items, "replay", args.quiet, show)
+    print(f"\n{kind}, each request's output as it finishes{noise}:", flush=True)
+    replayed = _run(ex, items, "replay", quiet, show)
     print(f"replay: {len(items)} requests, {replayed.tokens} tokens in {replayed.steps} steps, "
-          f"{replayed.tokens / replayed.seconds:.0f} tokens/s")  # fmt: skip
-    eager = _run(ex, wl.with_reported_seeds(items, replayed), "eager", args.quiet, mode="eager")
+          f"{replayed.tokens / replayed.seconds:.0f} tokens/s", flush=True)  # fmt: skip
+    eager = _run(ex, wl.with_reported_seeds(items, replayed), "eager", quiet, mode="eager")
     print(f"eager:  {eager.tokens} tokens in {eager.steps} steps, "
           f"{eager.tokens / eager.seconds:.0f} tokens/s")  # fmt: skip
     bad = wl.compare(replayed, eager)
@@ -228,49 +212,51 @@ def demo(args: argparse.Namespace) -> int:
     for key, n in sorted(wl.outputs_per_key(replayed).items(), key=lambda kv: str(kv[0])):
         print(f"  {key or 'first token (admission, eager)'}: {n}")
 
-    lat_b = min(8, batch)
-    replay_ms = _step_latency(ex, lat_b, args.latency_steps, None)
-    eager_ms = _step_latency(ex, lat_b, args.latency_steps, "eager")
+    lat_b = plan.latency_batch
+    replay_ms = _step_latency(ex, lat_b, plan.latency_steps, None)
+    eager_ms = _step_latency(ex, lat_b, plan.latency_steps, "eager")
     note = "" if cuda else " (CPU: replay is emulated)"
     print(f"\nstep latency at B={lat_b}: replay {replay_ms:.2f} ms, eager {eager_ms:.2f} ms "
-          f"({eager_ms / replay_ms:.1f}x){note}")  # fmt: skip
+          f"({eager_ms / replay_ms:.1f}x){note}", flush=True)  # fmt: skip
 
-    if args.speculative:
+    if plan.speculative:
         del ex  # its graphs and cache: a checkpoint's model is bound again for the next runs
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        bad += _speculative(args, device, dm, items, replayed, batch)
+        bad += _speculative(device, dm, plan, items, replayed, quiet)
     return 0 if not bad else 1
 
 
-def _speculative(args, device, dm: DemoModel, items, plain: wl.Trace, batch: int) -> list:
-    """The workload again with speculation on; its token differences from `plain`."""
+def _speculative(device: torch.device, dm: DemoModel, plan: DemoPlan, items: list[wl.WorkItem],
+                 plain: wl.Trace, quiet: bool) -> list[wl.Mismatch]:  # fmt: skip
+    """The workload again with each of the plan's speculative runs; their token
+    differences from `plain`."""
     print("\nspeculative decoding (strict: the streams must equal the ones above):")
     tok = dm.tokenizer
-    runs: list[tuple[str, object]] = [("n-gram", "ngram")]
-    if dm.draft is not None:
-        runs.append(("draft model (1-layer TinyLM)", dm.draft()))
-    else:
-        print("  draft-model run skipped: its 1-layer TinyLM draft is TinyLM-specific "
-              "(a checkpoint runs the n-gram drafter only)")  # fmt: skip
+    runs: list[tuple[str, object]] = []
+    for run in plan.speculative:
+        runs.append(("n-gram", "ngram") if run == "ngram" else
+                    (f"draft model ({dm.draft_name})", dm.draft()))  # fmt: skip
     bad = []
+    lat_b = plan.latency_batch
     for name, drafter in runs:
         spec = gx.SpeculativeConfig(4, drafter=drafter)
-        ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device, tokenizer=tok,
-                               seed=0, speculative=spec)  # fmt: skip
-        ex.capture(progress=not args.quiet)
-        trace = _run(ex, wl.with_reported_seeds(items, plain), name, args.quiet)
+        ex = gx.DecodeExecutor(dm.make(), max_batch_size=plan.batch, device=device,
+                               tokenizer=tok, seed=0, speculative=spec)  # fmt: skip
+        ex.capture(progress=not quiet)
+        trace = _run(ex, wl.with_reported_seeds(items, plain), name, quiet)
         diff = [m for m in wl.compare(plain, trace) if m.what in ("token", "length", "finish")]
         bad += diff
         st = ex.stats
         first = len(trace.outputs)  # first tokens come from the prefill, not a run
         spec_runs = trace.tokens - first - st.accepted  # one run a request a step
         rate = f"{st.accepted / st.drafted:.0%}" if st.drafted else "n/a"
-        lat = _step_latency(ex, min(8, batch), args.latency_steps, None)
-        print(f"  {name:30s} acceptance {rate} ({st.accepted}/{st.drafted} drafts), "
+        lat = _step_latency(ex, lat_b, plan.latency_steps, None)
+        print(f"  {name}: acceptance {rate} ({st.accepted}/{st.drafted} drafts), "
               f"{(trace.tokens - first) / max(spec_runs, 1):.2f} tokens per request per step, "
-              f"{trace.steps} steps (without: {plain.steps}), step at B={min(8, batch)} "
+              f"{trace.steps} steps (without: {plain.steps}), step at B={lat_b} "
               f"{lat:.2f} ms; tokens equal the non-speculative run's: "
-              f"{'FAIL' if diff else 'PASS'}")  # fmt: skip
+              f"{'FAIL' if diff else 'PASS'}", flush=True)  # fmt: skip
+        del ex
     return bad

@@ -1,21 +1,24 @@
-"""The demo's model and tokenizer: TinyLM at the bundled cl100k vocabulary, a Hugging Face
-checkpoint folder (`--model PATH`: config.json, *.safetensors, tokenizer.json), or
-`--model smollm2`: SmolLM2-135M-Instruct from the `models` extra (`models/smollm2.py`).
+"""The model and tokenizer a tool runs (`DemoModel`), built from a --model value
+(`graphexec.model_choice`: smollm2, a checkpoint folder PATH, a config, tiny, table).
+
+TinyLM and TableModel run at the bundled cl100k vocabulary; a config gets seeded random
+weights at its shape (`models.hf_random`) and the cl100k tokenizer too; a checkpoint
+folder (smollm2 is one, converted from the models extra) its own tokenizer.json, BOS and
+chat template. Every kind has a draft model for speculative runs: a 1-layer TinyLM, the
+same TableModel, a 2-layer model of the config's shape, and for a checkpoint a truncated
+copy of itself (its first `DRAFT_LAYERS` decoder layers, its final norm and its head).
 
 A checkpoint's chat template and its BOS / EOS strings come from tokenizer_config.json (the
 template from chat_template.jinja when only that holds it); `render_chat` renders a
 conversation with them as transformers' `apply_chat_template` does.
 
-Problems with the folder (missing, no config.json, an architecture HFTransformer does not
-support, quantized weights, no tokenizer.json, a tokenizer larger than the model's
-vocabulary) raise
-`ModelChoiceError` with one line naming it, before any weights are read where possible;
-so does `smollm2` without the models extra (the message gives the install command).
+Problems with the value or the folder raise `ModelChoiceError` with one line naming it,
+before any weights are read where possible; so does `smollm2` without the models extra
+(the message gives the install command).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,27 +27,27 @@ import torch
 
 import graphexec as gx
 from graphexec.chat import ChatTemplate, read_tokenizer_config
+from graphexec.model_choice import ModelChoiceError, ModelSpec, resolve_model
 
-# --model names that are not folders (each resolves to a converted checkpoint folder)
-ALIASES = ("smollm2",)
-# a modest cache on the CPU: its forward's cost grows with max_seq_len
+__all__ = ["DemoModel", "ModelChoiceError", "choose_model", "choose_dtype", "render_chat"]
+
+# a modest cache on the CPU for Hugging Face models: their forward's cost grows with it
 CPU_MAX_SEQ_LEN = 1024
+# a checkpoint's draft model: its first layers (of SmolLM2's 30), its norm and head
+DRAFT_LAYERS = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelChoiceError(Exception):
-    """The --model folder cannot be run; the message names the folder and the problem."""
 
 
 @dataclass
 class DemoModel:
-    """What the demo runs.
+    """What a tool runs.
 
-    name: for the header. tokenizer: encodes the prompts; its EOS ids stop requests.
-    make: a model for a new executor (a fresh TinyLM each call; the one loaded checkpoint
-        again, so its weights are read once). draft: a draft model for the speculative
-        run, or None where there is none (checkpoints). prompt_prefix: ids put before every
-        prompt (the checkpoint tokenizer's BOS, as its post-processor adds it).
+    name: for the header. spec: the --model value resolved. tokenizer: encodes the
+    prompts; its EOS ids stop requests. make: a model for a new executor (a fresh TinyLM
+    each call; the one loaded checkpoint again, so its weights are read once; bind it to
+    one live executor at a time). draft: a draft model for speculative runs, made on call.
+    draft_name: what that draft is, for output. prompt_prefix: ids put before every prompt
+    (the checkpoint tokenizer's BOS, as its post-processor adds it).
     random_weights: the free text is noise.
     chat_template: the checkpoint's Jinja chat template (tokenizer_config.json), or None.
     special_tokens: its "bos_token" / "eos_token" strings (tokenizer_config.json), which
@@ -52,9 +55,11 @@ class DemoModel:
     """
 
     name: str
+    spec: ModelSpec
     tokenizer: gx.Tokenizer
     make: Callable[[], object]
-    draft: Callable[[], object] | None
+    draft: Callable[[], object]
+    draft_name: str
     prompt_prefix: tuple[int, ...] = ()
     random_weights: bool = True
     chat_template: str | None = None
@@ -81,62 +86,75 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype | None:
 
 
 def choose_model(
-    path: str | None, device: torch.device, dtype: str = "auto", max_seq_len: int | None = None,
-    seed: int = 0,
+    model: str | ModelSpec | None, device: torch.device, dtype: str = "auto",
+    max_seq_len: int | None = None, seed: int = 0,
 ) -> DemoModel:  # fmt: skip
-    """TinyLM when `path` is None; SmolLM2-135M-Instruct for "smollm2" (unless a folder of
-    that name exists), converted once from the models extra's GGUF, with max_seq_len
-    `CPU_MAX_SEQ_LEN` by default on the CPU; else the checkpoint in folder `path`."""
+    """The `DemoModel` of a --model value (`resolve_model`; None is tiny) or a resolved
+    spec. On the CPU a Hugging Face model's max_seq_len is at most `CPU_MAX_SEQ_LEN` by
+    default (its max_position_embeddings when smaller)."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model or "tiny")
     dt = choose_dtype(dtype, device)
-    if path in ALIASES and not Path(path).exists():
-        from graphexec.models import smollm2
+    if spec.config is not None and device.type == "cpu" and max_seq_len is None:
+        limit = int(spec.config.get("max_position_embeddings", 4096))
+        max_seq_len = min(limit, CPU_MAX_SEQ_LEN)
+    if spec.kind in ("tiny", "table"):
+        return _toy(spec, dt or torch.float32, max_seq_len, seed)
+    if spec.kind == "config":
+        return _random(spec, device, dt, max_seq_len, seed)
+    return _checkpoint(spec, device, dt, max_seq_len)
 
-        try:
-            folder = smollm2.checkpoint()
-        except smollm2.MissingExtraError as e:
-            raise ModelChoiceError(f"--model {path}: {e}") from None
-        if device.type == "cpu":
-            max_seq_len = max_seq_len or CPU_MAX_SEQ_LEN
-        return _checkpoint(folder, device, dt, max_seq_len)
-    if path is None:
-        tok = gx.Tokenizer.cl100k()
-        kw = dict(dtype=dt or torch.float32, max_seq_len=max_seq_len or 256)
+
+def _toy(spec: ModelSpec, dt: torch.dtype, max_seq_len: int | None, seed: int) -> DemoModel:
+    tok = gx.Tokenizer.cl100k()
+    if spec.kind == "table":
+        n = max_seq_len or 4096
         return DemoModel(
-            name="TinyLM",
-            tokenizer=tok,
-            make=lambda: gx.models.TinyLM(tok.vocab_size, seed=seed, **kw),
-            draft=lambda: gx.models.TinyLM(tok.vocab_size, seed=seed, layers=1, **kw),
-        )
-    return _checkpoint(Path(path), device, dt, max_seq_len)
+            name="TableModel", spec=spec, tokenizer=tok,
+            make=lambda: gx.models.TableModel(tok.vocab_size, seed=seed, max_seq_len=n),
+            draft=lambda: gx.models.TableModel(tok.vocab_size, seed=seed, max_seq_len=n),
+            draft_name="the same TableModel",
+        )  # fmt: skip
+    kw = dict(dtype=dt, max_seq_len=max_seq_len or 256)
+    return DemoModel(
+        name="TinyLM", spec=spec, tokenizer=tok,
+        make=lambda: gx.models.TinyLM(tok.vocab_size, seed=seed, **kw),
+        draft=lambda: gx.models.TinyLM(tok.vocab_size, seed=seed, layers=1, **kw),
+        draft_name="1-layer TinyLM",
+    )  # fmt: skip
 
 
-def _checkpoint(
-    folder: Path, device: torch.device, dtype: torch.dtype | None, max_seq_len: int | None
-) -> DemoModel:
+def _random(spec: ModelSpec, device: torch.device, dt: torch.dtype | None,
+            max_seq_len: int | None, seed: int) -> DemoModel:  # fmt: skip
+    from graphexec.models.hf_random import random_model
+
+    cfg = spec.config
+    tok = gx.Tokenizer.cl100k()
+    if int(cfg["vocab_size"]) < tok.vocab_size:
+        raise ModelChoiceError(f"--model {spec.name!r}: its vocab_size {cfg['vocab_size']} is "
+                               f"smaller than the cl100k tokenizer's {tok.vocab_size} "
+                               "(random weights run with cl100k prompts)")  # fmt: skip
+    dtype = dt or DTYPES.get(str(cfg.get("torch_dtype")), torch.float32)
+
+    def build(layers: int | None = None, s: int = seed):
+        c = cfg if layers is None else dict(cfg, num_hidden_layers=layers)
+        return random_model(c, seed=s, device=device, dtype=dtype, max_seq_len=max_seq_len)
+
+    model = build()
+    return DemoModel(
+        name=f"{spec.name} (random weights, {model.num_layers} layers, "
+        f"{str(model.dtype).removeprefix('torch.')}, max_seq_len {model.max_seq_len})",
+        spec=spec, tokenizer=tok, make=lambda: model,
+        draft=lambda: build(layers=2, s=seed + 1), draft_name="2-layer model of its shape",
+    )  # fmt: skip
+
+
+def _checkpoint(spec: ModelSpec, device: torch.device, dtype: torch.dtype | None,
+                max_seq_len: int | None) -> DemoModel:  # fmt: skip
     from graphexec.models.hf import HFTransformer
     from graphexec.models.hf_config import model_type
 
+    folder = spec.folder
     where = repr(str(folder))
-    if not folder.exists():
-        raise ModelChoiceError(f"checkpoint folder {where} does not exist")
-    if not folder.is_dir():
-        raise ModelChoiceError(f"--model {where} is not a folder (a checkpoint folder holds "
-                               "config.json, *.safetensors and tokenizer.json)")  # fmt: skip
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ModelChoiceError(f"no config.json in checkpoint folder {where}")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-        arch = model_type(cfg)
-    except ValueError as e:  # bad JSON or an unsupported architecture
-        raise ModelChoiceError(f"{cfg_path}: {e}") from None
-    quant = cfg.get("quantization_config")
-    if quant:  # its packed weights or scales would be read as plain ones, or be missing
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ModelChoiceError(f"{cfg_path}: quantized checkpoints ({method}) are not "
-                               "supported (float32, bfloat16 or float16 weights only)")  # fmt: skip
     try:  # the tokenizer first: it is quick, the weights may take minutes
         tok = gx.Tokenizer.from_pretrained(folder)
         prefix = bos_prefix(folder)
@@ -148,17 +166,38 @@ def _checkpoint(
         raise ModelChoiceError(f"checkpoint {where}: its tokenizer has {tok.vocab_size} ids, "
                                f"more than the model's vocab_size {model.vocab_size}")  # fmt: skip
     template, special = read_tokenizer_config(folder)
+    n = min(DRAFT_LAYERS, model.num_layers)
     return DemoModel(
-        name=f"{arch} checkpoint {folder.resolve().name} ({model.num_layers} layers, "
-        f"{str(model.dtype).removeprefix('torch.')}, max_seq_len {model.max_seq_len})",
+        name=f"{model_type(spec.config)} checkpoint {folder.resolve().name} ({model.num_layers} "
+        f"layers, {str(model.dtype).removeprefix('torch.')}, max_seq_len {model.max_seq_len})",
+        spec=spec,
         tokenizer=tok,
         make=lambda: model,
-        draft=None,
+        draft=lambda: truncated(spec, n, model.dtype, model.max_seq_len),
+        draft_name=f"its first {n} of {model.num_layers} layers",
         prompt_prefix=prefix,
         random_weights=False,
         chat_template=template,
         special_tokens=special,
     )
+
+
+def truncated(spec: ModelSpec, layers: int, dtype: torch.dtype, max_seq_len: int):
+    """A draft model from checkpoint `spec`: its first `layers` decoder layers, with its
+    own embedding, final norm and LM head (only those tensors are read)."""
+    from safetensors import safe_open
+
+    from graphexec.models.hf import HFTransformer
+    from graphexec.models.hf_config import param_shapes
+
+    cfg = dict(spec.config, num_hidden_layers=layers)
+    need = set(param_shapes(cfg))
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(spec.folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in need.intersection(sf.keys()):
+                state[k] = sf.get_tensor(k)
+    return HFTransformer(cfg, state, dtype=dtype, max_seq_len=max_seq_len)
 
 
 def chat_template(folder: Path) -> str | None:

@@ -31,40 +31,58 @@ from collections import Counter
 import torch
 
 import graphexec as gx
+from graphexec.demo_model import ModelChoiceError, choose_model
 from graphexec.engine.graphs import CapturedGraphs
 from graphexec.engine.variants import routed_to, served_by, triton_kernels
+from graphexec.model_choice import add_model_argument
 from graphexec.request import GraphKey
 from graphexec.threads import add_threads_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("tiny", "table"), default="tiny")
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-batch-size", type=int, default=None, help="default 256 GPU, 8 CPU")
-    p.add_argument("--steps", type=int, default=0, help="replay a mixed workload first")
-    p.add_argument("--dot", default=None, metavar="KEY", help="write KEY's graph as DOT")
-    p.add_argument("--dot-path", default="graph.dot")
+    """inspect's options (`python -m graphexec inspect`, tools/inspect_graphs.py)."""
+    add_model_argument(p)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="a real model's weights (auto: the config's dtype on CUDA, float32 on "
+                   "the CPU)")  # fmt: skip
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="slots; the buckets are the powers of two up to it (default 256 GPU, "
+                   "8 CPU)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=0, metavar="N",
+                   help="run a mixed workload of N requests first, so the table counts the "
+                   "replays (the steps, on the CPU) of each key (default 0: none)")  # fmt: skip
+    p.add_argument("--dot", default=None, metavar="KEY",
+                   help="write KEY's graph as DOT (KEY as printed, e.g. default/b8/lp; CUDA "
+                   "only: exits 2 on the CPU)")  # fmt: skip
+    p.add_argument("--dot-path", default="graph.dot", metavar="FILE",
+                   help="where --dot writes (default graph.dot)")  # fmt: skip
     add_threads_argument(p)
 
 
 def build(args: argparse.Namespace) -> gx.DecodeExecutor:
+    """The executor over --model's model (`choose_model`), keeping its graphs' DOTs.
+    Raises `ModelChoiceError` for a --model that names no model."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tok = gx.Tokenizer.cl100k()
+    dm = choose_model(args.model, device, getattr(args, "dtype", "auto"))
     batch = args.max_batch_size or (256 if device.type == "cuda" else 8)
-    if args.model == "tiny":
-        model = gx.models.TinyLM(tok.vocab_size, seed=0)
-    else:
-        model = gx.models.TableModel(tok.vocab_size, seed=0)
-    ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=tok, seed=0)
+    ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device,
+                           tokenizer=dm.tokenizer, seed=0)  # fmt: skip
     ex.runner.graphs = CapturedGraphs(ex.device, debug=True)  # keep DOTs to count kernel nodes
     return ex
 
 
 def inspect_graphs(args: argparse.Namespace) -> int:
+    """Capture, optionally run --steps, print the table; 0, or 2 for a --model that names
+    no model or a --dot that cannot be written."""
     from graphexec import workload as wl
 
-    ex = build(args)
-    ex.capture()
+    try:
+        ex = build(args)
+    except ModelChoiceError as e:
+        print(f"graphexec inspect: {e}", file=sys.stderr)
+        return 2
+    ex.capture(progress=sys.stderr.isatty())
     if args.steps:
         items = wl.mixed_workload(args.steps, ex.vocab_size, grammars=True, spread=args.steps)
         wl.run(ex, items)

@@ -125,11 +125,14 @@ def test_demo_smollm2_without_the_model_exits_2_with_the_one_command(
 
 
 def test_demo_prints_each_request_as_it_finishes_and_a_progress_line(
-    capsys, restore_threads
+    capsys, restore_threads, monkeypatch
 ) -> None:
-    rc = cli.main(["demo", "--device", "cpu", "--requests", "4", "--max-batch-size", "2",
-                   "--max-seq-len", "64", "--latency-steps", "1", "--threads", "1",
-                   "--no-speculative"])  # fmt: skip
+    from graphexec import demo
+
+    monkeypatch.setattr(demo, "on_terminal", lambda: True)  # bars on a terminal only
+    rc = cli.main(["demo", "--model", "tiny", "--device", "cpu", "--requests", "4",
+                   "--max-batch-size", "2", "--max-seq-len", "64", "--latency-steps", "1",
+                   "--threads", "1", "--no-speculative"])  # fmt: skip
     cap = capsys.readouterr()
     assert rc == 0, cap.out + cap.err
     lines = cap.out.splitlines()
@@ -138,4 +141,38 @@ def test_demo_prints_each_request_as_it_finishes_and_a_progress_line(
     # every request's line came out during the run, before its summary, once
     assert sorted(shown) == ["r0", "r1", "r2", "r3"], cap.out
     assert all(line.split()[:1] != [r] for line in lines[summary:] for r in shown)
-    assert re.search(r"replay: .*4/4", cap.err) and re.search(r"eager: .*4/4", cap.err), cap.err
+    assert re.search(r"replay: .*4/4", cap.err) and re.search(r"eager: .*/4", cap.err), cap.err
+
+
+def test_demo_without_the_model_says_so_in_one_line_and_runs_the_draft_model(
+    capsys, restore_threads, monkeypatch
+) -> None:
+    """No --model and no SmolLM2: TinyLM, one line saying its text is noise and the
+    command from MissingExtraError; no progress bars off a terminal (capsys is none)."""
+    from graphexec.models import smollm2
+
+    def missing(*a, **k):
+        raise smollm2.MissingExtraError("SmolLM2 is not here: run THE COMMAND")
+
+    monkeypatch.setattr(smollm2, "checkpoint", missing)
+    rc = cli.main(["demo", "--device", "cpu", "--requests", "2", "--max-batch-size", "2",
+                   "--max-seq-len", "64", "--latency-steps", "1", "--threads", "1",
+                   "--speculative", "draft"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    notes = [
+        line for line in cap.out.splitlines() if "random weights" in line and "COMMAND" in line
+    ]
+    assert notes == [
+        "TinyLM has random weights, so its text is noise; for real text "
+        "(SmolLM2-135M-Instruct): SmolLM2 is not here: run THE COMMAND"
+    ], cap.out
+    assert "TinyLM, vocabulary 100277" in cap.out
+    assert re.search(r"draft model \(1-layer TinyLM\): .* run's: PASS", cap.out), cap.out
+    assert "\r" not in cap.err and "it/s" not in cap.err and "req/s" not in cap.err
+
+
+def test_determinism_help_works_as_the_installed_command() -> None:
+    r = run_cli("determinism", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--quick" in r.stdout and "smollm2|PATH|CONFIG|tiny|table" in r.stdout

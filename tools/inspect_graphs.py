@@ -1,8 +1,9 @@
-"""Capture every graph key of an executor (TinyLM by default) and print one row per key.
+"""Capture every graph key of an executor (TinyLM by default) and print one row per key:
+`python -m graphexec inspect` (graphexec/inspection.py), run from a source checkout.
 
-python tools/inspect_graphs.py [--model tiny|table] [--max-batch-size N] [--steps N]
-                               [--dot default/b8/lp --dot-path g.dot] [--threads N]
-(the same as `python -m graphexec inspect`; --dot needs CUDA and exits 2 without it)
+python tools/inspect_graphs.py [--model smollm2|PATH|CONFIG|tiny|table] [--max-batch-size N]
+                               [--steps N] [--dot default/b8/lp --dot-path g.dot] [--threads N]
+(--dot needs CUDA and exits 2 without it)
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import sys
 
 import torch
 
-from graphexec.cli import configure_threads
 from graphexec.inspection import add_arguments, inspect_graphs
+from graphexec.threads import configure_threads
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="inspect_graphs.py",
+                                     description=__doc__.splitlines()[0])  # fmt: skip
     add_arguments(parser)
     args = parser.parse_args()
     configure_threads(args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.threads)

@@ -14,14 +14,13 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve subcommand's options."""
+    from graphexec.model_choice import add_model_argument
     from graphexec.threads import add_threads_argument, positive_int
 
-    p.add_argument("--model", default=None, metavar="PATH|smollm2",
-                   help="a checkpoint folder, or smollm2 (the models extra); default: TinyLM "
-                   "(random weights), cl100k")  # fmt: skip
+    add_model_argument(p)
     p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send (default: the folder's name, smollm2 or "
-                   "tinylm)")  # fmt: skip
+                   help="the model id clients send (default: the folder's or config's name, "
+                   "smollm2, tinylm or table)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=positive_int, default=None,
@@ -57,7 +56,11 @@ def served_model(dm, path: str | None, name: str | None, max_seq_len: int):
     from graphexec.serve.chat import ChatTemplate
 
     folder = path if path and Path(path).is_dir() else None
-    default = Path(path).resolve().name if folder else (path or "tinylm")
+    default = (
+        Path(path).resolve().name
+        if folder
+        else ("tinylm" if dm.spec.kind == "tiny" else dm.spec.name)
+    )
     aliases = tuple(a for a in (path, dm.name) if a)
     return ServedModel(name or default, dm.tokenizer, max_seq_len, tuple(dm.prompt_prefix),
                        ChatTemplate(dm.chat_template, dict(dm.special_tokens)),
