@@ -15,6 +15,7 @@ Megatron-style shard and returns the logits of its vocabulary slice (`hf_shard`)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,8 +227,13 @@ class HFTransformer(SlotKVCache):
         self.ops = ForwardOps.select(d, self.batch_invariant, self.fused, self.matmul)
         self.device = d
         self.embed, self.norm = self.embed.to(d), self.norm.to(d)
-        self.lm_head = self.lm_head.to(d)
-        self.layers = [tensors_to(layer, d) for layer in self.layers]
+        # each GEMM weight as the route reads it (the CPU's: K-major; a tied LM head then
+        # gets its own copy, the embedding's rows staying contiguous for the lookup)
+        w = self.ops.weight
+        self.lm_head = w(self.lm_head.to(d))
+        self.layers = [dataclasses.replace(layer, qkv=w(layer.qkv), o=w(layer.o),
+                                           gate_up=w(layer.gate_up), down=w(layer.down))
+                       for layer in (tensors_to(x, d) for x in self.layers)]  # fmt: skip
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
         # cos/sin tables [T, hd] computed in float32 (as transformers does), then cast

@@ -47,7 +47,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from graphexec.models import attention, fused, matmul
+from graphexec.models import attention, cpu_route, fused, matmul
 
 
 def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
@@ -55,23 +55,15 @@ def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
     return silu_mul(linear(x, w))
 
 
-def _cpu_attention(q, kv, slot_ids, positions, scale, window=None, *, config=None,
-                   key_rows: int = 1 << 15):  # fmt: skip
-    """The CPU route: `attention.decode_attention_blocked` (live key blocks only) over
-    chunks of rows, so that a chunk gathers at most about `key_rows` cached keys per KV
-    head (a prefill of thousands of tokens would otherwise gather them all at once). A
-    row's result does not depend on its chunk, nor on how far the others reach."""
-    N, block, rows = q.shape[0], attention.CPU_BLOCK, q.shape[0]
-    if N:
-        reach = min(int(positions.max()) + 1, kv.shape[2])  # a host read: the CPU only
-        rows = max(1, key_rows // (-(-reach // block) * block))
-    if N <= rows:
-        return attention.decode_attention_blocked(q, kv, slot_ids, positions, scale, window)
-    return torch.cat([
-        attention.decode_attention_blocked(q[i : i + rows], kv, slot_ids[i : i + rows],
-                                           positions[i : i + rows], scale, window)
-        for i in range(0, N, rows)
-    ])  # fmt: skip
+def _k_major(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] stored K-major (w.t() contiguous): torch.mm(x, w.t()) is then MKL's
+    no-transpose GEMM, faster at 4..64 rows and one bit class from 2 to 256 rows at both
+    thread counts measured (`cpu_route`), where [N, K] storage splits 2-3 from 4+."""
+    return w.t().contiguous().t()
+
+
+def _row_major(w: torch.Tensor) -> torch.Tensor:
+    return w.contiguous()  # (a no-op unless a CPU bind left it K-major)
 
 
 @dataclass(frozen=True)
@@ -92,6 +84,7 @@ class ForwardOps:
     attend: Callable
     batch_invariant: bool
     token_rows: bool  # prefill as token rows of the decode forward (else a padded SDPA)
+    weight: Callable = _row_major  # a [N, K] weight as this route's linear reads it fastest
 
     @classmethod
     def select(
@@ -107,18 +100,28 @@ class ForwardOps:
         cuda = device.type == "cuda"
         kernels = cuda if fused_kernels is None else fused_kernels
         if cuda and batch_invariant and not kernels:
-            raise ValueError("batch_invariant=True on CUDA needs the fused kernels (fused=None "
-                             "or True): torch's CUDA norm picks its launch by the batch")
+            raise ValueError(
+                "batch_invariant=True on CUDA needs the fused kernels (fused=None "
+                "or True): torch's CUDA norm picks its launch by the batch"
+            )
         names = ("residual_rms_norm", "rope_kv_write", "silu_mul")
         norm, rope_kv, silu_mul = (getattr(fused, op if kernels else op + "_reference")
                                    for op in names)  # fmt: skip
-        if cuda and batch_invariant:
-            lin = partial(matmul.linear, config=matmul_config)
-            lin_silu = partial(matmul.linear_silu_mul, config=matmul_config)
+        weight = _row_major
+        if cuda:
+            attend = attention.decode_attention
+            if batch_invariant:
+                lin = partial(matmul.linear, config=matmul_config)
+                lin_silu = partial(matmul.linear_silu_mul, config=matmul_config)
         else:
-            lin = matmul.linear_reference if batch_invariant else F.linear
+            rows = cpu_route.RowMM()  # its measured call sizes live as long as the route
+            attend = rows.attend
+            if batch_invariant:
+                lin, weight = rows.linear, _k_major
+        if not batch_invariant:
+            lin = F.linear
+        if not (cuda and batch_invariant):
             lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
-        attend = attention.decode_attention if cuda else _cpu_attention
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
                    attend=attend, batch_invariant=batch_invariant,
-                   token_rows=cuda or batch_invariant)  # fmt: skip
+                   token_rows=cuda or batch_invariant, weight=weight)  # fmt: skip

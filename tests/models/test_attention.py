@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from graphexec.models import ops
 from graphexec.models.attention import (
     AttentionConfig,
     decode_attention,
     decode_attention_blocked,
     decode_attention_reference,
 )  # fmt: skip
+from graphexec.models.cpu_route import RowMM
 
 T = 70
 CFG = AttentionConfig(block_n=16, split_size=32)  # 3 splits of 70 keys: 32, 32, 6
@@ -155,13 +155,12 @@ def test_blocked_row_bits_do_not_depend_on_the_other_rows_or_their_reach(dtype, 
 
     def run(rows, **kw):
         r = torch.tensor(rows)
-        out = ops._cpu_attention(q[r], kv, slots[r], pos[r], 0.25, window, **kw)
+        out = RowMM().attend(q[r], kv, slots[r], pos[r], 0.25, window, **kw)
         return out.view(bits)
 
     full = run(list(range(S)))
     for rows in ([0], [1], [3, 1], [7, 0], [1, 7, 1], [6, 2, 5, 4, 3, 0, 1, 7]):
         assert torch.equal(run(rows), full[rows]), rows
-    assert torch.equal(run(list(range(S)), key_rows=300), full)  # chunks of one row
 
 
 class KeyReads(TorchFunctionMode):
@@ -208,7 +207,7 @@ def test_blocked_edge_cases() -> None:
     fn = blocked(32)
     assert torch.equal(fn(q, kv, slots, bad, scale), fn(q, kv, slots, good, scale))
     assert fn(q[:0], kv, slots[:0], good[:0], scale).shape == (0, 4, 16)
-    assert ops._cpu_attention(q[:0], kv, slots[:0], good[:0], scale).shape == (0, 4, 16)
+    assert RowMM().attend(q[:0], kv, slots[:0], good[:0], scale).shape == (0, 4, 16)
 
 
 @pytest.mark.gpu

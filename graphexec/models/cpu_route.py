@@ -1,0 +1,216 @@
+"""The CPU route: GEMMs and attention whose row bits never depend on the call, at BLAS speed.
+
+torch's CPU GEMM (MKL, oneDNN for bf16) picks its kernel and its thread split by the
+shape, M included. Measured on a 2-core Xeon (AVX512, MKL 2024.2, SmolLM2's weights):
+a row of ``x @ w.T`` has one set of bits at M = 1 (a GEMV), another at every M in 2..512
+with one thread; with two threads the [576, 1536] weight also rounds differently at M in
+17..192 (K split across the threads), and with w in nn.Linear's [N, K] layout M = 2, 3
+differ from M >= 4 for K = 576. So nothing here assumes a class of sizes: `RowMM`
+measures, per operand (b's shape, strides and dtype, torch's thread count), which call
+sizes among 1, 2, 4, ..., 256 give each row the same bits (random rows, at shifted
+places), once per process, and cuts every product into calls of one such class only:
+whole calls of its largest size, then one call of the smallest size that holds the rest
+(padded with zero rows). A row's bits are then those of any other call, and a decode of
+one row costs a 2-row product, not a padded 8- or 16-row one.
+
+`RowMM.attend` is decode attention over a slot-indexed cache with the rows grouped by
+slot: a prefill chunk's rows share one copy of their slot's live keys, and the scores
+and p @ V are `RowMM` products over fixed key blocks (so a row's sums have one order
+whatever rows share its slot, its call or its block), combined in ascending block order.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # candidate rows per torch.mm call
+KEY_BLOCK = 256  # keys per block of `RowMM.attend` (a multiple of 32: see `attend`)
+
+
+def _classes(outs: dict[int, torch.Tensor]) -> list[list[int]]:
+    """Sizes whose rows agree bit for bit (on the rows they share), ascending."""
+    classes: list[list[int]] = []
+    for s, y in outs.items():
+        for c in classes:
+            ref = outs[c[0]]
+            n = min(len(ref), len(y))
+            if torch.equal(ref[:n], y[:n]):
+                c.append(s)
+                break
+        else:
+            classes.append([s])
+    return classes
+
+
+class RowMM:
+    """``a @ b`` in calls whose sizes are measured to give every row the same bits.
+
+    `sizes(b)` probes once per operand key; `mm(a, b)` cuts a's rows into calls of those
+    sizes. The choice among classes: the one with the most sizes, then the smallest
+    (so the cheap small calls of decode and the big calls of prefill agree).
+    """
+
+    def __init__(self, candidates: tuple[int, ...] = SIZES) -> None:
+        self.candidates = tuple(sorted(candidates))
+        self._plans: dict[tuple, tuple[int, ...]] = {}
+
+    def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
+        key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._probe(b)
+        return plan
+
+    def _probe(self, b: torch.Tensor) -> tuple[int, ...]:
+        """Random operands of b's shape, strides and dtype (never b's values: a block of
+        zero keys would agree in any order). Every size runs rows 1..s, at places
+        0..s - 1; the largest also runs rows 0..top - 1, so a row's place changes too."""
+        g = torch.Generator().manual_seed(0)
+        top = self.candidates[-1]
+        x = torch.randn(*b.shape[:-2], top + 1, b.shape[-2], generator=g).to(b.dtype)
+        rb = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype)
+        rb.copy_(torch.randn(b.shape, generator=g))
+        outs = {s: torch.matmul(x[..., 1 : 1 + s, :], rb).flatten(0, -2) if b.dim() == 2
+                else torch.matmul(x[..., 1 : 1 + s, :], rb).transpose(0, 1).flatten(1)
+                for s in self.candidates}  # fmt: skip
+        classes = _classes(outs)
+        best = max(classes, key=lambda c: (len(c), -c[0]))
+        shifted = torch.matmul(x[..., :top, :], rb)[..., 1:, :]  # rows 1..top - 1, in place
+        n = min(best[-1], top - 1)
+        if not torch.equal(shifted[..., :n, :], torch.matmul(x[..., 1 : 1 + n, :], rb)):
+            warnings.warn(f"torch.matmul rounds a row by its place in the call (b "
+                          f"{list(b.shape)} {b.dtype}): CPU rows are not batch-invariant",
+                          stacklevel=3)  # fmt: skip
+        return tuple(best)
+
+    def padded(self, M: int, b: torch.Tensor) -> int:
+        """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
+        sizes = self.sizes(b)
+        big = sizes[-1]
+        rest = M % big
+        return M if not rest or rest in sizes else M - rest + next(t for t in sizes if t >= rest)
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
+        a row's bits independent of M and of its place in the call."""
+        M, N = a.shape[-2], b.shape[-1]
+        out = torch.empty((*a.shape[:-2], M, N), dtype=a.dtype, device=a.device)
+        if M == 0:
+            return out
+        sizes = self.sizes(b)
+        if M in sizes:
+            return torch.matmul(a, b)
+        big, i = sizes[-1], 0
+        while M - i >= big:
+            out[..., i : i + big, :] = torch.matmul(a[..., i : i + big, :], b)
+            i += big
+        rest = M - i
+        if rest:
+            s = next(t for t in sizes if t >= rest)
+            if s == rest:
+                out[..., i:, :] = torch.matmul(a[..., i:, :], b)
+            else:  # zero rows below it: its bits are those of any call of s rows
+                pad = a.new_zeros((*a.shape[:-2], s, a.shape[-1]))
+                pad[..., :rest, :] = a[..., i:, :]
+                out[..., i:, :] = torch.matmul(pad, b)[..., :rest, :]
+        return out
+
+    # ---- the ops of `ops.ForwardOps` ----------------------------------------------------
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               *, config=None) -> torch.Tensor:  # fmt: skip
+        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused."""
+        out = self.mm(x, w.t())
+        return out if bias is None else out.add_(bias)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
+               positions: torch.Tensor, scale: float, window: int | None = None, *,
+               config=None, block: int = KEY_BLOCK) -> torch.Tensor:  # fmt: skip
+        """Attention of one query token per row over its slot's live keys (the signature
+        of `attention.decode_attention`; `config` unused), math in float32.
+
+        Rows are grouped by slot (one host read: the CPU only). For a slot, its live keys
+        (blocks of `block` up to its rows' furthest position, from the first block of its
+        nearest window) are copied once, zero past the furthest position. Per KV head and
+        block: scores of the block's live rows (all G query heads of a row: GEMM rows) as
+        one `mm`, masked by position and window; a row's max over its blocks; exp; per
+        block the sum of p and p @ V (`mm`), added into the row's sums in ascending block
+        order, only over the blocks that hold its live keys. So every sum a row takes has
+        the same operands in the same order in any call. The exp runs over whole blocks
+        (numel a multiple of 32), so every element takes torch's vectorised path."""
+        B, H, hd = q.shape
+        T, KV = kv.shape[2], kv.shape[3]
+        G = H // KV
+        out = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
+        if B == 0:
+            return out
+        pos = positions.clamp(0, T - 1)
+        slots, inverse = torch.unique(slot_ids, return_inverse=True)
+        qf = q.float()
+        for k, slot in enumerate(slots.tolist()):
+            rows = (inverse == k).nonzero().flatten() if len(slots) > 1 else None
+            p = pos if rows is None else pos[rows]
+            qs = qf if rows is None else qf[rows]
+            o = self._attend_slot(qs, kv[:, slot], p, scale, window, G, block)
+            if rows is None:
+                out.copy_(o)
+            else:
+                out[rows] = o.to(q.dtype)
+        return out
+
+    def _attend_slot(self, q, kv, pos, scale, window, G, block) -> torch.Tensor:
+        """q [n, H, hd] float32 of one slot's rows, kv [2, T, KV, hd] its cache row; the
+        KV heads are the batch of every product ([KV, n G, hd] @ [KV, hd, block])."""
+        n, H, hd = q.shape
+        KV = kv.shape[2]
+        lo, hi = (int(v) for v in torch.aminmax(pos))
+        first = 0 if window is None else max(0, lo - window + 1) // block
+        nb = hi // block + 1 - first
+        start, L = first * block, nb * block
+        keys = torch.empty((2, KV, L, hd), dtype=torch.float32, device=q.device)
+        keys[:, :, : hi + 1 - start] = kv[:, start : hi + 1].transpose(1, 2)
+        keys[:, :, hi + 1 - start :] = 0  # past every row: never read stale (NaN) entries
+        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
+        j = torch.arange(start, start + L, device=q.device)
+        live = j <= pos[:, None]  # [n, L]
+        if window is not None:
+            live &= j > pos[:, None] - window
+        blive = live.view(n, nb, block).any(-1)  # [n, nb]: blocks holding live keys
+        # GEMM rows padded once (zero queries, all keys live: finite, then dropped) to a
+        # call size of the score product, not once per block
+        M = n * G
+        Mp = self.padded(M, kt[:, :, :block])
+        qh = q.new_zeros((KV, Mp, hd))
+        qh[:, :M] = q.view(n, KV, G, hd).transpose(0, 1).reshape(KV, M, hd)
+        if Mp > M:
+            live = torch.cat([live, live.new_ones((Mp - M + G - 1) // G, L)])
+            blive = torch.cat([blive, blive.new_ones(live.shape[0] - n, nb)])
+            n = live.shape[0]
+        s = torch.full((KV, Mp, L), float("-inf"), device=q.device)
+        picks = []  # per block: its GEMM rows (None: every row)
+        for b in range(nb):
+            cols = slice(b * block, (b + 1) * block)
+            r = blive[:, b]
+            gr = None if bool(r.all()) else r.repeat_interleave(G)[:Mp].nonzero().flatten()
+            picks.append(gr)
+            if gr is None:
+                s[:, :, cols] = self.mm(qh, kt[:, :, cols])
+            elif len(gr):
+                s[:, gr, cols] = self.mm(qh[:, gr], kt[:, :, cols])
+        s.mul_(scale).masked_fill_(~live.repeat_interleave(G, 0)[:Mp], float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True))  # finite: a row's own key is live
+        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
+        den = torch.zeros((KV, Mp), device=q.device)
+        acc = torch.zeros((KV, Mp, hd), device=q.device)
+        for b, gr in enumerate(picks):  # ascending: one order of the sums for every call
+            cols = slice(b * block, (b + 1) * block)
+            if gr is None:
+                acc += self.mm(p[:, :, cols], keys[1, :, cols])
+                den += sums[:, :, b]
+            elif len(gr):
+                acc[:, gr] += self.mm(p[:, gr, cols], keys[1, :, cols])
+                den[:, gr] += sums[:, gr, b]
+        out = acc[:, :M] / den[:, :M, None]  # [KV, n G, hd]
+        return out.view(KV, M // G, G, hd).transpose(0, 1).reshape(M // G, H, hd)
