@@ -39,6 +39,12 @@ overhead, and transformers' own `generate` with its static cache on the same wei
 batch; step-model-<name>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
+
+CPU (`--device cpu --model smollm2|PATH`; step_cpu.py): graphexec's CPU route against
+transformers, float32, one thread count: decode tokens/s, a 1,000-token prefill, and 16
+concurrent 20-token prompts to their first tokens; step-cpu-<model>-<date>.json.
+
+    python benchmarks/bench_step.py --device cpu --model smollm2 [--threads 2] [--reps 3]
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import statistics
 import time
 
 import plot_step
+import step_cpu
 import step_model
 import torch
 import triton
@@ -202,7 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0,
                     help="the churn arrivals' seed (--model: weights' and prompts')")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: a smoke run (its timings are not performance)")  # fmt: skip
+                    help="cpu: a smoke run (its timings are not performance); with --model, "
+                    "graphexec's CPU route against transformers (step_cpu.py)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     m = ap.add_argument_group("model (--model: step_model.py)")
     m.add_argument("--model", default=None, metavar="PATH|CONFIG",
@@ -222,10 +230,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
     m.add_argument("--hf-batches", type=int, nargs="+", default=None,
                    help="time transformers at these batches only (default: every one)")  # fmt: skip
-    m.add_argument("--cublas", action="store_true",
-                   help="prefill scenario: HFTransformer(batch_invariant=False), cuBLAS GEMMs")
+    m.add_argument("--cublas", action="store_true", help="prefill scenario: "
+                   "HFTransformer(batch_invariant=False), cuBLAS GEMMs")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
+    c = ap.add_argument_group("--device cpu --model smollm2|PATH (step_cpu.py)")
+    c.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch threads, the same for both sides")  # fmt: skip
+    c.add_argument("--decode-tokens", type=int, default=32, help="timed greedy tokens")
+    c.add_argument("--prefill-len", type=int, default=1000, help="prompt tokens prefilled")
+    c.add_argument("--reps", type=int, default=3, help="repetitions of each measure")
+    c.add_argument("--label", default=None, help="the model's name in the results file "
+                   "(default: smollm2, or the checkpoint folder's name)")  # fmt: skip
     m.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="skip transformers rows that would start after S seconds")  # fmt: skip
     args = ap.parse_args(argv)
@@ -294,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
                          "(--device cpu runs a smoke test)")  # fmt: skip
+    if args.device == "cpu" and args.model is not None:
+        result = step_cpu.run(args)
+        print(f"wrote {step_cpu.write(result, args.out)}")
+        print(step_cpu.markdown(result))
+        return
     result = header(args.device)
     if args.scenario == "prefill":
         path, result = run_prefill(args)
