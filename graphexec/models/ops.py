@@ -6,26 +6,26 @@ and TinyLM call for every op of a forward over N token rows (each row: a token, 
 position, its slot):
 
     op              CUDA, invariant (default)   CUDA, batch_invariant=False   CPU
-    linear          matmul.linear (Triton)      cuBLAS (F.linear)             linear_reference
+    linear          matmul.linear (Triton)      cuBLAS (F.linear)             cpu_route.RowMM
     gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
                                                                               references
     norm (+ add)    fused.residual_rms_norm     same                          its reference
     rotary + cache  fused.rope_kv_write         same                          its reference
-    attention       attention.decode_attention  same                          its blocked
-                                                                              torch form
+    attention       attention.decode_attention  same                          RowMM.attend
     prefill         token rows                  token rows                    token rows
                                                                               (padded SDPA if
                                                                               not invariant)
 
 Why a row's result is the same in any call (invariant routes):
 - GEMMs: the tile and the K loop's order are functions of the weight's shape (N, K)
-  alone (`matmul.MatmulConfig.tile`); on the CPU each row is its own one-row product.
+  alone (`matmul.MatmulConfig.tile`); on the CPU torch.mm in calls of sizes measured
+  to round every row alike (`cpu_route.RowMM`), weights stored K-major.
 - Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
   whose size depends on the cache length T alone, combined in one fixed order. On the
-  CPU, fixed blocks of `attention.CPU_BLOCK` keys up to the call's furthest position (so
-  a step's cost follows the live tokens, not T); a block past a row's position leaves
-  its sums untouched.
+  CPU (`cpu_route.RowMM.attend`), rows grouped by slot over fixed blocks of 256 keys up
+  to the slot's furthest position (a step's cost follows the live tokens, not T); a
+  block past a row's position leaves its sums untouched.
 - Decode, verify and prefill are the same forward over token rows. A decode row is one
   token per request; verify is B x (K + 1) rows in one call (row t of a request at
   pos + t); a prefill chunk is one row per prompt token. Each layer writes every row's
