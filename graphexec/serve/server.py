@@ -21,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the folder's or config's name, "
                    "smollm2, tinylm or table)")  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for remote clients)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="slots (requests running at once); default 64 GPU, 16 CPU")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=None, metavar="N",
