@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphexec")
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the decode loop on a mixed workload, replay vs eager")
-    add_model_argument(d, None, "smollm2 when the models extra gives it, else tiny")
+    add_model_argument(d, None, "smollm2 once `graphexec models smollm2` has set it up, else tiny")
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint config's dtype on "
                    "CUDA, float32 on the CPU)")  # fmt: skip

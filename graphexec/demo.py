@@ -1,13 +1,13 @@
 """`python -m graphexec demo [--model ...]`: the decode loop on a real workload, replay vs
 eager, then with speculation.
 
-The model (`--model`, `graphexec.model_choice`): by default SmolLM2-135M-Instruct when the
-models extra gives it (`graphexec.models.smollm2.checkpoint()`), else TinyLM (random
-weights, so its text is noise; one line says so and how to get the real model). A model
-with a chat template (SmolLM2, a chat checkpoint) answers chat prompts rendered by its
-template: greedy and sampled answers and a JSON-schema answer. Other models run the mixed
-workload: greedy, top-k/top-p, top-p, min-p, penalties, logit bias, logprobs, JSON-schema
-and regex grammars, seeded and unseeded requests arriving over time.
+The model (`--model`, `graphexec.model_choice`): by default SmolLM2-135M-Instruct once
+`python -m graphexec models smollm2` has set it up (`graphexec.models.smollm2.checkpoint()`),
+else TinyLM (random weights, so its text is noise; one line says so and how to get the real
+model). A model with a chat template (SmolLM2, a chat checkpoint) answers chat prompts
+rendered by its template: greedy and sampled answers and a JSON-schema answer. Other models
+run the mixed workload: greedy, top-k/top-p, top-p, min-p, penalties, logit bias, logprobs,
+JSON-schema and regex grammars, seeded and unseeded requests arriving over time.
 
 It prints the captured keys, throughput, step latency eager vs replay, the determinism
 check (the same workload in eager mode must give the same tokens and logprobs bit for
@@ -50,8 +50,8 @@ def on_terminal() -> bool:
 
 def default_model(device: torch.device, dtype: str, max_seq_len: int | None,
                   seed: int) -> tuple[DemoModel, str | None]:  # fmt: skip
-    """The demo's model without --model: SmolLM2-135M-Instruct when the models extra gives
-    it, else TinyLM and the one line that says its text is noise and how to get SmolLM2."""
+    """The demo's model without --model: SmolLM2-135M-Instruct when it is set up, else
+    TinyLM and the one line that says its text is noise and how to get SmolLM2."""
     from graphexec.models import smollm2
 
     try:

@@ -3,7 +3,7 @@
 
 TinyLM and TableModel run at the bundled cl100k vocabulary; a config gets seeded random
 weights at its shape (`models.hf_random`) and the cl100k tokenizer too; a checkpoint
-folder (smollm2 is one, converted from the models extra) its own tokenizer.json, BOS and
+folder (smollm2 is one, converted from its GGUF) its own tokenizer.json, BOS and
 chat template. Every kind has a draft model for speculative runs: a 1-layer TinyLM, the
 same TableModel, a 2-layer model of the config's shape, and for a checkpoint a truncated
 copy of itself (its first `DRAFT_LAYERS` decoder layers, its final norm and its head).
@@ -13,8 +13,8 @@ template from chat_template.jinja when only that holds it); `render_chat` render
 conversation with them as transformers' `apply_chat_template` does.
 
 Problems with the value or the folder raise `ModelChoiceError` with one line naming it,
-before any weights are read where possible; so does `smollm2` without the models extra
-(the message gives the install command).
+before any weights are read where possible; so does `smollm2` before it is set up
+(the message gives the one command to run).
 """
 
 from __future__ import annotations

