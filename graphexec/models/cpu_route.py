@@ -14,9 +14,10 @@ whole calls of its largest size, then one call of the smallest size that holds t
 one row costs a 2-row product, not a padded 8- or 16-row one.
 
 `RowMM.attend` is decode attention over a slot-indexed cache with the rows grouped by
-slot: a prefill chunk's rows share one copy of their slot's live keys, and the scores
-and p @ V are `RowMM` products over fixed key blocks (so a row's sums have one order
-whatever rows share its slot, its call or its block), combined in ascending block order.
+slot and key block: a prefill chunk's rows of one block share one copy of their live
+keys, and the scores and p @ V are `RowMM` products over fixed key blocks (so a row's
+sums have one order whatever rows share its slot, its call or its block), combined in
+ascending block order.
 """
 
 from __future__ import annotations
@@ -131,15 +132,17 @@ class RowMM:
         """Attention of one query token per row over its slot's live keys (the signature
         of `attention.decode_attention`; `config` unused), math in float32.
 
-        Rows are grouped by slot (one host read: the CPU only). For a slot, its live keys
-        (blocks of `block` up to its rows' furthest position, from the first block of its
-        nearest window) are copied once, zero past the furthest position. Per KV head and
-        block: scores of the block's live rows (all G query heads of a row: GEMM rows) as
-        one `mm`, masked by position and window; a row's max over its blocks; exp; per
-        block the sum of p and p @ V (`mm`), added into the row's sums in ascending block
-        order, only over the blocks that hold its live keys. So every sum a row takes has
-        the same operands in the same order in any call. The exp runs over whole blocks
-        (numel a multiple of 32), so every element takes torch's vectorised path."""
+        Rows are grouped by slot and by the 256-key block of their position (one host
+        read: the CPU only), so a row computes only blocks up to its own: a prefill chunk
+        skips the causally dead half. For a group, its live keys (blocks up to its
+        furthest position, from the first block of its nearest window) are copied once,
+        zero past the furthest position. Per KV head: scores of the group's rows (all G
+        query heads of a row: GEMM rows) as `mm`, masked by position and window; a row's
+        max; exp; per block the sum of p and p @ V (`mm`), added into the row's sums in
+        ascending block order, only over the blocks that hold its live keys. So every sum
+        a row takes has the same operands in the same order in any call. The exp runs over
+        whole blocks (numel a multiple of 32), so every element takes torch's vectorised
+        path."""
         B, H, hd = q.shape
         T, KV = kv.shape[2], kv.shape[3]
         G = H // KV
@@ -147,22 +150,26 @@ class RowMM:
         if B == 0:
             return out
         pos = positions.clamp(0, T - 1)
-        slots, inverse = torch.unique(slot_ids, return_inverse=True)
         qf = q.float()
-        for k, slot in enumerate(slots.tolist()):
-            rows = (inverse == k).nonzero().flatten() if len(slots) > 1 else None
-            p = pos if rows is None else pos[rows]
-            qs = qf if rows is None else qf[rows]
-            o = self._attend_slot(qs, kv[:, slot], p, scale, window, G, block)
-            if rows is None:
-                out.copy_(o)
-            else:
-                out[rows] = o.to(q.dtype)
+        # groups of (slot, block of the row's position): a row pays only for its own
+        # blocks, so a prefill chunk skips the causally dead half (one host read)
+        key = slot_ids.long() * (T // block + 1) + pos // block
+        groups, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+        if len(groups) == 1:
+            slot = int(slot_ids[0])
+            return self._attend_slot(qf, kv[:, slot], pos, scale, window, G, block).to(q.dtype)
+        order = torch.argsort(inverse, stable=True)
+        for g, rows in zip(groups.tolist(), order.split(counts.tolist()), strict=True):
+            slot = g // (T // block + 1)
+            out[rows] = self._attend_slot(qf[rows], kv[:, slot], pos[rows], scale, window, G,
+                                          block).to(q.dtype)  # fmt: skip
         return out
 
     def _attend_slot(self, q, kv, pos, scale, window, G, block) -> torch.Tensor:
         """q [n, H, hd] float32 of one slot's rows, kv [2, T, KV, hd] its cache row; the
         KV heads are the batch of every product ([KV, n G, hd] @ [KV, hd, block])."""
+        if window is None:
+            return self._attend_causal(q, kv, pos, scale, G, block)
         n, H, hd = q.shape
         KV = kv.shape[2]
         lo, hi = (int(v) for v in torch.aminmax(pos))
@@ -214,3 +221,37 @@ class RowMM:
                 den[:, gr] += sums[:, gr, b]
         out = acc[:, :M] / den[:, :M, None]  # [KV, n G, hd]
         return out.view(KV, M // G, G, hd).transpose(0, 1).reshape(M // G, H, hd)
+
+    def _attend_causal(self, q, kv, pos, scale, G, block) -> torch.Tensor:
+        """`_attend_slot` without a window, for rows whose positions share one block (as
+        `attend` groups them): every block up to theirs holds live keys of every row, so
+        the sums need no row picks. The scores are one product over all the blocks (a
+        score column is one hd-long dot product: its bits do not depend on the number of
+        columns, tested), p @ V one product per block, added in ascending order."""
+        n, H, hd = q.shape
+        KV = kv.shape[2]
+        hi = int(pos.max())
+        nb = hi // block + 1
+        L = nb * block
+        keys = torch.empty((2, KV, L, hd), dtype=torch.float32, device=q.device)
+        keys[:, :, : hi + 1] = kv[:, : hi + 1].transpose(1, 2)
+        keys[:, :, hi + 1 :] = 0  # past every row: never read stale (NaN) entries
+        M = n * G
+        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
+        Mp = self.padded(M, kt)
+        qh = q.new_zeros((KV, Mp, hd)) if Mp > M else q.new_empty((KV, M, hd))
+        # the scale on the queries (fewer multiplies than on the scores; one place for all)
+        torch.mul(q.view(n, KV, G, hd).transpose(0, 1), scale, out=qh[:, :M].view(KV, n, G, hd))
+        s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
+        dead = torch.arange(L, device=q.device) > pos[:, None]  # [n, L]
+        s[:, :M].view(KV, n, G, L).masked_fill_(dead[None, :, None], float("-inf"))
+        # whole blocks: numel a multiple of 32, so every element takes the vector path
+        p = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
+        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0].clone()
+        for b in range(1, nb):  # ascending: one order of the sums for every call
+            cols = slice(b * block, (b + 1) * block)
+            acc += self.mm(p[:, :, cols], keys[1, :, cols])
+            den += sums[:, :, b]
+        out = acc[:, :M].div_(den[:, :M, None])  # [KV, n G, hd]
+        return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
