@@ -25,6 +25,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # candidate rows per torch.mm call
 KEY_BLOCK = 256  # keys per block of `RowMM.attend` (a multiple of 32: see `attend`)
@@ -56,6 +57,7 @@ class RowMM:
     def __init__(self, candidates: tuple[int, ...] = SIZES) -> None:
         self.candidates = tuple(sorted(candidates))
         self._plans: dict[tuple, tuple[int, ...]] = {}
+        self._cols = torch.arange(0)  # key indices, grown as needed
 
     def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
         key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
@@ -97,12 +99,15 @@ class RowMM:
         """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
         a row's bits independent of M and of its place in the call."""
         M, N = a.shape[-2], b.shape[-1]
+        sizes = self.sizes(b) if M else ()
+        if M in sizes:
+            return torch.matmul(a, b)
+        if 0 < M < sizes[-1]:  # one padded call (a decode row): two ops, no copies out
+            s = next(t for t in sizes if t >= M)
+            return torch.matmul(F.pad(a, (0, 0, 0, s - M)), b)[..., :M, :]
         out = torch.empty((*a.shape[:-2], M, N), dtype=a.dtype, device=a.device)
         if M == 0:
             return out
-        sizes = self.sizes(b)
-        if M in sizes:
-            return torch.matmul(a, b)
         big, i = sizes[-1], 0
         while M - i >= big:
             out[..., i : i + big, :] = torch.matmul(a[..., i : i + big, :], b)
@@ -151,6 +156,9 @@ class RowMM:
             return out
         pos = positions.clamp(0, T - 1)
         qf = q.float()
+        if B == 1:  # a decode row: its own group
+            return self._attend_slot(qf, kv[:, int(slot_ids[0])], pos, scale, window, G,
+                                     block).to(q.dtype)  # fmt: skip
         # groups of (slot, block of the row's position): a row pays only for its own
         # blocks, so a prefill chunk skips the causally dead half (one host read)
         key = slot_ids.long() * (T // block + 1) + pos // block
@@ -243,15 +251,34 @@ class RowMM:
         # the scale on the queries (fewer multiplies than on the scores; one place for all)
         torch.mul(q.view(n, KV, G, hd).transpose(0, 1), scale, out=qh[:, :M].view(KV, n, G, hd))
         s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
-        dead = torch.arange(L, device=q.device) > pos[:, None]  # [n, L]
+        if len(self._cols) < L or self._cols.device != q.device:
+            self._cols = torch.arange(2 * L, device=q.device)
+        dead = self._cols[:L] > pos[:, None]  # [n, L]
         s[:, :M].view(KV, n, G, L).masked_fill_(dead[None, :, None], float("-inf"))
         # whole blocks: numel a multiple of 32, so every element takes the vector path
         p = s.sub_(s.amax(-1, keepdim=True)).exp_()
         sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
-        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0].clone()
+        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0]
+        if nb > 1:
+            den = den.clone()
         for b in range(1, nb):  # ascending: one order of the sums for every call
             cols = slice(b * block, (b + 1) * block)
             acc += self.mm(p[:, :, cols], keys[1, :, cols])
             den += sums[:, :, b]
         out = acc[:, :M].div_(den[:, :M, None])  # [KV, n G, hd]
         return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
+
+
+def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, heads: int, *,
+            config=None) -> torch.Tensor:  # fmt: skip
+    """`fused.rope_kv_write_reference` with q and k rotated in one pass (fewer small ops
+    per layer; every op elementwise, so the same bits); q returned as a view."""
+    B, (T, KVH, hd) = qkv.shape[0], kv.shape[2:]
+    pos = positions.clamp(0, T - 1)
+    qk = qkv[:, : (heads + KVH) * hd].view(B, heads + KVH, hd)
+    x1, x2 = qk.chunk(2, dim=-1)
+    r = qk * cos[pos].unsqueeze(1) + torch.cat([-x2, x1], dim=-1) * sin[pos].unsqueeze(1)
+    kv[0, slot_ids, pos] = r[:, heads:]
+    kv[1, slot_ids, pos] = qkv[:, (heads + KVH) * hd :].view(B, KVH, hd)
+    return r[:, :heads]

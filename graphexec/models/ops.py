@@ -116,6 +116,8 @@ class ForwardOps:
         else:
             rows = cpu_route.RowMM()  # its measured call sizes live as long as the route
             attend = rows.attend
+            if not kernels:
+                rope_kv = cpu_route.rope_kv  # the reference's bits in fewer ops
             if batch_invariant:
                 lin, weight = rows.linear, _k_major
         if not batch_invariant:

@@ -72,3 +72,17 @@ def test_logits_alone_in_a_batch_and_in_a_prefill_chunk(cfg) -> None:
     pos = torch.tensor([40] + [5 + s for s in range(1, 16)])
     batch = a.decode(nxt, pos, torch.arange(16))
     assert torch.equal(batch[:1], b.decode(nxt[:1], pos[:1], torch.tensor([0])))
+
+
+def test_rope_kv_is_the_reference_bit_for_bit() -> None:
+    """cpu_route.rope_kv (q and k rotated in one pass) writes and returns the reference's bits."""
+    from graphexec.models import cpu_route, fused
+
+    g = torch.Generator().manual_seed(3)
+    qkv, cos, sin = (torch.randn(*s, generator=g) for s in ((7, (4 + 2 * 2) * 16), (50, 16),
+                                                             (50, 16)))  # fmt: skip
+    pos, slots = torch.tensor([0, 1, 2, 49, 60, 7, 8]), torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    a, b = torch.zeros(2, 3, 50, 2, 16), torch.zeros(2, 3, 50, 2, 16)
+    qa = cpu_route.rope_kv(qkv, pos, slots, cos, sin, a, 4)
+    qb = fused.rope_kv_write_reference(qkv, pos, slots, cos, sin, b, 4)
+    assert torch.equal(qa, qb) and torch.equal(a, b)
