@@ -7,7 +7,7 @@ with one thread; with two threads the [576, 1536] weight also rounds differently
 17..192 (K split across the threads), and with w in nn.Linear's [N, K] layout M = 2, 3
 differ from M >= 4 for K = 576. So nothing here assumes a class of sizes: `RowMM`
 measures, per operand (b's shape, strides and dtype, torch's thread count), which call
-sizes among 1, 2, 4, ..., 256 give each row the same bits (random rows, at shifted
+sizes among 1, 2, 4, ..., 512 give each row the same bits (random rows, at shifted
 places), once per process, and cuts every product into calls of one such class only:
 whole calls of its largest size, then one call of the smallest size that holds the rest
 (padded with zero rows). A row's bits are then those of any other call, and a decode of
@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # candidate rows per torch.mm call
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # candidate rows per torch.mm call
 KEY_BLOCK = 256  # keys per block of `RowMM.attend` (a multiple of 32: see `attend`)
 
 
@@ -253,8 +253,10 @@ class RowMM:
         s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
         if len(self._cols) < L or self._cols.device != q.device:
             self._cols = torch.arange(2 * L, device=q.device)
-        dead = self._cols[:L] > pos[:, None]  # [n, L]
-        s[:, :M].view(KV, n, G, L).masked_fill_(dead[None, :, None], float("-inf"))
+        # only the last block holds keys past a row (the group shares it): mask it alone
+        last = L - block
+        dead = self._cols[last:L] > pos[:, None]  # [n, block]
+        s[:, :M, last:].view(KV, n, G, block).masked_fill_(dead[None, :, None], float("-inf"))
         # whole blocks: numel a multiple of 32, so every element takes the vector path
         p = s.sub_(s.amax(-1, keepdim=True)).exp_()
         sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]

@@ -10,7 +10,9 @@ position, its slot):
     gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
                                                                               references
     norm (+ add)    fused.residual_rms_norm     same                          its reference
-    rotary + cache  fused.rope_kv_write         same                          its reference
+    rotary + cache  fused.rope_kv_write         same                          cpu_route.rope_kv
+                                                                              (its reference's
+                                                                              bits)
     attention       attention.decode_attention  same                          RowMM.attend
     prefill         token rows                  token rows                    token rows
                                                                               (padded SDPA if

@@ -22,18 +22,18 @@ SMALL = dict(SMOL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (97, 48)])
 def test_linear_rows_do_not_depend_on_the_call(shape, threads, restore_threads) -> None:
-    """Rows alone, 16 at shuffled places, and 300 (a full call of 256 and a padded rest)."""
+    """Rows alone, 16 at shuffled places, and 600 (a full call of 512 and a padded rest)."""
     torch.set_num_threads(threads)
     N, K = shape
     g = torch.Generator().manual_seed(N)
     w = torch.randn(N, K, generator=g).t().contiguous().t()  # K-major, as the route binds it
-    x, b = torch.randn(300, K, generator=g), torch.randn(N, generator=g)
+    x, b = torch.randn(600, K, generator=g), torch.randn(N, generator=g)
     rows = RowMM()
     full = rows.linear(x, w, b)
     torch.testing.assert_close(full, torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    pick = torch.randperm(300, generator=g)[:16]
+    pick = torch.randperm(600, generator=g)[:16]
     assert torch.equal(rows.linear(x[pick], w, b), full[pick])
-    for i in (0, 5, 299):
+    for i in (0, 5, 599):
         assert torch.equal(rows.linear(x[i : i + 1], w, b), full[i : i + 1]), i
 
 
@@ -86,3 +86,17 @@ def test_rope_kv_is_the_reference_bit_for_bit() -> None:
     qa = cpu_route.rope_kv(qkv, pos, slots, cos, sin, a, 4)
     qb = fused.rope_kv_write_reference(qkv, pos, slots, cos, sin, b, 4)
     assert torch.equal(qa, qb) and torch.equal(a, b)
+
+
+def test_prefill_over_key_blocks_in_any_chunking() -> None:
+    """A 600-token prompt (3 key blocks) as one chunk, beside another slot's prompt, and in
+    chunks of 100 that cut blocks: the same logits for every token."""
+    state = random_state_dict(SMALL, seed=0, dtype=torch.float32)
+    a, b = (gx.models.HFTransformer(SMALL, state, max_seq_len=600) for _ in range(2))
+    a.bind(3, "cpu"), b.bind(3, "cpu")
+    ids = torch.randint(0, 300, (600,), generator=torch.Generator().manual_seed(4)).tolist()
+    other = [(1, 0, ids[:300][::-1])]
+    whole = a.prefill_batch(PrefillBatch.build([(0, 0, ids)] + other, "cpu", range(600)))
+    for s in range(0, 600, 100):
+        part = b.prefill_batch(PrefillBatch.build([(0, s, ids[s : s + 100])], "cpu", range(100)))
+        assert torch.equal(part, whole[s : s + 100]), s
