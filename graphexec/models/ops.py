@@ -9,7 +9,8 @@ position, its slot):
     linear          matmul.linear (Triton)      cuBLAS (F.linear)             cpu_route.RowMM
     gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
                                                                               references
-    norm (+ add)    fused.residual_rms_norm     same                          its reference
+    norm (+ add)    fused.residual_rms_norm     same                          cpu_route.residual_
+                                                                              rms_norm
     rotary + cache  fused.rope_kv_write         same                          cpu_route.rope_kv
                                                                               (its reference's
                                                                               bits)
@@ -120,6 +121,7 @@ class ForwardOps:
             attend = rows.attend
             if not kernels:
                 rope_kv = cpu_route.rope_kv  # the reference's bits in fewer ops
+                norm = cpu_route.residual_rms_norm
             if batch_invariant:
                 lin, weight = rows.linear, _k_major
         if not batch_invariant:

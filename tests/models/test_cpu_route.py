@@ -100,3 +100,26 @@ def test_prefill_over_key_blocks_in_any_chunking() -> None:
     for s in range(0, 600, 100):
         part = b.prefill_batch(PrefillBatch.build([(0, s, ids[s : s + 100])], "cpu", range(100)))
         assert torch.equal(part, whole[s : s + 100]), s
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_rows_do_not_depend_on_the_call(threads, restore_threads) -> None:
+    """cpu_route.residual_rms_norm: a row alone has its bits among 1000 rows (the mean is
+    one row's reduction); and the padded-call buffer serves calls in and out of
+    inference_mode."""
+    from graphexec.models import cpu_route, fused
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(1000, 576, generator=g), torch.randn(1000, 576, generator=g)
+    w = torch.randn(576, generator=g)
+    full, new = cpu_route.residual_rms_norm(x, r, w, 1e-5)
+    ref, _ = fused.residual_rms_norm_reference(x, r, w, 1e-5)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    for i in (0, 1, 517, 999):
+        alone = cpu_route.residual_rms_norm(x[i : i + 1], r[i : i + 1], w, 1e-5)
+        assert torch.equal(alone[0], full[i : i + 1]) and torch.equal(alone[1], new[i : i + 1])
+    rows, wk = RowMM(), torch.randn(64, 576, generator=g).t().contiguous().t()
+    with torch.inference_mode():
+        inside = rows.linear(x[:1], wk)
+    assert torch.equal(rows.linear(x[:1], wk), inside)
