@@ -8,10 +8,10 @@ with one thread; with two threads the [576, 1536] weight also rounds differently
 differ from M >= 4 for K = 576. So nothing here assumes a class of sizes: `RowMM`
 measures, per operand (b's shape, strides and dtype, torch's thread count), which call
 sizes among 1, 2, 4, ..., 512 give each row the same bits (random rows, at shifted
-places), once per process, and cuts every product into calls of one such class only:
-whole calls of its largest size, then one call of the smallest size that holds the rest
-(padded with zero rows). A row's bits are then those of any other call, and a decode of
-one row costs a 2-row product, not a padded 8- or 16-row one.
+places), once per process, and cuts every product into calls of one such class only
+(`_calls`: the largest that fits, until one call holds the rest, padded with zero
+rows). A row's bits are then those of any other call, and a decode of one row costs a
+2-row product, not a padded 8- or 16-row one.
 
 `RowMM.attend` is decode attention over a slot-indexed cache with the rows grouped by
 slot and key block: a prefill chunk's rows of one block share one copy of their live
@@ -44,6 +44,22 @@ def _classes(outs: dict[int, torch.Tensor]) -> list[list[int]]:
         else:
             classes.append([s])
     return classes
+
+
+def _calls(M: int, sizes: tuple[int, ...]) -> list[int]:
+    """Call sizes (all of one class) for M rows: the largest that fits, again, until one
+    call holds the rest with at most a quarter of it as padding (320 rows: 256 + 64, not
+    a 512 call); the last call's zero rows are dropped."""
+    calls, rest = [], M
+    while rest > 0:
+        up = next((t for t in sizes if t >= rest), None)
+        down = next((t for t in reversed(sizes) if t <= rest), None)
+        if up is not None and (down is None or 4 * up <= 5 * rest):
+            calls.append(up)
+            break
+        calls.append(down)
+        rest -= down
+    return calls
 
 
 class RowMM:
@@ -91,20 +107,17 @@ class RowMM:
 
     def padded(self, M: int, b: torch.Tensor) -> int:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
-        sizes = self.sizes(b)
-        big = sizes[-1]
-        rest = M % big
-        return M if not rest or rest in sizes else M - rest + next(t for t in sizes if t >= rest)
+        return sum(_calls(M, self.sizes(b)))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
         a row's bits independent of M and of its place in the call."""
         M, N = a.shape[-2], b.shape[-1]
-        sizes = self.sizes(b) if M else ()
-        if M in sizes:
+        calls = _calls(M, self.sizes(b)) if M else []
+        if len(calls) == 1 and calls[0] == M:
             return torch.matmul(a, b)
-        if 0 < M < sizes[-1]:  # one padded call (a decode row): no copies out
-            s = next(t for t in sizes if t >= M)
+        if len(calls) == 1:  # one padded call (a decode row): no copies out
+            s = calls[0]
             if a.dim() > 2:
                 return torch.matmul(F.pad(a, (0, 0, 0, s - M)), b)[..., :M, :]
             # a kept buffer of s rows: rows past M hold earlier calls' rows (a GEMM row's
@@ -117,21 +130,16 @@ class RowMM:
             pad[:M] = a
             return torch.matmul(pad, b)[:M]
         out = torch.empty((*a.shape[:-2], M, N), dtype=a.dtype, device=a.device)
-        if M == 0:
-            return out
-        big, i = sizes[-1], 0
-        while M - i >= big:
-            out[..., i : i + big, :] = torch.matmul(a[..., i : i + big, :], b)
-            i += big
-        rest = M - i
-        if rest:
-            s = next(t for t in sizes if t >= rest)
+        i = 0
+        for s in calls:
+            rest = min(s, M - i)
             if s == rest:
-                out[..., i:, :] = torch.matmul(a[..., i:, :], b)
+                out[..., i : i + s, :] = torch.matmul(a[..., i : i + s, :], b)
             else:  # zero rows below it: its bits are those of any call of s rows
                 pad = a.new_zeros((*a.shape[:-2], s, a.shape[-1]))
                 pad[..., :rest, :] = a[..., i:, :]
                 out[..., i:, :] = torch.matmul(pad, b)[..., :rest, :]
+            i += rest
         return out
 
     # ---- the ops of `ops.ForwardOps` ----------------------------------------------------

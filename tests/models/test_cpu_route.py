@@ -123,3 +123,15 @@ def test_norm_rows_do_not_depend_on_the_call(threads, restore_threads) -> None:
     with torch.inference_mode():
         inside = rows.linear(x[:1], wk)
     assert torch.equal(rows.linear(x[:1], wk), inside)
+
+
+def test_calls_cut_rows_into_sizes_of_one_class() -> None:
+    """Whole calls while they fit, one padded call for a rest it holds with <= 1/4 padding."""
+    from graphexec.models.cpu_route import _calls
+
+    sizes = (2, 4, 8, 16, 256, 512)
+    assert _calls(1, sizes) == [2] and _calls(320, sizes) == [256, 16, 16, 16, 16]
+    assert _calls(1000, sizes) == [512, 512] and _calls(600, sizes)[0] == 512
+    for M in range(1, 1100, 7):
+        c = _calls(M, sizes)
+        assert set(c) <= set(sizes) and sum(c[:-1]) < M <= sum(c), M
