@@ -18,9 +18,17 @@ KINDS = [P(temperature=0.0), P(temperature=0.8), P(temperature=0.7, top_k=50, to
          P(min_p=0.05, logprobs=2)]  # fmt: skip
 
 
+def record(trace: dict[str, list[tuple]], outputs) -> None:
+    for o in outputs:
+        trace.setdefault(o.request_id, []).append(
+            (o.token_id, o.position, o.logprob, o.finish_reason)
+        )
+
+
 def churn(ex: gx.DecodeExecutor, steps: int, mode=None, seed: int = 0, memory_at=()):
     """Admit while slots are free, step `steps` times, abort 1% of the time; (outputs
-    per request, CUDA memory allocated at the steps in `memory_at`)."""
+    per request, CUDA memory allocated at the steps in `memory_at`, each measured once
+    every running request has finished: an idle executor holds only what persists)."""
     rng, grammar = random.Random(seed), gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     trace: dict[str, list[tuple]] = {}
     mem, n = {}, 0
@@ -30,15 +38,15 @@ def churn(ex: gx.DecodeExecutor, steps: int, mode=None, seed: int = 0, memory_at
                                     grammar=grammar if n % 10 == 9 else None)  # fmt: skip
             ex.add_request(f"r{n}", [rng.randrange(50_000) for _ in range(rng.randint(4, 64))], p)
             n += 1
-        for o in ex.step(mode):
-            trace.setdefault(o.request_id, []).append(
-                (o.token_id, o.position, o.logprob, o.finish_reason)
-            )
+        record(trace, ex.step(mode))
         if rng.random() < 0.01:
             live = sorted(r for r, v in trace.items() if v[-1][3] is None)
             if live:
                 ex.abort(rng.choice(live))
-        if step in memory_at:
+        if step in memory_at:  # drained, so no step's transients (a prefill's logits) count
+            while not ex.idle:
+                record(trace, ex.step(mode))
+            torch.cuda.synchronize()
             mem[step] = torch.cuda.memory_allocated()
     return trace, mem
 
