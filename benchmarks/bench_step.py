@@ -40,11 +40,11 @@ batch; step-model-<name>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 
-CPU (`--device cpu --model smollm2|PATH`; step_cpu.py): graphexec's CPU route against
+CPU (`--scenario cpu --model smollm2|PATH`; step_cpu.py): graphexec's CPU route against
 transformers, float32, one thread count: decode tokens/s, a 1,000-token prefill, and 16
 concurrent 20-token prompts to their first tokens; step-cpu-<model>-<date>.json.
 
-    python benchmarks/bench_step.py --device cpu --model smollm2 [--threads 2] [--reps 3]
+    python benchmarks/bench_step.py --scenario cpu --model smollm2 [--threads 2] [--reps 3]
 """
 
 from __future__ import annotations
@@ -180,11 +180,12 @@ def run_prefill(args) -> tuple[str, dict]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill"),
+    ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill", "cpu"),
                     default="steady", help="steady: the step at fixed batches (default); "
                     "churn: the server loop with arrivals (added to the day's JSON); all: "
                     "both; prefill: running streams' worst gap while long prompts arrive "
-                    "(TinyLM or --model)")  # fmt: skip
+                    "(TinyLM or --model); cpu: the CPU route against transformers "
+                    "(--model smollm2|PATH)")  # fmt: skip
     ap.add_argument("--prefill-budgets", type=int, nargs="+", default=[256, 1024, 4096],
                     help="prefill scenario: the budgets compared")  # fmt: skip
     ap.add_argument("--prefill-streams", type=int, default=32,
@@ -209,8 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0,
                     help="the churn arrivals' seed (--model: weights' and prompts')")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: a smoke run (its timings are not performance); with --model, "
-                    "graphexec's CPU route against transformers (step_cpu.py)")  # fmt: skip
+                    help="cpu: a smoke run (its timings are not performance; --scenario cpu "
+                    "is the CPU benchmark)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     m = ap.add_argument_group("model (--model: step_model.py)")
     m.add_argument("--model", default=None, metavar="PATH|CONFIG",
@@ -234,7 +235,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "HFTransformer(batch_invariant=False), cuBLAS GEMMs")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
-    c = ap.add_argument_group("--device cpu --model smollm2|PATH (step_cpu.py)")
+    c = ap.add_argument_group("--scenario cpu --model smollm2|PATH (step_cpu.py)")
     c.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads, the same for both sides")  # fmt: skip
     c.add_argument("--decode-tokens", type=int, default=32, help="timed greedy tokens")
@@ -307,14 +308,16 @@ def write(result: dict, out: str, keep_rows: bool) -> tuple[str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
-                         "(--device cpu runs a smoke test)")  # fmt: skip
-    if args.device == "cpu" and args.model is not None:
+    if args.scenario == "cpu":  # the CPU route against transformers, whatever --device says
+        if args.model is None:
+            raise SystemExit("--scenario cpu needs --model smollm2|PATH")
         result = step_cpu.run(args)
         print(f"wrote {step_cpu.write(result, args.out)}")
         print(step_cpu.markdown(result))
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
+                         "(--device cpu runs a smoke test)")  # fmt: skip
     result = header(args.device)
     if args.scenario == "prefill":
         path, result = run_prefill(args)

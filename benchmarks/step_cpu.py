@@ -1,4 +1,4 @@
-"""bench_step.py --device cpu --model smollm2|PATH: graphexec's CPU route against
+"""bench_step.py --scenario cpu --model smollm2|PATH: graphexec's CPU route against
 transformers on one Hugging Face checkpoint, float32, one torch thread count for both.
 
 Three measures, each side by side (the two sides alternate, repetition by repetition,

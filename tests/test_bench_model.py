@@ -240,3 +240,22 @@ def test_a_failing_batch_keeps_the_others(tmp_path, one_thread):
     assert "invariant_cost" in good and "invariant_cost" not in bad
     assert "| 2 | error: OutOfMemoryError: no room |" in step_model.markdown(result)
     assert result["met"]["values"]["replay_speedup_b1"] == good["speedup"]
+
+
+def test_cpu_scenario_compares_both_sides_on_a_checkpoint(tmp_path, one_thread):
+    cfg = config("llama-3.2-1b", **TINY)
+    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
+                                        torch.float32)  # fmt: skip
+    ref.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(SystemExit, match="--scenario cpu needs --model"):
+        bench_step.main(["--scenario", "cpu"])
+    bench_step.main(["--scenario", "cpu", "--model", str(tmp_path / "ckpt"), "--threads", "1",
+                     "--decode-tokens", "2", "--prefill-len", "8", "--reps", "1",
+                     "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("step-cpu-ckpt-*.json")
+    result = json.loads(path.read_text())
+    g, t = result["median"]["graphexec"], result["median"]["transformers"]
+    assert result["threads"] == 1 and result["prefill_len"] == 8
+    assert min(g.values()) > 0 and min(t.values()) > 0
+    assert result["ratio"]["decode"] == pytest.approx(g["decode_tok_s"] / t["decode_tok_s"])
+    assert result["ratio"]["prefill"] == pytest.approx(t["prefill_s"] / g["prefill_s"])
