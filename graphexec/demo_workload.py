@@ -5,7 +5,7 @@ On a GPU the demo runs the full workload (24 mixed requests or one per chat ques
 batch 64, both speculative runs). On the CPU a step costs far more (the sampler over a
 100k vocabulary, a real model's forward), so the plan is proportionate: 8 mixed
 requests of 6-16 tokens at batch 8 for TinyLM, and for a checkpoint 3 chat questions
-(greedy and top-p answers of at most 24 tokens, and JSON, until it closes) at batch 2.
+(greedy and top-p answers of at most 64 tokens, and JSON, until it closes) at batch 2.
 Explicit flags override the plan.
 """
 
@@ -47,7 +47,7 @@ CHATS = [
 
 # the CPU's chat questions for a checkpoint (indices into CHATS): greedy, top-p, JSON
 CPU_CHATS = (0, 2, 4)
-CPU_CHAT_MAX_TOKENS = 24
+CPU_CHAT_MAX_TOKENS = 64
 SPECULATIVE = ("all", "ngram", "draft", "none")
 
 
