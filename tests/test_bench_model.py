@@ -156,8 +156,10 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
     assert set(result["met"]["values"]) == set(step_model.TARGETS)
     assert result["met"]["met"]["vs_transformers_b32"] is None  # no B=32 row
     out = capsys.readouterr().out
-    head = ("| B | replay us | cuBLAS replay us | invariant/cuBLAS | spec K=3 step us | spec/plain "
-            "| eager us | host us | our tok/s | transformers tok/s |")
+    head = (
+        "| B | replay us | cuBLAS replay us | invariant/cuBLAS | spec K=3 step us | spec/plain "
+        "| eager us | host us | our tok/s | transformers tok/s |"
+    )
     assert head in out
     assert "B=32 tokens/s >= 2x transformers generate (static cache): not measured" in out
 
