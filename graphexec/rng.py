@@ -56,14 +56,12 @@ class Stream(enum.IntEnum):
 
 
 def _mul32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of a * m for uint32 values a (held in int64) and a constant m."""
-    mh, ml = m >> 16, m & 0xFFFF
-    ah, al = a >> 16, a & 0xFFFF
-    ll = al * ml
-    mid = ah * ml + al * mh  # < 2**33
-    hi = ah * mh + ((mid + (ll >> 16)) >> 16)
-    lo = ((mid << 16) + ll) & MASK32
-    return hi & MASK32, lo
+    """(hi, lo) 32-bit words of a * m for uint32 values a (held in int64) and a constant m.
+    a's 16-bit halves times m stay below 2**48, so int64 never overflows."""
+    th, tl = (a >> 16) * m, (a & 0xFFFF) * m  # a * m = th * 2**16 + tl
+    hi = (th + (tl >> 16)) >> 16
+    lo = (((th & 0xFFFF) << 16) + tl) & MASK32
+    return hi, lo
 
 
 def philox4x32(
