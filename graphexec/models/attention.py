@@ -6,8 +6,9 @@ only its live keys: a split-KV ("flash-decoding") kernel whose programs cover fi
 ranges, each loading only the part of its range that is live, then a combine kernel that
 merges the partial softmaxes. `decode_attention_reference` is the same computation in
 torch (SDPA with a mask over the whole row), the tests' definition;
-`decode_attention_blocked` is the CPU route: torch over fixed key blocks up to the call's
-furthest position, so its cost follows the live tokens, not T.
+`decode_attention_blocked` is the same in torch over fixed key blocks up to the call's
+furthest position (its cost follows the live tokens, not T). The CPU route of the models
+is `cpu_route.RowMM.attend`.
 
 Kernels (`decode_attention` launches both; grids are fixed by shapes alone):
 
@@ -36,7 +37,7 @@ import triton.language as tl
 
 from graphexec.triton_env import interpreter_enabled
 
-CPU_BLOCK = 256  # keys per block of `decode_attention_blocked` (the CPU route)
+CPU_BLOCK = 256  # keys per block of `decode_attention_blocked`
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def decode_attention(
 
     Route: this Triton kernel runs on CUDA (and on the CPU under ``TRITON_INTERPRET=1``,
     for tests). `HFTransformer` and `TinyLM` call it on CUDA and
-    `decode_attention_blocked` (torch over the live key blocks, the same signature) on
+    `cpu_route.RowMM.attend` (torch over the live key blocks, the same signature) on
     the CPU; both agree with `decode_attention_reference` to rounding. A row's output
     is bitwise the same in any batch: no program's work depends on the other rows or B.
     """
@@ -337,8 +338,9 @@ def decode_attention_blocked(
     config: AttentionConfig | None = None,
     block: int = CPU_BLOCK,
 ) -> torch.Tensor:
-    """`decode_attention` in torch over the live keys only: the CPU route (same signature;
-    `config` unused). Its cost grows with the largest position in the call, not with T.
+    """`decode_attention` in torch over the live keys only (same signature; `config`
+    unused; the models' CPU route is `cpu_route.RowMM.attend`). Its cost grows with the
+    largest position in the call, not with T.
 
     Keys are cut into fixed blocks ``[i * block, (i + 1) * block)``; the call reads blocks
     up to the one holding its largest position (one host read: never use it on CUDA, where

@@ -19,7 +19,8 @@ sequence of the same instructions whatever rows share its tile, whichever tile i
 in, and whether the call is a decode, a verify over K + 1 tokens or a prefill chunk.
 Small M fills the GPU by tiling N finely (`min_programs`), not by splitting K.
 
-`linear_reference` is the CPU route and the tests' definition: torch.mm over chunks of
+`linear_reference` is the tests' definition (the models' CPU route is `cpu_route.RowMM`,
+whose call sizes are measured rather than fixed): torch.mm over chunks of
 a fixed number of rows, so every call has one shape and a row's bits are a function of
 that row (and of torch's intra-op thread count, which the process fixes). The kernel
 and the reference agree to rounding (different summation orders), not bit for bit.
