@@ -92,8 +92,14 @@ def _installed_gguf() -> tuple[str, Path] | None:
 
 def _sources(cache_dir: str | os.PathLike | None) -> list[tuple[str, Path]]:
     """(version, GGUF path) of each place the model is: the cache first, then the package."""
-    found = [(VERSION, cached_gguf(cache_dir))] if cached_gguf(cache_dir).is_file() else []
-    return found + [s for s in [_installed_gguf()] if s is not None]
+    found = []
+    cached = cached_gguf(cache_dir)
+    if cached.is_file():
+        found.append((VERSION, cached))
+    installed = _installed_gguf()
+    if installed is not None:
+        found.append(installed)
+    return found
 
 
 def _missing(root: Path) -> MissingExtraError:
