@@ -9,11 +9,12 @@ is a CUDA-graph replay of calls cycling through copies of the weight (more bytes
 holds, as a model's layers are: the weights come from HBM), the median of `--reps`
 replays, per call.
 
-`--sweep` also times candidate tiles per shape (compiled side by side in worker
-processes first) and reports the best by its worst ratio to cuBLAS over M <= 256 (the
-decode and verify rows), with prefill's M = 1024 for information.
+`--sweep` also times candidate tiles per shape, each with the splits of K that suit it
+(`--splits`; compiled side by side in worker processes first), and reports the best by
+its worst ratio to cuBLAS over M <= 256 (the decode and verify rows), with prefill's
+M = 1024 for information; `--print-tiles` then prints the best as `GPU_TILES` lines.
 
-    python benchmarks/bench_matmul.py [--models qwen2.5-0.5b llama-3.2-1b] [--sweep]
+    python benchmarks/bench_matmul.py [--models qwen2.5-0.5b llama-3.2-1b llama-3.1-8b] [--sweep]
 
 Results: matmul-<device>-<date>.json in --out, and a markdown table printed last.
 """
@@ -87,32 +88,41 @@ def graph_time_us(fns, reps: int) -> float:
 def candidates(args) -> list[mm.MatmulTile]:
     out = []
     ws = [tuple(map(int, x.split(","))) for x in args.warps_stages]
-    for bm, bn, bk, (w, st) in itertools.product(args.block_m, args.block_n, args.block_k, ws):
+    for bm, bn, bk, (w, st), sp in itertools.product(args.block_m, args.block_n, args.block_k,
+                                                     ws, args.splits):  # fmt: skip
         if st * (bm + 2 * bn) * bk * 2 > 220 << 10:  # shared memory (silu: two w tiles)
             continue
-        out.append(mm.MatmulTile(bm, bn, bk, w, st))
+        out.append(mm.MatmulTile(bm, bn, bk, w, st, sp))
     return out
 
 
-def _compile(job: tuple[list[dict], list[mm.MatmulTile]]) -> int:
-    """Worker: run every (shape, tile) once at M = 1 so Triton's disk cache holds it."""
-    shape_list, tiles = job
+def suits(s: dict, t: mm.MatmulTile, min_programs: int) -> bool:
+    """A split that divides K into parts of at least block_k, and is not more than
+    needed: the M = 1 grid without it is below 2 x min_programs."""
+    if s["K"] % t.split or s["K"] // t.split < t.block_k:
+        return False
+    return t.split == 1 or triton.cdiv(s["N"], t.block_n) * t.split // 2 < 2 * min_programs
+
+
+def _compile(job: list[tuple[dict, mm.MatmulTile]]) -> int:
+    """Worker: run every (shape, tile) once at M = 1 and 1024 (a split spread over
+    programs, and summed in registers) so Triton's disk cache holds both kernels."""
     done = 0
-    for s, t in itertools.product(shape_list, tiles):
-        x, ws, b = operands(s, 1, 1)
-        try:
-            calls(s, x, ws, b, mm.MatmulConfig(tiles=((s["N"], s["K"], t),)))[0]()
-            done += 1
-        except Exception:  # out of resources: the sweep skips it too
-            pass
+    for s, t in job:
+        for M in (1, 1024):
+            x, ws, b = operands(s, M, 1)
+            try:
+                calls(s, x, ws, b, mm.MatmulConfig(tiles=((s["N"], s["K"], t),)))[0]()
+                done += 1
+            except Exception:  # out of resources: the sweep skips it too
+                pass
     torch.cuda.synchronize()
     return done
 
 
 def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int) -> None:
-    # one shape per (bias, silu) kind: the compiled kernel depends on those, not on N, K
-    kinds = {(s["bias"], s["silu"]): s for s in shape_list}
-    jobs = [(list(kinds.values()), tiles[i::workers]) for i in range(workers)]
+    pairs = [(s, t) for s in shape_list for t in tiles if suits(s, t, 264)]
+    jobs = [pairs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         n = sum(pool.map(_compile, jobs))
     print(f"precompiled {n} kernels in {workers} processes", flush=True)
@@ -138,6 +148,8 @@ def run(args) -> dict:
             ours = graph_time_us(calls(s, x, ws, b, gpu), args.reps)
             r["by_m"][M] = dict(cublas_us=cub, invariant_us=ours, ratio=ours / cub)
             for t in tiles:
+                if not suits(s, t, gpu.min_programs):
+                    continue
                 if args.time_budget and time.perf_counter() - t_start > args.time_budget:
                     break
                 try:
@@ -145,7 +157,8 @@ def run(args) -> dict:
                     us = graph_time_us(calls(s, x, ws, b, cfg), args.reps)
                 except Exception:
                     continue
-                key = f"{t.block_m}x{t.block_n}x{t.block_k}/w{t.num_warps}s{t.num_stages}"
+                key = (f"{t.block_m}x{t.block_n}x{t.block_k}/w{t.num_warps}s{t.num_stages}"
+                       f"/k{t.split}")  # fmt: skip
                 r["sweep"].setdefault(key, {})[M] = us / cub
             del x, ws, b
         if r["sweep"]:
@@ -173,7 +186,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         t = r["tile"]
         cells = [r["model"], r["layer"], str(r["N"]), str(r["K"]),
-                 f"{t['block_m']}x{t['block_n']}x{t['block_k']}"]  # fmt: skip
+                 f"{t['block_m']}x{t['block_n']}x{t['block_k']}/k{t.get('split', 1)}"]  # fmt: skip
         for M in Ms:
             v = r["by_m"].get(M) or r["by_m"].get(str(M))
             cells.append(f"{v['ratio']:.2f} ({v['cublas_us']:.1f})" if v else "-")
@@ -187,16 +200,18 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.2-1b"])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama-3.2-1b",
+                                                    "llama-3.1-8b"])  # fmt: skip
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 256, 1024])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--block-m", type=int, nargs="+", default=[64])
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128])
-    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--warps-stages", nargs="+", default=["4,3", "4,4", "8,4"],
+    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--warps-stages", nargs="+", default=["4,4", "8,3"],
                     metavar="W,S", help="the sweep's (num_warps, num_stages) pairs")  # fmt: skip
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="stop sweeping candidates after S seconds")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
@@ -212,6 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}\n\n{markdown(result)}")
+    if args.sweep:
+        print("\nGPU_TILES (best swept):")
+        for r in result["rows"]:
+            if "best" in r:
+                t = r["best"]["tile"].replace("/w", "x").replace("s", "x").replace("/k", "x")
+                vals = ", ".join(t.split("x"))
+                print(f"    ({r['N']}, {r['K']}, ({vals})),  # {r['model']} {r['layer']}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ batch; step-model-<name>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 
+Profile (`--scenario profile --model CONFIG [--cublas]`; step_profile.py): the replayed
+decode forward at each B (default 1 32), kernel by kernel (time, bytes, GB/s, the op
+and layer that launched it), against the weight-read floor measured in the same run;
+step-profile-<model>-<device>-<date>.json.
+
+    python benchmarks/bench_step.py --scenario profile --model llama-3.2-1b
+
 CPU (`--scenario cpu --model smollm2|PATH`; step_cpu.py): graphexec's CPU route against
 transformers, float32, one thread count: decode tokens/s, a 1,000-token prefill, and 16
 concurrent 20-token prompts to their first tokens; step-cpu-<model>-<date>.json.
@@ -62,6 +69,7 @@ import time
 import plot_step
 import step_cpu
 import step_model
+import step_profile
 import torch
 import triton
 from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn_section
@@ -180,12 +188,14 @@ def run_prefill(args) -> tuple[str, dict]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill", "cpu"),
+    ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill", "cpu",
+                                           "profile"),
                     default="steady", help="steady: the step at fixed batches (default); "
                     "churn: the server loop with arrivals (added to the day's JSON); all: "
                     "both; prefill: running streams' worst gap while long prompts arrive "
                     "(TinyLM or --model); cpu: the CPU route against transformers "
-                    "(--model smollm2|PATH)")  # fmt: skip
+                    "(--model smollm2|PATH); profile: the replayed forward of --model "
+                    "kernel by kernel against the weight-read floor")  # fmt: skip
     ap.add_argument("--prefill-budgets", type=int, nargs="+", default=[256, 1024, 4096],
                     help="prefill scenario: the budgets compared")  # fmt: skip
     ap.add_argument("--prefill-streams", type=int, default=32,
@@ -231,7 +241,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
     m.add_argument("--hf-batches", type=int, nargs="+", default=None,
                    help="time transformers at these batches only (default: every one)")  # fmt: skip
-    m.add_argument("--cublas", action="store_true", help="prefill scenario: "
+    m.add_argument("--cublas", action="store_true", help="prefill and profile scenarios: "
                    "HFTransformer(batch_invariant=False), cuBLAS GEMMs")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
@@ -319,6 +329,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_step.py measures CUDA graphs: it needs a GPU "
                          "(--device cpu runs a smoke test)")  # fmt: skip
     result = header(args.device)
+    if args.scenario == "profile":
+        if args.model is None:
+            raise SystemExit("--scenario profile needs --model CONFIG|PATH")
+        path, result = step_profile.run(args, result, step_model.resolve, step_model.load,
+                                        step_model.DTYPES)  # fmt: skip
+        print(f"wrote {path}")
+        print(step_profile.markdown(result))
+        return
     if args.scenario == "prefill":
         path, result = run_prefill(args)
         print(f"wrote {path}")

@@ -25,9 +25,10 @@ import step_model  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
-NAMES = ("qwen2.5-0.5b", "llama-3.2-1b")
+NAMES = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.1-8b")
 # transformers' parameter counts of the public models (tied embeddings counted once)
-PARAMS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400}
+PARAMS = {"qwen2.5-0.5b": 494_032_768, "llama-3.2-1b": 1_235_814_400,
+          "llama-3.1-8b": 8_030_261_248}  # fmt: skip
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, vocab_size=300, bos_token_id=1,
             eos_token_id=2, max_position_embeddings=256)  # fmt: skip
@@ -46,8 +47,10 @@ def test_configs_load_in_transformers_and_match_its_parameters(name):
         ref = transformers.AutoModelForCausalLM.from_config(c)
     assert time.perf_counter() - t0 < 30
     assert type(ref).__name__ == cfg["architectures"][0]
-    want = {k: tuple(v.shape) for k, v in ref.state_dict().items() if k != "lm_head.weight"}
-    assert cfg["tie_word_embeddings"] and ref.lm_head.weight is ref.model.embed_tokens.weight
+    tied = cfg["tie_word_embeddings"]
+    want = {k: tuple(v.shape) for k, v in ref.state_dict().items()
+            if k != "lm_head.weight" or not tied}  # fmt: skip
+    assert tied == (ref.lm_head.weight is ref.model.embed_tokens.weight)
     assert param_shapes(cfg) == want
     assert sum(p.numel() for p in ref.parameters()) == PARAMS[name]
     # HFTransformer accepts every shape (on the meta device: no memory)
@@ -72,6 +75,10 @@ def test_public_config_facts():
                                   "low_freq_factor": 1.0, "rope_type": "llama3",
                                   "original_max_position_embeddings": 8192}  # fmt: skip
     assert "bias" not in " ".join(param_shapes(ll))
+    e = config("llama-3.1-8b")
+    assert (e["hidden_size"], e["num_hidden_layers"], e["num_attention_heads"],
+            e["num_key_value_heads"], e["intermediate_size"], e["vocab_size"], e["rope_theta"],
+            e["tie_word_embeddings"]) == (4096, 32, 32, 8, 14336, 128256, 500000.0, False)  # fmt: skip
 
 
 def test_random_state_dict_is_seeded_and_shaped():

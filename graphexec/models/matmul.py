@@ -3,27 +3,26 @@
 cuBLAS chooses its GEMM kernel (tile shape, split-K, stream-K) by the number of rows M,
 so one row of activations is rounded differently alone, in a batch of 7 and in a batch
 of 256: a seeded request's logits, and so its tokens, would depend on what runs beside
-it. The kernels here fix the reduction order by the weight's shape alone:
+it. Here the reduction order is fixed by the weight's shape alone
+(`matmul_kernel._linear_kernel`): K is split into S parts (S a power of two), each part
+summed in one K loop in float32, the parts added in a fixed binary tree
+((p0 + p1) + (p2 + p3)) ..., then rounded once.
 
-    _linear_kernel  grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): out = x @ w.T (+ bias)
-        for one [BLOCK_M, BLOCK_N] tile; the K loop walks k = 0, BLOCK_K, 2 BLOCK_K, ...
-        in one program (no split-K, no stream-K), each step one `tl.dot` of the same
-        shape, accumulated in float32; bias added in float32; one rounding to the dtype.
-        With SILU_MUL it computes the gate and up tiles of the same columns and writes
-        silu(gate) * up, rounded as `fused.silu_mul` rounds it (one launch fewer a layer).
-
-The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is `MatmulConfig.tile(N, K)`: a
-function of the weight's shape, never of M. M is a runtime argument the compiler never
-specialises on, so every M runs the same compiled kernel, and a row's sum is the same
-sequence of the same instructions whatever rows share its tile, whichever tile it sits
-in, and whether the call is a decode, a verify over K + 1 tokens or a prefill chunk.
-Small M fills the GPU by tiling N finely (`min_programs`), not by splitting K.
+The tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) and the split S are
+`MatmulConfig.tile(N, K)`: a function of the weight's shape, never of M. M is a runtime
+argument the compiler never specialises on; how many programs share a tile's S parts is
+a launch choice by M that does not change a bit (the tree's subtrees are its nodes). So
+a row's sum is the same sequence of the same instructions whatever rows share its tile,
+whichever tile it sits in, and whether the call is a decode, a verify over K + 1 tokens
+or a prefill chunk. Small M fills the GPU by tiling N finely and by giving the parts of
+K to separate programs; a tensor-parallel row-parallel layer gives them to ranks.
 
 `linear_reference` is the tests' definition (the models' CPU route is `cpu_route.RowMM`,
 whose call sizes are measured rather than fixed): torch.mm over chunks of
 a fixed number of rows, so every call has one shape and a row's bits are a function of
 that row (and of torch's intra-op thread count, which the process fixes). The kernel
 and the reference agree to rounding (different summation orders), not bit for bit.
+`tree_sum` is the tree in torch, for the partial sums of a split.
 """
 
 from __future__ import annotations
@@ -34,21 +33,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from graphexec.models.fused import _rounded
+from graphexec.models.matmul_kernel import MAX_SPLIT, _linear_kernel, launch_shape
 from graphexec.triton_env import interpreter_enabled
 
 
 @dataclass(frozen=True)
 class MatmulTile:
-    """One compiled kernel's tiling: rows x columns of a program, K per step, launch."""
+    """One compiled kernel's tiling: rows x columns of a program, K per step, launch;
+    split: the parts of K summed in the tree (a power of two dividing K)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split: int = 1
 
 
 # (N, K, (block_m, block_n, block_k, num_warps, num_stages)); gate/up's N is I (its output)
@@ -74,7 +74,10 @@ class MatmulConfig:
     block_k: K per step of the loop, for K of at least `long_k`; `short_block_k` below.
     min_programs: block_n is the largest power of two in [16, max_block_n] that still
         gives at least this many column tiles (so a one-row call fills the GPU), 16
-        where none does.
+        where none does; then the split of K doubles (up to max_split, each part at
+        least block_k long and K divisible by it) while tiles x split is below it. At
+        run time, a call with fewer programs than this spreads a tile's parts over up
+        to `split` programs.
     num_warps, num_stages: of every tile.
     tiles: tuned tiles by weight shape, ((N, K, tile), ...), taken before the rule.
     """
@@ -87,6 +90,7 @@ class MatmulConfig:
     min_programs: int = 264
     num_warps: int = 4
     num_stages: int = 4
+    max_split: int = MAX_SPLIT
     tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
 
     def __post_init__(self) -> None:
@@ -97,6 +101,10 @@ class MatmulConfig:
         for name in ("long_k", "min_programs", "num_warps", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MatmulConfig.{name} must be positive")
+        for split in [self.max_split] + [t.split for _, _, t in self.tiles]:
+            if not 1 <= split <= MAX_SPLIT or split & (split - 1):
+                raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
+                                 f"{MAX_SPLIT}, got {split}")  # fmt: skip
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
@@ -127,60 +135,11 @@ class MatmulConfig:
         while bn < self.max_block_n and triton.cdiv(N, 2 * bn) >= self.min_programs:
             bn *= 2
         bk = self.block_k if K >= self.long_k else self.short_block_k
-        return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(
-    X,  # [M, K] dtype (row stride sx, last dim contiguous)
-    W,  # [N_W, K] dtype (row stride sw, last dim contiguous); SILU_MUL: gate rows, then up
-    BIAS,  # [N_W] dtype; read only with HAS_BIAS
-    OUT,  # [M, N] dtype contiguous (N = N_W, or N_W / 2 with SILU_MUL)
-    M, N, K, sx, sw,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    # the programs of one column tile run side by side: its weights are read once from HBM
-    pid_m, pid_n = pid % tiles_m, pid // tiles_m
-    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K)
-    mmask, nmask = rm < M, rn < N
-    x_ptr = X + rm[:, None] * sx + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptr = W + rn[:, None] * sw + rk[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SILU_MUL:
-        up_ptr = w_ptr + N * sw
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # one order for every M: no split of K
-        kmask = rk[None, :] < K - k0
-        x = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
-        w = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
-        if F32_DOT:  # the interpreter multiplies bf16 as raw bits: exact fp32 products
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if SILU_MUL:
-            u = tl.load(up_ptr, mask=nmask[:, None] & kmask, other=0.0)
-            if F32_DOT:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision=PRECISION)
-            up_ptr += BLOCK_K
-        x_ptr += BLOCK_K
-        w_ptr += BLOCK_K
-    dt = OUT.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(BIAS + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(BIAS + N + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    y = _rounded(acc, dt)
-    if SILU_MUL:  # as fused.silu_mul on the rounded gate and up: F.silu(g) * u
-        a = _rounded(y / (1.0 + tl.exp(-y)), dt)
-        y = _rounded(a * _rounded(acc_up, dt), dt)
-    out_ptr = OUT + rm[:, None] * N + rn[None, :]
-    tl.store(out_ptr, y.to(dt), mask=mmask[:, None] & nmask[None, :])
+        split, tiles_n = 1, triton.cdiv(N, bn)
+        while (split < self.max_split and tiles_n * split < self.min_programs
+               and K % (2 * split) == 0 and K // (2 * split) >= bk):  # fmt: skip
+            split *= 2
+        return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages, split)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
@@ -197,7 +156,23 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul
         raise ValueError(f"x ({x.dtype}), w ({w.dtype}) and bias must have one dtype")
 
 
-def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None) -> torch.Tensor:
+MAX_TILES = 4096  # counters per device: a call spreads parts over programs up to this
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The persistent per-tile counters of `device` (zero between calls: the last program
+    of a tile resets its own), made once, before any graph capture uses them."""
+    key = (device.type, device.index)
+    if key not in _COUNTER_BUFFERS:
+        _COUNTER_BUFFERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTER_BUFFERS[key]
+
+
+_COUNTER_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
+            programs_per_tile: int | None = None) -> torch.Tensor:  # fmt: skip
     _check(x, w, bias, silu_mul)
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
@@ -208,13 +183,26 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None) -> torch.Te
         raise ValueError("linear needs K >= 1")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("linear needs x and w contiguous in their last dim")
-    t = (config or MatmulConfig.default()).tile(N, K)
+    cfg = config or MatmulConfig.default()
+    t = cfg.tile(N, K)
+    if K % t.split:
+        raise ValueError(f"the tile of weight [{N}, {K}] splits K into {t.split} parts, "
+                         "which must divide K")  # fmt: skip
+    tiles, P = launch_shape(M, N, t.block_m, t.block_n, t.split, cfg.min_programs, MAX_TILES)
+    if programs_per_tile is not None:  # tests: every P gives the same bits
+        P = programs_per_tile
     f32_dot = interpreter_enabled() and x.dtype == torch.bfloat16
-    grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
-    _linear_kernel[grid](
-        x, w, x if bias is None else bias, out, M, N, K, x.stride(0), w.stride(0),
+    if P > 1:
+        partial = torch.empty((P, 2 if silu_mul else 1, M, N), dtype=torch.float32,
+                              device=x.device)  # fmt: skip
+        counter = _counters(x.device)
+    else:
+        partial = counter = out  # not read
+    _linear_kernel[(tiles, P)](
+        x, w, x if bias is None else bias, out, partial, counter,
+        M, N, K, x.stride(0), w.stride(0), K // t.split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+        PARTS=t.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         PRECISION="ieee" if x.dtype == torch.float32 or f32_dot else "tf32", F32_DOT=f32_dot,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
@@ -257,9 +245,11 @@ def linear(
 
     Note
     ----
-    CUDA graphs: one launch, grid and output fixed by shapes, no host sync. Row ``r``'s
-    result is bitwise the same for any M and any other rows (`MatmulConfig.tile` reads
-    only N and K, and M is never specialised on).
+    CUDA graphs: one launch, grid and output fixed by shapes, no host sync; a call that
+    spreads K's parts over programs takes a float32 scratch [P, M, N] from the caching
+    allocator and per-tile counters the kernel leaves at zero. Row ``r``'s result is
+    bitwise the same for any M and any other rows (`MatmulConfig.tile` reads only N and
+    K, M is never specialised on, and the split's tree does not depend on who sums it).
     """
     return _launch(x, w, bias, False, config)
 
@@ -316,3 +306,14 @@ def linear_silu_mul_reference(
     _check(x, w_gate_up, None, True)
     gate, up = linear_reference(x, w_gate_up).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The split's tree over float32 partial sums p_0 .. p_{S-1} (S a power of two):
+    ((p0 + p1) + (p2 + p3)) + ...; a subtree of aligned consecutive parts is a node, so
+    tree_sum of the subtree sums equals tree_sum of the parts, bit for bit."""
+    if len(parts) & (len(parts) - 1) or not parts:
+        raise ValueError(f"tree_sum takes a power-of-two number of parts, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]

@@ -54,7 +54,12 @@ def test_kernel_matches_reference(shape, dtype) -> None:
 def test_silu_mul_kernel_matches_the_two_steps(dtype) -> None:
     x, w, _ = operands(19, 2 * 40, 48, dtype)
     got = mm.linear_silu_mul(x, w)
-    torch.testing.assert_close(got.float(), silu_mul(mm.linear(x, w)).float(), rtol=0, atol=0)
+    # the same tile and split for the [2 I, K] weight as for its gate/up output
+    tile = mm.MatmulConfig.interpreter().tile(40, 48)
+    assert tile.split > 1
+    both = mm.MatmulConfig.interpreter().replace(tiles=((40, 48, tile), (80, 48, tile)))
+    torch.testing.assert_close(got.float(), silu_mul(mm.linear(x, w, config=both)).float(),
+                               rtol=0, atol=0)  # fmt: skip
     want = mm.linear_silu_mul_reference(x, w)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
@@ -66,6 +71,45 @@ def test_kernel_rows_do_not_depend_on_the_call(dtype) -> None:
     x, w, b = operands(40, 72, 80, dtype, bias=True)
     assert_rows_invariant(lambda t: mm.linear(t, w, b), x)
     assert_rows_invariant(lambda t: mm.linear_silu_mul(t, w), x, sizes=(1, 9, 33))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [2, 4, 16])
+def test_a_split_gives_the_same_bits_whoever_sums_its_subtrees(split, dtype) -> None:
+    """K in `split` parts: one program summing all parts in registers (P = 1), or P
+    programs each summing an aligned run of parts and the last one adding the P subtree
+    sums: bitwise the same, for linear with bias and for gate/up + SwiGLU; and close to
+    an unsplit product."""
+    N, K = 40, 64 if split < 16 else 128
+    x, w, b = operands(23, 2 * N, K, dtype, seed=split, bias=True)
+    tile = mm.MatmulTile(16, 16, 16, 1, 1, split)
+    cfg = mm.MatmulConfig.interpreter().replace(tiles=((2 * N, K, tile), (N, K, tile)))
+    for fn, args in ((mm.linear, (b,)), (mm.linear_silu_mul, ())):
+        outs = [mm._launch(x, w, *(args or (None,)), fn is mm.linear_silu_mul, cfg,
+                           programs_per_tile=P) for P in (1, 2, split)]  # fmt: skip
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+    one = mm.MatmulConfig.interpreter().replace(max_split=1)
+    assert one.tile(2 * N, K).split == 1
+    torch.testing.assert_close(outs[0].float(), mm.linear_silu_mul(x, w, config=one).float(),
+                               **TOL[dtype])  # fmt: skip
+
+
+def test_tree_sum_of_subtree_sums_is_the_tree_sum() -> None:
+    """tree_sum over S parts equals, bit for bit, the per-subtree sums (any aligned power
+    of two) combined in tree order; a different order of the same parts does not."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(512, generator=g) * 10.0 ** float(i % 5) for i in range(16)]
+    whole = mm.tree_sum(parts)
+    for size in (1, 2, 4, 8, 16):
+        subs = [mm.tree_sum(parts[i : i + size]) for i in range(0, 16, size)]
+        assert torch.equal(mm.tree_sum(subs), whole), size
+    serial = parts[0]
+    for p in parts[1:]:
+        serial = serial + p
+    assert not torch.equal(serial, whole)  # the order matters: the tree is the definition
+    with pytest.raises(ValueError, match="power-of-two"):
+        mm.tree_sum(parts[:3])
 
 
 # the weight shapes of the CPU-test models (tests/engine/test_batch_invariance.py) and
@@ -94,6 +138,13 @@ def test_tile_depends_on_the_weight_shape_only() -> None:
     assert (rule.tile(151936, 896).block_n, rule.tile(151936, 896).block_k) == (128, 64)
     assert (rule.tile(896, 4864).block_n, rule.tile(896, 4864).block_k) == (16, 128)
     assert rule.tile(16896, 2048).block_n == 64  # 264 tiles of 64; 132 of 128 would be too few
+    # the split: doubles while tiles x split < min_programs, parts >= block_k, dividing K
+    assert rule.tile(151936, 896).split == 1  # 1187 column tiles fill the GPU
+    assert rule.tile(896, 4864).split == 8  # 56 tiles x 8 = 448 >= 264; parts of 608
+    assert rule.tile(2048, 2048).split == 4  # 128 tiles (16 columns) x 4 = 512
+    assert rule.tile(896, 896).split == 8  # 56 x 8 = 448; parts of 112 >= block_k 64
+    assert rule.tile(2048, 8192).split == 4  # 128 x 4 = 512
+    assert rule.replace(max_split=2).tile(896, 4864).split == 2
     tuned = mm.MatmulTile(32, 64, 256, 8, 3)
     assert rule.replace(tiles=((896, 4864, tuned),)).tile(896, 4864) == tuned
     assert rule.replace(tiles=((896, 4864, tuned),)).tile(896, 896) == rule.tile(896, 896)
@@ -160,3 +211,24 @@ def test_cuda_silu_mul_rows_are_the_bits_of_the_row_alone() -> None:
         for M in (1, 7, 64, 256):
             assert torch.equal(mm.linear_silu_mul(x[:M], w), full[:M]), M
         assert torch.equal(full, silu_mul(mm.linear(x, w)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4, 8, 16])
+def test_cuda_a_split_gives_the_same_bits_whoever_sums_it(split) -> None:
+    """bf16 on the GPU, Llama-3.1-8B's down shape: P = 1 (parts summed in registers) and
+    P = 2 .. split programs per tile (subtree sums through the scratch and the tile's
+    counter, the last program adding them) give the same bits, for linear and SwiGLU,
+    over 20 repeated calls each (a race in the counter would show as a difference)."""
+    g = torch.Generator(device="cuda").manual_seed(split)
+    N, K = 4096, 14336
+    x = torch.randn(33, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(2 * N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
+    tile = mm.MatmulTile(64, 64, 128, 4, 4, split)
+    cfg = mm.MatmulConfig.gpu().replace(tiles=((N, K, tile), (2 * N, K, tile)))
+    for silu in (False, True):
+        want = mm._launch(x, w, None, silu, cfg, programs_per_tile=1)
+        for P in (2, split):
+            for _ in range(10):
+                assert torch.equal(mm._launch(x, w, None, silu, cfg, programs_per_tile=P),
+                                   want), (silu, P)  # fmt: skip
