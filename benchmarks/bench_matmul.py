@@ -137,7 +137,9 @@ def run(args) -> dict:
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     gpu = mm.MatmulConfig.gpu()
     rows, t_start = [], time.perf_counter()
+    per_shape = args.time_budget / len(shape_list) if args.time_budget else None
     for s in shape_list:
+        t_start = time.perf_counter()
         wbytes = (2 if s["silu"] else 1) * s["N"] * s["K"] * 2
         copies = max(2, min(48, math.ceil(L2_BYTES / wbytes)))
         tile = gpu.tile(s["N"], s["K"])
@@ -150,7 +152,7 @@ def run(args) -> dict:
             for t in tiles:
                 if not suits(s, t, gpu.min_programs):
                     continue
-                if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+                if per_shape and time.perf_counter() - t_start > per_shape:
                     break
                 try:
                     cfg = mm.MatmulConfig(tiles=((s["N"], s["K"], t),))
@@ -175,6 +177,68 @@ def run(args) -> dict:
               f"ratio {worst:.2f}{best}", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     return dict(rows=rows)
+
+
+def large_candidates(split: int) -> list[mm.MatmulTile]:
+    out = []
+    for bm, bn, bk, (w, st) in itertools.product((64, 128), (64, 128, 256), (64, 128),
+                                                 ((4, 4), (8, 3))):  # fmt: skip
+        if st * (bm + 2 * bn) * bk * 2 <= 220 << 10:
+            out.append(mm.MatmulTile(bm, bn, bk, w, st, split))
+    return out
+
+
+def large_sweep(args) -> dict:
+    """Per shape: large-M tiles with the decode tile's split, timed at --large-rows
+    against cuBLAS, each checked bit for bit against the decode tile at M = 256; the
+    best bit-identical one by its worst ratio."""
+    gpu, rows = mm.MatmulConfig.gpu(), []
+    shape_list = [s for m in args.models for s in shapes(m)]
+    pairs = [(s, t) for s in shape_list
+             for t in large_candidates(gpu.tile(s["N"], s["K"]).split)]  # fmt: skip
+    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+        n = sum(pool.map(_compile, [pairs[i :: args.workers] for i in range(args.workers)]))
+    print(f"precompiled {n} kernels", flush=True)
+    per_shape = args.time_budget / len(shape_list) if args.time_budget else None
+    for s in shape_list:
+        t_start, dec = time.perf_counter(), gpu.tile(s["N"], s["K"])
+        wbytes = (2 if s["silu"] else 1) * s["N"] * s["K"] * 2
+        copies = max(2, min(16, math.ceil(L2_BYTES / wbytes)))
+        r = dict(s, decode_tile=vars(dec), cublas={}, sweep={})
+        ops = {M: operands(s, M, copies) for M in args.large_rows}
+        for M, (x, ws, b) in ops.items():
+            r["cublas"][M] = graph_time_us(calls(s, x, ws, b, None), args.reps)
+        x256 = torch.randn(256, s["K"], device="cuda", dtype=torch.bfloat16)
+        w0 = ops[args.large_rows[0]][1][0]
+        want = mm._launch(x256, w0, None, s["silu"], gpu.replace(verified=frozenset()))
+        for t in large_candidates(dec.split):
+            if per_shape and time.perf_counter() - t_start > per_shape:
+                break
+            cfg = gpu.replace(large_tiles=((s["N"], s["K"], t),),
+                              verified=frozenset({(s["N"], s["K"])}), large_m=1)  # fmt: skip
+            try:
+                same = torch.equal(mm._launch(x256, w0, None, s["silu"], cfg), want)
+                ratios = {M: graph_time_us(calls(s, x, ws, b, cfg), args.reps) / r["cublas"][M]
+                          for M, (x, ws, b) in ops.items()}  # fmt: skip
+            except Exception:
+                continue
+            key = f"{t.block_m}x{t.block_n}x{t.block_k}x{t.num_warps}x{t.num_stages}x{t.split}"
+            r["sweep"][key] = dict(same_bits=same, ratios=ratios)
+        good = {k: v for k, v in r["sweep"].items() if v["same_bits"]}
+        if good:
+            best = min(good, key=lambda k: max(good[k]["ratios"].values()))
+            r["best"] = dict(tile=best, **good[best])
+        print(f"{s['model']:14s} {s['layer']:13s} {len(good)}/{len(r['sweep'])} bit-identical; "
+              f"best {r.get('best')}", flush=True)  # fmt: skip
+        rows.append(r)
+        del ops
+        torch.cuda.empty_cache()
+    print("\nGPU_LARGE_TILES:")
+    for r in rows:
+        if "best" in r:
+            print(f"    ({r['N']}, {r['K']}, ({r['best']['tile'].replace('x', ', ')})),  "
+                  f"# {r['model']} {r['layer']}")  # fmt: skip
+    return dict(large_rows=rows)
 
 
 def markdown(result: dict) -> str:
@@ -212,15 +276,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warps-stages", nargs="+", default=["4,4", "8,3"],
                     metavar="W,S", help="the sweep's (num_warps, num_stages) pairs")  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--large-sweep", action="store_true", help="sweep the large-M tiles "
+                    "(the decode tile's split; bit-identical ones only) instead")  # fmt: skip
+    ap.add_argument("--large-rows", type=int, nargs="+", default=[128, 256, 1024])
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
-                    help="stop sweeping candidates after S seconds")  # fmt: skip
+                    help="sweep each shape for at most S / shapes seconds")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_matmul.py times CUDA kernels: it needs a GPU")
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, triton=triton.__version__, dtype="bfloat16",
-                  **run(args))  # fmt: skip
+                  torch=torch.__version__, triton=triton.__version__, dtype="bfloat16")  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    if args.large_sweep:
+        result.update(large_sweep(args))
+        with open(os.path.join(args.out, "matmul-large-sweep.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return
+    result.update(run(args))
     os.makedirs(args.out, exist_ok=True)
     dev = result["device"].lower().replace(" ", "-")
     path = os.path.join(args.out, f"matmul-{dev}-{result['date']}.json")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,8 @@ if TYPE_CHECKING:  # these import triton: only when a model binds
     from graphexec.models.attention import AttentionConfig
     from graphexec.models.matmul import MatmulConfig
     from graphexec.models.ops import ForwardOps
+
+logger = logging.getLogger(__name__)
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -234,6 +237,8 @@ class HFTransformer(SlotKVCache):
         self.layers = [dataclasses.replace(layer, qkv=w(layer.qkv), o=w(layer.o),
                                            gate_up=w(layer.gate_up), down=w(layer.down))
                        for layer in (tensors_to(x, d) for x in self.layers)]  # fmt: skip
+        if d.type == "cuda" and self.batch_invariant:
+            self.ops = ForwardOps.select(d, True, self.fused, self._verified_matmul())
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
         # cos/sin tables [T, hd] computed in float32 (as transformers does), then cast
@@ -251,6 +256,24 @@ class HFTransformer(SlotKVCache):
         self.prefill_rows = self.ops.token_rows
         cuda = d.type == "cuda"
         self.prefill_graphs = PrefillGraphs(self._forward, self.padding_slot, d) if cuda else None
+
+    def _verified_matmul(self) -> MatmulConfig:
+        """The GEMM config with its large-M tiles checked on this device against the
+        decode tiles, bit for bit, on one layer's weights and the LM head (each weight
+        shape is shared by every layer); a shape that differs keeps its decode tile."""
+        from graphexec.models.matmul import MatmulConfig, verify_large_tiles
+
+        cfg = self.matmul or MatmulConfig.default()
+        if not cfg.large_tiles:
+            return cfg
+        first = self.layers[0]
+        weights = [(first.qkv, False), (first.o, False), (first.gate_up, True),
+                   (first.down, False), (self.lm_head, False)]  # fmt: skip
+        cfg = verify_large_tiles(cfg, weights)
+        shapes = {(n, k) for n, k, _ in cfg.large_tiles}
+        logger.info("large-M GEMM tiles: %d of this model's shapes verified bit-identical "
+                    "to the decode tiles", len(shapes & cfg.verified))  # fmt: skip
+        return cfg
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:
         """A ragged batch of prompt segments into their slots' caches (`PrefillBatch`).

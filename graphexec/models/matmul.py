@@ -51,19 +51,29 @@ class MatmulTile:
     split: int = 1
 
 
-# (N, K, (block_m, block_n, block_k, num_warps, num_stages)); gate/up's N is I (its output)
+# (N, K, (block_m, block_n, block_k, num_warps, num_stages, split)); gate/up's N is I (its
+# output). The decode tiles: every M runs them unless a verified large tile takes over.
 GPU_TILES = (
-    (1152, 896, (64, 32, 128, 4, 4)),  # Qwen2.5-0.5B q/k/v
-    (896, 896, (64, 16, 128, 4, 4)),  # o
-    (4864, 896, (64, 32, 64, 4, 4)),  # gate/up + SwiGLU
-    (896, 4864, (64, 16, 128, 4, 5)),  # down
-    (151936, 896, (128, 128, 64, 8, 3)),  # LM head
-    (3072, 2048, (64, 64, 64, 4, 5)),  # Llama-3.2-1B q/k/v
-    (2048, 2048, (64, 32, 128, 4, 4)),  # o
-    (8192, 2048, (128, 64, 64, 8, 4)),  # gate/up + SwiGLU
-    (2048, 8192, (64, 32, 128, 4, 4)),  # down
-    (128256, 2048, (128, 128, 64, 8, 3)),  # LM head
+    (1152, 896, (64, 16, 128, 4, 4, 1)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 16, 128, 4, 4, 1)),  # o
+    (4864, 896, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
+    (896, 4864, (64, 32, 128, 4, 4, 4)),  # down
+    (151936, 896, (64, 128, 64, 8, 3, 1)),  # LM head
+    (3072, 2048, (64, 32, 64, 4, 4, 4)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 128, 4, 4, 4)),  # o
+    (8192, 2048, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 64, 128, 4, 4, 4)),  # down
+    (128256, 2048, (64, 128, 64, 4, 4, 1)),  # LM head
+    (6144, 4096, (64, 64, 128, 4, 4, 1)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (64, 64, 128, 8, 3, 4)),  # o
+    (14336, 4096, (64, 64, 128, 8, 3, 1)),  # gate/up + SwiGLU
+    (4096, 14336, (64, 64, 64, 4, 4, 4)),  # down
+    (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
 )
+
+# Tiles for calls of at least `large_m` rows, each with its decode tile's split (so the
+# same reduction order): used only once `verified` on the device (`verify_large_tiles`).
+GPU_LARGE_TILES: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,12 @@ class MatmulConfig:
         to `split` programs.
     num_warps, num_stages: of every tile.
     tiles: tuned tiles by weight shape, ((N, K, tile), ...), taken before the rule.
+    large_tiles: ((N, K, tile), ...) for calls of at least `large_m` rows; each has the
+        split of `tile(N, K)`, so the same parts and the same K order, and may differ
+        in rows, columns and K per step of a program. Used only where `verified` lists
+        the shape: `verify_large_tiles` checked, on the device, that the two tiles give
+        the same bits (the tensor cores sum each output over K in steps of 16 whatever
+        the tile, but that is the hardware's property, so it is measured, not assumed).
     """
 
     block_m: int = 64
@@ -92,6 +108,9 @@ class MatmulConfig:
     num_stages: int = 4
     max_split: int = MAX_SPLIT
     tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    large_m: int = 128
+    verified: frozenset[tuple[int, int]] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("block_m", "max_block_n", "block_k", "short_block_k"):
@@ -105,13 +124,21 @@ class MatmulConfig:
             if not 1 <= split <= MAX_SPLIT or split & (split - 1):
                 raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
                                  f"{MAX_SPLIT}, got {split}")  # fmt: skip
+        for n, k, t in self.large_tiles:
+            if t.split != self.tile(n, k).split:
+                raise ValueError(f"MatmulConfig.large_tiles: the tile of [{n}, {k}] splits K "
+                                 f"into {t.split} parts, its decode tile into "
+                                 f"{self.tile(n, k).split}: they must be equal")  # fmt: skip
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
         """The rule, and tuned tiles for the weights of Qwen2.5-0.5B and Llama-3.2-1B
         (benchmarks/bench_matmul.py --sweep on an H100: the tile of least worst ratio to
         cuBLAS over M = 1..256)."""
-        return cls(tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES))
+        return cls(
+            tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES),
+            large_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LARGE_TILES),
+        )
 
     @classmethod
     def interpreter(cls) -> MatmulConfig:
@@ -140,6 +167,14 @@ class MatmulConfig:
                and K % (2 * split) == 0 and K // (2 * split) >= bk):  # fmt: skip
             split *= 2
         return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages, split)
+
+    def tile_for(self, N: int, K: int, M: int) -> MatmulTile:
+        """The tile a call of M rows runs: `tile(N, K)`, or its verified large tile."""
+        if M >= self.large_m and (N, K) in self.verified:
+            for n, k, tile in self.large_tiles:
+                if (n, k) == (N, K):
+                    return tile
+        return self.tile(N, K)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
@@ -184,7 +219,7 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("linear needs x and w contiguous in their last dim")
     cfg = config or MatmulConfig.default()
-    t = cfg.tile(N, K)
+    t = cfg.tile_for(N, K, M)
     if K % t.split:
         raise ValueError(f"the tile of weight [{N}, {K}] splits K into {t.split} parts, "
                          "which must divide K")  # fmt: skip
@@ -317,3 +352,33 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
+
+
+def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, bool]],
+                       rows: int = 256, seed: int = 0) -> MatmulConfig:  # fmt: skip
+    """`config` with `verified` = the weight shapes whose large tile gives, on this
+    device, the bits of the decode tile: for each (w [N, K] or [2 I, K], silu_mul), three
+    activations of `rows` rows (normal, scaled by 1e3 and 1e-3, with outliers) through
+    both tiles, compared bit for bit. A shape that differs anywhere keeps its decode
+    tile at every M. Shapes without a large tile are skipped; nothing runs on the CPU."""
+    ok = set()
+    gen = None
+    for w, silu in weights:
+        N, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
+        if w.device.type != "cuda" or not any((n, k) == (N, K) for n, k, _ in config.large_tiles):
+            continue
+        if gen is None:
+            gen = torch.Generator(device=w.device).manual_seed(seed)
+        trial = config.replace(verified=frozenset({(N, K)}))
+        same = True
+        for scale in (1.0, 1e3, 1e-3):
+            x = torch.randn(max(rows, config.large_m), K, device=w.device, generator=gen)
+            x[::17, ::13] *= 64.0  # outliers, as activations have
+            x = (x * scale).to(w.dtype)
+            same &= torch.equal(
+                _launch(x, w, None, silu, trial),
+                _launch(x, w, None, silu, config.replace(verified=frozenset())),
+            )
+        if same:
+            ok.add((N, K))
+    return config.replace(verified=frozenset(ok))
