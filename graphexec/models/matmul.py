@@ -59,7 +59,7 @@ GPU_TILES = (
     (4864, 896, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
     (896, 4864, (64, 32, 128, 4, 4, 4)),  # down
     (151936, 896, (64, 128, 64, 8, 3, 1)),  # LM head
-    (3072, 2048, (64, 32, 64, 4, 4, 4)),  # Llama-3.2-1B q/k/v
+    (3072, 2048, (64, 32, 128, 4, 4, 1)),  # Llama-3.2-1B q/k/v
     (2048, 2048, (64, 64, 128, 4, 4, 4)),  # o
     (8192, 2048, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
     (2048, 8192, (64, 64, 128, 4, 4, 4)),  # down
@@ -73,7 +73,24 @@ GPU_TILES = (
 
 # Tiles for calls of at least `large_m` rows, each with its decode tile's split (so the
 # same reduction order): used only once `verified` on the device (`verify_large_tiles`).
-GPU_LARGE_TILES: tuple = ()
+# (bench_matmul.py --large-sweep on an H200, every candidate bit-identical there)
+GPU_LARGE_TILES = (
+    (1152, 896, (64, 64, 64, 4, 4, 1)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 64, 64, 4, 4, 1)),  # o
+    (4864, 896, (64, 64, 64, 4, 4, 1)),  # gate/up + SwiGLU
+    (896, 4864, (64, 128, 64, 4, 4, 4)),  # down
+    (151936, 896, (128, 128, 64, 8, 3, 1)),  # LM head
+    (3072, 2048, (64, 64, 64, 4, 5, 1)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 128, 64, 8, 3, 4)),  # o
+    (8192, 2048, (64, 128, 64, 4, 4, 1)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 128, 64, 4, 4, 4)),  # down
+    (128256, 2048, (128, 128, 64, 8, 3, 1)),  # LM head
+    (6144, 4096, (64, 128, 64, 4, 4, 1)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (128, 64, 128, 8, 3, 4)),  # o
+    (14336, 4096, (128, 128, 64, 8, 3, 1)),  # gate/up + SwiGLU
+    (4096, 14336, (128, 128, 64, 8, 3, 4)),  # down
+    (128256, 4096, (128, 128, 64, 8, 3, 1)),  # LM head
+)
 
 
 @dataclass(frozen=True)

@@ -177,27 +177,36 @@ def test_bad_arguments_are_named() -> None:
 
 QWEN_05B = [(1152, 896, True), (896, 896, False), (896, 4864, False), (151936, 896, False)]
 LLAMA_1B = [(3072, 2048, False), (2048, 2048, False), (2048, 8192, False), (128256, 2048, False)]
+LLAMA_8B = [(6144, 4096, False), (4096, 4096, False), (4096, 14336, False)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K,bias", QWEN_05B + LLAMA_1B)
+@pytest.mark.parametrize("N,K,bias", QWEN_05B + LLAMA_1B + LLAMA_8B)
 def test_cuda_rows_are_the_bits_of_the_row_alone(N, K, bias) -> None:
-    """bf16 at the real models' shapes: row r of a call of M rows equals the same row
-    computed alone (M = 1), for M = 1, 7, 64, 256, 1000 and every row; and the values
-    are cuBLAS's to bf16 rounding."""
+    """bf16 at the real models' shapes, with the large-M tiles as a model binds them
+    (`verify_large_tiles`: used where this GPU gives them the decode tiles' bits): row r
+    of a call of M rows equals the same row computed alone (M = 1), for M = 1, 7, 64,
+    127, 128, 256, 1000 (both sides of large_m) and every row; the values are cuBLAS's
+    to bf16 rounding."""
     g = torch.Generator(device="cuda").manual_seed(N)
     x = torch.randn(1000, K, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
     b = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16) if bias else None
-    alone = torch.cat([mm.linear(x[i : i + 1], w, b) for i in range(0, 1000, 37)])
-    for M in (1, 7, 64, 256, 1000):
-        got = mm.linear(x[:M], w, b)
+    cfg = mm.verify_large_tiles(mm.MatmulConfig.gpu(), [(w, False)])
+    print(f"[{N}, {K}]: large tile verified: {(N, K) in cfg.verified}")
+
+    def lin(t):
+        return mm.linear(t, w, b, config=cfg)
+
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 1000, 37)])
+    for M in (1, 7, 64, 127, 128, 256, 1000):
+        got = lin(x[:M])
         idx = torch.arange(0, M, 37, device="cuda")
         assert torch.equal(got[idx], alone[: idx.numel()]), M
         if M > 1:  # every row, not only the sampled ones: against a call of 1000 rows
-            assert torch.equal(got, mm.linear(x, w, b)[:M]), M
+            assert torch.equal(got, lin(x)[:M]), M
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    err = (mm.linear(x, w, b).float() - want).norm() / want.norm()
+    err = (lin(x).float() - want).norm() / want.norm()
     assert err < 1e-2
 
 
