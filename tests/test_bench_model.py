@@ -78,7 +78,8 @@ def test_public_config_facts():
     e = config("llama-3.1-8b")
     assert (e["hidden_size"], e["num_hidden_layers"], e["num_attention_heads"],
             e["num_key_value_heads"], e["intermediate_size"], e["vocab_size"], e["rope_theta"],
-            e["tie_word_embeddings"]) == (4096, 32, 32, 8, 14336, 128256, 500000.0, False)  # fmt: skip
+            e["tie_word_embeddings"]) == (
+        4096, 32, 32, 8, 14336, 128256, 500000.0, False)  # fmt: skip
 
 
 def test_random_state_dict_is_seeded_and_shaped():
@@ -268,3 +269,45 @@ def test_cpu_scenario_compares_both_sides_on_a_checkpoint(tmp_path, one_thread):
     assert min(g.values()) > 0 and min(t.values()) > 0
     assert result["ratio"]["decode"] == pytest.approx(g["decode_tok_s"] / t["decode_tok_s"])
     assert result["ratio"]["prefill"] == pytest.approx(t["prefill_s"] / g["prefill_s"])
+
+
+def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
+    """The profile scenario's bookkeeping on the CPU (its timing needs CUDA): one forward
+    through the recording ops lists each layer's ops in order with their layers and
+    bytes, and kernels named as the CUDA route names them are matched to those ops, the
+    unknown ones being glue."""
+    import step_profile
+
+    cfg = config("llama-3.2-1b", **TINY)
+    model, _ = step_model.load(cfg, None, "cpu", torch.float32, 64)
+    model.bind(3, "cpu")
+    calls: list = []
+    ops = model.ops
+    model.ops = step_profile.recording_ops(model, calls)
+    B = 2
+    model._forward(torch.tensor([5, 7]), torch.tensor([3, 9]), torch.arange(B))
+    model.ops = ops
+    step_profile.assign_layers(calls)
+    layer_ops = ["norm", "qkv", "rope_kv", "attention", "o", "norm", "gate_up", "down"]
+    assert [c.op for c in calls] == layer_ops * 2 + ["norm", "lm_head"]
+    assert [c.layer for c in calls] == [0] * 8 + [1] * 8 + [None, None]
+    D, inter, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    assert calls[6].bytes == (2 * inter * D + B * D + B * inter) * 4  # gate_up: w, x, out
+    assert calls[-1].bytes == (V * D + B * D + B * V) * 4
+    kv = model.kv_cache.shape
+    assert calls[3].bytes == ((3 + 1) + (9 + 1)) * 2 * kv[-2] * kv[-1] * 4 + 2 * (
+        B * model.heads * model.head_dim * 4
+    )  # keys and values of live positions, q, out
+    names = {"norm": "_residual_rms_norm_kernel", "qkv": "_linear_kernel",
+             "rope_kv": "_rope_kv_write_kernel", "o": "_linear_kernel",
+             "gate_up": "_linear_kernel", "down": "_linear_kernel",
+             "lm_head": "_linear_kernel"}  # fmt: skip
+    kernels = ["indexSelectSmallIndex"]
+    for c in calls:
+        kernels += (["_decode_attention_kernel", "_combine_kernel"] if c.op == "attention"
+                    else [names[c.op]])  # fmt: skip
+    kernels.append("elementwise_kernel")
+    labels = step_profile.label(kernels, calls)
+    assert labels[0] == ("other", None, 0) and labels[-1] == ("other", None, 0)
+    assert [(op, layer) for op, layer, b in labels[1:-1] if b] == [(c.op, c.layer) for c in calls]
+    assert labels[4:6] == [("attention", 0, calls[3].bytes), ("attention", 0, 0)]
