@@ -20,8 +20,10 @@ position, its slot):
                                                                               not invariant)
 
 Why a row's result is the same in any call (invariant routes):
-- GEMMs: the tile and the K loop's order are functions of the weight's shape (N, K)
-  alone (`matmul.MatmulConfig.tile`); on the CPU torch.mm in calls of sizes measured
+- GEMMs: the split of K, its tree and the K loop's order are functions of the weight's
+  shape (N, K) alone (`matmul.MatmulConfig.tile`); a call of 128 rows or more may run a
+  larger tile of the same split, only where the device verified it bit-identical at
+  bind (`matmul.verify_large_tiles`); on the CPU torch.mm in calls of sizes measured
   to round every row alike (`cpu_route.RowMM`), weights stored K-major.
 - Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
