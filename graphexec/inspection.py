@@ -158,7 +158,22 @@ def describe_keys(keys: list[GraphKey]) -> str:
     return "; ".join(f"{g} (buckets {','.join(map(str, sorted(b)))})" for g, b in groups.items())
 
 
-def print_kernel_sets(sets: dict, cuda: bool) -> None:
+# the kernels of a batch-invariant model layer on CUDA (`models.ops` route map)
+LAYER_KERNELS = ("_linear_kernel", "_residual_rms_norm_kernel", "_rope_kv_write_kernel",
+                 "_decode_attention_kernel", "_combine_kernel")  # fmt: skip
+
+
+def kernels_per_layer(kernels: list[tuple[str, int]], num_layers: int | None) -> float | None:
+    """The layer kernels of a graph (`LAYER_KERNELS` by name, counted) per model layer,
+    less the two outside the layers (the final norm and the LM head's GEMM); None when
+    the model has no layers to count or the graph holds none of those kernels."""
+    n = sum(c for name, c in kernels if any(p in name for p in LAYER_KERNELS))
+    if not num_layers or n <= 2:
+        return None
+    return (n - 2) / num_layers
+
+
+def print_kernel_sets(sets: dict, cuda: bool, num_layers: int | None = None) -> None:
     if cuda:
         what = ("every kernel node of each key's graph, by name (from its DOT), counted; keys "
                 "whose graphs hold the same names and counts share a set.")  # fmt: skip
@@ -174,6 +189,9 @@ def print_kernel_sets(sets: dict, cuda: bool) -> None:
         unit = "kernel nodes" if cuda else "launch" + "es" * (total != 1)
         print(f"  {name:3s} {total} {unit}: {describe_keys(keys)}")
         if cuda:
+            per = kernels_per_layer(kernels, num_layers)
+            if per is not None and all(k.spec_k == 0 for k in keys):
+                print(f"      {per:.1f} kernels a model layer ({num_layers} layers)")
             for k, n in kernels:
                 print(f"      {n:4d}  {k}")
         else:
@@ -202,7 +220,7 @@ def print_cuda_table(ex: gx.DecodeExecutor) -> None:
             f"{s.capture_s:9.3f} {nodes:>7s} {s.pool_bytes / 2**20:8.1f} {s.replays:7d}  "
             f"{label.get(key, '-'):4s} {serves_column(key, backend)}"
         )
-    print_kernel_sets(sets, cuda=True)
+    print_kernel_sets(sets, cuda=True, num_layers=getattr(ex.model, "num_layers", None))
 
 
 def print_emulated_table(ex: gx.DecodeExecutor, steps_ran: bool) -> None:
