@@ -70,8 +70,8 @@ def step_fn(method: str, shard, table, slots, pos, out, tp, x_full=None, ws=None
                                               method=method, workspace=ws)  # fmt: skip
 
 
-def time_graph(fn, reps: int = 30) -> float:
-    """Median µs of a CUDA-graph replay of fn (warmed up, captured once)."""
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn warmed up on a side stream, then captured once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -81,6 +81,11 @@ def time_graph(fn, reps: int = 30) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def replay_us(g: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median µs of reps replays of g, each timed by CUDA events."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,6 +95,11 @@ def time_graph(fn, reps: int = 30) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
+
+
+def time_graph(fn, reps: int = 30) -> float:
+    """Median µs of a CUDA-graph replay of fn (warmed up, captured once)."""
+    return replay_us(capture_graph(fn), reps)
 
 
 def _rank(rank: int, world: int, path: str, batches, vocabs, results) -> None:

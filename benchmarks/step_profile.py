@@ -32,6 +32,7 @@ import statistics
 from collections import defaultdict
 
 import torch
+from bench_distributed import capture_graph, replay_us
 from floor_kernel import RowMax
 
 # which kernel names (substrings) each op launches, in order; anything else is "other"
@@ -173,32 +174,6 @@ def _nbytes_of(*dims: int) -> int:
     return n
 
 
-def capture(model, ids, pos, slots):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model._forward(ids, pos, slots)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        model._forward(ids, pos, slots)
-    return g
-
-
-def replay_us(g, steps: int) -> float:
-    g.replay()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:
     """(name, median us) of each kernel of one replay, in launch order."""
     from torch.profiler import ProfilerActivity, profile
@@ -232,7 +207,8 @@ def profile_batch(model, B: int, prompt_len: int, steps: int, bandwidth: float) 
     model.ops = ops
     assign_layers(calls)
     torch.cuda.synchronize()
-    g = capture(model, ids, pos, slots)
+    g = capture_graph(lambda: model._forward(ids, pos, slots))
+    g.replay()
     step = replay_us(g, steps)
     ks = kernel_times(g)
     labels = label([n for n, _ in ks], calls)
