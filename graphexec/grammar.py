@@ -8,6 +8,7 @@ slot; the sampler only ever sees the resulting token bitmask.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,9 @@ class GrammarCompiler:
                 else:
                     compiled = c.compile_grammar(grammar.text)
             except Exception as e:  # xgrammar raises several types for bad sources
-                raise ValueError(f"grammar ({grammar.kind}) does not compile: {e}") from e
+                raise ValueError(
+                    f"grammar ({grammar.kind}) does not compile: {compile_error(e)}"
+                ) from e
             self._cache[key] = compiled
         return self._cache[key]
 
@@ -186,3 +189,13 @@ class GrammarSlots:
         ok = m.accept_token(int(token_id))
         done = m.is_terminated() or (not self.compiler.has_stop_token and m.is_completed())
         return (not ok) or done
+
+
+# xgrammar's C++ errors start with a time and a source location: "[12:00:01] /x/y.cc:42: "
+_CPP_PREFIX = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s*|\S*\.(?:cc|cpp|cxx|h|hpp):\d+:\s*")
+
+
+def compile_error(e: BaseException) -> str:
+    """What is wrong in a grammar or schema, without the compiler's time, file and line."""
+    msg = _CPP_PREFIX.sub("", str(e)).strip()
+    return msg.splitlines()[0] if msg else type(e).__name__

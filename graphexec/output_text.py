@@ -48,7 +48,9 @@ class OutputText:
         return s[:cut], False
 
     def flush(self) -> str:
-        """Everything held back (the request ended for another reason)."""
-        s = self._unsent + self._stream.flush()
+        """Everything held back (the request ended for another reason), but not the bytes
+        of a character the last token left unfinished: the text ends before it."""
+        self._stream.drop_pending()
+        s = self._unsent
         self._unsent = ""
         return s

@@ -338,8 +338,11 @@ class SamplingParams:
 
 
 def stream_seed(seed: int, index: int) -> int:
-    """The seed of stream `index` of a request seeded `seed` (SplitMix64's finaliser over
-    both, so streams of nearby seeds do not share seeds as seed + index would)."""
+    """The seed of stream `index` of a request seeded `seed`: stream 0 runs on the request's
+    own seed (so n = 1 with that seed replays it); the others on SplitMix64's finaliser
+    over both, so streams of nearby seeds do not share seeds as seed + index would."""
+    if index == 0:
+        return seed
     m = (1 << 64) - 1
     z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & m
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m

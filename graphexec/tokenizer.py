@@ -192,6 +192,11 @@ class DecodeStream:
         """Whatever bytes are held (an unfinished character), as U+FFFD; the stream can go on."""
         return self._emit(self._utf8.decode(b"", final=True))
 
+    def drop_pending(self) -> None:
+        """Forget the bytes of an unfinished character (the sequence ended inside it, as a
+        length cut can: its text stops before that character instead of showing U+FFFD)."""
+        self._utf8.reset()
+
     @property
     def pending(self) -> bool:
         """Bytes of an unfinished character are held."""

@@ -355,3 +355,5 @@ def test_stream_seeds_differ_per_stream_and_from_neighbouring_seeds() -> None:
     assert len(seeds) == 400 and all(0 <= x < 2**63 for x in seeds)
     p = SamplingParams(seed=7, n=3).stream(2)
     assert p.n == 1 and p.seed == stream_seed(7, 2)
+    # stream 0 is the request itself: its seed replays it with n = 1
+    assert stream_seed(7, 0) == 7 and SamplingParams(seed=7, n=3).stream(0).seed == 7

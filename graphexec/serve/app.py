@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,9 +26,17 @@ from starlette.routing import Route
 
 from graphexec.async_executor import AsyncDecodeExecutor, QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
+from graphexec.params import MAX_SEED
 from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.metrics import ServerMetrics
-from graphexec.serve.protocol import APIError, Parsed, model_not_found, param_of, parse_request
+from graphexec.serve.protocol import (
+    APIError,
+    Parsed,
+    check_unicode,
+    model_not_found,
+    param_of,
+    parse_request,
+)
 from graphexec.serve.responses import DONE, Choice, Shape
 
 log = logging.getLogger(__name__)
@@ -166,8 +175,13 @@ class Server:
             return _error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage)
+        if parsed.params.seed is None:  # drawn here, so every choice knows its seed at once
+            parsed.params = parsed.params.with_seed(secrets.randbelow(MAX_SEED + 1))
         n = parsed.params.n
-        choices = [Choice(i) for i in range(n * len(parsed.prompts))]
+        seeds = [parsed.params.seed] if n == 1 else [parsed.params.stream(i).seed
+                                                     for i in range(n)]  # fmt: skip
+        choices = [Choice(k * n + i, seed=seeds[i]) for k in range(len(parsed.prompts))
+                   for i in range(n)]  # fmt: skip
         index = {}
         gens = []
         for k, prompt in enumerate(parsed.prompts):
@@ -221,6 +235,7 @@ class Server:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
+        check_unicode(body)
         name = body.get("model")
         if name is not None and name != self.model.name and name not in self.model.aliases:
             raise model_not_found(name)
@@ -296,6 +311,13 @@ class _Run:
             self.outs.close()
 
 
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the request: logged, and still an OpenAI error object."""
+    log.exception("internal error on %s", request.url.path, exc_info=exc)
+    return _error(APIError(500, f"internal error: {type(exc).__name__}", None,
+                           "internal_server_error"))  # fmt: skip
+
+
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
               model_name: str | None = None) -> Starlette:  # fmt: skip
     """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
@@ -321,6 +343,7 @@ def build_app(executor, model: ServedModel | None = None, max_queue: int | None 
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={Exception: _internal_error})  # fmt: skip
     app.state.server = server
     return app

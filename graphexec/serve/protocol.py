@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from graphexec.grammar import Grammar
+from graphexec.grammar import Grammar, compile_error
 from graphexec.params import SamplingParams
 
 # request field -> SamplingParams field, where the two mean the same thing
@@ -54,6 +54,25 @@ class Parsed:
     fields: dict[str, str]  # SamplingParams field -> the request field it came from
 
 
+def check_unicode(value: Any, path: str = "") -> None:
+    """APIError(400) naming the first string (by its path in the body) that holds a lone
+    surrogate: JSON can carry one (\\ud800), UTF-8 and the tokenizers cannot."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{path or 'the body'}: invalid Unicode (a lone surrogate "
+                           f"at character {e.start})", path.split(".")[0].split("[")[0]
+                           or None) from None  # fmt: skip
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, path or "the body")
+            check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_unicode(v, f"{path}[{i}]")
+
+
 def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
                   max_seq_len: int) -> Parsed:  # fmt: skip
     """Map a /v1/completions (chat=False) or /v1/chat/completions body onto SamplingParams;
@@ -68,6 +87,11 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
             kw[sp_name] = body[name]
     if isinstance(kw.get("logit_bias"), dict):  # float("-100") would pass as a str otherwise
         kw["logit_bias"] = dict(kw["logit_bias"])
+        for tok, bias in kw["logit_bias"].items():
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100 <= bias <= 100:  # fmt: skip
+                raise APIError(400, f"logit_bias[{tok!r}] must be a number in [-100, 100], "
+                               f"got {bias!r}", "logit_bias")  # fmt: skip
     for name in ("stop_token_ids", "allowed_token_ids", "bad_words"):
         if isinstance(kw.get(name), list):
             kw[name] = tuple(kw[name])
@@ -78,6 +102,7 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
         kw["max_tokens"] = body[limit]
     elif chat:  # OpenAI's chat default: as many as the context holds
         kw["max_tokens"] = max(1, max_seq_len - max(len(p) for p in prompts))
+    _check_context(prompts, kw.get("max_tokens"), max_seq_len, chat, limit)
     want_logprobs = _logprobs(body, chat, kw, fields)
     grammar, source = _grammar(body)
     if grammar is not None:
@@ -93,6 +118,23 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
         raise APIError(400, "stream_options must be an object", "stream_options")
     return Parsed(params, prompts, _bool(body, "stream"),
                   bool((opts or {}).get("include_usage")), want_logprobs, fields)  # fmt: skip
+
+
+def _check_context(prompts: list[list[int]], max_tokens: Any, max_seq_len: int, chat: bool,
+                   limit: str) -> None:  # fmt: skip
+    """As vLLM: a prompt that fills the context, or prompt + max_tokens beyond it, is a
+    400 naming the prompt or the max_tokens field (not a silently shortened answer)."""
+    field = "messages" if chat else "prompt"
+    longest = max(len(p) for p in prompts)
+    if longest >= max_seq_len:
+        raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens; "
+                       f"the {field} has {longest}, leaving no room for a completion",
+                       field)  # fmt: skip
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 \
+            and longest + max_tokens > max_seq_len:  # fmt: skip
+        raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens; "
+                       f"you requested {longest + max_tokens} ({longest} in the {field}, "
+                       f"{max_tokens} in {limit})", limit)  # fmt: skip
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -150,8 +192,10 @@ def _grammar(body: dict[str, Any]) -> tuple[Grammar | None, str | None]:
         if not isinstance(v, str):
             raise APIError(400, f"{name} must be a str", name)
         return (Grammar.regex(v) if name == "guided_regex" else Grammar.ebnf(v)), name
-    except (ValueError, AttributeError) as e:
-        raise APIError(400, f"{name}: {e}", name) from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure to compile the user's grammar)
+        raise APIError(400, f"{name}: {compile_error(e)}", name) from None
 
 
 _LEAD = re.compile(r"^(?:params\.)?([a-z_]+)")

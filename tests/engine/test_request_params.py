@@ -201,3 +201,19 @@ def test_parameters_that_need_a_tokenizer_say_so() -> None:
     with pytest.raises(ValueError, match="prompt_token_ids"):
         ex.add_request("r", torch.tensor([1.5]), P())
     ex.add_request("r", torch.tensor([1, 2]), P(seed=1, max_tokens=1))  # int tensors are fine
+
+
+def test_a_length_cut_inside_a_character_drops_its_bytes_not_a_replacement_char() -> None:
+    """The byte tokenizer spells "é" (C3 A9) and "😀" (F0 9F 98 80) over several tokens:
+    max_tokens ending inside one gives the text before it, never U+FFFD; with room for
+    every byte the character comes out whole, from the token that completes it."""
+    tok = byte_tokenizer()
+    script = [0x61, 0xC3, 0xA9, 0xF0, 0x9F, 0x98, 0x80, 0x62]
+    for max_tokens, want in ((2, "a"), (3, "aé"), (5, "aé"), (6, "aé"), (7, "aé😀"), (8, "aé😀b")):
+        model = ScriptModel(tok.vocab_size, script)
+        ex = gx.DecodeExecutor(model, max_batch_size=1, device="cpu", seed=1, tokenizer=tok)
+        ex.add_request("r", [65], P(temperature=0.0, max_tokens=max_tokens))
+        outs = drain(ex)["r"]
+        text = "".join(o.text or "" for o in outs)
+        assert text == want and "\ufffd" not in text, (max_tokens, text)
+        assert outs[-1].finish_reason == "length"

@@ -12,7 +12,7 @@ import pytest
 
 from tests.serve.conftest import Server
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 1900, "seed": 1, "ignore_eos": True}
+LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "seed": 1, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
