@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from graphexec.engine.inbox import ExecutorFullError, stream_ids
@@ -55,11 +56,14 @@ class AsyncDecodeExecutor:
     """Drives a `DecodeExecutor` from asyncio (see the module docstring). The executor
     must not be stepped by anyone else while this runs."""
 
-    def __init__(self, executor, max_waiting: int = 0) -> None:
+    def __init__(self, executor, max_waiting: int = 0,
+                 on_admitted: Callable[[float], None] | None = None) -> None:  # fmt: skip
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
         self.executor = executor
         self.max_waiting = max_waiting
+        # called with the seconds each request waited for its slots (0: none), for metrics
+        self._on_admitted = on_admitted
         self._queues: dict[str, asyncio.Queue] = {}  # stream request id -> its queue
         self._in_use: set[str] = set()  # request and stream ids of every live generate()
         self._waiting: deque[_Waiter] = deque()
@@ -92,8 +96,13 @@ class AsyncDecodeExecutor:
             # refused one never touches another stream's queue
             self.executor.add_request(request_id, prompt_token_ids, params)
             self._queues.update(dict.fromkeys(ids, q))
+            waited = 0.0
         else:
+            t0 = time.monotonic()
             await self._wait(_Waiter(request_id, prompt_token_ids, params, ids, q), names)
+            waited = time.monotonic() - t0
+        if self._on_admitted is not None:
+            self._on_admitted(waited)
         self._in_use |= names
         self._start()
         left = set(ids)

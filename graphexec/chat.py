@@ -84,8 +84,18 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.source or PLAIN_TEMPLATE)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text of `messages` with the generation prompt; jinja2's
-        TemplateError when the template refuses them."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:  # fmt: skip
+        """The prompt text of `messages`, with the generation prompt unless told otherwise;
+        `kwargs` reach the template as variables (transformers' chat_template_kwargs:
+        `enable_thinking`, `tools`, ...); jinja2's TemplateError when the template refuses
+        them."""
         tokens = {"bos_token": "", "eos_token": "", **self.special_tokens}
-        return self._template.render(messages=messages, add_generation_prompt=True, **tokens)
+        return self._template.render(
+            **{
+                **kwargs,
+                **tokens,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+            }
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import secrets
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -135,8 +137,9 @@ class Server:
 
     def __init__(self, executor, model: ServedModel, max_queue: int) -> None:
         self.executor, self.model = executor, model
-        self.aex = AsyncDecodeExecutor(executor, max_waiting=max_queue)
         self.metrics = ServerMetrics()
+        self.aex = AsyncDecodeExecutor(executor, max_waiting=max_queue,
+                                       on_admitted=self.metrics.queue.observe)  # fmt: skip
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it (its bytes, invalid UTF-8 replaced)."""
@@ -204,7 +207,9 @@ class Server:
             return _error(self._admission_error(e, parsed, chat))
         self.metrics.requests += 1
         self.metrics.ttft.observe(time.monotonic() - t0)
-        run = _Run(self, shape, choices, index, outs, sum(len(p) for p in parsed.prompts))
+        prompt_tokens = sum(len(p) for p in parsed.prompts)
+        self.metrics.prompt_tokens += prompt_tokens
+        run = _Run(self, shape, choices, index, outs, prompt_tokens, t0)
         if parsed.stream:
             return StreamingResponse(run.events(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
@@ -241,10 +246,52 @@ class Server:
             raise model_not_found(name)
         return body
 
+    def _chat_text(self, body: dict[str, Any]) -> str:
+        return self.model.chat.render(
+            body.get("messages"), body.get("add_generation_prompt", True),
+            body.get("continue_final_message", False), body.get("chat_template_kwargs"),
+            body.get("tools"),
+        )  # fmt: skip
+
+    # ---- tokenizer routes (vLLM's /tokenize and /detokenize) --------------------------
+    async def tokenize(self, request: Request) -> Response:
+        """{"prompt": str} or {"messages": [...], chat fields}, add_special_tokens ->
+        {"tokens", "count", "max_model_len"}: the ids a generation request would run."""
+        try:
+            body = await self._body(request)
+            chat = body.get("messages") is not None
+            if not chat and not isinstance(body.get("prompt"), str):
+                raise APIError(400, "tokenize takes prompt (a str) or messages", "prompt")
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise APIError(400, "add_special_tokens must be a bool", "add_special_tokens")
+            if chat:
+                ids = self.model.tokenizer.encode(self._chat_text(body), allowed_special="all")
+            else:
+                ids = [*(self.model.prompt_prefix if special else ()),
+                       *self.model.tokenizer.encode(body["prompt"])]  # fmt: skip
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"tokens": list(ids), "count": len(ids),
+                             "max_model_len": self.model.max_seq_len})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        """{"tokens": [ids]} -> {"prompt": their text}."""
+        try:
+            body = await self._body(request)
+            ids = body.get("tokens")
+            vocab = self.executor.model.vocab_size
+            if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
+                raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})",
+                               "tokens")  # fmt: skip
+        except APIError as e:
+            return _error(e)
+        return JSONResponse({"prompt": self.model.tokenizer.decode(ids)})
+
     def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
         tok, m = self.model.tokenizer, self.model
         if chat:  # the template writes BOS itself, as transformers' apply_chat_template
-            return [tok.encode(m.chat.render(body.get("messages")), allowed_special="all")]
+            return [tok.encode(self._chat_text(body), allowed_special="all")]
         p = body.get("prompt")
         items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
         prompts = []
@@ -269,6 +316,7 @@ class _Run:
     index: dict[str, int]
     outs: Outputs
     prompt_tokens: int
+    t0: float  # arrival (monotonic)
 
     def _take(self, o) -> tuple[Choice, str, dict | None]:
         c = self.choices[self.index[o.request_id]]
@@ -280,6 +328,12 @@ class _Run:
                 self.server.metrics.itl.observe(now - c.last)
             c.last = now
         piece = c.add(o, self.server.token_text)
+        if o.finished:
+            m = self.server.metrics
+            reason = o.finish_reason or "none"
+            m.finished[reason] = m.finished.get(reason, 0) + 1
+            if all(x.finish_reason is not None for x in self.choices):
+                m.e2e.observe(now - self.t0)
         return c, piece, (c.logprobs[-1] if len(c.logprobs) > had else None)
 
     async def collect(self, first) -> dict[str, Any]:
@@ -318,13 +372,33 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
                            "internal_server_error"))  # fmt: skip
 
 
+class _ApiKey:
+    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY`
+    (a 401 OpenAI error object otherwise); /health and /metrics stay open, as vLLM's."""
+
+    OPEN = ("/health", "/metrics")
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self._want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self._want):
+                err = APIError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                               None, "invalid_request_error", "invalid_api_key")  # fmt: skip
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
-              model_name: str | None = None) -> Starlette:  # fmt: skip
+              model_name: str | None = None, api_key: str | None = None) -> Starlette:  # fmt: skip
     """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
     nobody else). `model` None serves the executor's tokenizer under `model_name` (no BOS
     prefix, the plain chat template). Requests beyond the free slots wait in arrival
     order, at most `max_queue` of them (default 4x max_batch_size); past that, 503 with
-    Retry-After."""
+    Retry-After. `api_key`: required on every route but /health and /metrics."""
     if model is None:
         model = ServedModel(model_name or "graphexec", executor.tokenizer,
                             executor.model.max_seq_len)  # fmt: skip
@@ -342,8 +416,11 @@ def build_app(executor, model: ServedModel | None = None, max_queue: int | None 
         Route("/v1/models", server.models),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(_ApiKey, key=api_key)] if api_key else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: _internal_error})  # fmt: skip
     app.state.server = server
     return app

@@ -16,15 +16,45 @@ class ChatTemplate(_Template):
     """`graphexec.chat.ChatTemplate` for requests: APIError(400, param "messages") when
     the messages are malformed or the template refuses them."""
 
-    def render(self, messages: Any) -> str:
+    def render(self, messages: Any, add_generation_prompt: Any = True,
+               continue_final_message: Any = False, chat_template_kwargs: Any = None,
+               tools: Any = None) -> str:  # fmt: skip
+        """The request's prompt text. `continue_final_message` (vLLM's): the last message
+        (the assistant's, unfinished) is continued: the text stops where its content
+        ends, with no generation prompt and nothing the template closes it with."""
         from jinja2.exceptions import TemplateError
 
         msgs = check_messages(messages)
+        for name, v in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):  # fmt: skip
+            if not isinstance(v, bool):
+                raise APIError(400, f"{name} must be a bool, got {v!r}", name)
+        if chat_template_kwargs is None:
+            chat_template_kwargs = {}
+        if not isinstance(chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in chat_template_kwargs
+        ):
+            raise APIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+        if continue_final_message and add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           "continue_final_message")  # fmt: skip
+        extra = dict(chat_template_kwargs)
+        if tools is not None:
+            extra.setdefault("tools", tools)
         try:
-            return super().render(msgs)
+            text = super().render(msgs, add_generation_prompt, **extra)
         except TemplateError as e:
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            "messages") from None  # fmt: skip
+        if continue_final_message:
+            last = msgs[-1]["content"]
+            at = text.rfind(last) if last else -1
+            if last and at < 0:
+                raise APIError(400, "continue_final_message: the template does not show the "
+                               "last message's content verbatim",
+                               "continue_final_message")  # fmt: skip
+            text = text[: at + len(last)] if last else text
+        return text
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

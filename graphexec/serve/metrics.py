@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # seconds; Prometheus histograms are cumulative over these upper bounds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RATE_WINDOW_S = 10.0  # tokens per second: over the last this many seconds
 
 
@@ -43,7 +44,11 @@ class ServerMetrics:
     rejected: int = 0  # 503: the waiting queue was full
     aborted: int = 0  # the client left before the end
     tokens: int = 0
+    prompt_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> choices
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     # tokens per whole second, the last RATE_WINDOW_S + 1 of them (a fixed ring: bounded
     # whether or not anyone reads /metrics)
@@ -83,6 +88,8 @@ class ServerMetrics:
              self.rejected),
             ("counter", "requests_aborted_total", "requests whose client left", self.aborted),
             ("counter", "generation_tokens_total", "tokens generated", self.tokens),
+            ("counter", "prompt_tokens_total", "prompt tokens of accepted requests",
+             self.prompt_tokens),
             ("gauge", "generation_tokens_per_second",
              f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
              self.tokens_per_s()),
@@ -97,7 +104,13 @@ class ServerMetrics:
         for kind, name, help_, value in rows:
             out += [f"# HELP graphexec_{name} {help_}", f"# TYPE graphexec_{name} {kind}",
                     f"graphexec_{name} {value}"]  # fmt: skip
+        out += ["# HELP graphexec_request_finish_total choices ended, by finish reason",
+                "# TYPE graphexec_request_finish_total counter"]  # fmt: skip
+        out += [f'graphexec_request_finish_total{{reason="{r}"}} {n}'
+                for r, n in sorted(self.finished.items())]  # fmt: skip
         for name, h, help_ in (
+            ("request_queue_seconds", self.queue, "time waiting for a slot"),
+            ("request_e2e_seconds", self.e2e, "arrival to the last token"),
             ("time_to_first_token_seconds", self.ttft, "time to first token"),
             ("inter_token_latency_seconds", self.itl, "time between tokens"),
         ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve without capturing CUDA graphs first (steps run eagerly)",
     )
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                   "/metrics (default: $GRAPHEXEC_API_KEY, else none)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     add_threads_argument(p)
 
@@ -99,7 +103,8 @@ def serve(args: argparse.Namespace) -> int:
         ex.capture()
         log.info("captured %d graphs in %.1f s", len(ex.graph_keys), time.perf_counter() - t1)
     sm = served_model(dm, args.model, args.served_model_name, model.max_seq_len)
-    app = build_app(ex, sm, args.max_queue)
+    app = build_app(ex, sm, args.max_queue,
+                    api_key=args.api_key or os.environ.get("GRAPHEXEC_API_KEY"))  # fmt: skip
     log.info("%s served as %r on http://%s:%d (max batch %d); ready in %.1f s", dm.name,
              sm.name, args.host, args.port, n, time.perf_counter() - t0)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

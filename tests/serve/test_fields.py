@@ -1,0 +1,112 @@
+"""The fields and routes clients send beyond sampling: an API key, /tokenize and
+/detokenize, the chat template's options, and what /metrics counts; with the openai
+client where it has the call."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import Server
+
+KEY = "sk-test-0123"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint, "--max-batch-size", "8", "--api-key", KEY)
+    yield s
+    s.stop()
+
+
+def auth(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_the_api_key_guards_every_route_but_health_and_metrics(server, checkpoint) -> None:
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model=checkpoint.name, prompt="hi", max_tokens=1)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/tokenize"):
+        assert httpx.post(f"{server.url}{path}", json={"prompt": "x"}).status_code == 401
+    good = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    r = good.completions.create(model=checkpoint.name, prompt="hi", max_tokens=2, seed=1)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_tokenize_gives_the_ids_a_request_runs_and_detokenize_inverts_it(server) -> None:
+    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "Once upon a time"},
+                   headers=auth()).json()  # fmt: skip
+    assert t["count"] == len(t["tokens"]) > 3 and t["max_model_len"] == 1024
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]},
+                   headers=auth()).json()  # fmt: skip
+    assert d["prompt"].endswith("Once upon a time")
+    # a completion's usage counts exactly the tokenized prompt
+    r = httpx.post(f"{server.url}/v1/completions", headers=auth(), json={
+        "prompt": "Once upon a time", "max_tokens": 1, "seed": 1}).json()  # fmt: skip
+    assert r["usage"]["prompt_tokens"] == t["count"]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": msgs},
+                      headers=auth()).json()  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=auth(), json={
+        "messages": msgs, "max_tokens": 1, "seed": 1}).json()  # fmt: skip
+    assert r["usage"]["prompt_tokens"] == chat["count"]
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, -4]}, headers=auth())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_chat_template_options(server) -> None:
+    def count(**extra) -> int:
+        body = {"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "Hello the"}], **extra}  # fmt: skip
+        r = httpx.post(f"{server.url}/tokenize", json=body, headers=auth())
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    with_prompt, without = count(), count(add_generation_prompt=False)
+    assert len(with_prompt) > len(without)  # "<assistant>" appended
+    cont = count(add_generation_prompt=False, continue_final_message=True)
+    # continued: the text ends with the last message's content (no eos after it)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": cont},
+                      headers=auth()).json()["prompt"]  # fmt: skip
+    assert text.endswith("Hello the") and len(cont) < len(without)
+    r = httpx.post(
+        f"{server.url}/tokenize",
+        headers=auth(),
+        json={"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    r = httpx.post(
+        f"{server.url}/tokenize",
+        headers=auth(),
+        json={"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    # template variables reach the template (bos_token cannot be overridden)
+    same = count(chat_template_kwargs={"enable_thinking": False, "bos_token": "X"})
+    assert same == with_prompt
+
+
+def test_metrics_count_prompts_queue_latency_and_finish_reasons(server) -> None:
+    before = httpx.get(f"{server.url}/metrics").text
+    for max_tokens in (2, 3):
+        httpx.post(f"{server.url}/v1/completions", headers=auth(), json={
+            "prompt": "Once upon", "max_tokens": max_tokens, "seed": 1,
+            "ignore_eos": True})  # fmt: skip
+    m = httpx.get(f"{server.url}/metrics").text
+
+    def value(text: str, name: str) -> float:
+        line = [x for x in text.splitlines() if x.startswith(name + " ")]
+        return float(line[0].split()[-1]) if line else 0.0
+
+    assert value(m, "graphexec_prompt_tokens_total") > value(
+        before, "graphexec_prompt_tokens_total"
+    )
+    assert (value(m, 'graphexec_request_finish_total{reason="length"}')
+            >= value(before, 'graphexec_request_finish_total{reason="length"}') + 2)  # fmt: skip
+    assert value(m, "graphexec_request_e2e_seconds_count") >= 2
+    assert value(m, "graphexec_request_queue_seconds_count") >= 2
