@@ -177,7 +177,8 @@ class Server:
         except APIError as e:
             return _error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage)
+        shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage,
+                      parsed.tools)  # fmt: skip
         if parsed.params.seed is None:  # drawn here, so every choice knows its seed at once
             parsed.params = parsed.params.with_seed(secrets.randbelow(MAX_SEED + 1))
         n = parsed.params.n
@@ -349,11 +350,14 @@ class _Run:
                 for c in self.choices:
                     yield self.shape.chunk(c, None, role=True)
             o = first
+            tools = self.shape.tools is not None
             while o is not None:
                 c, piece, lp = self._take(o)
-                if o.token_id is not None or piece:
+                if (o.token_id is not None or piece) and not tools:
                     yield self.shape.chunk(c, piece, lp)
                 if o.finished:
+                    if tools:
+                        yield self.shape.tool_chunk(c)
                     yield self.shape.chunk(c, None, finish=o.finish_reason)
                 o = await anext(self.outs, None)
             if self.shape.include_usage:

@@ -10,6 +10,10 @@ from typing import Any
 
 from graphexec.grammar import Grammar, compile_error
 from graphexec.params import SamplingParams
+from graphexec.serve.errors import APIError
+from graphexec.serve.tools import ToolChoice, tool_choice
+
+__all__ = ["APIError", "Parsed", "check_unicode", "parse_request", "param_of", "model_not_found"]
 
 # request field -> SamplingParams field, where the two mean the same thing
 SAME = {name: name for name in (
@@ -20,26 +24,11 @@ SAME = {name: name for name in (
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
 # fields we refuse rather than silently ignore: (field, its harmless values)
 UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "guided_choice": (None,),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }  # fmt: skip
-
-
-class APIError(Exception):
-    """An OpenAI error object: `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type, self.code, self.headers = type, code, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
 
 
 @dataclass
@@ -52,6 +41,7 @@ class Parsed:
     include_usage: bool
     logprobs: bool  # report logprobs in the response
     fields: dict[str, str]  # SamplingParams field -> the request field it came from
+    tools: ToolChoice | None = None  # a forced tool choice: the answer is tool_calls
 
 
 def check_unicode(value: Any, path: str = "") -> None:
@@ -105,6 +95,14 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     _check_context(prompts, kw.get("max_tokens"), max_seq_len, chat, limit)
     want_logprobs = _logprobs(body, chat, kw, fields)
     grammar, source = _grammar(body)
+    if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise APIError(400, "tools are for /v1/chat/completions", "tools")
+    forced = tool_choice(body) if chat else None
+    if forced is not None:
+        if grammar is not None:
+            raise APIError(400, f"a forced tool_choice constrains the output already: drop "
+                           f"{source}", "tool_choice")  # fmt: skip
+        grammar, source = forced.grammar, "tools"
     if grammar is not None:
         kw["grammar"], fields["grammar"] = grammar, source
     try:
@@ -117,7 +115,8 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     if opts is not None and not isinstance(opts, dict):
         raise APIError(400, "stream_options must be an object", "stream_options")
     return Parsed(params, prompts, _bool(body, "stream"),
-                  bool((opts or {}).get("include_usage")), want_logprobs, fields)  # fmt: skip
+                  bool((opts or {}).get("include_usage")), want_logprobs, fields,
+                  forced)  # fmt: skip
 
 
 def _check_context(prompts: list[list[int]], max_tokens: Any, max_seq_len: int, chat: bool,

@@ -77,6 +77,7 @@ class Shape:
     model: str
     logprobs: bool
     include_usage: bool
+    tools: Any = None  # a forced `tools.ToolChoice`: choices answer with tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
     # a token event of choice (index, seed), split around its text (`chunk`)
     _texts: dict[tuple[int, int | None], list[str]] = field(default_factory=dict)
@@ -92,14 +93,34 @@ class Shape:
             d: dict[str, Any] = {"index": c.index}
             if self.chat:
                 d["message"] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    d["message"] = {"role": "assistant", "content": None,
+                                    "tool_calls": self.tools.calls(text)}  # fmt: skip
                 d["logprobs"] = chat_logprobs(c.logprobs) if self.logprobs else None
             else:
                 d["text"] = text
                 d["logprobs"] = completion_logprobs(c.logprobs, c.text) if self.logprobs else None
-            d.update(finish_reason=c.finish_reason, seed=c.seed)
+            d.update(finish_reason=self.finish(c.finish_reason), seed=c.seed)
             out.append(d)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage(prompt_tokens, choices)}
+
+    def finish(self, reason: str | None) -> str | None:
+        """OpenAI's finish_reason: a forced tool call that ended by its grammar is
+        "tool_calls"; a cut ("length") stays."""
+        return "tool_calls" if self.tools is not None and reason == "stop" else reason
+
+    def tool_chunk(self, c: Choice) -> str:
+        """A streamed choice's tool calls, whole, in one event (its text is held until
+        the grammar completes it: only a complete call parses)."""
+        calls = self.tools.calls("".join(c.text))
+        d = {"index": c.index, "delta": {"tool_calls": [{"index": i, **x}
+                                                        for i, x in enumerate(calls)]},
+             "logprobs": None, "finish_reason": None, "seed": c.seed}  # fmt: skip
+        body = {**self._head("chat.completion.chunk"), "choices": [d]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
 
     def chunk(self, c: Choice, piece: str | None, logprob: dict | None = None,
               finish: str | None = None, role: bool = False) -> str:  # fmt: skip
@@ -124,7 +145,7 @@ class Shape:
         else:
             d["text"] = piece or ""
             d["logprobs"] = completion_logprobs([logprob], [piece or ""]) if logprob else None
-        d.update(finish_reason=finish, seed=c.seed)
+        d.update(finish_reason=self.finish(finish), seed=c.seed)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._head(obj), "choices": [d]}
         if self.include_usage:

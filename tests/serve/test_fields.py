@@ -110,3 +110,86 @@ def test_metrics_count_prompts_queue_latency_and_finish_reasons(server) -> None:
             >= value(before, 'graphexec_request_finish_total{reason="length"}') + 2)  # fmt: skip
     assert value(m, "graphexec_request_e2e_seconds_count") >= 2
     assert value(m, "graphexec_request_queue_seconds_count") >= 2
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the forecast",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]}},
+        "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+
+
+def valid_weather(args: dict) -> bool:
+    return set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo", "Lima") \
+        and args["days"] in (1, 2, 3)  # fmt: skip
+
+
+def test_tool_calls_parse_against_their_schemas(server, checkpoint) -> None:
+    """A named function and "required": the output is constrained in the step, so on
+    this random model the arguments still parse and validate, streamed or not."""
+    import json
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "weather?"}]
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=checkpoint.name, messages=msgs, tools=[WEATHER, TIME], seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=60, temperature=1.0)  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        assert valid_weather(json.loads(call.function.arguments)), call.function.arguments
+        assert r.choices[0].message.content is None
+        req = client.chat.completions.create(
+            model=checkpoint.name, messages=msgs, tools=[WEATHER, TIME], seed=seed,
+            tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+            temperature=1.0)  # fmt: skip
+        assert req.choices[0].finish_reason == "tool_calls"
+        for c in req.choices[0].message.tool_calls:
+            args = json.loads(c.function.arguments)
+            assert (c.function.name == "get_weather" and valid_weather(args)) or (
+                c.function.name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"})
+            )
+    # streamed: the same call as the non-streamed answer of the same seed, in one delta
+    stream = client.chat.completions.create(
+        model=checkpoint.name, messages=msgs, tools=[WEATHER], seed=3, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=1.0)  # fmt: skip
+    deltas = [ch.choices[0].delta for ch in stream if ch.choices]
+    calls = [tc for d in deltas if d.tool_calls for tc in d.tool_calls]
+    assert len(calls) == 1 and not any(d.content for d in deltas)
+    once = client.chat.completions.create(
+        model=checkpoint.name, messages=msgs, tools=[WEATHER], seed=3, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=1.0)  # fmt: skip
+    assert calls[0].function.arguments == once.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server) -> None:
+    def err(**body) -> str | None:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth())
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["param"]
+
+    assert err(tools=[WEATHER], tool_choice="auto") == "tool_choice"
+    assert (
+        err(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+        == "tool_choice"
+    )
+    assert err(tools=[{"type": "function"}], tool_choice="required") == "tools"
+    assert err(tool_choice="required") == "tool_choice"
+    assert err(tools=[WEATHER], tool_choice="required",
+               response_format={"type": "json_object"}) == "tool_choice"  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/completions", headers=auth(), json={
+        "prompt": "hi", "tools": [WEATHER], "tool_choice": "required"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # tools without a forced choice: plain text, the tools handed to the template
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=auth(), json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
+        "max_tokens": 2, "seed": 1})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
