@@ -28,6 +28,7 @@ import torch
 
 from graphexec.models.protocol import PrefillBatch, check_logits
 from graphexec.request import PromptLogprob, Request
+from graphexec.sampling.reference import block_ordered_sum, collapse_inf
 
 log = logging.getLogger(__name__)
 
@@ -215,19 +216,26 @@ def _chunks(model) -> bool:
 def prompt_logprobs(rows: torch.Tensor | None, prompt: list[int], n: int) -> list:
     """[None] + one `PromptLogprob` per prompt token after the first, from the logits
     rows [len(prompt) - 1, V] of the prompt's first tokens (row i predicts token i + 1):
-    raw log_softmax in float32, rank 1 = most likely, top-n with ties to the lower id.
+    raw log_softmax in float32 as the sampler computes it, rank 1 = most likely, top-n
+    with ties to the lower id.
     Read on the host: only for requests that ask, after the step has waited."""
     out: list[PromptLogprob | None] = [None]
     if rows is None or len(prompt) < 2:
         return out
-    lp = torch.log_softmax(rows.float(), dim=-1).cpu()
+    # the sampler's raw logprobs (sampling.reference.write_logprobs), op for op, so a
+    # prompt token's logprob is the bits decoding it reports on the torch backend
+    v = collapse_inf(rows.float().cpu())
+    m = v.max(dim=-1, keepdim=True).values
+    shifted = v - m
+    lse = torch.log(block_ordered_sum(torch.exp(shifted))).unsqueeze(1)
+    lp = shifted - lse
     nxt = torch.tensor(prompt[1:], dtype=torch.int64)
     tok_lp = lp.gather(1, nxt.unsqueeze(1)).squeeze(1)
-    ranks = (lp > tok_lp.unsqueeze(1)).sum(dim=1) + 1
+    ranks = (v > v.gather(1, nxt.unsqueeze(1))).sum(dim=1) + 1
     top_lp = top_id = None
     if n:
-        top_lp, top_id = torch.sort(lp, dim=1, descending=True, stable=True)
-        top_lp, top_id = top_lp[:, :n].tolist(), top_id[:, :n].tolist()
+        sv, si = torch.sort(v, dim=1, descending=True, stable=True)
+        top_lp, top_id = ((sv[:, :n] - m) - lse).tolist(), si[:, :n].tolist()
     for i, t in enumerate(prompt[1:]):
         top = list(zip(top_id[i], top_lp[i], strict=True)) if n else []
         out.append(PromptLogprob(t, float(tok_lp[i]), int(ranks[i]), top))

@@ -39,7 +39,7 @@ from graphexec.serve.protocol import (
     param_of,
     parse_request,
 )
-from graphexec.serve.responses import DONE, Choice, Shape
+from graphexec.serve.responses import DONE, Choice, Echo, Shape
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # the 503's Retry-After: a slot frees within a few steps
@@ -178,14 +178,16 @@ class Server:
             return _error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage,
-                      parsed.tools)  # fmt: skip
+                      parsed.tools, self._echoes(body, parsed.prompts) if parsed.echo else None,
+                      parsed.echo_only, parsed.prompt_logprobs is not None,
+                      self.token_text)  # fmt: skip
         if parsed.params.seed is None:  # drawn here, so every choice knows its seed at once
             parsed.params = parsed.params.with_seed(secrets.randbelow(MAX_SEED + 1))
         n = parsed.params.n
         seeds = [parsed.params.seed] if n == 1 else [parsed.params.stream(i).seed
                                                      for i in range(n)]  # fmt: skip
-        choices = [Choice(k * n + i, seed=seeds[i]) for k in range(len(parsed.prompts))
-                   for i in range(n)]  # fmt: skip
+        choices = [Choice(k * n + i, seed=seeds[i], prompt=k)
+                   for k in range(len(parsed.prompts)) for i in range(n)]  # fmt: skip
         index = {}
         gens = []
         for k, prompt in enumerate(parsed.prompts):
@@ -289,6 +291,23 @@ class Server:
             return _error(e)
         return JSONResponse({"prompt": self.model.tokenizer.decode(ids)})
 
+    def _echoes(self, body: dict[str, Any], prompts: list[list[int]]) -> list[Echo]:
+        """Each completions prompt as echo shows it: the text given (ids: decoded), and
+        where each token's text starts in it (the BOS prefix's tokens at 0)."""
+        p = body.get("prompt")
+        items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        out = []
+        for item, ids in zip(items, prompts, strict=True):
+            skip = len(self.model.prompt_prefix) if isinstance(item, str) else 0
+            stream = self.model.tokenizer.decode_stream(skip_special_tokens=False)
+            offsets, at = [0] * skip, 0
+            for t in ids[skip:]:
+                offsets.append(at)
+                at += len(stream.push(t))
+            text = item if isinstance(item, str) else self.model.tokenizer.decode(ids)
+            out.append(Echo(text, list(ids), offsets))
+        return out
+
     def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
         tok, m = self.model.tokenizer, self.model
         if chat:  # the template writes BOS itself, as transformers' apply_chat_template
@@ -349,6 +368,9 @@ class _Run:
             if self.shape.chat:
                 for c in self.choices:
                     yield self.shape.chunk(c, None, role=True)
+            elif self.shape.echo is not None:  # the prompt first (no prompt logprobs here)
+                for c in self.choices:
+                    yield self.shape.chunk(c, self.shape.echo[c.prompt].text)
             o = first
             tools = self.shape.tools is not None
             while o is not None:

@@ -24,9 +24,9 @@ SAME = {name: name for name in (
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
 # fields we refuse rather than silently ignore: (field, its harmless values)
 UNSUPPORTED = {
-    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
     "functions": (None, []), "function_call": (None, "none"),
-    "use_beam_search": (None, False), "prompt_logprobs": (None,), "guided_choice": (None,),
+    "use_beam_search": (None, False), "guided_choice": (None,),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }  # fmt: skip
 
@@ -42,6 +42,9 @@ class Parsed:
     logprobs: bool  # report logprobs in the response
     fields: dict[str, str]  # SamplingParams field -> the request field it came from
     tools: ToolChoice | None = None  # a forced tool choice: the answer is tool_calls
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
+    echo_only: bool = False  # echo with max_tokens 0: one token runs, none is reported
+    prompt_logprobs: int | None = None  # report each prompt token's logprob, top-N
 
 
 def check_unicode(value: Any, path: str = "") -> None:
@@ -88,12 +91,29 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"  # fmt: skip
     fields["max_tokens"] = limit
-    if body.get(limit) is not None:
+    echo = _bool(body, "echo")
+    if echo and chat:
+        raise APIError(400, "echo is for /v1/completions", "echo")
+    echo_only = echo and body.get(limit) == 0 and not isinstance(body.get(limit), bool)
+    if echo_only:  # the prompt's logprobs only: one token runs (the prefill's), none shown
+        if _bool(body, "stream"):
+            raise APIError(400, "echo with max_tokens 0 is not streamed", "stream")
+        kw["max_tokens"] = 1
+    elif body.get(limit) is not None:
         kw["max_tokens"] = body[limit]
     elif chat:  # OpenAI's chat default: as many as the context holds
         kw["max_tokens"] = max(1, max_seq_len - max(len(p) for p in prompts))
     _check_context(prompts, kw.get("max_tokens"), max_seq_len, chat, limit)
     want_logprobs = _logprobs(body, chat, kw, fields)
+    prompt_n = body.get("prompt_logprobs")
+    if prompt_n is not None:
+        kw["prompt_logprobs"], fields["prompt_logprobs"] = prompt_n, "prompt_logprobs"
+    if echo and want_logprobs:  # the prompt's tokens get logprobs, top-N as the completion's
+        kw["prompt_logprobs"] = max(kw.get("logprobs") or 0, kw.get("prompt_logprobs") or 0) \
+            if isinstance(kw.get("prompt_logprobs", 0), int) else kw["prompt_logprobs"]  # fmt: skip
+    if kw.get("prompt_logprobs") is not None and _bool(body, "stream"):
+        raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not "
+                       "streamed", "stream")  # fmt: skip
     grammar, source = _grammar(body)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise APIError(400, "tools are for /v1/chat/completions", "tools")
@@ -116,7 +136,7 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
         raise APIError(400, "stream_options must be an object", "stream_options")
     return Parsed(params, prompts, _bool(body, "stream"),
                   bool((opts or {}).get("include_usage")), want_logprobs, fields,
-                  forced)  # fmt: skip
+                  forced, echo, echo_only, prompt_n)  # fmt: skip
 
 
 def _check_context(prompts: list[list[int]], max_tokens: Any, max_seq_len: int, chat: bool,

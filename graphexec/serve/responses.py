@@ -17,15 +17,19 @@ class Choice:
 
     index: int
     seed: int | None = None
+    prompt: int = 0  # which of the request's prompts it continues
     text: list[str] = field(default_factory=list)
     tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat entries, per token
     last: float | None = None  # monotonic time of its last token
+    prompt_logprobs: list | None = None  # [None, PromptLogprob, ...] when asked
 
     def add(self, o: RequestOutput, token_text) -> str:
         """Take one output; the text it adds (an end without a token adds none)."""
         self.seed = o.seed
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
         piece = o.text or ""
         if o.token_id is not None:
             self.tokens += 1
@@ -68,6 +72,44 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
             "total_tokens": prompt_tokens + done}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completions prompt shown before its completion: its text (as given, or its ids
+    decoded), its ids, and where each token's text starts in that text."""
+
+    text: str
+    ids: list[int]
+    offsets: list[int]
+
+
+def prompt_logprobs_json(entries: list, token_text) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then {id: {logprob, rank,
+    decoded_token}} holding the prompt's token and the top-N."""
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank,
+                               "decoded_token": token_text(e.token_id)}}  # fmt: skip
+        for r, (i, lp) in enumerate(e.top_logprobs, 1):
+            d.setdefault(str(i), {"logprob": lp, "rank": r, "decoded_token": token_text(i)})
+        out.append(d)
+    return out
+
+
+def echo_logprobs(echo: Echo, entries: list, token_text) -> dict[str, Any]:
+    """Completions' logprobs of the echoed prompt: its first token has none (null)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, e, at in zip(echo.ids, entries, echo.offsets, strict=False):
+        out["tokens"].append(token_text(tok))
+        out["token_logprobs"].append(None if e is None else e.logprob)
+        out["top_logprobs"].append(None if e is None else
+                                   {token_text(i): lp for i, lp in e.top_logprobs})  # fmt: skip
+        out["text_offset"].append(at)
+    return out
+
+
 @dataclass
 class Shape:
     """How one request is answered: chat or completions, its id, model and options."""
@@ -78,6 +120,10 @@ class Shape:
     logprobs: bool
     include_usage: bool
     tools: Any = None  # a forced `tools.ToolChoice`: choices answer with tool_calls
+    echo: list[Echo] | None = None  # completions' echo: per prompt
+    echo_only: bool = False  # max_tokens 0: the prompt alone
+    prompt_logprobs: bool = False  # report each choice's prompt logprobs
+    token_text: Any = None  # token id -> its text, as logprobs show it
     created: int = field(default_factory=lambda: int(time.time()))
     # a token event of choice (index, seed), split around its text (`chunk`)
     _texts: dict[tuple[int, int | None], list[str]] = field(default_factory=dict)
@@ -100,10 +146,33 @@ class Shape:
             else:
                 d["text"] = text
                 d["logprobs"] = completion_logprobs(c.logprobs, c.text) if self.logprobs else None
+                if self.echo is not None:
+                    self._echoed(d, c)
+            if self.prompt_logprobs and c.prompt_logprobs is not None:
+                d["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs, self.token_text)
             d.update(finish_reason=self.finish(c.finish_reason), seed=c.seed)
             out.append(d)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": out, "usage": usage(prompt_tokens, choices)}
+        use = usage(prompt_tokens, [] if self.echo_only else choices)
+        return {**self._head(obj), "choices": out, "usage": use}
+
+    def _echoed(self, d: dict[str, Any], c: Choice) -> None:
+        """The prompt before the completion (the prompt alone with max_tokens 0), and its
+        logprobs before the completion's, offsets continuing after the prompt's text."""
+        e = self.echo[c.prompt]
+        if self.echo_only:
+            d["text"], c.finish_reason = e.text, "length"
+        else:
+            d["text"] = e.text + d["text"]
+        if d["logprobs"] is None:
+            return
+        head = echo_logprobs(e, c.prompt_logprobs or [None] * len(e.ids), self.token_text)
+        if not self.echo_only:
+            tail = d["logprobs"]
+            for k in head:
+                add = tail[k] if k != "text_offset" else [len(e.text) + x for x in tail[k]]
+                head[k] = head[k] + add
+        d["logprobs"] = head
 
     def finish(self, reason: str | None) -> str | None:
         """OpenAI's finish_reason: a forced tool call that ended by its grammar is

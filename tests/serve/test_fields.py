@@ -4,6 +4,8 @@ client where it has the call."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -193,3 +195,57 @@ def test_bad_tool_requests_are_400s_naming_the_field(server) -> None:
         "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
         "max_tokens": 2, "seed": 1})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_echo_logprobs_equal_the_decoded_tokens_logprobs(server) -> None:
+    """echo + logprobs with max_tokens 0 (how evaluation harnesses score a text): the
+    prompt comes back with each token's logprob; each equals, bit for bit, the logprob
+    the server reports when that token is decoded after the same prefix (forced by a
+    +100 logit_bias, which raw logprobs do not see)."""
+    url = f"{server.url}/v1/completions"
+    prompt = "Once upon a time there"
+    r = httpx.post(url, headers=auth(), json={"prompt": prompt, "echo": True, "logprobs": 2,
+                                              "max_tokens": 0}).json()  # fmt: skip
+    (c,) = r["choices"]
+    assert c["text"] == prompt and r["usage"]["completion_tokens"] == 0
+    lp = c["logprobs"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt},
+                     headers=auth()).json()["tokens"]  # fmt: skip
+    assert len(lp["tokens"]) == len(ids) == r["usage"]["prompt_tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])  # keyed by text: may merge
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(prompt)
+    for k in range(1, len(ids)):
+        d = httpx.post(url, headers=auth(), json={
+            "prompt": ids[:k], "max_tokens": 1, "logprobs": 0, "temperature": 0,
+            "logit_bias": {str(ids[k]): 100}}).json()["choices"][0]["logprobs"]  # fmt: skip
+        assert d["token_logprobs"][0] == lp["token_logprobs"][k], k
+    # with a completion: the prompt, then the completion, offsets running on
+    r = httpx.post(url, headers=auth(), json={"prompt": prompt, "echo": True, "logprobs": 0,
+                                              "max_tokens": 3, "seed": 2,
+                                              "ignore_eos": True}).json()  # fmt: skip
+    c = r["choices"][0]
+    assert c["text"].startswith(prompt) and len(c["logprobs"]["tokens"]) == len(ids) + 3
+    assert c["logprobs"]["text_offset"][len(ids)] == len(prompt)
+    # streamed echo: the prompt is the first text
+    with httpx.stream(
+        "POST",
+        url,
+        headers=auth(),
+        json={"prompt": prompt, "echo": True, "max_tokens": 2, "stream": True, "seed": 1},
+    ) as s:
+        texts = [json.loads(x[6:])["choices"][0]["text"] for x in s.iter_lines()
+                 if x.startswith("data: {")]  # fmt: skip
+    assert texts[0] == prompt
+
+
+def test_prompt_logprobs_per_choice(server) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=auth(), json={
+        "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1,
+        "prompt_logprobs": 1, "seed": 1}).json()  # fmt: skip
+    pl = r["choices"][0]["prompt_logprobs"]
+    assert len(pl) == r["usage"]["prompt_tokens"] and pl[0] is None
+    for entry in pl[1:]:
+        assert 1 <= len(entry) <= 2
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())

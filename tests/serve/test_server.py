@@ -151,7 +151,7 @@ BAD = [  # (field, value) -> 400 naming it
     ("logit_bias", {"999999": 1}), ("logit_bias", {"x": 1}), ("min_tokens", 99),
     ("stop", 5), ("ignore_eos", "yes"), ("response_format", {"type": "xml"}),
     ("guided_regex", "("), ("guided_json", 5), ("prompt", [999999]), ("prompt", 5),
-    ("echo", True), ("stream", "yes"),
+    ("echo", "yes"), ("suffix", "x"), ("prompt_logprobs", 50), ("stream", "yes"),
 ]  # fmt: skip
 
 
