@@ -9,7 +9,6 @@ OpenAI error objects. A client that disconnects, streaming or not, aborts its re
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -31,6 +30,7 @@ from graphexec.engine.inbox import ExecutorFullError
 from graphexec.params import MAX_SEED
 from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.metrics import ServerMetrics
+from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
 from graphexec.serve.protocol import (
     APIError,
     Parsed,
@@ -56,76 +56,6 @@ class ServedModel:
     prompt_prefix: tuple[int, ...] = ()
     chat: ChatTemplate = field(default_factory=ChatTemplate)
     aliases: tuple[str, ...] = ()
-
-
-class _Disconnected(Exception):
-    """The client went away before the answer."""
-
-
-class Outputs:
-    """The outputs of a request's generate() calls (one per prompt), merged as they come.
-    One prompt (the usual case) is read straight from its generator; several are pumped
-    into one queue. `close()` ends them, which aborts whatever is still running."""
-
-    def __init__(self, gens: list) -> None:
-        self._one = gens[0] if len(gens) == 1 else None
-        self._q: asyncio.Queue = asyncio.Queue()
-        self._left = len(gens)
-        self._tasks = [] if self._one else [asyncio.create_task(self._pump(g)) for g in gens]
-
-    async def _pump(self, gen) -> None:
-        try:
-            async for o in gen:
-                self._q.put_nowait(o)
-            self._q.put_nowait(None)
-        except Exception as e:  # noqa: BLE001 (raised to the reader)
-            self._q.put_nowait(e)
-
-    def __aiter__(self) -> Outputs:
-        return self
-
-    async def __anext__(self):
-        if self._one is not None:
-            return await self._one.__anext__()
-        while self._left:
-            o = await self._q.get()
-            if o is None:
-                self._left -= 1
-                continue
-            if isinstance(o, BaseException):
-                raise o
-            return o
-        raise StopAsyncIteration
-
-    def close(self) -> None:
-        if self._one is not None:  # its `finally` aborts the request if it still runs
-            asyncio.ensure_future(self._one.aclose()).add_done_callback(_quiet)
-        for t in self._tasks:
-            t.cancel()
-
-
-def _quiet(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("closing a request's outputs: %r", task.exception())
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _or_disconnect(request: Request, coro):
-    """Await `coro` unless the client disconnects first (then it is cancelled)."""
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not work.done():
-        work.cancel()
-        raise _Disconnected
-    return work.result()
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -197,8 +127,8 @@ class Server:
             gens.append(self.aex.generate(sub, prompt, parsed.params))
         outs = Outputs(gens)
         try:
-            first = await _or_disconnect(request, outs.__anext__())
-        except _Disconnected:
+            first = await or_disconnect(request, outs.__anext__())
+        except Disconnected:
             outs.close()
             self.metrics.aborted += 1
             return Response(status_code=499)
@@ -217,8 +147,8 @@ class Server:
             return StreamingResponse(run.events(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
-            return JSONResponse(await _or_disconnect(request, run.collect(first)))
-        except _Disconnected:
+            return JSONResponse(await or_disconnect(request, run.collect(first)))
+        except Disconnected:
             self.metrics.aborted += 1
             return Response(status_code=499)
         finally:
