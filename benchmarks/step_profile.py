@@ -163,15 +163,9 @@ def read_bandwidth(device: str, reps: int = 10) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    nbytes = _nbytes(x)
     del x
-    return _nbytes_of(64, 1 << 24, 2) / statistics.median(times)
-
-
-def _nbytes_of(*dims: int) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
+    return nbytes / statistics.median(times)
 
 
 def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:

@@ -28,7 +28,7 @@ import torch
 
 from graphexec.models.protocol import PrefillBatch, check_logits
 from graphexec.request import PromptLogprob, Request
-from graphexec.sampling.reference import block_ordered_sum, collapse_inf
+from graphexec.sampling.reference import collapse_inf, log_softmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -222,13 +222,10 @@ def prompt_logprobs(rows: torch.Tensor | None, prompt: list[int], n: int) -> lis
     out: list[PromptLogprob | None] = [None]
     if rows is None or len(prompt) < 2:
         return out
-    # the sampler's raw logprobs (sampling.reference.write_logprobs), op for op, so a
-    # prompt token's logprob is the bits decoding it reports on the torch backend
+    # the sampler's raw logprobs (sampling.reference.log_softmax_rows, as write_logprobs),
+    # so a prompt token's logprob is the bits decoding it reports on the torch backend
     v = collapse_inf(rows.float().cpu())
-    m = v.max(dim=-1, keepdim=True).values
-    shifted = v - m
-    lse = torch.log(block_ordered_sum(torch.exp(shifted))).unsqueeze(1)
-    lp = shifted - lse
+    lp, m, lse = log_softmax_rows(v)
     nxt = torch.tensor(prompt[1:], dtype=torch.int64)
     tok_lp = lp.gather(1, nxt.unsqueeze(1)).squeeze(1)
     ranks = (v > v.gather(1, nxt.unsqueeze(1))).sum(dim=1) + 1

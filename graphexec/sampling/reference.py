@@ -351,6 +351,16 @@ def block_ordered_sum(e: torch.Tensor, block: int = DRAW_BLOCK) -> torch.Tensor:
     return e.view(B, -1, block).sum(dim=-1).sum(dim=-1)
 
 
+def log_softmax_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs, row max [B, 1], log-sum-exp [B, 1]) of float32 rows v [B, V] whose infs
+    are collapsed: v - max - log(the block-ordered sum of exp(v - max)), the order the
+    logprobs writers use, so every caller gets the same bits for the same row."""
+    m = v.max(dim=-1, keepdim=True).values
+    shifted = v - m
+    lse = torch.log(block_ordered_sum(torch.exp(shifted))).unsqueeze(1)
+    return shifted - lse, m, lse
+
+
 def write_logprobs(
     raw: torch.Tensor,
     y: torch.Tensor,
@@ -362,10 +372,7 @@ def write_logprobs(
     """Step 7, into out.logprobs / ranks / top_logprobs / top_token_ids."""
     processed = table.logprobs_processed[slot_ids].unsqueeze(1)
     v = collapse_inf(torch.where(processed, y, raw))
-    m = v.max(dim=-1, keepdim=True).values
-    shifted = v - m
-    lse = torch.log(block_ordered_sum(torch.exp(shifted))).unsqueeze(1)
-    lp = shifted - lse
+    lp, m, lse = log_softmax_rows(v)
     valid = tokens >= 0
     safe = tokens.clamp(min=0).unsqueeze(1)
     tok_v = v.gather(1, safe)

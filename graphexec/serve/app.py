@@ -29,10 +29,10 @@ from graphexec.async_executor import AsyncDecodeExecutor, QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.params import MAX_SEED
 from graphexec.serve.chat import ChatTemplate
+from graphexec.serve.errors import APIError
 from graphexec.serve.metrics import ServerMetrics
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
 from graphexec.serve.protocol import (
-    APIError,
     Parsed,
     check_unicode,
     model_not_found,
@@ -224,10 +224,8 @@ class Server:
     def _echoes(self, body: dict[str, Any], prompts: list[list[int]]) -> list[Echo]:
         """Each completions prompt as echo shows it: the text given (ids: decoded), and
         where each token's text starts in it (the BOS prefix's tokens at 0)."""
-        p = body.get("prompt")
-        items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
         out = []
-        for item, ids in zip(items, prompts, strict=True):
+        for item, ids in zip(_prompt_items(body), prompts, strict=True):
             skip = len(self.model.prompt_prefix) if isinstance(item, str) else 0
             stream = self.model.tokenizer.decode_stream(skip_special_tokens=False)
             offsets, at = [0] * skip, 0
@@ -242,10 +240,8 @@ class Server:
         tok, m = self.model.tokenizer, self.model
         if chat:  # the template writes BOS itself, as transformers' apply_chat_template
             return [tok.encode(self._chat_text(body), allowed_special="all")]
-        p = body.get("prompt")
-        items = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
         prompts = []
-        for item in items:
+        for item in _prompt_items(body):
             if isinstance(item, str):
                 prompts.append([*m.prompt_prefix, *tok.encode(item)])
             elif isinstance(item, list) and item and all(type(t) is int for t in item):
@@ -254,6 +250,12 @@ class Server:
                 raise APIError(400, "prompt must be a str, a list of token ids, or a list of "
                                "those", "prompt")  # fmt: skip
         return prompts
+
+
+def _prompt_items(body: dict[str, Any]) -> list[Any]:
+    """A completions body's prompts: a list of prompts (str or ids), or the one prompt."""
+    p = body.get("prompt")
+    return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
 
 
 @dataclass

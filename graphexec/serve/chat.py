@@ -7,7 +7,7 @@ from typing import Any
 
 from graphexec.chat import PLAIN_TEMPLATE, read_tokenizer_config
 from graphexec.chat import ChatTemplate as _Template
-from graphexec.serve.protocol import APIError
+from graphexec.serve.errors import APIError
 
 __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "check_messages", "read_tokenizer_config"]
 

@@ -13,8 +13,6 @@ from graphexec.params import SamplingParams
 from graphexec.serve.errors import APIError
 from graphexec.serve.tools import ToolChoice, tool_choice
 
-__all__ = ["APIError", "Parsed", "check_unicode", "parse_request", "param_of", "model_not_found"]
-
 # request field -> SamplingParams field, where the two mean the same thing
 SAME = {name: name for name in (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -108,9 +106,10 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     prompt_n = body.get("prompt_logprobs")
     if prompt_n is not None:
         kw["prompt_logprobs"], fields["prompt_logprobs"] = prompt_n, "prompt_logprobs"
-    if echo and want_logprobs:  # the prompt's tokens get logprobs, top-N as the completion's
-        kw["prompt_logprobs"] = max(kw.get("logprobs") or 0, kw.get("prompt_logprobs") or 0) \
-            if isinstance(kw.get("prompt_logprobs", 0), int) else kw["prompt_logprobs"]  # fmt: skip
+    # echo's prompt tokens get logprobs, top-N as the completion's (a bad prompt_logprobs
+    # is left for SamplingParams to name)
+    if echo and want_logprobs and isinstance(kw.get("prompt_logprobs", 0), int):
+        kw["prompt_logprobs"] = max(kw.get("logprobs") or 0, kw.get("prompt_logprobs") or 0)
     if kw.get("prompt_logprobs") is not None and _bool(body, "stream"):
         raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not "
                        "streamed", "stream")  # fmt: skip

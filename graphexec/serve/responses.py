@@ -183,13 +183,9 @@ class Shape:
         """A streamed choice's tool calls, whole, in one event (its text is held until
         the grammar completes it: only a complete call parses)."""
         calls = self.tools.calls("".join(c.text))
-        d = {"index": c.index, "delta": {"tool_calls": [{"index": i, **x}
-                                                        for i, x in enumerate(calls)]},
-             "logprobs": None, "finish_reason": None, "seed": c.seed}  # fmt: skip
-        body = {**self._head("chat.completion.chunk"), "choices": [d]}
-        if self.include_usage:
-            body["usage"] = None
-        return sse(body)
+        return self._chunk(
+            c, None, None, None, False, tool_calls=[{"index": i, **x} for i, x in enumerate(calls)]
+        )
 
     def chunk(self, c: Choice, piece: str | None, logprob: dict | None = None,
               finish: str | None = None, role: bool = False) -> str:  # fmt: skip
@@ -203,12 +199,14 @@ class Shape:
         return self._chunk(c, piece, logprob, finish, role)
 
     def _chunk(self, c: Choice, piece: str | None, logprob: dict | None, finish: str | None,
-               role: bool) -> str:  # fmt: skip
+               role: bool, tool_calls: list | None = None) -> str:  # fmt: skip
         d: dict[str, Any] = {"index": c.index}
         if self.chat:
             delta: dict[str, Any] = {} if finish else {"content": piece or ""}
             if role:
                 delta = {"role": "assistant", "content": ""}
+            elif tool_calls is not None:
+                delta = {"tool_calls": tool_calls}
             d["delta"] = delta
             d["logprobs"] = chat_logprobs([logprob]) if logprob else None
         else:
