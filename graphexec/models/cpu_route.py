@@ -75,6 +75,7 @@ class RowMM:
         self._plans: dict[tuple, tuple[int, ...]] = {}
         self._cols = torch.arange(0)  # key indices, grown as needed
         self._pads: dict[tuple, torch.Tensor] = {}  # zero-padded rows of one call, by size
+        self._batched: dict[tuple, bool] = {}  # row_linear's batched parts, as measured
 
     def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
         key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
@@ -149,6 +150,49 @@ class RowMM:
         """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused."""
         out = self.mm(x, w.t())
         return out if bias is None else out.add_(bias)
+
+    def row_linear(self, x: torch.Tensor, w: torch.Tensor, split, bias=None, *,
+                   f32: bool = False) -> torch.Tensor:  # fmt: skip
+        """A row-parallel layer's product over the rank's parts of K
+        (`row_parallel.row_linear_reference`'s bits): w stored K-major in float32
+        (`row_weight`). The parts as one batched product [parts, M, k] @ [parts, k, N]
+        where measured (`_batched_ok`) to give each part the bits of its own `mm`, so any
+        world's batch of parts agrees; else one `mm` per part."""
+        from graphexec.models.row_parallel import row_linear_reference
+
+        wt, parts = w.t(), split.local
+        if not (w.dtype == torch.float32 and wt.is_contiguous()
+                and self._batched_ok(tuple(wt.shape), parts)):  # fmt: skip
+            return row_linear_reference(x, w, split, bias, f32=f32, mm=self.mm)
+        M, K = x.shape
+        xs = x.float().view(M, parts, K // parts).transpose(0, 1).contiguous()
+        p = self.mm(xs, wt.view(parts, K // parts, -1))  # [parts, M, N] float32
+        while p.shape[0] > 1:  # the tree, a level per op: ((p0 + p1) + (p2 + p3)) ...
+            p = p[0::2] + p[1::2]
+        acc = p[0]
+        if f32:
+            return acc
+        return (acc if bias is None else acc + bias.float()).to(x.dtype)
+
+    def _batched_ok(self, shape: tuple[int, int], parts: int) -> bool:
+        """Whether the batched product of `parts` parts of a [K, N] float32 weight gives
+        every part the bits of `mm` alone (random operands; once per shape, parts and
+        thread count)."""
+        key = (shape, parts, torch.get_num_threads())
+        ok = self._batched.get(key)
+        if ok is None:
+            g = torch.Generator().manual_seed(0)
+            K, N = shape
+            k = K // parts
+            wt = torch.randn(K, N, generator=g)
+            ok = True
+            for M in (1, 3, 40):
+                xs = torch.randn(parts, M, k, generator=g)
+                both = self.mm(xs, wt.view(parts, k, N))
+                ok &= all(torch.equal(both[j], self.mm(xs[j], wt[j * k : (j + 1) * k]))
+                          for j in range(parts))  # fmt: skip
+            self._batched[key] = ok
+        return ok
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                positions: torch.Tensor, scale: float, window: int | None = None, *,

@@ -83,7 +83,9 @@ class HFTransformer(SlotKVCache):
             CUDA only. (True on the CPU needs TRITON_INTERPRET=1: for tests.)
         tp_group: a torch.distributed group of tensor-parallel ranks (None: one rank).
             Each rank keeps its shard of the weights (`hf_shard`: attention heads, the
-            intermediate and the vocabulary split, o/down all-reduced in a fixed order)
+            intermediate and the vocabulary split, o/down finishing one float32 tree of
+            K parts across the ranks: the logits of one rank, bit for bit, at T = 1, 2, 4;
+            `row_parallel`)
             and decode / verify / prefill return logits [.., V_r] of its vocabulary slice
             `vocab_slice` (`distributed.vocab_slices`), what `DecodeExecutor(...,
             tp_group=)` samples. `state_dict` may hold whole weights or this rank's parts.
@@ -132,6 +134,9 @@ class HFTransformer(SlotKVCache):
         self.head_dim = hd = int(cfg.get("head_dim") or D // H)
         self.tp = tp = TPShard.create(tp_group, cfg)  # ValueError if the heads do not divide
         self.heads, self.kv_heads = H // tp.world, KV // tp.world  # this rank's
+        # the whole K of o and down: their split is chosen by the unsharded shape
+        self._row_k = {"o": H * hd, "down": int(cfg["intermediate_size"])}
+        self.row_splits: dict[str, Any] = {}  # "o" / "down" -> RowSplit | None, at bind
         self.vocab_slice = tp.vocab
         self.num_layers = int(cfg["num_hidden_layers"])
         self.vocab_size = int(cfg["vocab_size"])
@@ -230,12 +235,21 @@ class HFTransformer(SlotKVCache):
         self.ops = ForwardOps.select(d, self.batch_invariant, self.fused, self.matmul)
         self.device = d
         self.embed, self.norm = self.embed.to(d), self.norm.to(d)
+        # o / down: a K split by the whole weight's shape whose tree the ranks share
+        # (`row_parallel`), None on the routes that are not invariant
+        split = self.ops.row_split
+        self.row_splits = {n: split(self.dim, k, self.tp.world) if split else None
+                           for n, k in self._row_k.items()}  # fmt: skip
         # each GEMM weight as the route reads it (the CPU's: K-major; a tied LM head then
         # gets its own copy, the embedding's rows staying contiguous for the lookup)
         w = self.ops.weight
+        ow = self.ops.row_weight if self.row_splits["o"] else w
+        dw = self.ops.row_weight if self.row_splits["down"] else w
         self.lm_head = w(self.lm_head.to(d))
-        self.layers = [dataclasses.replace(layer, qkv=w(layer.qkv), o=w(layer.o),
-                                           gate_up=w(layer.gate_up), down=w(layer.down))
+        # (o / down back in the model's dtype first: a CPU bind may have kept float32)
+        self.layers = [dataclasses.replace(layer, qkv=w(layer.qkv), o=ow(layer.o.to(self.dtype)),
+                                           gate_up=w(layer.gate_up),
+                                           down=dw(layer.down.to(self.dtype)))
                        for layer in (tensors_to(x, d) for x in self.layers)]  # fmt: skip
         if d.type == "cuda" and self.batch_invariant:
             self.ops = ForwardOps.select(d, True, self.fused, self._verified_matmul())
@@ -267,8 +281,9 @@ class HFTransformer(SlotKVCache):
         if not cfg.large_tiles:
             return cfg
         first = self.layers[0]
-        weights = [(first.qkv, False), (first.o, False), (first.gate_up, True),
-                   (first.down, False), (self.lm_head, False)]  # fmt: skip
+        weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]
+        # o / down with a row split run its tile at every M: no large tile to verify
+        weights += [(getattr(first, n), False) for n, s in self.row_splits.items() if s is None]
         cfg = verify_large_tiles(cfg, weights)
         shapes = {(n, k) for n, k, _ in cfg.large_tiles}
         logger.info("large-M GEMM tiles: %d of this model's shapes verified bit-identical "
@@ -316,8 +331,8 @@ class HFTransformer(SlotKVCache):
                 a = F.scaled_dot_product_attention(q, keys, vals,
                                                    attn_mask=masks[self.windows[i]])  # fmt: skip
                 a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
-                h, res = ops.norm(tp.reduce(ops.linear(a, layer.o)), res, layer.ln2, self.eps)
-                delta = tp.reduce(ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down))
+                h, res = ops.norm(self._row(a, layer.o, "o"), res, layer.ln2, self.eps)
+                delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
         if rows is None:
             return None
         h, _ = ops.norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
@@ -368,12 +383,23 @@ class HFTransformer(SlotKVCache):
                 return None  # the last layer's K/V is all that is kept
             a = ops.attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                            config=self.attention)  # fmt: skip
-            h, res = ops.norm(tp.reduce(ops.linear(a.reshape(N, H * hd), layer.o)), res,
-                              layer.ln2, self.eps)  # fmt: skip
-            delta = tp.reduce(ops.linear(ops.linear_silu_mul(h, layer.gate_up), layer.down))
+            h, res = ops.norm(self._row(a.reshape(N, H * hd), layer.o, "o"), res, layer.ln2,
+                              self.eps)  # fmt: skip
+            delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
         if rows is not None:
             delta, res = delta.index_select(0, rows), res.index_select(0, rows)
         elif prefill:
             return None
         h, _ = ops.norm(delta, res, self.norm, self.eps)
         return ops.linear(h, self.lm_head).float()
+
+    def _row(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        """A row-parallel layer (o, down) over all ranks: with a row split, each rank's
+        float32 subtree sum and the tree finished in rank order (`row_parallel`: the bits
+        of one rank at T = 1, 2, 4); otherwise rounded partials summed in rank order."""
+        split, tp = self.row_splits[name], self.tp
+        if split is None:
+            return tp.reduce(self.ops.linear(x, w))
+        if tp.world == 1:
+            return self.ops.row_linear(x, w, split)
+        return tp.reduce_tree(self.ops.row_linear(x, w, split, f32=True), x.dtype)

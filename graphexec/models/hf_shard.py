@@ -15,11 +15,14 @@ Megatron's scheme over T ranks of a torch.distributed group; rank r holds:
 
 Column-parallel layers (q/k/v, gate/up) need no communication: each rank computes its
 heads' attention and its slice of the SwiGLU from the full hidden state. The row-parallel
-layers (o, down) give each rank a partial sum [N, D]; `reduce` adds them
+layers (o, down) give each rank a partial sum [N, D]. Where T divides their K split S
+(`models.row_parallel`: S >= 4 parts, T = 1, 2, 4) that partial is the float32 sum of
+the rank's subtree of parts and `reduce_tree` gathers the T sums and finishes the tree
+in rank order: the bits of one rank. Otherwise (T = 3) `reduce` adds rounded partials
 (`distributed.comm.sum_in_rank_order`: all-gather, then a sum in rank order, so every
-rank holds the same bits and no row depends on the batch). Rank r's query heads map to
-its own KV heads (heads per KV group H/KV on every rank), so attention stays local. The
-embedding: a rank looks up the ids inside its vocabulary slice, zeros elsewhere, then
+rank holds the same bits and no row depends on the batch, close to T = 1). Rank r's query
+heads map to its own KV heads (heads per KV group H/KV on every rank), so attention stays
+local. The embedding: a rank looks up the ids inside its vocabulary slice, zeros elsewhere, then
 `reduce` (one non-zero term per element: the sum is exact, the unsharded bits). The LM
 head: logits [N, V_r] of the rank's slice, what the executor's TP sampler takes; no
 all-gather of logits.
@@ -185,3 +188,20 @@ class TPShard:
         from graphexec.distributed.comm import sum_in_rank_order
 
         return sum_in_rank_order(x, self.group)
+
+    def reduce_tree(self, part: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """A row-parallel layer's output from each rank's float32 subtree sum `part`
+        [N, D] (`row_parallel`): gather the T sums (float32, so nothing is rounded
+        before the root), finish the split's tree over them in rank order
+        (`matmul.tree_sum`), add the bias in float32, round once to `dtype`. The same
+        bits on every rank, and at every T dividing the split."""
+        from graphexec.models.matmul import tree_sum
+
+        if self.world > 1:
+            from graphexec.distributed.comm import all_gather
+
+            part = tree_sum(list(all_gather(part, self.group).unbind(0)))
+        if bias is not None:
+            part = part + bias.float()
+        return part.to(dtype)

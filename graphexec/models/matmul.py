@@ -224,11 +224,17 @@ _COUNTER_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
-            programs_per_tile: int | None = None) -> torch.Tensor:  # fmt: skip
+            programs_per_tile: int | None = None, *, tile: MatmulTile | None = None,
+            f32_out: bool = False) -> torch.Tensor:  # fmt: skip
+    """One launch; `tile` overrides the config's (row_parallel: a rank's parts of the
+    whole weight's tile); `f32_out`: the tree's float32 root, no bias, no rounding (the
+    epilogue's rounding to float32 is the identity)."""
     _check(x, w, bias, silu_mul)
+    if f32_out and (bias is not None or silu_mul):
+        raise ValueError("f32_out gives the bare float32 sum: no bias, no SwiGLU")
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N), dtype=torch.float32 if f32_out else x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -236,7 +242,7 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("linear needs x and w contiguous in their last dim")
     cfg = config or MatmulConfig.default()
-    t = cfg.tile_for(N, K, M)
+    t = tile or cfg.tile_for(N, K, M)
     if K % t.split:
         raise ValueError(f"the tile of weight [{N}, {K}] splits K into {t.split} parts, "
                          "which must divide K")  # fmt: skip

@@ -7,6 +7,9 @@ position, its slot):
 
     op              CUDA, invariant (default)   CUDA, batch_invariant=False   CPU
     linear          matmul.linear (Triton)      cuBLAS (F.linear)             cpu_route.RowMM
+    o, down         row_parallel.row_linear_gpu as linear                     RowMM.row_linear
+                    (S >= 4 parts, tree shared
+                    by tensor-parallel ranks)
     gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
                                                                               references
     norm (+ add)    fused.residual_rms_norm     same                          cpu_route.residual_
@@ -52,7 +55,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from graphexec.models import attention, cpu_route, fused, matmul
+from graphexec.models import attention, cpu_route, fused, matmul, row_parallel
 
 
 def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
@@ -65,6 +68,12 @@ def _k_major(w: torch.Tensor) -> torch.Tensor:
     no-transpose GEMM, faster at 4..64 rows and one bit class from 2 to 256 rows at both
     thread counts measured (`cpu_route`), where [N, K] storage splits 2-3 from 4+."""
     return w.t().contiguous().t()
+
+
+def _k_major_f32(w: torch.Tensor) -> torch.Tensor:
+    """A row-parallel weight on the CPU: its parts are float32 products (exact upcasts of
+    bf16 / fp16), so it is kept in float32 once rather than upcast every call."""
+    return _k_major(w.float())
 
 
 def _row_major(w: torch.Tensor) -> torch.Tensor:
@@ -80,6 +89,10 @@ class ForwardOps:
     norm(x [M, D], residual [M, D] | None, weight [D], eps) -> (normed, x + residual)
     rope_kv(qkv [M, (H + 2 KV) hd], positions [M], slots [M], cos, sin, kv, H) -> q
     attend(q [M, H, hd], kv, slots [M], positions [M], scale, window, config=) -> [M, H, hd]
+    row_split(N, K, world) -> row_parallel.RowSplit | None: a row-parallel layer's split
+        of K by its whole weight's shape (None on the routes that are not invariant)
+    row_linear(x [M, K_r], w [N, K_r], split, bias=None, f32=False) -> [M, N]: the rank's
+        parts of that split (`row_parallel`), w stored by `row_weight`
     """
 
     linear: Callable
@@ -90,6 +103,9 @@ class ForwardOps:
     batch_invariant: bool
     token_rows: bool  # prefill as token rows of the decode forward (else a padded SDPA)
     weight: Callable = _row_major  # a [N, K] weight as this route's linear reads it fastest
+    row_split: Callable | None = None
+    row_linear: Callable | None = None
+    row_weight: Callable = _row_major  # an o / down weight as row_linear reads it
 
     @classmethod
     def select(
@@ -112,12 +128,15 @@ class ForwardOps:
         names = ("residual_rms_norm", "rope_kv_write", "silu_mul")
         norm, rope_kv, silu_mul = (getattr(fused, op if kernels else op + "_reference")
                                    for op in names)  # fmt: skip
-        weight = _row_major
+        weight = row_weight = _row_major
+        row_split = row_linear = None
         if cuda:
             attend = attention.decode_attention
             if batch_invariant:
                 lin = partial(matmul.linear, config=matmul_config)
                 lin_silu = partial(matmul.linear_silu_mul, config=matmul_config)
+                row_split = partial(row_parallel.row_split_gpu, config=matmul_config)
+                row_linear = partial(row_parallel.row_linear_gpu, config=matmul_config)
         else:
             rows = cpu_route.RowMM()  # its measured call sizes live as long as the route
             attend = rows.attend
@@ -126,10 +145,13 @@ class ForwardOps:
                 norm = cpu_route.residual_rms_norm
             if batch_invariant:
                 lin, weight = rows.linear, _k_major
+                row_split, row_linear = row_parallel.row_split_cpu, rows.row_linear
+                row_weight = _k_major_f32
         if not batch_invariant:
             lin = F.linear
         if not (cuda and batch_invariant):
             lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
                    attend=attend, batch_invariant=batch_invariant,
-                   token_rows=cuda or batch_invariant, weight=weight)  # fmt: skip
+                   token_rows=cuda or batch_invariant, weight=weight, row_split=row_split,
+                   row_linear=row_linear, row_weight=row_weight)  # fmt: skip

@@ -3,10 +3,11 @@ checkpoints written by transformers' save_pretrained, each rank loading its shar
 
 What is checked, and to what precision:
 - logits: each rank's [.., V_r] equals the matching columns of the unsharded model's
-  logits to a float32 tolerance, not bitwise: the row-parallel o / down layers sum T
-  partial products where one rank sums one, which rounds differently; within T ranks a
-  decode row's logits are bitwise the same alone as batched, and `sum_in_rank_order`
-  gives a row alone the bits it gets in the batch;
+  logits to a float32 tolerance here (bitwise at T = 2 and 4, where the row-parallel o /
+  down layers share one float32 tree of S = 4 parts: test_tp_bits.py; at T = 3 they sum
+  rounded partials in rank order, which rounds differently); within T ranks a decode
+  row's logits are bitwise the same alone as batched, and `sum_in_rank_order` gives a
+  row alone the bits it gets in the batch;
 - loading: each rank reads only its part of every split weight (elements counted through
   a wrapped `safe_open`), all of the replicated norms, and never a whole split tensor;
 - streams through `DecodeExecutor(model, tp_group=...)`: every seeded request's tokens
