@@ -25,10 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from graphexec.async_executor import AsyncDecodeExecutor, QueueFullError
+from graphexec.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.params import MAX_SEED
 from graphexec.serve.chat import ChatTemplate
+from graphexec.serve.engines import Engine, LocalEngine
 from graphexec.serve.errors import APIError
 from graphexec.serve.metrics import ServerMetrics
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
@@ -63,13 +64,10 @@ def _error(e: APIError) -> JSONResponse:
 
 
 class Server:
-    """The routes' state: the executor's async front end, the model, the counters."""
+    """The routes' state: the engine(s), the model, the counters."""
 
-    def __init__(self, executor, model: ServedModel, max_queue: int) -> None:
-        self.executor, self.model = executor, model
-        self.metrics = ServerMetrics()
-        self.aex = AsyncDecodeExecutor(executor, max_waiting=max_queue,
-                                       on_admitted=self.metrics.queue.observe)  # fmt: skip
+    def __init__(self, engine: Engine, model: ServedModel, metrics: ServerMetrics) -> None:
+        self.engine, self.model, self.metrics = engine, model, metrics
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it (its bytes, invalid UTF-8 replaced)."""
@@ -77,10 +75,13 @@ class Server:
 
     # ---- small routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        ex = self.executor
-        return JSONResponse({"status": "ok", "model": self.model.name, "running": ex.num_running,
-                             "waiting": self.aex.num_waiting, "free_slots": ex.free_slots,
-                             "max_batch_size": ex.max_batch_size})  # fmt: skip
+        st = self.engine.stats()
+        per = [{"running": e.running, "waiting": e.waiting, "free_slots": e.free_slots,
+                "steps": e.steps} for e in self.engine.engine_stats()]  # fmt: skip
+        return JSONResponse({"status": "ok", "model": self.model.name, "running": st.running,
+                             "waiting": st.waiting, "free_slots": st.free_slots,
+                             "max_batch_size": self.engine.max_batch_size,
+                             "engines": per})  # fmt: skip
 
     async def models(self, request: Request) -> Response:
         m = {"id": self.model.name, "object": "model", "created": 0, "owned_by": "graphexec",
@@ -88,7 +89,7 @@ class Server:
         return JSONResponse({"object": "list", "data": [m]})
 
     async def prometheus(self, request: Request) -> Response:
-        text = self.metrics.render(self.executor, self.aex.num_waiting)
+        text = self.metrics.render(self.engine.stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------
@@ -124,7 +125,7 @@ class Server:
             sub = f"{rid}-{k}"
             ids = [sub] if n == 1 else [f"{sub}/{i}" for i in range(n)]
             index.update({s: k * n + i for i, s in enumerate(ids)})
-            gens.append(self.aex.generate(sub, prompt, parsed.params))
+            gens.append(self.engine.generate(sub, prompt, parsed.params))
         outs = Outputs(gens)
         try:
             first = await or_disconnect(request, outs.__anext__())
@@ -156,7 +157,7 @@ class Server:
 
     def _admission_error(self, e: Exception, parsed: Parsed, chat: bool) -> APIError:
         if isinstance(e, QueueFullError) or (
-            isinstance(e, ExecutorFullError) and parsed.params.n <= self.executor.max_batch_size
+            isinstance(e, ExecutorFullError) and parsed.params.n <= self.engine.max_batch_size
         ):
             self.metrics.rejected += 1
             return APIError(503, f"the server is busy: {e}", None, "server_busy",
@@ -213,7 +214,7 @@ class Server:
         try:
             body = await self._body(request)
             ids = body.get("tokens")
-            vocab = self.executor.model.vocab_size
+            vocab = self.engine.vocab_size
             if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
                 raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})",
                                "tokens")  # fmt: skip
@@ -295,28 +296,34 @@ class _Run:
         return self.shape.full(self.choices, self.prompt_tokens)
 
     async def events(self, first):
-        """The SSE stream: chat's role chunks, one chunk per token, one per end, [DONE]."""
+        """The SSE stream: chat's role chunks, one chunk per token, one per end, [DONE].
+        The events of every output already arrived go out in one write (a client that
+        fell behind catches up in few sends)."""
         try:
+            head = []
             if self.shape.chat:
-                for c in self.choices:
-                    yield self.shape.chunk(c, None, role=True)
+                head = [self.shape.chunk(c, None, role=True) for c in self.choices]
             elif self.shape.echo is not None:  # the prompt first (no prompt logprobs here)
-                for c in self.choices:
-                    yield self.shape.chunk(c, self.shape.echo[c.prompt].text)
-            o = first
+                head = [self.shape.chunk(c, self.shape.echo[c.prompt].text) for c in self.choices]
             tools = self.shape.tools is not None
-            while o is not None:
-                c, piece, lp = self._take(o)
-                if (o.token_id is not None or piece) and not tools:
-                    yield self.shape.chunk(c, piece, lp)
-                if o.finished:
-                    if tools:
-                        yield self.shape.tool_chunk(c)
-                    yield self.shape.chunk(c, None, finish=o.finish_reason)
+            batch = [first, *self.outs.ready()]
+            while batch:
+                parts = head
+                for o in batch:
+                    c, piece, lp = self._take(o)
+                    if (o.token_id is not None or piece) and not tools:
+                        parts.append(self.shape.chunk(c, piece, lp))
+                    if o.finished:
+                        if tools:
+                            parts.append(self.shape.tool_chunk(c))
+                        parts.append(self.shape.chunk(c, None, finish=o.finish_reason))
+                yield "".join(parts)
+                head = []
                 o = await anext(self.outs, None)
-            if self.shape.include_usage:
-                yield self.shape.usage_chunk(self.choices, self.prompt_tokens)
-            yield DONE
+                batch = [] if o is None else [o, *self.outs.ready()]
+            tail = [self.shape.usage_chunk(self.choices, self.prompt_tokens)
+                    ] if self.shape.include_usage else []  # fmt: skip
+            yield "".join([*tail, DONE])
         finally:  # the end, or the client left (cancelled): abort what still runs
             if any(c.finish_reason is None for c in self.choices):
                 self.server.metrics.aborted += 1
@@ -353,20 +360,29 @@ class _ApiKey:
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
               model_name: str | None = None, api_key: str | None = None) -> Starlette:  # fmt: skip
     """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
-    nobody else). `model` None serves the executor's tokenizer under `model_name` (no BOS
-    prefix, the plain chat template). Requests beyond the free slots wait in arrival
-    order, at most `max_queue` of them (default 4x max_batch_size); past that, 503 with
-    Retry-After. `api_key`: required on every route but /health and /metrics."""
+    nobody else) in this process. `model` None serves the executor's tokenizer under
+    `model_name` (no BOS prefix, the plain chat template). Requests beyond the free slots
+    wait in arrival order, at most `max_queue` of them (default 4x max_batch_size); past
+    that, 503 with Retry-After. `api_key`: required on every route but /health and
+    /metrics."""
     if model is None:
         model = ServedModel(model_name or "graphexec", executor.tokenizer,
                             executor.model.max_seq_len)  # fmt: skip
     queue = 4 * executor.max_batch_size if max_queue is None else max_queue
-    server = Server(executor, model, queue)
+    metrics = ServerMetrics()
+    return app_over(LocalEngine(executor, queue, metrics.queue.observe), model, metrics, api_key)
+
+
+def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None = None,
+             api_key: str | None = None) -> Starlette:  # fmt: skip
+    """The ASGI app over any `Engine` (in this process, or `serve.remote`'s engine
+    processes); the engine is closed at the app's shutdown."""
+    server = Server(engine, model, metrics or ServerMetrics())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        await server.aex.close()
+        await engine.close()
 
     routes = [
         Route("/health", server.health),

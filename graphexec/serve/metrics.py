@@ -38,7 +38,8 @@ class Histogram:
 
 @dataclass
 class ServerMetrics:
-    """What the routes count; `running` / `waiting` are read from the executor."""
+    """What the routes count (this API server's requests); the engines' load and step
+    counters come in `render`'s stats."""
 
     requests: int = 0
     rejected: int = 0  # 503: the waiting queue was full
@@ -74,15 +75,12 @@ class ServerMetrics:
         ring = self._roll(sec)
         return (sum(ring) - ring[sec % len(ring)]) / RATE_WINDOW_S
 
-    def render(self, executor, waiting: int) -> str:
-        """The Prometheus exposition text (version 0.0.4)."""
-        st = executor.stats
-        replays = sum(st.replays.values())
-        eager = sum(st.eager_steps.values())
+    def render(self, st) -> str:
+        """The Prometheus exposition text (version 0.0.4); `st`: the engines' `EngineStats`."""
         rows = [
-            ("gauge", "requests_running", "streams holding a slot", executor.num_running),
-            ("gauge", "requests_waiting", "requests waiting for a slot", waiting),
-            ("gauge", "free_slots", "slots free for new streams", executor.free_slots),
+            ("gauge", "requests_running", "streams holding a slot", st.running),
+            ("gauge", "requests_waiting", "requests waiting for a slot", st.waiting),
+            ("gauge", "free_slots", "slots free for new streams", st.free_slots),
             ("counter", "requests_total", "requests accepted", self.requests),
             ("counter", "requests_rejected_total", "503s: the waiting queue was full",
              self.rejected),
@@ -94,8 +92,9 @@ class ServerMetrics:
              f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
              self.tokens_per_s()),
             ("counter", "steps_total", "executor steps", st.steps),
-            ("counter", "graph_replays_total", "steps replayed from a captured graph", replays),
-            ("counter", "eager_steps_total", "steps run eagerly", eager),
+            ("counter", "graph_replays_total", "steps replayed from a captured graph",
+             st.replays),
+            ("counter", "eager_steps_total", "steps run eagerly", st.eager),
             ("counter", "spec_drafted_tokens_total", "speculative drafts verified", st.drafted),
             ("counter", "spec_accepted_tokens_total", "speculative drafts accepted",
              st.accepted),

@@ -50,6 +50,23 @@ class Outputs:
             return o
         raise StopAsyncIteration
 
+    def ready(self) -> list:
+        """Outputs already arrived, taken without waiting (a stream that cannot say: none)."""
+        if self._one is not None:
+            take = getattr(self._one, "ready", None)
+            return take() if take is not None else []
+        out = []
+        while self._left and not self._q.empty():
+            o = self._q.get_nowait()
+            if o is None:
+                self._left -= 1
+            elif isinstance(o, BaseException):
+                self._q.put_nowait(o)  # raised by the next __anext__
+                break
+            else:
+                out.append(o)
+        return out
+
     def close(self) -> None:
         if self._one is not None:  # its `finally` aborts the request if it still runs
             asyncio.ensure_future(self._one.aclose()).add_done_callback(_quiet)

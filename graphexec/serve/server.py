@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                    "/metrics (default: $GRAPHEXEC_API_KEY, else none)")  # fmt: skip
+    p.add_argument("--api-servers", type=int, default=1, metavar="M",
+                   help="HTTP server processes sharing the port, each apart from the engine "
+                   "processes (default 1); 0: the app and one engine in this process")  # fmt: skip
+    p.add_argument("--data-parallel", type=positive_int, default=1, metavar="N",
+                   help="engines, one per GPU (cuda:0..N-1), behind the same API servers; "
+                   "requests go to the least-loaded one (default 1)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     add_threads_argument(p)
 
@@ -61,51 +67,128 @@ def served_model(dm, path: str | None, name: str | None, max_seq_len: int):
     from graphexec.serve.app import ServedModel
     from graphexec.serve.chat import ChatTemplate
 
-    folder = path if path and Path(path).is_dir() else None
-    default = (
-        Path(path).resolve().name
-        if folder
-        else ("tinylm" if dm.spec.kind == "tiny" else dm.spec.name)
-    )
+    default = _default_name(dm.spec, path)
     aliases = tuple(a for a in (path, dm.name) if a)
     return ServedModel(name or default, dm.tokenizer, max_seq_len, tuple(dm.prompt_prefix),
                        ChatTemplate(dm.chat_template, dict(dm.special_tokens)),
                        aliases)  # fmt: skip
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted; 2 for a model that cannot be loaded."""
+def _default_name(spec, path: str | None) -> str:
+    folder = path if path and Path(path).is_dir() else None
+    if folder:
+        return Path(folder).resolve().name
+    return "tinylm" if spec.kind == "tiny" else spec.name
+
+
+def front_model(path: str | None, name: str | None, max_seq_len: int, engine_name: str):
+    """An API server's `ServedModel`, read without the weights: the tokenizer, BOS prefix
+    and chat template of the checkpoint (cl100k and no template for random weights)."""
+    import graphexec as gx
+    from graphexec.chat import read_tokenizer_config
+    from graphexec.demo_model import bos_prefix
+    from graphexec.model_choice import resolve_model
+    from graphexec.serve.app import ServedModel
+    from graphexec.serve.chat import ChatTemplate
+
+    spec = resolve_model(path or "tiny")
+    if spec.kind in ("checkpoint", "smollm2"):
+        tok, prefix = gx.Tokenizer.from_pretrained(spec.folder), bos_prefix(spec.folder)
+        template, special = read_tokenizer_config(spec.folder)
+    else:
+        tok, prefix, template, special = gx.Tokenizer.cl100k(), (), None, {}
+    aliases = tuple(a for a in (path, engine_name) if a)
+    return ServedModel(name or _default_name(spec, path), tok, max_seq_len, prefix,
+                       ChatTemplate(template, dict(special)), aliases)  # fmt: skip
+
+
+def build_executor(spec):
+    """(the executor, the model's name) of a `launch.EngineSpec`: the model loaded, graphs
+    captured on CUDA unless `capture` is off. ModelChoiceError for a bad --model."""
     import torch
-    import uvicorn
 
     import graphexec as gx
-    from graphexec.demo_model import ModelChoiceError, choose_model
-    from graphexec.serve.app import build_app
+    from graphexec.demo_model import choose_model
+    from graphexec.threads import configure_threads
 
-    t0 = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        kw = {} if args.seed is None else {"seed": args.seed}
-        dm = choose_model(args.model, device, args.dtype, args.max_seq_len, **kw)
-    except ModelChoiceError as e:
-        print(f"graphexec serve: {e}", file=sys.stderr)
-        return 2
-    if args.max_queue is not None and args.max_queue < 0:
-        print("graphexec serve: --max-queue must be >= 0", file=sys.stderr)
-        return 2
-    n = args.max_batch_size or (64 if device.type == "cuda" else 16)
-    spec = gx.SpeculativeConfig(drafter="ngram") if args.speculative else None
-    model = dm.make()
-    ex = gx.DecodeExecutor(model, max_batch_size=n, device=device, tokenizer=dm.tokenizer,
-                           seed=args.seed, speculative=spec)  # fmt: skip
-    if device.type == "cuda" and not args.no_capture:
+    device = torch.device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configure_threads(str(device), spec.threads)
+    kw = {} if spec.seed is None else {"seed": spec.seed}
+    dm = choose_model(spec.model, device, spec.dtype, spec.max_seq_len, **kw)
+    n = spec.max_batch_size or (64 if device.type == "cuda" else 16)
+    draft = gx.SpeculativeConfig(drafter="ngram") if spec.speculative else None
+    ex = gx.DecodeExecutor(dm.make(), max_batch_size=n, device=device, tokenizer=dm.tokenizer,
+                           seed=spec.seed, speculative=draft)  # fmt: skip
+    if device.type == "cuda" and spec.capture:
         t1 = time.perf_counter()
         ex.capture()
         log.info("captured %d graphs in %.1f s", len(ex.graph_keys), time.perf_counter() - t1)
-    sm = served_model(dm, args.model, args.served_model_name, model.max_seq_len)
+    return ex, dm
+
+
+def engine_spec(args: argparse.Namespace):
+    from graphexec.serve.launch import EngineSpec
+
+    return EngineSpec(args.model, args.device, args.dtype, args.max_batch_size,
+                      args.max_seq_len, args.seed, args.speculative, not args.no_capture,
+                      args.max_queue, getattr(args, "threads", None), args.log_level)  # fmt: skip
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; 2 for a model that cannot be loaded or bad
+    options."""
+    from graphexec.demo_model import ModelChoiceError
+    from graphexec.model_choice import resolve_model
+
+    if args.max_queue is not None and args.max_queue < 0:
+        print("graphexec serve: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    if args.api_servers < 0:
+        print("graphexec serve: --api-servers must be >= 0", file=sys.stderr)
+        return 2
+    if args.api_servers == 0 and args.data_parallel > 1:
+        print("graphexec serve: --data-parallel needs --api-servers >= 1", file=sys.stderr)
+        return 2
+    try:
+        resolve_model(args.model or "tiny")
+    except ModelChoiceError as e:
+        print(f"graphexec serve: {e}", file=sys.stderr)
+        return 2
+    if args.api_servers == 0:
+        return _serve_in_process(args)
+    from graphexec.serve.launch import ServerSpec, gpus_for, run
+
+    try:
+        gpus_for(args.device, args.data_parallel)
+    except ValueError as e:
+        print(f"graphexec serve: {e}", file=sys.stderr)
+        return 2
+    server = ServerSpec(
+        args.model,
+        args.served_model_name,
+        args.api_key or os.environ.get("GRAPHEXEC_API_KEY"),
+        args.log_level,
+    )
+    return run(engine_spec(args), server, args.host, args.port, args.data_parallel,
+               args.api_servers)  # fmt: skip
+
+
+def _serve_in_process(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from graphexec.demo_model import ModelChoiceError
+    from graphexec.serve.app import build_app
+
+    t0 = time.perf_counter()
+    try:
+        ex, dm = build_executor(engine_spec(args))
+    except ModelChoiceError as e:
+        print(f"graphexec serve: {e}", file=sys.stderr)
+        return 2
+    sm = served_model(dm, args.model, args.served_model_name, ex.model.max_seq_len)
     app = build_app(ex, sm, args.max_queue,
                     api_key=args.api_key or os.environ.get("GRAPHEXEC_API_KEY"))  # fmt: skip
-    log.info("%s served as %r on http://%s:%d (max batch %d); ready in %.1f s", dm.name,
-             sm.name, args.host, args.port, n, time.perf_counter() - t0)  # fmt: skip
+    log.info("%s served as %r on http://%s:%d (max batch %d); ready in %.1f s", dm.name, sm.name,
+             args.host, args.port, ex.max_batch_size, time.perf_counter() - t0)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -17,7 +17,8 @@ KEY = "sk-test-0123"
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    s = Server(checkpoint, "--max-batch-size", "8", "--api-key", KEY)
+    # the app and its engine in one process (--api-servers 0): that path is served too
+    s = Server(checkpoint, "--max-batch-size", "8", "--api-key", KEY, "--api-servers", "0")
     yield s
     s.stop()
 

@@ -218,3 +218,33 @@ def test_64_concurrent_streams_lose_and_duplicate_nothing(server, direct) -> Non
         assert ntok == usage.completion_tokens == 8 + i % 5
         assert (text, ntok) == want[i], i
     server.wait_for(lambda h: h["free_slots"] == 16 and h["waiting"] == 0)
+
+
+def test_data_parallel_engines_and_api_servers_give_the_librarys_tokens(checkpoint, direct) -> None:
+    """Two engine processes behind two API server processes: seeded streams equal the
+    library's whichever engine and server took them, and both engines took work."""
+    s = Server(checkpoint, "--max-batch-size", "4", "--data-parallel", "2", "--api-servers", "2")
+    try:
+        prompts = [f"Engine test {i}" for i in range(8)]
+        want = direct([(direct.encode(p), gx.SamplingParams(seed=i % 4, max_tokens=6,
+                                                             ignore_eos=True))
+                       for i, p in enumerate(prompts)])  # fmt: skip
+
+        async def one(aclient, i):
+            stream = await aclient.completions.create(
+                model=checkpoint.name, prompt=prompts[i], seed=i % 4, max_tokens=6,
+                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            toks = [c async for c in stream if c.choices and c.choices[0].finish_reason is None]
+            return "".join(c.choices[0].text for c in toks), len(toks)
+
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+            async with aclient:
+                return await asyncio.gather(*(one(aclient, i) for i in range(8)))
+
+        assert asyncio.run(main()) == want
+        h = s.wait_for(lambda h: h["running"] == 0 and len(h["engines"]) == 2)
+        assert h["free_slots"] == 8 and h["max_batch_size"] == 4
+        assert all(e["steps"] > 0 for e in h["engines"]), h  # least-loaded: both took work
+    finally:
+        s.stop()

@@ -5,6 +5,7 @@ not, running or waiting) aborts its request and frees its place."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -65,7 +66,9 @@ def test_queue_full_is_503_and_disconnects_free_the_slot(server, checkpoint) -> 
             # the streaming client leaves: its request is aborted, the waiter runs
             first.cancel()
             body = await asyncio.wait_for(second, 30)
-            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in body
+            events = [json.loads(x[6:]) for x in body.split("\n") if x.startswith("data: {")]
+            assert body.rstrip().endswith("data: [DONE]")
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
             await until(http, lambda h: h["free_slots"] == 1 and h["running"] == 0)
             # a running non-streaming request whose client leaves frees the slot too
             with pytest.raises(httpx.ReadTimeout):
