@@ -86,6 +86,12 @@ def recording_ops(model, calls: list[OpCall]):
         calls.append(OpCall(op, layer, _nbytes(x, w, out), OP_KERNELS["linear_silu_mul"]))
         return out
 
+    def row_linear(x, w, split, bias=None, **kw):  # o / down (`row_parallel`): one GEMM
+        op, layer = names.get(id(w), ("linear", None))
+        out = ops.row_linear(x, w, split, bias, **kw)
+        calls.append(OpCall(op, layer, _nbytes(x, w, bias, out), OP_KERNELS["linear"]))
+        return out
+
     def norm(x, res, w, eps):
         h, r = ops.norm(x, res, w, eps)
         moved = _nbytes(x, res, w, h) + (_nbytes(r) if res is not None else 0)
@@ -108,7 +114,8 @@ def recording_ops(model, calls: list[OpCall]):
         return out
 
     return dataclasses.replace(ops, linear=linear, linear_silu_mul=linear_silu_mul, norm=norm,
-                               rope_kv=rope_kv, attend=attend)  # fmt: skip
+                               rope_kv=rope_kv, attend=attend,
+                               row_linear=row_linear if ops.row_linear else None)  # fmt: skip
 
 
 def assign_layers(calls: list[OpCall]) -> None:
