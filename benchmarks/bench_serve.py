@@ -1,13 +1,15 @@
 """Load test: the OpenAI-compatible server against the executor driven directly.
 
-One executor (`--model`: a config name in benchmarks/configs/ with seeded random weights,
-a checkpoint folder, or `tiny` for TinyLM; `--max-batch-size` slots, the workload's graph
-keys captured) serves two phases, each a closed loop of N clients for N in `--clients`:
+The model (`--model`: a config name in benchmarks/configs/ with seeded random weights, a
+checkpoint folder, or `tiny` for TinyLM) runs three phases, each a closed loop of N
+streaming clients for N in `--clients`:
 
-- direct: N asyncio clients of `gx.AsyncDecodeExecutor` in this process;
-- server: the app of `graphexec.serve` on uvicorn in this process (one stepping loop),
-  and N streaming HTTP clients of /v1/completions spread over `--workers` processes
-  (serve_clients.py says why).
+- direct: one executor in this process (max(clients) slots, the workload's graph keys
+  captured), N asyncio clients of `gx.AsyncDecodeExecutor`;
+- server: `python -m graphexec serve` as it is deployed (`--api-servers` HTTP processes,
+  one engine process, the same keys captured), N streaming HTTP clients of
+  /v1/completions spread over `--workers` processes (serve_clients.py says why);
+- with `--dp D`: the same server with `--data-parallel D` (D GPUs) at `--dp-clients`.
 
 Each request is `Workload`'s: a token-id prompt, `--max-tokens` tokens (ignore_eos, seeded,
 temperature 0.8, top_p 0.9). A point runs `--duration` seconds; tokens arriving in its
@@ -17,10 +19,11 @@ p99) and the p99 inter-token gap, over every stream. Lost / duplicated: streams 
 serve` subprocess (TinyLM) from launch to its first 200 from /health, less the capture
 time it reports.
 
-Targets (TARGETS), at 64 streams: server tokens/s >= 0.9x direct, server p99 gap <= 1.2x
-direct; no lost or duplicated tokens at any N; ready < 10 s plus capture.
+Targets (TARGETS): at every N, server tokens/s >= 0.9x direct and server p99 gap <= 1.2x
+direct; no lost or duplicated tokens; D engines >= 1.8x one engine's tokens/s; ready < 10 s
+plus capture.
 
-    python benchmarks/bench_serve.py --model qwen2.5-0.5b --clients 1 4 16 64 256 --out DIR
+    python benchmarks/bench_serve.py --model qwen2.5-0.5b --clients 64 256 1024 --dp 2
 
 Results: serve-<device>-<date>.json and .png in --out (default benchmarks/results).
 """
@@ -55,8 +58,14 @@ from graphexec.request import GraphKey
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_clients import Record, Workload, run_direct, run_http_worker  # noqa: E402
 
-TARGETS = dict(tokens_ratio_64=">= 0.9", gap_ratio_64="<= 1.2", lost=0, duplicated=0,
-               ready_s="< 10 + capture")  # fmt: skip
+TARGETS = dict(
+    tokens_ratio=">= 0.9 at every N",
+    gap_ratio="<= 1.2 at every N",
+    lost=0,
+    duplicated=0,
+    dp_over_one_engine=">= 1.8 at 256",
+    ready_s="< 10 + capture",
+)
 MODEL_NAME = "bench"
 
 
@@ -137,30 +146,66 @@ async def direct_points(ex, args, wl: Workload) -> dict[int, dict]:
     return out
 
 
-async def server_points(ex, args, wl: Workload, pool) -> dict[int, dict]:
-    import uvicorn
+class ServeProcess:
+    """`python -m graphexec serve` on the bench's model: `api_servers` HTTP processes over
+    `engines` engine processes (one per GPU), the workload's graph keys captured."""
 
-    from graphexec.serve.app import build_app
+    def __init__(self, args, engines: int, slots: int) -> None:
+        import httpx
 
-    port = free_port()
-    app = build_app(ex, model_name=MODEL_NAME, max_queue=4 * max(args.clients))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.get_running_loop().create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = "tiny" if args.model == "tiny" else args.model
+        cmd = [sys.executable, "-m", "graphexec", "serve", "--model", model, "--port",
+               str(self.port), "--device", args.device, "--dtype", args.dtype,
+               "--max-seq-len", str(args.max_seq_len), "--max-batch-size", str(slots),
+               "--max-queue", str(4 * slots), "--seed", "0", "--served-model-name", MODEL_NAME,
+               "--capture-keys", "top_k_top_p", "--api-servers", str(args.api_servers),
+               "--data-parallel", str(engines), "--log-level", "warning"]  # fmt: skip
+        self.log = Path(tempfile.mkdtemp()) / "serve.log"
+        t = time.perf_counter()
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        while True:
+            if self.proc.poll() is not None or time.perf_counter() - t > 900:
+                self.stop()
+                raise SystemExit(f"serve did not start: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.ready_s = time.perf_counter() - t
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def server_points(args, wl: Workload, pool, engines: int, clients: list[int]) -> dict:
+    """Each N of `clients` against a serve process of `engines` engines, max(clients) /
+    engines slots each."""
+    srv = ServeProcess(args, engines, -(-max(clients) // engines))
+    print(f"serve with {engines} engine(s) ready in {srv.ready_s:.0f} s", flush=True)
     out, loop = {}, asyncio.get_running_loop()
-    for n in args.clients:
-        w = min(args.workers, n)
-        _, t0, t1 = window(args)
-        url = f"http://127.0.0.1:{port}"
-        jobs = [loop.run_in_executor(pool, run_http_worker,
-                                     (url, MODEL_NAME, wl, len(range(k, n, w)), k, w, t1))
-                for k in range(w)]  # fmt: skip
-        recs = [Record(**d) for part in await asyncio.gather(*jobs) for d in part]
-        out[n] = summarize(recs, t0, t1)
-        print(f"server N={n}: {out[n]['tokens_per_s']:.0f} tok/s", flush=True)
-    server.should_exit = True
-    await task
+    try:
+        for n in clients:
+            w = min(args.workers, n)
+            _, t0, t1 = window(args)
+            jobs = [loop.run_in_executor(pool, run_http_worker,
+                                         (srv.url, MODEL_NAME, wl, len(range(k, n, w)), k, w,
+                                          t1))
+                    for k in range(w)]  # fmt: skip
+            recs = [Record(**d) for part in await asyncio.gather(*jobs) for d in part]
+            out[n] = summarize(recs, t0, t1)
+            print(f"server ({engines} engine(s)) N={n}: {out[n]['tokens_per_s']:.0f} tok/s",
+                  flush=True)  # fmt: skip
+    finally:
+        srv.stop()
     return out
 
 
@@ -195,17 +240,25 @@ def ready_time(args) -> dict:
         proc.wait(30)
 
 
-def judge(direct: dict, server: dict, ready: dict) -> dict:
-    at = 64 if 64 in direct else max(direct)
-    d, s = direct[at], server[at]
-    tr = s["tokens_per_s"] / d["tokens_per_s"]
-    gr = s["gap_p99_us"] / d["gap_p99_us"] if s["gap_p99_us"] and d["gap_p99_us"] else None
-    lost = sum(p["lost"] + p["errors"] for p in (*direct.values(), *server.values()))
-    dup = sum(p["duplicated"] + p["usage_mismatch"] for p in (*direct.values(), *server.values()))
+def judge(direct: dict, server: dict, dp: dict, ready: dict) -> dict:
+    """The targets at every N both phases ran: server tok/s >= 0.9x direct, p99 gap ratio
+    <= 1.2, nothing lost or duplicated; data-parallel tok/s >= 1.8x one engine's."""
+    ns = [n for n in direct if n in server]
+    tr = {n: server[n]["tokens_per_s"] / direct[n]["tokens_per_s"] for n in ns}
+    gr = {n: server[n]["gap_p99_us"] / direct[n]["gap_p99_us"]
+          if server[n]["gap_p99_us"] and direct[n]["gap_p99_us"] else None for n in ns}  # fmt: skip
+    points = (*direct.values(), *server.values(), *dp.values())
+    lost = sum(p["lost"] + p["errors"] for p in points)
+    dup = sum(p["duplicated"] + p["usage_mismatch"] for p in points)
+    dpr = {n: dp[n]["tokens_per_s"] / server[n]["tokens_per_s"] for n in dp if n in server}
     ready_s = ready.get("ready_less_capture_s")
-    return dict(at_streams=at, tokens_ratio=tr, gap_ratio=gr, lost=lost, duplicated=dup,
-                ready_less_capture_s=ready_s,
-                met=dict(tokens_ratio=tr >= 0.9, gap_ratio=gr is not None and gr <= 1.2,
+    return dict(tokens_ratio={str(n): v for n, v in tr.items()},
+                gap_ratio={str(n): v for n, v in gr.items()},
+                dp_over_one_engine={str(n): v for n, v in dpr.items()},
+                lost=lost, duplicated=dup, ready_less_capture_s=ready_s,
+                met=dict(tokens_ratio=all(v >= 0.9 for v in tr.values()),
+                         gap_ratio=all(v is not None and v <= 1.2 for v in gr.values()),
+                         dp=all(v >= 1.8 for v in dpr.values()) if dpr else None,
                          lost=lost == 0, duplicated=dup == 0,
                          ready=ready_s is not None and ready_s < 10))  # fmt: skip
 
@@ -221,6 +274,12 @@ def markdown(result: dict) -> str:
                     f"{s['tokens_per_s'] / d['tokens_per_s']:.2f} | {d['gap_p99_us'] or 0:.0f} | "
                     f"{s['gap_p99_us'] or 0:.0f} | {gr:.2f} | {s['ttft_p99_us'] or 0:.0f} | "
                     f"{d['lost'] + s['lost']} | {d['duplicated'] + s['duplicated']} |")  # fmt: skip
+    for n, p in result.get("data_parallel", {}).items():
+        one = result["server"].get(n)
+        ratio = f"{p['tokens_per_s'] / one['tokens_per_s']:.2f}x one engine" if one else ""
+        rows.append(f"| {n} (--data-parallel {result['dp_engines']}) | | "
+                    f"{p['tokens_per_s']:.0f} | {ratio} | | {p['gap_p99_us'] or 0:.0f} | | "
+                    f"{p['ttft_p99_us'] or 0:.0f} | {p['lost']} | {p['duplicated']} |")  # fmt: skip
     return "\n".join(rows)
 
 
@@ -259,6 +318,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per point")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of a point not measured")
     ap.add_argument("--workers", type=int, default=8, help="HTTP client processes")
+    ap.add_argument("--api-servers", type=int, default=2, help="serve's --api-servers")
+    ap.add_argument("--dp", type=int, default=0, metavar="N",
+                    help="also serve with --data-parallel N (N GPUs) at --dp-clients")  # fmt: skip
+    ap.add_argument("--dp-clients", type=int, nargs="+", default=[256])
     ap.add_argument("--no-ready", dest="ready", action="store_false",
                     help="skip the serve start-up measure")  # fmt: skip
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -275,16 +338,21 @@ def main(argv=None) -> dict:
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
         list(pool.map(time.sleep, [0] * args.workers))  # start the workers before timing
         direct = asyncio.run(direct_points(ex, args, wl))
-        server = asyncio.run(server_points(ex, args, wl, pool))
+        del ex  # the server's engines get the GPU to themselves
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+        server = asyncio.run(server_points(args, wl, pool, 1, args.clients))
+        dp = asyncio.run(server_points(args, wl, pool, args.dp, args.dp_clients)) if args.dp else {}
     ready = ready_time(args) if args.ready else {}
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = dict(device=dev, date=datetime.date.today().isoformat(), torch=torch.__version__,
                   triton=triton.__version__, graphexec=gx.__version__, model=info,
                   workload=dataclasses.asdict(wl), duration_s=args.duration, warmup_s=args.warmup,
-                  workers=args.workers, max_batch_size=ex.max_batch_size, clients=args.clients,
+                  workers=args.workers, max_batch_size=max(args.clients), clients=args.clients,
+                  api_servers=args.api_servers, dp_engines=args.dp,
                   direct={str(k): v for k, v in direct.items()},
-                  server={str(k): v for k, v in server.items()}, ready=ready,
-                  targets=TARGETS, judged=judge(direct, server, ready))  # fmt: skip
+                  server={str(k): v for k, v in server.items()},
+                  data_parallel={str(k): v for k, v in dp.items()}, ready=ready,
+                  targets=TARGETS, judged=judge(direct, server, dp, ready))  # fmt: skip
     if os.environ.get("GRAPHEXEC_COMMIT"):
         result["commit"] = os.environ["GRAPHEXEC_COMMIT"]
     out = Path(args.out)

@@ -27,18 +27,20 @@ def test_summarize_counts_only_the_window_and_flags_lost_and_duplicated_streams(
     assert s["gap_mean_us"] == pytest.approx(sum(gaps) / len(gaps) * 1e6)
 
 
-def test_judge_reads_the_64_stream_point_and_every_point_for_losses() -> None:
+def test_judge_holds_every_point_to_the_targets_and_the_engines_ratio() -> None:
     def point(tps, gap, lost=0):
         return dict(tokens_per_s=tps, gap_p99_us=gap, lost=lost, errors=0, duplicated=0,
                     usage_mismatch=0)  # fmt: skip
 
-    direct = {1: point(100, 10), 64: point(1000, 100)}
-    server = {1: point(90, 10, lost=1), 64: point(950, 110)}
-    j = bench_serve.judge(direct, server, dict(ready_less_capture_s=3.0))
-    assert j["at_streams"] == 64 and j["tokens_ratio"] == pytest.approx(0.95)
-    assert j["gap_ratio"] == pytest.approx(1.1) and j["lost"] == 1
-    assert j["met"] == dict(tokens_ratio=True, gap_ratio=True, lost=False, duplicated=True,
-                            ready=True)  # fmt: skip
+    direct = {64: point(1000, 100), 256: point(2000, 100)}
+    server = {64: point(950, 110), 256: point(1900, 130, lost=1)}
+    j = bench_serve.judge(direct, server, {256: point(3700, 100)}, dict(ready_less_capture_s=3))
+    assert j["tokens_ratio"] == pytest.approx({"64": 0.95, "256": 0.95})
+    assert j["gap_ratio"] == pytest.approx({"64": 1.1, "256": 1.3}) and j["lost"] == 1
+    assert j["dp_over_one_engine"] == pytest.approx({"256": 3700 / 1900})
+    assert j["met"] == dict(tokens_ratio=True, gap_ratio=False, dp=True, lost=False,
+                            duplicated=True, ready=True)  # fmt: skip
+    assert bench_serve.judge(direct, server, {}, {})["met"]["dp"] is None
 
 
 def test_workload_requests_are_seeded_and_exact_length() -> None:

@@ -43,6 +43,7 @@ class EngineSpec:
     max_queue: int | None
     threads: int | None
     log_level: str = "info"
+    capture_keys: tuple[str, ...] = ()  # --capture-keys; empty: every key
 
 
 @dataclass(frozen=True)

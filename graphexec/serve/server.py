@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve without capturing CUDA graphs first (steps run eagerly)",
     )
+    p.add_argument("--capture-keys", nargs="+", default=None, metavar="KEY",
+                   help="capture only these graphs, each VARIANT or VARIANT+logprobs (no_filter, "
+                   "top_k_top_p, default), at every bucket; other steps run eagerly, with the "
+                   "same tokens (default: every key)")  # fmt: skip
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                    "/metrics (default: $GRAPHEXEC_API_KEY, else none)")  # fmt: skip
@@ -121,9 +125,36 @@ def build_executor(spec):
                            seed=spec.seed, speculative=draft)  # fmt: skip
     if device.type == "cuda" and spec.capture:
         t1 = time.perf_counter()
-        ex.capture()
+        ex.capture(capture_keys(spec.capture_keys, ex))
         log.info("captured %d graphs in %.1f s", len(ex.graph_keys), time.perf_counter() - t1)
     return ex, dm
+
+
+def parse_capture_keys(names) -> list[tuple[str, bool]]:
+    """(variant, logprobs) of each --capture-keys name; ValueError naming the flag."""
+    from graphexec.params import SamplerVariant
+
+    out = []
+    for name in names or ():
+        variant, _, lp = name.partition("+")
+        if variant not in {v.value for v in SamplerVariant} or lp not in ("", "logprobs"):
+            names = ", ".join(v.value for v in SamplerVariant)
+            raise ValueError(f"--capture-keys: {name!r} is not VARIANT or VARIANT+logprobs "
+                             f"(variants: {names})")  # fmt: skip
+        out.append((variant, bool(lp)))
+    return out
+
+
+def capture_keys(names, ex) -> list | None:
+    """The GraphKeys of --capture-keys at every bucket and speculative width of `ex`;
+    None (every key) without names."""
+    from graphexec.params import SamplerVariant
+    from graphexec.request import GraphKey
+
+    if not names:
+        return None
+    return [GraphKey(SamplerVariant(v), b, lp, k) for v, lp in parse_capture_keys(names)
+            for b in ex.buckets for k in ex.runner.spec_ks]  # fmt: skip
 
 
 def engine_spec(args: argparse.Namespace):
@@ -131,7 +162,8 @@ def engine_spec(args: argparse.Namespace):
 
     return EngineSpec(args.model, args.device, args.dtype, args.max_batch_size,
                       args.max_seq_len, args.seed, args.speculative, not args.no_capture,
-                      args.max_queue, getattr(args, "threads", None), args.log_level)  # fmt: skip
+                      args.max_queue, getattr(args, "threads", None), args.log_level,
+                      tuple(args.capture_keys or ()))  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -151,7 +183,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         resolve_model(args.model or "tiny")
-    except ModelChoiceError as e:
+        parse_capture_keys(args.capture_keys)
+    except (ModelChoiceError, ValueError) as e:
         print(f"graphexec serve: {e}", file=sys.stderr)
         return 2
     if args.api_servers == 0:
