@@ -5,6 +5,7 @@ captured graph, equal token for token to the same requests run on the executor d
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -85,3 +86,68 @@ def test_server_streams_equal_the_executor_directly() -> None:
               for outs in got.values()]  # fmt: skip
     assert served == direct
     assert all(0 < n <= f["max_tokens"] for (_, n), (_, f, _) in zip(direct, REQUESTS, strict=True))
+
+
+@pytest.mark.multigpu
+def test_data_parallel_engines_give_a_seeded_request_the_same_tokens() -> None:
+    """`serve --data-parallel 2` on the Qwen2.5-0.5B shape (bf16, random weights): each
+    seeded request is sent twice, the second time to the other engine (one API server
+    routes each request to the engine with fewer live streams; each request is sent once
+    the previous one streams), amid other batch compositions: the texts are equal."""
+    import subprocess
+    import sys
+
+    import httpx
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    port = _port()
+    cmd = [sys.executable, "-m", "graphexec", "serve", "--model", "qwen2.5-0.5b", "--port",
+           str(port), "--dtype", "bfloat16", "--max-seq-len", "256", "--max-batch-size", "8",
+           "--capture-keys", "top_k_top_p", "--data-parallel", "2", "--api-servers", "1",
+           "--seed", "0", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    seeds = [0, 1, 2, 3, 4, 5, 1, 0, 3, 2, 5, 4]  # sends k and k + 6 alternate engines
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+
+        async def one(client, seed, started):
+            body = dict(prompt=f"Request {seed} says", seed=seed, max_tokens=24 + 4 * seed,
+                        temperature=0.9, top_p=0.9, stream=True, ignore_eos=True)  # fmt: skip
+            text = []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+            return "".join(text)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = []
+                for s in seeds:
+                    started = asyncio.Event()
+                    tasks.append(asyncio.create_task(one(client, s, started)))
+                    await started.wait()
+                return await asyncio.gather(*tasks)
+
+        texts = asyncio.run(main())
+        by_seed: dict[int, set[str]] = {}
+        for s, t in zip(seeds, texts, strict=True):
+            by_seed.setdefault(s, set()).add(t)
+        assert all(len(v) == 1 for v in by_seed.values()), by_seed
+        assert len({next(iter(v)) for v in by_seed.values()}) == 6  # seeds differ
+        engines = httpx.get(f"{url}/health", timeout=5).json()["engines"]
+        assert len(engines) == 2 and all(e["steps"] > 0 for e in engines), engines
+    finally:
+        proc.terminate()
+        proc.wait(60)
