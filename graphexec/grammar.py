@@ -12,13 +12,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 _ANY_JSON = '{"type": ["object", "array"]}'  # what Grammar.json() compiles to
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """kind: "json", "json_schema", "regex" or "ebnf"; text: its source.
+    """kind: "json", "json_schema", "regex", "ebnf" or "structural_tag"; text: its source.
 
     "json" is any JSON object or array (the top level xgrammar's builtin JSON grammar
     allows). Both JSON kinds compile to compact JSON (", " and ": " separators, no other
@@ -53,6 +53,13 @@ class Grammar:
     @classmethod
     def ebnf(cls, grammar: str) -> Grammar:
         return cls("ebnf", grammar)
+
+    @classmethod
+    def structural_tag(cls, tag: str | dict[str, Any]) -> Grammar:
+        """xgrammar's structural tag (JSON): free text until a trigger, then the tag's
+        constrained content (e.g. a tool call's arguments)."""
+        text = tag if isinstance(tag, str) else json.dumps(tag, sort_keys=True)
+        return cls("structural_tag", text)
 
 
 class GrammarCompiler:
@@ -97,6 +104,9 @@ class GrammarCompiler:
                     compiled = c.compile_json_schema(text, any_whitespace=False)
                 elif grammar.kind == "regex":
                     compiled = c.compile_regex(grammar.text)
+                elif grammar.kind == "structural_tag":
+                    tag = self._xgr.Grammar.from_structural_tag(grammar.text)
+                    compiled = c.compile_grammar(tag)
                 else:
                     compiled = c.compile_grammar(grammar.text)
             except Exception as e:  # xgrammar raises several types for bad sources

@@ -41,6 +41,7 @@ from graphexec.serve.protocol import (
     parse_request,
 )
 from graphexec.serve.responses import DONE, Choice, Echo, Shape
+from graphexec.serve.tools import tool_format
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # the 503's Retry-After: a slot frees within a few steps
@@ -104,7 +105,8 @@ class Server:
         try:
             body = await self._body(request)
             parsed = parse_request(body, self._prompts(body, chat), chat=chat,
-                                   max_seq_len=self.model.max_seq_len)  # fmt: skip
+                                   max_seq_len=self.model.max_seq_len,
+                                   tool_format=tool_format(self.model.chat.source))  # fmt: skip
         except APIError as e:
             return _error(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

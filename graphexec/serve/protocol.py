@@ -65,8 +65,9 @@ def check_unicode(value: Any, path: str = "") -> None:
 
 
 def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
-                  max_seq_len: int) -> Parsed:  # fmt: skip
+                  max_seq_len: int, tool_format: str | None = None) -> Parsed:  # fmt: skip
     """Map a /v1/completions (chat=False) or /v1/chat/completions body onto SamplingParams;
+    `tool_format`: the chat template's tool-call format (for tool_choice "auto").
     APIError(400) naming the field for anything bad."""
     for name, ok in UNSUPPORTED.items():
         if body.get(name) not in ok and not (name == "best_of" and body.get(name) == body.get("n")):
@@ -116,10 +117,10 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     grammar, source = _grammar(body)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise APIError(400, "tools are for /v1/chat/completions", "tools")
-    forced = tool_choice(body) if chat else None
+    forced = tool_choice(body, tool_format) if chat else None
     if forced is not None:
         if grammar is not None:
-            raise APIError(400, f"a forced tool_choice constrains the output already: drop "
+            raise APIError(400, f"a tool_choice constrains the output already: drop "
                            f"{source}", "tool_choice")  # fmt: skip
         grammar, source = forced.grammar, "tools"
     if grammar is not None:

@@ -150,9 +150,10 @@ class Shape:
             d: dict[str, Any] = {"index": c.index}
             if self.chat:
                 d["message"] = {"role": "assistant", "content": text}
-                if self.tools is not None:
-                    d["message"] = {"role": "assistant", "content": None,
-                                    "tool_calls": self.tools.calls(text)}  # fmt: skip
+                calls = self.tools.calls(text) if self.tools is not None else []
+                if calls:
+                    d["message"] = {"role": "assistant", "content": self.tools.content(text),
+                                    "tool_calls": calls}  # fmt: skip
                 d["logprobs"] = chat_logprobs(c.logprobs) if self.logprobs else None
             else:
                 d["text"] = text
@@ -161,7 +162,7 @@ class Shape:
                     self._echoed(d, c)
             if self.prompt_logprobs and c.prompt_logprobs is not None:
                 d["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs, self.token_text)
-            d.update(finish_reason=self.finish(c.finish_reason), seed=c.seed)
+            d.update(finish_reason=self.finish(c.finish_reason, text), seed=c.seed)
             out.append(d)
         obj = "chat.completion" if self.chat else "text_completion"
         use = usage(prompt_tokens, [] if self.echo_only else choices)
@@ -185,16 +186,24 @@ class Shape:
                 head[k] = head[k] + add
         d["logprobs"] = head
 
-    def finish(self, reason: str | None) -> str | None:
-        """OpenAI's finish_reason: a forced tool call that ended by its grammar is
-        "tool_calls"; a cut ("length") stays."""
-        return "tool_calls" if self.tools is not None and reason == "stop" else reason
+    def finish(self, reason: str | None, text: str = "") -> str | None:
+        """OpenAI's finish_reason: tool calls that ended by their grammar are "tool_calls"
+        (with auto, only when the text holds one); a cut ("length") stays."""
+        if self.tools is None or reason != "stop":
+            return reason
+        return "tool_calls" if not self.tools.auto or self.tools.calls(text) else reason
 
     def tool_chunk(self, c: Choice) -> str:
         """A streamed choice's tool calls, whole, in one event (its text is held until
-        the grammar completes it: only a complete call parses)."""
-        calls = self.tools.calls("".join(c.text))
-        return self._chunk(
+        the grammar completes it: only a complete call parses); with auto, its content
+        first, or the whole text when it called nothing."""
+        text = "".join(c.text)
+        calls = self.tools.calls(text)
+        if self.tools.auto and not calls:
+            return self._chunk(c, text, None, None, False)
+        head = self._chunk(c, self.tools.content(text), None, None, False) \
+            if self.tools.content(text) else ""  # fmt: skip
+        return head + self._chunk(
             c, None, None, None, False, tool_calls=[{"index": i, **x} for i, x in enumerate(calls)]
         )
 
@@ -223,7 +232,8 @@ class Shape:
         else:
             d["text"] = piece or ""
             d["logprobs"] = completion_logprobs([logprob], [piece or ""]) if logprob else None
-        d.update(finish_reason=self.finish(finish), seed=c.seed)
+        reason = self.finish(finish, "".join(c.text) if self.tools is not None else "")
+        d.update(finish_reason=reason, seed=c.seed)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = {**self._head(obj), "choices": [d]}
         if self.include_usage:
