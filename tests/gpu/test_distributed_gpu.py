@@ -103,7 +103,10 @@ def _executor_streams(rank: int, world: int, spec: bool, group=None) -> dict:
     ex = gx.DecodeExecutor(m, max_batch_size=16, device=f"cuda:{rank}", tokenizer=tok,
                            seed=0, speculative=s, tp_group=group)  # fmt: skip
     ex.capture(progress=False)
-    items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8)
+    # every request seeded: the executor draws an unseeded request's seed from its own
+    # generator, so a second run on one executor gives those requests other seeds
+    items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8,
+                              unseeded_every=0)  # fmt: skip
     out = {}
     for mode in (None, "eager"):  # one executor: its slots are freed between the runs
         trace = wl.run(ex, items, mode=mode)
@@ -120,7 +123,10 @@ def test_executor_with_tp_group_equals_one_gpu(spec: bool) -> None:
                            max_batch_size=16, device="cuda", tokenizer=tok, seed=0,
                            speculative=s)  # fmt: skip
     ex.capture(progress=False)
-    items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8)
+    # every request seeded: the executor draws an unseeded request's seed from its own
+    # generator, so a second run on one executor gives those requests other seeds
+    items = wl.mixed_workload(24, tok.vocab_size, seed=5, grammars=True, spread=8,
+                              unseeded_every=0)  # fmt: skip
     trace = wl.run(ex, items)
     want = {r: [o.token_id for o in v] for r, v in sorted(trace.outputs.items())}
     world = min(torch.cuda.device_count(), 4)
