@@ -253,7 +253,7 @@ def test_flat_rows_are_exact(case: Case) -> None:
 # tokens of one case (top-k); token-equality tests against the reference (whose flat and
 # peaked rows are chi-square tested above) prove the rest, whose Triton chi-squares run
 # with `slow` (N_SLOW draws each).
-N_TRITON, N_SLOW = 400, 3000
+N_TRITON, N_SLOW = 200, 3000
 TRITON_CI = [("top_k", ROW)]
 TRITON_SLOW = [(c.name, ROW) for c in CASES if c.name != "top_k"] + [
     ("flat_top_p", FLAT), ("flat_min_p", FLAT), ("flat_top_k_top_p", FLAT)]  # fmt: skip
