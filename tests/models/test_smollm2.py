@@ -254,7 +254,7 @@ QUESTIONS = [
     "Name three colours of the rainbow.",
     "Write one sentence about the moon.",
 ]
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")

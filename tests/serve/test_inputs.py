@@ -18,7 +18,8 @@ CONTEXT = 1024  # the served checkpoint's max_seq_len (its positions, capped by 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    s = Server(checkpoint, "--max-batch-size", "8", "--max-queue", "64")
+    # the app and its engine in one process: these bodies are the HTTP side's to answer
+    s = Server(checkpoint, "--max-batch-size", "8", "--max-queue", "64", "--api-servers", "0")
     yield s
     s.stop()
 
