@@ -88,10 +88,19 @@ WORKLOADS = {
 
 def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None,
             prompts: list[list[int]] | None = None) -> dict:  # fmt: skip
+    prompts = prompts or [[1 + i % 100, 2, 3] for i in range(B)]
+    # B long prompts take several steps' prefill budget: the first requests decode
+    # meanwhile, and must not finish before the timed steps end
+    warm = 3 + -(-sum(len(p) for p in prompts[:B]) // ex.config.prefill_budget)
     for i in range(B):
-        prompt = prompts[i] if prompts is not None else [1 + i % 100, 2, 3]
-        ex.add_request(f"b{i}", prompt, dataclasses.replace(make(i), max_tokens=steps + 30))
-    for _ in range(3):  # first tokens, then warm steps
+        ex.add_request(f"b{i}", prompts[i],
+                       dataclasses.replace(make(i), max_tokens=steps + 30 + warm))  # fmt: skip
+    for _ in range(warm):  # until every request decodes
+        if len(ex.step(mode)) == B:
+            break
+    else:
+        raise RuntimeError(f"{B} requests did not all decode in {warm} steps")
+    for _ in range(2):  # warm steps
         ex.step(mode)
     gc.collect()
     walls, host, wait, before = [], [], [], []

@@ -311,3 +311,17 @@ def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
     assert labels[0] == ("other", None, 0) and labels[-1] == ("other", None, 0)
     assert [(op, layer) for op, layer, b in labels[1:-1] if b] == [(c.op, c.layer) for c in calls]
     assert labels[4:6] == [("attention", 0, calls[3].bytes), ("attention", 0, 0)]
+
+
+def test_measure_waits_until_every_request_decodes() -> None:
+    """B prompts longer than a few steps' prefill budget: the timed steps start only once
+    all B requests decode (it asserted len(outs) == B after 3 warm steps, and failed at
+    B = 128 with bench_tp_step's prompts)."""
+    import graphexec as gx
+
+    ex = gx.DecodeExecutor(gx.models.TableModel(512, seed=0), max_batch_size=24, device="cpu",
+                           prefill_budget=64)  # fmt: skip
+    prompts = [[1 + (i + j) % 500 for j in range(40)] for i in range(24)]  # 15 budgets' worth
+    r = bench_step.measure(ex, 24, lambda i: gx.SamplingParams(temperature=0.0, seed=i), 2,
+                           "eager", prompts)  # fmt: skip
+    assert r["wall_us"] > 0 and ex.idle
