@@ -40,21 +40,6 @@ class _Waiter:
     since: float  # monotonic arrival
 
 
-def pull_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.RCVHWM, 0)  # never drop or block: the loop drains every step
-    s.bind(addr)
-    return s
-
-
-def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.SNDHWM, 0)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
-    return s
-
-
 class EngineCore:
     """The loop of one engine (see the module docstring). `inbox`: a bound PULL socket;
     `outboxes[j]`: a PUSH socket to API server j."""

@@ -21,7 +21,7 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,9 @@ def engine_main(spec: EngineSpec, index: int, gpu: int | None, addr: str,
     _logging(spec.log_level)
     import zmq
 
-    from graphexec.serve.engine_core import EngineCore, pull_socket, push_socket
+    from graphexec.serve.engine_core import EngineCore
     from graphexec.serve.server import build_executor
+    from graphexec.serve.wire import pull_socket, push_socket
 
     try:
         ex, dm = build_executor(spec)
@@ -132,7 +133,7 @@ def run(engine: EngineSpec, server: ServerSpec, host: str, port: int, engines: i
     if gpus[0] is None and engine.threads is None and engines > 1:
         from graphexec.threads import available_cores
 
-        engine = _with_threads(engine, max(1, available_cores() // engines))
+        engine = replace(engine, threads=max(1, available_cores() // engines))
     ctx = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="graphexec-serve-")
     e_addrs = [f"ipc://{folder}/engine-{i}" for i in range(engines)]
@@ -180,12 +181,6 @@ def run(engine: EngineSpec, server: ServerSpec, host: str, port: int, engines: i
             signal.signal(s, h)
         _stop_all(procs)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _with_threads(spec: EngineSpec, n: int) -> EngineSpec:
-    from dataclasses import replace
-
-    return replace(spec, threads=n)
 
 
 def _wait_ready(ready, procs, n: int, stop: dict) -> dict[int, tuple] | None:

@@ -107,17 +107,9 @@ class RemoteEngines:
         self.vocab_size = infos[0].vocab_size
         self.on_admitted = on_admitted
         self._ctx = zmq.Context()
-        self._out = []
-        for a in engine_addrs:
-            s = self._ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(a)
-            self._out.append(s)
+        self._out = [wire.push_socket(self._ctx, a) for a in engine_addrs]
         self._actx = zmq.asyncio.Context()
-        self._in = self._actx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.RCVHWM, 0)
-        self._in.bind(server_addr)
+        self._in = wire.pull_socket(self._actx, server_addr)
         self._stats = [EngineStats(free_slots=i.max_batch_size) for i in infos]
         self._live = [0] * self.engines  # streams this server has on each engine
         self._streams: dict[str, _Stream] = {}  # stream id and request id -> its stream

@@ -107,7 +107,7 @@ def front_model(path: str | None, name: str | None, max_seq_len: int, engine_nam
 
 
 def build_executor(spec):
-    """(the executor, the model's name) of a `launch.EngineSpec`: the model loaded, graphs
+    """(the executor, its `DemoModel`) of a `launch.EngineSpec`: the model loaded, graphs
     captured on CUDA unless `capture` is off. ModelChoiceError for a bad --model."""
     import torch
 

@@ -20,6 +20,7 @@ import pickle
 from typing import Any
 
 import msgpack
+import zmq
 
 from graphexec.params import SamplingParams
 from graphexec.request import PromptLogprob, RequestOutput
@@ -33,6 +34,24 @@ BAD_REQUEST, NEVER_FITS, QUEUE_FULL, INTERNAL = (
     "queue_full",
     "internal",
 )
+
+
+def pull_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A bound receiving end (a `zmq.asyncio.Context` gives an awaitable one); never drops
+    or blocks a sender: the loops drain it."""
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.bind(addr)
+    return s
+
+
+def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    """A connected sending end, unbounded, that drops what is unsent at close."""
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
 
 
 def pack(msg: list[Any]) -> bytes:

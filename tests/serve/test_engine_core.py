@@ -17,8 +17,9 @@ from graphexec.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.request import PromptLogprob, RequestOutput
 from graphexec.serve import wire
-from graphexec.serve.engine_core import EngineCore, pull_socket, push_socket
+from graphexec.serve.engine_core import EngineCore
 from graphexec.serve.remote import EngineInfo, RemoteEngines
+from graphexec.serve.wire import pull_socket, push_socket
 
 SLOTS = 2
 
