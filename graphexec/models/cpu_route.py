@@ -158,7 +158,8 @@ class RowMM:
         (`row_weight`). The parts as one batched product [parts, M, k] @ [parts, k, N]
         where measured (`_batched_ok`) to give each part the bits of its own `mm`, so any
         world's batch of parts agrees; else one `mm` per part."""
-        from graphexec.models.row_parallel import row_linear_reference
+        from graphexec.models.matmul import tree_sum
+        from graphexec.models.row_parallel import finish, row_linear_reference
 
         wt, parts = w.t(), split.local
         if not (w.dtype == torch.float32 and wt.is_contiguous()
@@ -166,13 +167,8 @@ class RowMM:
             return row_linear_reference(x, w, split, bias, f32=f32, mm=self.mm)
         M, K = x.shape
         xs = x.float().view(M, parts, K // parts).transpose(0, 1).contiguous()
-        p = self.mm(xs, wt.view(parts, K // parts, -1))  # [parts, M, N] float32
-        while p.shape[0] > 1:  # the tree, a level per op: ((p0 + p1) + (p2 + p3)) ...
-            p = p[0::2] + p[1::2]
-        acc = p[0]
-        if f32:
-            return acc
-        return (acc if bias is None else acc + bias.float()).to(x.dtype)
+        acc = tree_sum(self.mm(xs, wt.view(parts, K // parts, -1)))  # parts [parts, M, N]
+        return acc if f32 else finish(acc, bias, x.dtype)
 
     def _batched_ok(self, shape: tuple[int, int], parts: int) -> bool:
         """Whether the batched product of `parts` parts of a [K, N] float32 weight gives

@@ -197,11 +197,10 @@ class TPShard:
         (`matmul.tree_sum`), add the bias in float32, round once to `dtype`. The same
         bits on every rank, and at every T dividing the split."""
         from graphexec.models.matmul import tree_sum
+        from graphexec.models.row_parallel import finish
 
         if self.world > 1:
             from graphexec.distributed.comm import all_gather
 
-            part = tree_sum(list(all_gather(part, self.group).unbind(0)))
-        if bias is not None:
-            part = part + bias.float()
-        return part.to(dtype)
+            part = tree_sum(all_gather(part, self.group))  # [T, N, D]
+        return finish(part, bias, dtype)

@@ -366,14 +366,18 @@ def linear_silu_mul_reference(
     return F.silu(gate) * up
 
 
-def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The split's tree over float32 partial sums p_0 .. p_{S-1} (S a power of two):
-    ((p0 + p1) + (p2 + p3)) + ...; a subtree of aligned consecutive parts is a node, so
-    tree_sum of the subtree sums equals tree_sum of the parts, bit for bit."""
-    if len(parts) & (len(parts) - 1) or not parts:
+def tree_sum(parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The split's tree over float32 partial sums p_0 .. p_{S-1} (S a power of two; a
+    list, or a tensor stacked [S, ...], summed a level per op): ((p0 + p1) + (p2 + p3))
+    + ...; a subtree of aligned consecutive parts is a node, so tree_sum of the subtree
+    sums equals tree_sum of the parts, bit for bit."""
+    if len(parts) & (len(parts) - 1) or not len(parts):
         raise ValueError(f"tree_sum takes a power-of-two number of parts, got {len(parts)}")
     while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+        if isinstance(parts, torch.Tensor):
+            parts = parts[0::2] + parts[1::2]
+        else:
+            parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]
 
 

@@ -73,7 +73,7 @@ def row_split_gpu(N: int, K: int, world: int, *,
     return dataclasses.replace(split, tile=dataclasses.replace(t, split=split.parts))
 
 
-def _finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The tree's root (float32) + bias in float32, rounded once to `dtype`."""
     if bias is not None:
         acc = acc + bias.float()
@@ -115,4 +115,4 @@ def row_linear_reference(x: torch.Tensor, w: torch.Tensor, split: RowSplit,
     xs = x.float().view(M, split.local, k).transpose(0, 1).contiguous()
     wt = w.t() if w.dtype == torch.float32 else w.t().float()
     acc = tree_sum([mm(xs[j], wt[j * k : (j + 1) * k]) for j in range(split.local)])
-    return acc if f32 else _finish(acc, bias, x.dtype)
+    return acc if f32 else finish(acc, bias, x.dtype)

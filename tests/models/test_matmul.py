@@ -104,12 +104,15 @@ def test_tree_sum_of_subtree_sums_is_the_tree_sum() -> None:
     for size in (1, 2, 4, 8, 16):
         subs = [mm.tree_sum(parts[i : i + size]) for i in range(0, 16, size)]
         assert torch.equal(mm.tree_sum(subs), whole), size
+    assert torch.equal(mm.tree_sum(torch.stack(parts)), whole)  # stacked: the same tree
     serial = parts[0]
     for p in parts[1:]:
         serial = serial + p
     assert not torch.equal(serial, whole)  # the order matters: the tree is the definition
     with pytest.raises(ValueError, match="power-of-two"):
         mm.tree_sum(parts[:3])
+    with pytest.raises(ValueError, match="power-of-two"):
+        mm.tree_sum(torch.stack(parts[:3]))
 
 
 # the weight shapes of the CPU-test models (tests/engine/test_batch_invariance.py) and
