@@ -28,7 +28,8 @@ import torch
 
 from graphexec.models.protocol import PrefillBatch, check_logits
 from graphexec.request import PromptLogprob, Request
-from graphexec.sampling.reference import collapse_inf, log_softmax_rows
+from graphexec.sampling.reference import log_softmax_rows
+from graphexec.sampling.processing import collapse_inf
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Optional FlashInfer backend of `sample_step` (`backend="flashinfer"`, CUDA only).
 
-It runs the same processors as the torch reference (`reference.process_logits`: grammar
+It runs the same processors as the torch reference (`processing.process_logits`: grammar
 bitmask, logit bias, penalties, temperature; then the +inf collapse), hands the processed
 rows to FlashInfer's fused samplers and writes logprobs with `reference.write_logprobs`:
 
@@ -41,7 +41,7 @@ What it lacks compared with `graphexec.sampling.reference` (where it is approxim
   back to its "last valid index" when u is within rounding of the total mass) is replaced
   by the row's argmax. This should never happen for a row with samplable tokens; it is
   there so the backend never emits an id outside the row's support.
-- Not CUDA-graph capturable as written: `reference.process_logits` reads a device flag on
+- Not CUDA-graph capturable as written: `processing.process_logits` reads a device flag on
   the host (logit-bias check). Use it eagerly (tests, comparisons, benchmarks).
 Logprobs are the reference's (`write_logprobs`), so they match the torch backend exactly
 for the same sampled token.
@@ -53,6 +53,7 @@ import torch
 
 from graphexec.params import SamplerVariant
 from graphexec.sampling import reference
+from graphexec.sampling import processing
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 # Philox draws reserved per output position and row: the offset of position `pos` is
@@ -95,8 +96,8 @@ def sample(
     if B == 0:
         return out
     variant = SamplerVariant(variant)
-    x = reference.process_logits(logits, slot_ids, table, bitmask)
-    xc = reference.collapse_inf(x)
+    x = processing.process_logits(logits, slot_ids, table, bitmask)
+    xc = processing.collapse_inf(x)
     valid = xc.max(dim=-1).values > -torch.inf
     # FlashInfer needs a finite distribution: rows with nothing samplable become all-zero
     # (uniform) rows; their token is discarded below.
@@ -134,7 +135,7 @@ def sample(
     out.token_ids.copy_(tok)
     out.valid.copy_(valid)
     if out.logprobs is not None:
-        reference.write_logprobs(reference.sanitize(logits), x, slot_ids, table, tok, out)
+        reference.write_logprobs(processing.sanitize(logits), x, slot_ids, table, tok, out)
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, gumbel, uniform
 from graphexec.sampling import reference as ref
+from graphexec.sampling import processing
 from graphexec.sampling.tensors import SamplingTensors
 
 
@@ -30,7 +31,7 @@ def target_probs(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensor
     """(p [R, V] float64, y [R, V]) of collapsed processed rows xc: the distribution the
     sampler draws from (greedy rows one-hot at the first argmax; rows with nothing
     samplable all zero)."""
-    y = ref.scale(xc, slot_ids, table)
+    y = processing.scale(xc, slot_ids, table)
     live = y > -torch.inf
     if variant is SamplerVariant.NO_FILTER:
         kept = live
@@ -54,7 +55,7 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
 
     B, K = drafts.shape
     T, V = K + 1, flat.shape[1]
-    xc = ref.collapse_inf(ref.process_logits(flat, rows_slot, table, bitmask, count_ids))
+    xc = processing.collapse_inf(processing.process_logits(flat, rows_slot, table, bitmask, count_ids))
     p, y = target_probs(xc, rows_slot, table, variant, draw_block)
     p = p.view(B, T, V)
     tok = out.sampled.token_ids.view(B, T)
@@ -84,7 +85,7 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
         cand = tok
     emit(drafts, accepted, cand, out)
     if out.logprobs is not None:
-        ref.write_logprobs(ref.sanitize(flat), y, rows_slot, table, out.token_ids.reshape(-1),
+        ref.write_logprobs(processing.sanitize(flat), y, rows_slot, table, out.token_ids.reshape(-1),
                            out.sampled)  # fmt: skip
 
 

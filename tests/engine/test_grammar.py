@@ -9,7 +9,7 @@ import torch
 
 import graphexec as gx
 from graphexec.grammar import GrammarCompiler, GrammarSlots
-from graphexec.sampling.reference import unpack_bitmask
+from graphexec.sampling.processing import unpack_bitmask
 
 
 @pytest.fixture(scope="module")

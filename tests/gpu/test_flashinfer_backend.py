@@ -13,6 +13,7 @@ import torch
 
 import graphexec as gx
 from graphexec.sampling import reference
+from graphexec.sampling import processing
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 
@@ -73,7 +74,7 @@ def _loose_support(logits, table, bitmask=None) -> tuple[torch.Tensor, torch.Ten
     set is a prefix by value, so every token at least as large as the smallest kept one)."""
     B = logits.shape[0]
     slot_ids = torch.arange(B, device=DEV)
-    x = reference.collapse_inf(reference.process_logits(logits, slot_ids, table, bitmask))
+    x = processing.collapse_inf(processing.process_logits(logits, slot_ids, table, bitmask))
     loose = dataclasses.replace(
         table,
         top_p=torch.where(table.top_p < 1, table.top_p + 1e-3, table.top_p).clamp(max=1.0),
@@ -119,7 +120,7 @@ def test_bitmask_respected_and_empty_rows_invalid():
     ok[3] = ok[5] = False
     tok = out.token_ids[ok]
     assert out.valid[ok].all() and bool(((tok >= 0) & (tok < V)).all())
-    allowed = reference.unpack_bitmask(bitmask, V)[ok]
+    allowed = processing.unpack_bitmask(bitmask, V)[ok]
     assert bool(allowed.gather(1, tok.unsqueeze(1)).all())
     kept, _ = _loose_support(logits, table, bitmask)
     assert bool(kept[ok].gather(1, tok.unsqueeze(1)).all())

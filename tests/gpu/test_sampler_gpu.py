@@ -12,6 +12,7 @@ import graphexec as gx
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream
 from graphexec.sampling import reference
+from graphexec.sampling import processing
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 pytestmark = pytest.mark.gpu
@@ -71,8 +72,8 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
         [params[row]], V, "cuda", counts[row : row + 1], prompt[row : row + 1]
     )
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    x = reference.collapse_inf(
-        reference.process_logits(logits[row : row + 1], slots, table, bitmask[row : row + 1])
+    x = processing.collapse_inf(
+        processing.process_logits(logits[row : row + 1], slots, table, bitmask[row : row + 1])
     )
     posr = torch.tensor([pos[row]], device="cuda")
 
@@ -81,7 +82,7 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
 
     if params[row].temperature == 0:
         return close(x[0, tok_ref].item(), x[0, tok_tri].item())
-    y = reference.scale(x, slots, table)
+    y = processing.scale(x, slots, table)
     s = reference.effective_inv_t(slots, table)
     kept = reference.filter_mask(y, slots, table, reference.row_mass(x, s, reference.DRAW_BLOCK))
     p = float(table.top_p[0])
@@ -95,7 +96,7 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
             return True
     db = reference.DRAW_BLOCK
     xm, qb = reference.block_stats(x, s, db)
-    ym = torch.where(xm > -torch.inf, (xm - reference.row_max(x)) * s, -torch.inf)
+    ym = torch.where(xm > -torch.inf, (xm - processing.row_max(x)) * s, -torch.inf)
     plain = bool(reference.plain_rows(slots, table)[0])
     mass = qb if plain else reference.kept_block_mass(x, kept, s, db)
     lb = ym + torch.log(mass.float()) + reference.row_gumbel_stream(

@@ -19,6 +19,7 @@ import torch
 import graphexec as gx
 from graphexec.rng import Stream
 from graphexec.sampling import reference as ref
+from graphexec.sampling import processing
 from graphexec.sampling.tensors import SamplingTensors
 from graphexec.sampling.triton.sampler_config import I_CAND, SamplerConfig
 from tests.sampling.test_reference_stats import (
@@ -40,8 +41,8 @@ def draw_many(row: torch.Tensor, case: Case, seed: int, n: int, draw_block: int 
     params = P(seed=seed, **case.params)
     table = SamplingTensors.from_params([params], V, "cpu")
     slots = torch.zeros(n, dtype=torch.int64)
-    xc = ref.collapse_inf(ref.process_logits(row.expand(n, -1).contiguous(), slots, table))
-    y = ref.scale(xc, slots, table)
+    xc = processing.collapse_inf(processing.process_logits(row.expand(n, -1).contiguous(), slots, table))
+    y = processing.scale(xc, slots, table)
     inv_t = ref.effective_inv_t(slots, table)
     stats = ref.block_stats(xc, inv_t, draw_block)
     kept = ref.filter_mask(y, slots, table, ref.row_mass(xc, inv_t, draw_block, stats))

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
+from graphexec.sampling import processing
 from graphexec.sampling.triton.kept import FEW  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,
@@ -35,12 +36,12 @@ def reference_rows(logits, both, cfg):
     """(y, kept mask, ym, K_b) of the reference for the batch."""
     B = logits.shape[0]
     slots = torch.arange(B)
-    x = reference.collapse_inf(reference.process_logits(logits, slots, both.table))
-    y = reference.scale(x, slots, both.table)
+    x = processing.collapse_inf(processing.process_logits(logits, slots, both.table))
+    y = processing.scale(x, slots, both.table)
     s = reference.effective_inv_t(slots, both.table)
     xm, q = reference.block_stats(x, s, cfg.draw_block)
     kept = reference.filter_mask(y, slots, both.table, reference.row_mass(x, s, cfg.draw_block))
-    ym = torch.where(xm > -torch.inf, (xm - reference.row_max(x)) * s[:, None], -torch.inf)
+    ym = torch.where(xm > -torch.inf, (xm - processing.row_max(x)) * s[:, None], -torch.inf)
     return y, kept, ym, reference.kept_block_mass(x, kept, s, cfg.draw_block)
 
 

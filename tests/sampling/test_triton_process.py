@@ -1,5 +1,5 @@
 """The Triton processing (`process.tile_x`, which every pass runs) equals
-reference.process_logits bit for bit."""
+processing.process_logits bit for bit."""
 
 from tests.triton_env import ensure_interpreter
 
@@ -11,7 +11,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from graphexec.params import SamplingParams  # noqa: E402
-from graphexec.sampling.reference import process_logits  # noqa: E402
+from graphexec.sampling.processing import process_logits  # noqa: E402
 from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
 from graphexec.sampling.triton.process import bias_ids, proc_args, tile_x  # noqa: E402
 

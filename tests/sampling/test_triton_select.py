@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from graphexec.sampling import reference  # noqa: E402
+
+from graphexec.sampling import processing
 from graphexec.sampling.triton.draw import FINE  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,
@@ -42,8 +44,8 @@ def test_histogram_counts_every_token_above_lo(shape: str) -> None:
          dict(top_k=5), dict(top_k=1000, top_p=0.95)])]  # fmt: skip
     both = run_both(params, logits, cfg)
     assert_same(both.ref, both.tri)
-    x = reference.collapse_inf(reference.process_logits(logits, torch.arange(B), both.table))
-    y = reference.scale(x, torch.arange(B), both.table)
+    x = processing.collapse_inf(processing.process_logits(logits, torch.arange(B), both.table))
+    y = processing.scale(x, torch.arange(B), both.table)
     for r in range(B):
         assert both.routes[r] == int(R_SELECT)
         lo, inv_w = both.ws.rowf[r, int(F_LO)].item(), both.ws.rowf[r, int(F_INVW)].item()

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
+from graphexec.sampling import processing
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
@@ -27,7 +28,7 @@ def test_block_stats_equal_the_reference(programs: int, variant: str) -> None:
     params = [P(seed=i, temperature=0.4 + 0.3 * i) for i in range(B)]
     both = run_both(params, logits, cfg.replace(programs=programs),
                     variant=SamplerVariant(variant))  # fmt: skip
-    x = reference.collapse_inf(reference.process_logits(logits, torch.arange(B), both.table))
+    x = processing.collapse_inf(processing.process_logits(logits, torch.arange(B), both.table))
     s = reference.effective_inv_t(torch.arange(B), both.table)
     xm, q = reference.block_stats(x, s, cfg.draw_block)
     plain = ~torch.isinf(logits).any(1) | torch.isneginf(logits).all(1)

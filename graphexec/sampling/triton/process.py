@@ -3,7 +3,7 @@
 
 Steps 1-2 of `graphexec.sampling.reference` (sanitise, grammar bitmask, logit bias,
 repetition / frequency / presence penalties; temperature comes later), bit for bit equal
-to `reference.process_logits`:
+to `processing.process_logits`:
 
 - `process_value` is the element-wise definition, with the reference's order of
   operations and its arithmetic (multiplications by the fp32 reciprocals torch stored in
