@@ -1,4 +1,4 @@
-"""The batch-invariant GEMM (`graphexec.models.matmul`) against cuBLAS, per weight shape
+"""The batch-invariant GEMM (`graphexec.kernels.matmul`) against cuBLAS, per weight shape
 of the model configs, at the row counts of decode, verify and prefill.
 
 For every linear layer of each `--models` config (q/k/v with its bias, o, gate/up with
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 import triton
 from bench_distributed import time_graph
 
-from graphexec.models import fused
-from graphexec.models import matmul as mm
+from graphexec.kernels import fused
+from graphexec.kernels import matmul as mm
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 L2_BYTES = 160 << 20  # cycle through more weight bytes than any L2 holds

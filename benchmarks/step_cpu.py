@@ -30,7 +30,7 @@ import time
 import torch
 
 import graphexec as gx
-from graphexec.model_choice import resolve_model
+from graphexec.models.choice import resolve_model
 
 
 def cpu_name() -> str:

@@ -5,18 +5,18 @@ seed and its output position: not on batch, bucket, row, variant, or eager vs re
 """
 
 from graphexec import distributed, models
-from graphexec.async_executor import AsyncDecodeExecutor
+from graphexec.engine.async_executor import AsyncDecodeExecutor
 from graphexec.engine.config import EngineConfig
 from graphexec.engine.executor import DecodeExecutor
+from graphexec.engine.executor_stats import ExecutorStats
 from graphexec.engine.inbox import ExecutorFullError
-from graphexec.engine.metrics import ExecutorStats
-from graphexec.grammar import Grammar
 from graphexec.models.protocol import ModelOutputError
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
 from graphexec.request import GraphKey, PromptLogprob, RequestOutput
 from graphexec.sampling import SamplerOutput, SamplingTensors, sample_logits, sample_step
 from graphexec.speculative import SpeculativeConfig, VerifyOutput, verify_drafts, verify_step
-from graphexec.tokenizer import Tokenizer
+from graphexec.text.grammar import Grammar
+from graphexec.text.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 # The definition of every seeded stream (`graphexec.sampling.reference`): a seeded request

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphexec.grammar import Grammar
+    from graphexec.text.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -267,7 +267,7 @@ class SamplingParams:
         put("n", _int("n", self.n, ">= 1"))
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        from graphexec.grammar import Grammar
+        from graphexec.text.grammar import Grammar
 
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError(

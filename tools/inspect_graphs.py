@@ -1,5 +1,5 @@
 """Capture every graph key of an executor (TinyLM by default) and print one row per key:
-`python -m graphexec inspect` (graphexec/inspection.py), run from a source checkout.
+`python -m graphexec inspect` (graphexec/app/inspection.py), run from a source checkout.
 
 python tools/inspect_graphs.py [--model smollm2|PATH|CONFIG|tiny|table] [--max-batch-size N]
                                [--steps N] [--dot default/b8/lp --dot-path g.dot] [--threads N]
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from graphexec.inspection import add_arguments, inspect_graphs
-from graphexec.threads import configure_threads
+from graphexec.app.inspection import add_arguments, inspect_graphs
+from graphexec.runtime.threads import configure_threads
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -11,7 +11,7 @@
 #       extended regex of ids to leave out) split the suite over several commands
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
-#       (MULTIGPU_FILES, default every tests/gpu file with such tests), each under `timeout`
+#       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
 #       (MULTIGPU_TIMEOUT s, default 300); log: $OUT/pytest-multigpu.log
 #   bash benchmarks/gpu/run.sh tpsample
 #       benchmarks/bench_distributed.py --worlds T (T = the visible GPUs), under `timeout`
@@ -53,8 +53,8 @@ run_tests() {
     python -c "import datetime, torch, triton; print(torch.cuda.get_device_name(), \
 'torch', torch.__version__, 'triton', triton.__version__, datetime.date.today())" >"$log" 2>&1
     [ -n "${GRAPHEXEC_COMMIT:-}" ] && echo "commit $GRAPHEXEC_COMMIT" >>"$log"
-    # TEST_FILES (default tests/gpu) splits the suite over several device commands
-    python -m pytest -m "gpu and not multigpu" --collect-only -q ${TEST_FILES:-tests/gpu} \
+    # TEST_FILES (default tests) splits the suite over several device commands
+    python -m pytest -m "gpu and not multigpu" --collect-only -q ${TEST_FILES:-tests} \
         2>/dev/null | grep '::' | grep -v -E "${TEST_SKIP:-^$}" >"$dir/ids"
     echo "python -m pytest -m 'gpu and not multigpu': $(wc -l <"$dir/ids") tests in $jobs" \
         "processes on $ngpu GPUs" | tee -a "$log"
@@ -83,7 +83,7 @@ run_multigpu() {
 torch.cuda.get_device_name(), 'torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), \
 datetime.date.today())" 2>&1 | tee "$log"
     nvidia-smi topo -m >>"$log" 2>&1
-    for f in ${MULTIGPU_FILES:-$(grep -l "multigpu" tests/gpu/test_*.py)}; do
+    for f in ${MULTIGPU_FILES:-$(grep -rl --include="test_*.py" "mark.multigpu" tests)}; do
         timeout -k 10 "${MULTIGPU_TIMEOUT:-300}" python -m pytest -m "gpu and multigpu" -q \
             -p no:cacheprovider -rA --durations=10 "$f" >>"$log" 2>&1
         local code=$?

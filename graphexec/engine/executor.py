@@ -36,10 +36,10 @@ import torch
 
 from graphexec.engine.config import EngineConfig
 from graphexec.engine.drafts import Drafter
+from graphexec.engine.executor_stats import ExecutorStats, StepTiming
 from graphexec.engine.finish import StepOutputs, finish
 from graphexec.engine.inbox import RequestCheck, RequestQueue
 from graphexec.engine.masks import TokenMasks, grammar_slots
-from graphexec.engine.metrics import ExecutorStats, StepTiming
 from graphexec.engine.plan import BatchPlan
 from graphexec.engine.prefill import Prefiller
 from graphexec.engine.requests import Requests

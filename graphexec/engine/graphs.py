@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.capture import GraphCapture
 from graphexec.engine.variants import distinct_variants, served_by
 from graphexec.params import VARIANT_ORDER, SamplingParams, choose_variant
 from graphexec.request import GraphKey
+from graphexec.runtime.capture import GraphCapture
 
 log = logging.getLogger(__name__)
 

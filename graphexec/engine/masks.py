@@ -147,6 +147,6 @@ def grammar_slots(tokenizer, vocab_size: int, rows: int, offsets: int):
     tokenizer: no grammars). Imported here: xgrammar loads only when it can be used."""
     if tokenizer is None:
         return None
-    from graphexec.grammar import GrammarCompiler, GrammarSlots
+    from graphexec.text.grammar import GrammarCompiler, GrammarSlots
 
     return GrammarSlots(GrammarCompiler(tokenizer, vocab_size), rows, offsets)

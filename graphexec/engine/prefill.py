@@ -28,8 +28,8 @@ import torch
 
 from graphexec.models.protocol import PrefillBatch, check_logits
 from graphexec.request import PromptLogprob, Request
-from graphexec.sampling.reference import log_softmax_rows
 from graphexec.sampling.processing import collapse_inf
+from graphexec.sampling.reference import log_softmax_rows
 
 log = logging.getLogger(__name__)
 

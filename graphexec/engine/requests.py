@@ -16,9 +16,9 @@ from graphexec.engine.inbox import Aborted, Admit, RequestQueue
 from graphexec.engine.plan import BatchPlan
 from graphexec.engine.prefill import Pending, Prefiller
 from graphexec.engine.slots import SlotTable
-from graphexec.output_text import OutputText
 from graphexec.params import variant_rank
 from graphexec.request import Request, RequestOutput
+from graphexec.text.output_text import OutputText
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,13 @@ class Requests:
             req = Request(rid, p, slot, len(c.prompt), frozenset(p.stop_token_ids) | frozenset(eos),
                           variant_rank(p))  # fmt: skip
             if self.tokenizer is not None:
-                req.text = OutputText(self.tokenizer, p)
+                req.text = OutputText(
+                    self.tokenizer,
+                    stop=p.stop,
+                    include_stop=p.include_stop_str_in_output,
+                    min_tokens=p.min_tokens,
+                    skip_special_tokens=p.skip_special_tokens,
+                )
             if self.drafter is not None:
                 self.drafter.admit(req, c.prompt)
             self.masks.add(slot, p, c.bad_words)

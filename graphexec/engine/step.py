@@ -41,8 +41,8 @@ from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import GraphKey
 from graphexec.rng import Stream, gumbel
-from graphexec.sampling import reference as ref
 from graphexec.sampling import processing
+from graphexec.sampling import reference as ref
 from graphexec.sampling.flags import flag_inf, flag_inf_runs
 from graphexec.sampling.step_sampler import StepSampler
 from graphexec.sampling.tensors import SamplerOutput
@@ -168,7 +168,9 @@ class StepFn:
 def draw_q(logits, slot_ids, pos, slots: SlotTable, key: GraphKey, before):
     """A rejection-mode draft: its distribution q (the draft's processed, filtered
     probabilities, as the sampler defines them) and a draw from it on SPEC_DRAFT."""
-    xc = processing.collapse_inf(processing.process_logits(logits, slot_ids, slots.tensors, None, before))
+    xc = processing.collapse_inf(
+        processing.process_logits(logits, slot_ids, slots.tensors, None, before)
+    )
     q, _ = target_probs(xc, slot_ids, slots.tensors, key.variant)
     ids = torch.arange(q.shape[1], device=q.device).unsqueeze(0)
     seed = slots.tensors.seed[slot_ids].unsqueeze(1)

@@ -16,7 +16,6 @@ Megatron-style shard and returns the logits of its vocabulary slice (`hf_shard`)
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,21 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from graphexec.models.hf_config import (
+from graphexec.checkpoints.hf_config import (
     DTYPES,
     model_type,
     param_shapes,
     rope_inv_freq,
     sliding_windows,
 )
+from graphexec.checkpoints.hf_folder import checkpoint_files, read_state
 from graphexec.models.hf_shard import TPShard
 from graphexec.models.prefill_graphs import PrefillGraphs
 from graphexec.models.protocol import PrefillBatch, SlotKVCache, tensors_to
 
 if TYPE_CHECKING:  # these import triton: only when a model binds
-    from graphexec.models.attention import AttentionConfig
-    from graphexec.models.matmul import MatmulConfig
-    from graphexec.models.ops import ForwardOps
+    from graphexec.kernels.attention import AttentionConfig
+    from graphexec.kernels.matmul_config import MatmulConfig
+    from graphexec.kernels.ops import ForwardOps
 
 logger = logging.getLogger(__name__)
 
@@ -193,43 +193,18 @@ class HFTransformer(SlotKVCache):
         model.safetensors.index.json). `options`: the constructor's keyword arguments
         (batch_invariant, attention, matmul, fused, tp_group). With tp_group each rank
         reads only its parts of the weights (`hf_shard.TPShard.load`)."""
-        from safetensors import safe_open
-        from tqdm.auto import tqdm
-
         folder = Path(path)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {str(folder)!r}")
-        cfg = json.loads((folder / "config.json").read_text())
-        model_type(cfg)  # fail on the architecture before reading any weights
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            if not (folder / f).is_file():
-                raise FileNotFoundError(f"weight shard {f!r} missing from {str(folder)!r}")
+        cfg, files = checkpoint_files(folder)
         if options.get("tp_group") is not None:
             tp = TPShard.create(options["tp_group"], cfg)
             state = tp.load(folder, files, param_shapes(cfg))
-            return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                       **options)  # fmt: skip
-        with tqdm(desc="loading weights", unit="tensor", disable=None) as bar:
-            for f in files:
-                with safe_open(str(folder / f), framework="pt") as sf:
-                    for k in sf.keys():
-                        state[k] = sf.get_tensor(k)
-                        bar.update()
+        else:
+            state = read_state(folder, files)
         return cls(cfg, state, device=device, dtype=dtype, max_seq_len=max_seq_len, **options)
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
         # imported here, not at the top: triton loads when a model binds, not on import
-        from graphexec.models.ops import ForwardOps
+        from graphexec.kernels.ops import ForwardOps
 
         d = torch.device(device)
         self.ops = ForwardOps.select(d, self.batch_invariant, self.fused, self.matmul)
@@ -275,7 +250,8 @@ class HFTransformer(SlotKVCache):
         """The GEMM config with its large-M tiles checked on this device against the
         decode tiles, bit for bit, on one layer's weights and the LM head (each weight
         shape is shared by every layer); a shape that differs keeps its decode tile."""
-        from graphexec.models.matmul import MatmulConfig, verify_large_tiles
+        from graphexec.kernels.matmul import verify_large_tiles
+        from graphexec.kernels.matmul_config import MatmulConfig
 
         cfg = self.matmul or MatmulConfig.default()
         if not cfg.large_tiles:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from graphexec.checkpoints.hf_config import param_shapes
 from graphexec.models.hf import HFTransformer
-from graphexec.models.hf_config import param_shapes
 
 __all__ = ["param_shapes", "random_model", "random_state_dict"]
 

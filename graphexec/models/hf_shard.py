@@ -196,8 +196,8 @@ class TPShard:
         before the root), finish the split's tree over them in rank order
         (`matmul.tree_sum`), add the bias in float32, round once to `dtype`. The same
         bits on every rank, and at every T dividing the split."""
-        from graphexec.models.matmul import tree_sum
-        from graphexec.models.row_parallel import finish
+        from graphexec.kernels.matmul import tree_sum
+        from graphexec.kernels.row_parallel import finish
 
         if self.world > 1:
             from graphexec.distributed.comm import all_gather

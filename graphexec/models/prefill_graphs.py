@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from graphexec.capture import GraphCapture
+from graphexec.runtime.capture import GraphCapture
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 

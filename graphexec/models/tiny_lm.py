@@ -25,8 +25,8 @@ from graphexec.models.protocol import PrefillBatch, SlotKVCache, tensors_to
 from graphexec.models.table import _slice
 
 if TYPE_CHECKING:  # these import triton: only when a model binds
-    from graphexec.models.matmul import MatmulConfig
-    from graphexec.models.ops import ForwardOps
+    from graphexec.kernels.matmul_config import MatmulConfig
+    from graphexec.kernels.ops import ForwardOps
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class TinyLM(SlotKVCache):
 
     def bind(self, num_slots: int, device: torch.device | str) -> None:
         # imported here, not at the top: triton loads when a model binds, not on import
-        from graphexec.models.ops import ForwardOps
+        from graphexec.kernels.ops import ForwardOps
 
         d = torch.device(device)
         self.ops = ForwardOps.select(d, self.batch_invariant, self.fused, self.matmul)

@@ -5,6 +5,6 @@ In-process: `build_app(executor, ServedModel(...), max_queue)` returns the Starl
 """
 
 from graphexec.serve.app import ServedModel, build_app
-from graphexec.serve.server import served_model
+from graphexec.serve.served import served_model
 
 __all__ = ["ServedModel", "build_app", "served_model"]

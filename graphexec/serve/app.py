@@ -10,7 +10,6 @@ OpenAI error objects. A client that disconnects, streaming or not, aborts its re
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import secrets
@@ -25,15 +24,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from graphexec.async_executor import QueueFullError
+from graphexec.engine.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.params import MAX_SEED
+from graphexec.serve.auth import ApiKey
 from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.engines import Engine, LocalEngine
 from graphexec.serve.errors import APIError
 from graphexec.serve.metrics import ServerMetrics
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
-from graphexec.serve.protocol import (
+from graphexec.serve.request_fields import (
     Parsed,
     check_unicode,
     model_not_found,
@@ -60,10 +60,6 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
 class Server:
     """The routes' state: the engine(s), the model, the counters."""
 
@@ -76,7 +72,7 @@ class Server:
 
     # ---- small routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        st = self.engine.stats()
+        st = self.engine.executor_stats()
         per = [{"running": e.running, "waiting": e.waiting, "free_slots": e.free_slots,
                 "steps": e.steps} for e in self.engine.engine_stats()]  # fmt: skip
         return JSONResponse({"status": "ok", "model": self.model.name, "running": st.running,
@@ -90,7 +86,7 @@ class Server:
         return JSONResponse({"object": "list", "data": [m]})
 
     async def prometheus(self, request: Request) -> Response:
-        text = self.metrics.render(self.engine.stats())
+        text = self.metrics.render(self.engine.executor_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------
@@ -108,7 +104,7 @@ class Server:
                                    max_seq_len=self.model.max_seq_len,
                                    tool_format=tool_format(self.model.chat.source))  # fmt: skip
         except APIError as e:
-            return _error(e)
+            return e.response()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage,
                       parsed.tools, self._echoes(body, parsed.prompts) if parsed.echo else None,
@@ -137,10 +133,10 @@ class Server:
             return Response(status_code=499)
         except APIError as e:
             outs.close()
-            return _error(e)
+            return e.response()
         except (ValueError, ExecutorFullError) as e:
             outs.close()
-            return _error(self._admission_error(e, parsed, chat))
+            return self._admission_error(e, parsed, chat).response()
         self.metrics.requests += 1
         self.metrics.ttft.observe(time.monotonic() - t0)
         prompt_tokens = sum(len(p) for p in parsed.prompts)
@@ -207,7 +203,7 @@ class Server:
                 ids = [*(self.model.prompt_prefix if special else ()),
                        *self.model.tokenizer.encode(body["prompt"])]  # fmt: skip
         except APIError as e:
-            return _error(e)
+            return e.response()
         return JSONResponse({"tokens": list(ids), "count": len(ids),
                              "max_model_len": self.model.max_seq_len})  # fmt: skip
 
@@ -221,7 +217,7 @@ class Server:
                 raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})",
                                "tokens")  # fmt: skip
         except APIError as e:
-            return _error(e)
+            return e.response()
         return JSONResponse({"prompt": self.model.tokenizer.decode(ids)})
 
     def _echoes(self, body: dict[str, Any], prompts: list[list[int]]) -> list[Echo]:
@@ -335,28 +331,8 @@ class _Run:
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """A bug, not the request: logged, and still an OpenAI error object."""
     log.exception("internal error on %s", request.url.path, exc_info=exc)
-    return _error(APIError(500, f"internal error: {type(exc).__name__}", None,
-                           "internal_server_error"))  # fmt: skip
-
-
-class _ApiKey:
-    """ASGI middleware: /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY`
-    (a 401 OpenAI error object otherwise); /health and /metrics stay open, as vLLM's."""
-
-    OPEN = ("/health", "/metrics")
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self._want = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self._want):
-                err = APIError(401, "a valid API key is needed: Authorization: Bearer <key>",
-                               None, "invalid_request_error", "invalid_api_key")  # fmt: skip
-                await _error(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    return APIError(500, f"internal error: {type(exc).__name__}", None,
+                    "internal_server_error").response()  # fmt: skip
 
 
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
@@ -395,7 +371,7 @@ def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None =
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
-    middleware = [Middleware(_ApiKey, key=api_key)] if api_key else []
+    middleware = [Middleware(ApiKey, key=api_key)] if api_key else []
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={Exception: _internal_error})  # fmt: skip
     app.state.server = server

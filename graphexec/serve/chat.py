@@ -1,20 +1,21 @@
 """The server's chat prompts: OpenAI `messages` checked (`check_messages`) and rendered
-by the checkpoint's template (`graphexec.chat`); a refusal is a 400 naming "messages"."""
+by the checkpoint's template (`graphexec.text.chat_template`); a refusal is a 400 naming
+"messages"."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from graphexec.chat import PLAIN_TEMPLATE, read_tokenizer_config
-from graphexec.chat import ChatTemplate as _Template
 from graphexec.serve.errors import APIError
+from graphexec.text.chat_template import PLAIN_TEMPLATE, read_tokenizer_config
+from graphexec.text.chat_template import ChatTemplate as _Template
 
 __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "check_messages", "read_tokenizer_config"]
 
 
 class ChatTemplate(_Template):
-    """`graphexec.chat.ChatTemplate` for requests: APIError(400, param "messages") when
-    the messages are malformed or the template refuses them."""
+    """`text.chat_template.ChatTemplate` for requests: APIError(400, param "messages")
+    when the messages are malformed or the template refuses them."""
 
     def render(self, messages: Any, add_generation_prompt: Any = True,
                continue_final_message: Any = False, chat_template_kwargs: Any = None,

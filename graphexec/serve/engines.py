@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
-from graphexec.async_executor import AsyncDecodeExecutor
+from graphexec.engine.async_executor import AsyncDecodeExecutor
 from graphexec.params import SamplingParams
 from graphexec.request import RequestOutput
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 
 class APIError(Exception):
     """An OpenAI error object: `{"error": {"message", "type", "param", "code"}}`."""
@@ -18,3 +20,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}  # fmt: skip
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

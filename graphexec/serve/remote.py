@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from graphexec.async_executor import QueueFullError
+from graphexec.engine.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError, stream_ids
 from graphexec.params import SamplingParams
 from graphexec.request import RequestOutput

@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from graphexec.grammar import Grammar
 from graphexec.serve.errors import APIError
+from graphexec.text.grammar import Grammar
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 FORMATS = ("hermes",)

@@ -20,8 +20,8 @@ import torch
 
 from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, gumbel, uniform
-from graphexec.sampling import reference as ref
 from graphexec.sampling import processing
+from graphexec.sampling import reference as ref
 from graphexec.sampling.tensors import SamplingTensors
 
 
@@ -55,7 +55,9 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
 
     B, K = drafts.shape
     T, V = K + 1, flat.shape[1]
-    xc = processing.collapse_inf(processing.process_logits(flat, rows_slot, table, bitmask, count_ids))
+    xc = processing.collapse_inf(
+        processing.process_logits(flat, rows_slot, table, bitmask, count_ids)
+    )
     p, y = target_probs(xc, rows_slot, table, variant, draw_block)
     p = p.view(B, T, V)
     tok = out.sampled.token_ids.view(B, T)
@@ -85,8 +87,8 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
         cand = tok
     emit(drafts, accepted, cand, out)
     if out.logprobs is not None:
-        ref.write_logprobs(processing.sanitize(flat), y, rows_slot, table, out.token_ids.reshape(-1),
-                           out.sampled)  # fmt: skip
+        ref.write_logprobs(processing.sanitize(flat), y, rows_slot, table,
+                           out.token_ids.reshape(-1), out.sampled)  # fmt: skip
 
 
 def emit(drafts: torch.Tensor, accepted: torch.Tensor, cand: torch.Tensor, out) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import graphexec as gx
-from graphexec import workload as wl
+from graphexec.app import workload as wl
 
 
 def streams(trace: wl.Trace) -> dict[str, list[tuple[int, float | None]]]:

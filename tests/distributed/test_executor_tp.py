@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import graphexec as gx
-import graphexec.workload as wl
+import graphexec.app.workload as wl
 from tests.distributed.ranks import run_ranks
 
 V = 301

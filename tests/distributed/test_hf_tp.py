@@ -30,9 +30,9 @@ import pytest
 import torch
 
 import graphexec as gx
-import graphexec.workload as wl
+import graphexec.app.workload as wl
+from graphexec.checkpoints.hf_config import param_shapes
 from graphexec.models import HFTransformer
-from graphexec.models.hf_config import param_shapes
 from graphexec.models.hf_shard import SPLITS, TPShard, check_divisible
 from tests.distributed.arrangements import arrangements, same, streams
 from tests.distributed.ranks import run_ranks

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import graphexec as gx
-import graphexec.workload as wl
+import graphexec.app.workload as wl
+from graphexec.kernels.cpu_route import RowMM
+from graphexec.kernels.matmul import tree_sum
+from graphexec.kernels.row_parallel import RowSplit, row_linear_reference, row_split_cpu
 from graphexec.models import HFTransformer
-from graphexec.models.cpu_route import RowMM
 from graphexec.models.hf_random import random_state_dict
-from graphexec.models.matmul import tree_sum
-from graphexec.models.row_parallel import RowSplit, row_linear_reference, row_split_cpu
 from tests.distributed.arrangements import same, streams
 from tests.distributed.ranks import run_ranks
 from tests.distributed.test_hf_tp import logits_script, numpy

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphexec as gx
-import graphexec.workload as wl
+import graphexec.app.workload as wl
 from tests.engine.scripted import drain, tokens
 
 P = gx.SamplingParams

@@ -4,7 +4,7 @@ admission order, replayed and eager, with and without speculation (n-gram and a 
 model, strict), with any prefill budget.
 
 A 512-token vocabulary keeps the torch sampler (most of a CPU step) cheap, so there are
-no grammars here (they need the cl100k tokenizer); tests/gpu/test_hf_gpu.py runs the same
+no grammars here (they need the cl100k tokenizer); tests/models/test_hf_gpu.py runs the same
 checks with grammars at the Qwen2.5-0.5B shape."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec import workload as wl
+from graphexec.app import workload as wl
 from graphexec.models.hf_random import random_state_dict
 
 V = 512

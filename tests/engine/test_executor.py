@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec import workload as wl
+from graphexec.app import workload as wl
 from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant as SV
 from tests.engine.scripted import drain, tokens

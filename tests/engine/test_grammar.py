@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec.grammar import GrammarCompiler, GrammarSlots
 from graphexec.sampling.processing import unpack_bitmask
+from graphexec.text.grammar import GrammarCompiler, GrammarSlots
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_rows_without_grammar_allow_everything_and_padding_never(compiler, tok) 
 def test_grammar_requests_finish_with_text_their_grammar_accepts() -> None:
     import re
 
-    from graphexec import workload as wl
+    from graphexec.app import workload as wl
 
     tok = gx.Tokenizer.cl100k()
     ex = gx.DecodeExecutor(gx.models.TableModel(tok.vocab_size, seed=2), max_batch_size=8,
@@ -144,3 +144,24 @@ def test_a_tokenizer_without_eos_compiles_grammars() -> None:
     slots = GrammarSlots(compiler, max_rows=1)
     slots.add(0, gx.Grammar.regex("ab+"))
     assert [slots.accept(0, t) for t in b"ab"] == [False, True]
+
+
+def test_refused_drafts_end_the_run_without_a_library_warning(compiler, tok, capfd) -> None:
+    """fill_runs stops a row's drafts at the first one its mask refuses, a special token
+    or a token past the vocabulary included, before the matcher sees it (xgrammar logs
+    each refused token to stderr, which a user cannot act on); the masks before it and
+    the matcher's state are kept."""
+    special = next(i for i in range(tok.vocab_size - 1, 0, -1)
+                   if tok.is_special(i) and i not in tok.eos_token_ids)  # fmt: skip
+    brace = tok.encode("{")
+    slots = GrammarSlots(compiler, max_rows=2, offsets=4)
+    slots.add(0, gx.Grammar.json())
+    slots.add(1, gx.Grammar.json())
+    capfd.readouterr()
+    rows, kept = slots.fill_runs([0, 1], [[*brace, special, *brace], [10**9]])
+    assert kept == [len(brace), 0]
+    assert "cannot accept" not in capfd.readouterr().err
+    allowed = unpack_bitmask(rows[0, len(brace)].unsqueeze(0), compiler.vocab_size)[0]
+    assert not allowed[special] and allowed.any()
+    # rolled back: the matcher still starts the object
+    assert not slots.accept(0, brace[0])

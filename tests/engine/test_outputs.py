@@ -61,7 +61,7 @@ def test_inspect_tool_prints_a_row_per_key() -> None:
 def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys) -> None:
     import argparse
 
-    from graphexec.inspection import add_arguments, inspect_graphs, print_emulated_table
+    from graphexec.app.inspection import add_arguments, inspect_graphs, print_emulated_table
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

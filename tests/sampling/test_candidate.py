@@ -7,7 +7,7 @@ reference's tokens and routes."""
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
@@ -18,8 +18,8 @@ import torch
 
 import graphexec as gx
 from graphexec.rng import Stream
-from graphexec.sampling import reference as ref
 from graphexec.sampling import processing
+from graphexec.sampling import reference as ref
 from graphexec.sampling.tensors import SamplingTensors
 from graphexec.sampling.triton.sampler_config import I_CAND, SamplerConfig
 from tests.sampling.test_reference_stats import (
@@ -41,7 +41,9 @@ def draw_many(row: torch.Tensor, case: Case, seed: int, n: int, draw_block: int 
     params = P(seed=seed, **case.params)
     table = SamplingTensors.from_params([params], V, "cpu")
     slots = torch.zeros(n, dtype=torch.int64)
-    xc = processing.collapse_inf(processing.process_logits(row.expand(n, -1).contiguous(), slots, table))
+    xc = processing.collapse_inf(
+        processing.process_logits(row.expand(n, -1).contiguous(), slots, table)
+    )
     y = processing.scale(xc, slots, table)
     inv_t = ref.effective_inv_t(slots, table)
     stats = ref.block_stats(xc, inv_t, draw_block)

@@ -6,7 +6,7 @@ on the top-k mass; min-p relative to the max probability)."""
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

@@ -4,7 +4,7 @@ reference's."""
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

@@ -3,7 +3,7 @@ against the reference's K_b, and the cuts it resolves wherever they fall."""
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
@@ -11,8 +11,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
-from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling import processing
+from graphexec.sampling import (
+    processing,
+    reference,  # noqa: E402
+)
 from graphexec.sampling.triton.kept import FEW  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,

@@ -1,6 +1,6 @@
 """The Triton Philox (graphexec.sampling.triton.philox) equals graphexec.rng bit for bit."""
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

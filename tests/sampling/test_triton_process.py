@@ -1,7 +1,7 @@
 """The Triton processing (`process.tile_x`, which every pass runs) equals
 processing.process_logits bit for bit."""
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

@@ -3,7 +3,7 @@ token, under both presets: every route, dtype, variant, slot layout and split.""
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

@@ -3,16 +3,16 @@ bins, and the brackets it places (one, or two around top-p's and top-k's cuts)."
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from graphexec.sampling import reference  # noqa: E402
-
-from graphexec.sampling import processing
+from graphexec.sampling import (
+    processing,  # noqa: E402
+)
 from graphexec.sampling.triton.draw import FINE  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     F_INVW,

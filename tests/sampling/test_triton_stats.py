@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
@@ -11,8 +11,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
-from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling import processing
+from graphexec.sampling import (
+    processing,
+    reference,  # noqa: E402
+)
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 

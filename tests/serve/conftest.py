@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_hf_tokenizer import build_llama
+from tests.text.test_hf_tokenizer import build_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("openai")

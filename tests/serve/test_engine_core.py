@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 import graphexec as gx
-from graphexec.async_executor import QueueFullError
+from graphexec.engine.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.request import PromptLogprob, RequestOutput
 from graphexec.serve import wire

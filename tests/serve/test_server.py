@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from graphexec.demo_model import choose_model
+from graphexec.models.demo_model import choose_model
 from graphexec.serve.chat import ChatTemplate, read_tokenizer_config
 from tests.serve.conftest import Server
 

@@ -10,11 +10,11 @@ import pytest
 import xgrammar as xgr
 
 import graphexec as gx
-from graphexec.grammar import GrammarCompiler
 from graphexec.request import RequestOutput
 from graphexec.serve.errors import APIError
 from graphexec.serve.responses import Choice, Shape
 from graphexec.serve.tools import tool_choice, tool_format
+from graphexec.text.grammar import GrammarCompiler
 from tests.serve.test_fields import TIME, WEATHER
 
 QWEN_LIKE = "{% for m in messages %}{{ m['content'] }}{% endfor %}<tool_call>{{ tools }}"

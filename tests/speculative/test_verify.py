@@ -11,7 +11,7 @@ neighbours, bad arguments raise a ValueError naming the argument, and the Triton
 
 from __future__ import annotations
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

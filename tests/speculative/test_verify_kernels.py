@@ -1,6 +1,6 @@
 """verify_kernels (Triton, interpreted on the CPU) against their torch references."""
 
-from tests.triton_env import ensure_interpreter
+from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 

@@ -78,6 +78,6 @@ noise is drawn for the block maxes and one block, and the draw reads one block a
 whatever the filters kept (`reference`, step 6).
 """
 
-from graphexec.triton_env import interpreter_enabled
+from graphexec.runtime.triton_env import interpreter_enabled
 
 __all__ = ["interpreter_enabled"]

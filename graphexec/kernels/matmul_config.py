@@ -1,0 +1,169 @@
+"""The invariant GEMM's tiles: `MatmulConfig.tile(N, K)` picks a weight's tile and its split
+of K from the weight's shape alone (tuned tiles first, then a rule), never from the rows of
+a call; large-M tiles with the same split serve big calls once verified on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import triton
+
+from graphexec.kernels.matmul_kernel import MAX_SPLIT
+from graphexec.runtime.triton_env import interpreter_enabled
+
+
+@dataclass(frozen=True)
+class MatmulTile:
+    """One compiled kernel's tiling: rows x columns of a program, K per step, launch;
+    split: the parts of K summed in the tree (a power of two dividing K)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split: int = 1
+
+
+# (N, K, (block_m, block_n, block_k, num_warps, num_stages, split)); gate/up's N is I (its
+# output). The decode tiles: every M runs them unless a verified large tile takes over.
+GPU_TILES = (
+    (1152, 896, (64, 16, 128, 4, 4, 1)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 16, 128, 4, 4, 1)),  # o
+    (4864, 896, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
+    (896, 4864, (64, 32, 128, 4, 4, 4)),  # down
+    (151936, 896, (64, 128, 64, 8, 3, 1)),  # LM head
+    (3072, 2048, (64, 32, 128, 4, 4, 1)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 128, 4, 4, 4)),  # o
+    (8192, 2048, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 64, 128, 4, 4, 4)),  # down
+    (128256, 2048, (64, 128, 64, 4, 4, 1)),  # LM head
+    (6144, 4096, (64, 64, 128, 4, 4, 1)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (64, 64, 128, 8, 3, 4)),  # o
+    (14336, 4096, (64, 64, 128, 8, 3, 1)),  # gate/up + SwiGLU
+    (4096, 14336, (64, 64, 64, 4, 4, 4)),  # down
+    (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
+)
+
+# Tiles for calls of at least `large_m` rows, each with its decode tile's split (so the
+# same reduction order): used only once `verified` on the device (`verify_large_tiles`).
+# (bench_matmul.py --large-sweep on an H200, every candidate bit-identical there)
+GPU_LARGE_TILES = (
+    (1152, 896, (64, 64, 64, 4, 4, 1)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 64, 64, 4, 4, 1)),  # o
+    (4864, 896, (64, 64, 64, 4, 4, 1)),  # gate/up + SwiGLU
+    (896, 4864, (64, 128, 64, 4, 4, 4)),  # down
+    (151936, 896, (128, 128, 64, 8, 3, 1)),  # LM head
+    (3072, 2048, (64, 64, 64, 4, 5, 1)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 128, 64, 8, 3, 4)),  # o
+    (8192, 2048, (64, 128, 64, 4, 4, 1)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 128, 64, 4, 4, 4)),  # down
+    (128256, 2048, (128, 128, 64, 8, 3, 1)),  # LM head
+    (6144, 4096, (64, 128, 64, 4, 4, 1)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (128, 64, 128, 8, 3, 4)),  # o
+    (14336, 4096, (128, 128, 64, 8, 3, 1)),  # gate/up + SwiGLU
+    (4096, 14336, (128, 128, 64, 8, 3, 4)),  # down
+    (128256, 4096, (128, 128, 64, 8, 3, 1)),  # LM head
+)
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """How `linear` tiles a weight of shape [N, K]; `tile(N, K)` depends on nothing else.
+
+    block_m: rows per program (a power of two >= 16).
+    block_k: K per step of the loop, for K of at least `long_k`; `short_block_k` below.
+    min_programs: block_n is the largest power of two in [16, max_block_n] that still
+        gives at least this many column tiles (so a one-row call fills the GPU), 16
+        where none does; then the split of K doubles (up to max_split, each part at
+        least block_k long and K divisible by it) while tiles x split is below it. At
+        run time, a call with fewer programs than this spreads a tile's parts over up
+        to `split` programs.
+    num_warps, num_stages: of every tile.
+    tiles: tuned tiles by weight shape, ((N, K, tile), ...), taken before the rule.
+    large_tiles: ((N, K, tile), ...) for calls of at least `large_m` rows; each has the
+        split of `tile(N, K)`, so the same parts and the same K order, and may differ
+        in rows, columns and K per step of a program. Used only where `verified` lists
+        the shape: `verify_large_tiles` checked, on the device, that the two tiles give
+        the same bits (the tensor cores sum each output over K in steps of 16 whatever
+        the tile, but that is the hardware's property, so it is measured, not assumed).
+    """
+
+    block_m: int = 64
+    max_block_n: int = 128
+    block_k: int = 128
+    short_block_k: int = 64
+    long_k: int = 1024
+    min_programs: int = 264
+    num_warps: int = 4
+    num_stages: int = 4
+    max_split: int = MAX_SPLIT
+    tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    large_m: int = 128
+    verified: frozenset[tuple[int, int]] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "max_block_n", "block_k", "short_block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {v}")
+        for name in ("long_k", "min_programs", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MatmulConfig.{name} must be positive")
+        for split in [self.max_split] + [t.split for _, _, t in self.tiles]:
+            if not 1 <= split <= MAX_SPLIT or split & (split - 1):
+                raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
+                                 f"{MAX_SPLIT}, got {split}")  # fmt: skip
+        for n, k, t in self.large_tiles:
+            if t.split != self.tile(n, k).split:
+                raise ValueError(f"MatmulConfig.large_tiles: the tile of [{n}, {k}] splits K "
+                                 f"into {t.split} parts, its decode tile into "
+                                 f"{self.tile(n, k).split}: they must be equal")  # fmt: skip
+
+    @classmethod
+    def gpu(cls) -> MatmulConfig:
+        """The rule, and tuned tiles for the weights of Qwen2.5-0.5B and Llama-3.2-1B
+        (benchmarks/bench_matmul.py --sweep on an H100: the tile of least worst ratio to
+        cuBLAS over M = 1..256)."""
+        return cls(
+            tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES),
+            large_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LARGE_TILES),
+        )
+
+    @classmethod
+    def interpreter(cls) -> MatmulConfig:
+        """Small tiles: the CPU interpreter pays per element and per program."""
+        return cls(block_m=16, max_block_n=32, block_k=32, short_block_k=16, long_k=64,
+                   min_programs=4, num_warps=1, num_stages=1)  # fmt: skip
+
+    @classmethod
+    def default(cls) -> MatmulConfig:
+        return cls.interpreter() if interpreter_enabled() else cls.gpu()
+
+    def replace(self, **kw) -> MatmulConfig:
+        return dataclasses.replace(self, **kw)
+
+    def tile(self, N: int, K: int) -> MatmulTile:
+        """The tile of every call with a [N, K] weight (shapes only: never M)."""
+        for n, k, tile in self.tiles:
+            if (n, k) == (N, K):
+                return tile
+        bn = 16
+        while bn < self.max_block_n and triton.cdiv(N, 2 * bn) >= self.min_programs:
+            bn *= 2
+        bk = self.block_k if K >= self.long_k else self.short_block_k
+        split, tiles_n = 1, triton.cdiv(N, bn)
+        while (split < self.max_split and tiles_n * split < self.min_programs
+               and K % (2 * split) == 0 and K // (2 * split) >= bk):  # fmt: skip
+            split *= 2
+        return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages, split)
+
+    def tile_for(self, N: int, K: int, M: int) -> MatmulTile:
+        """The tile a call of M rows runs: `tile(N, K)`, or its verified large tile."""
+        if M >= self.large_m and (N, K) in self.verified:
+            for n, k, tile in self.large_tiles:
+                if (n, k) == (N, K):
+                    return tile
+        return self.tile(N, K)

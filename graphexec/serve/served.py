@@ -1,0 +1,103 @@
+"""What an engine and an API server are built from: the executor of an `EngineSpec` (model
+loaded, graphs captured), and the `ServedModel` the routes answer for (its tokenizer, BOS
+prefix and chat template; an API server reads them without the weights)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def served_model(dm, path: str | None, name: str | None, max_seq_len: int):
+    """The `ServedModel` of a `DemoModel` (its chat template and special tokens, read from
+    the checkpoint's tokenizer_config by `choose_model`)."""
+    from graphexec.serve.app import ServedModel
+    from graphexec.serve.chat import ChatTemplate
+
+    default = _default_name(dm.spec, path)
+    aliases = tuple(a for a in (path, dm.name) if a)
+    return ServedModel(name or default, dm.tokenizer, max_seq_len, tuple(dm.prompt_prefix),
+                       ChatTemplate(dm.chat_template, dict(dm.special_tokens)),
+                       aliases)  # fmt: skip
+
+
+def _default_name(spec, path: str | None) -> str:
+    folder = path if path and Path(path).is_dir() else None
+    if folder:
+        return Path(folder).resolve().name
+    return "tinylm" if spec.kind == "tiny" else spec.name
+
+
+def front_model(path: str | None, name: str | None, max_seq_len: int, engine_name: str):
+    """An API server's `ServedModel`, read without the weights: the tokenizer, BOS prefix
+    and chat template of the checkpoint (cl100k and no template for random weights)."""
+    import graphexec as gx
+    from graphexec.models.choice import resolve_model
+    from graphexec.models.demo_model import bos_prefix
+    from graphexec.serve.app import ServedModel
+    from graphexec.serve.chat import ChatTemplate
+    from graphexec.text.chat_template import read_tokenizer_config
+
+    spec = resolve_model(path or "tiny")
+    if spec.kind in ("checkpoint", "smollm2"):
+        tok, prefix = gx.Tokenizer.from_pretrained(spec.folder), bos_prefix(spec.folder)
+        template, special = read_tokenizer_config(spec.folder)
+    else:
+        tok, prefix, template, special = gx.Tokenizer.cl100k(), (), None, {}
+    aliases = tuple(a for a in (path, engine_name) if a)
+    return ServedModel(name or _default_name(spec, path), tok, max_seq_len, prefix,
+                       ChatTemplate(template, dict(special)), aliases)  # fmt: skip
+
+
+def build_executor(spec):
+    """(the executor, its `DemoModel`) of a `processes.EngineSpec`: the model loaded, graphs
+    captured on CUDA unless `capture` is off. ModelChoiceError for a bad --model."""
+    import torch
+
+    import graphexec as gx
+    from graphexec.models.demo_model import choose_model
+    from graphexec.runtime.threads import configure_threads
+
+    device = torch.device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    configure_threads(str(device), spec.threads)
+    kw = {} if spec.seed is None else {"seed": spec.seed}
+    dm = choose_model(spec.model, device, spec.dtype, spec.max_seq_len, **kw)
+    n = spec.max_batch_size or (64 if device.type == "cuda" else 16)
+    draft = gx.SpeculativeConfig(drafter="ngram") if spec.speculative else None
+    ex = gx.DecodeExecutor(dm.make(), max_batch_size=n, device=device, tokenizer=dm.tokenizer,
+                           seed=spec.seed, speculative=draft)  # fmt: skip
+    if device.type == "cuda" and spec.capture:
+        t1 = time.perf_counter()
+        ex.capture(capture_keys(spec.capture_keys, ex))
+        log.info("captured %d graphs in %.1f s", len(ex.graph_keys), time.perf_counter() - t1)
+    return ex, dm
+
+
+def parse_capture_keys(names) -> list[tuple[str, bool]]:
+    """(variant, logprobs) of each --capture-keys name; ValueError naming the flag."""
+    from graphexec.params import SamplerVariant
+
+    out = []
+    for name in names or ():
+        variant, _, lp = name.partition("+")
+        if variant not in {v.value for v in SamplerVariant} or lp not in ("", "logprobs"):
+            names = ", ".join(v.value for v in SamplerVariant)
+            raise ValueError(f"--capture-keys: {name!r} is not VARIANT or VARIANT+logprobs "
+                             f"(variants: {names})")  # fmt: skip
+        out.append((variant, bool(lp)))
+    return out
+
+
+def capture_keys(names, ex) -> list | None:
+    """The GraphKeys of --capture-keys at every bucket and speculative width of `ex`;
+    None (every key) without names."""
+    from graphexec.params import SamplerVariant
+    from graphexec.request import GraphKey
+
+    if not names:
+        return None
+    return [GraphKey(SamplerVariant(v), b, lp, k) for v, lp in parse_capture_keys(names)
+            for b in ex.buckets for k in ex.runner.spec_ks]  # fmt: skip

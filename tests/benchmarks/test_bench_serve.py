@@ -1,0 +1,46 @@
+"""CPU tests of the server load test's bookkeeping (benchmarks/bench_serve.py): what a
+point counts in its window, lost and duplicated streams, and the targets' verdicts. The
+load test itself runs on the GPU host; its numbers are not measured here."""
+
+import bench_serve  # noqa: E402
+import pytest
+from serve_clients import Record, Workload  # noqa: E402
+
+
+def test_summarize_counts_only_the_window_and_flags_lost_and_duplicated_streams() -> None:
+    recs = [
+        Record(0.5, [1.0, 2.0, 3.0, 4.0], 4, usage=4),  # tokens 2.0 and 3.0 (and its gap) count
+        Record(2.1, [2.5, 2.7, 2.9], 4, usage=3),  # one lost, its usage agrees
+        Record(2.2, [2.3, 2.4, 2.6, 2.8, 2.95], 4, usage=4),  # one duplicated, usage disagrees
+        Record(2.0, [], 4, error="HTTP 503"),  # an error is no stream: counted as an error
+    ]
+    s = bench_serve.summarize(recs, 2.0, 3.0)
+    assert s["tokens"] == 2 + 3 + 5 and s["tokens_per_s"] == pytest.approx(10.0)
+    assert (s["lost"], s["duplicated"], s["usage_mismatch"], s["errors"]) == (1, 1, 1, 1)
+    assert s["ttft_mean_us"] == pytest.approx((0.4 + 0.1) / 2 * 1e6)  # the two sent inside
+    gaps = [1.0, 1.0, 0.2, 0.2, 0.1, 0.2, 0.2, 0.15]
+    assert s["gap_mean_us"] == pytest.approx(sum(gaps) / len(gaps) * 1e6)
+
+
+def test_judge_holds_every_point_to_the_targets_and_the_engines_ratio() -> None:
+    def point(tps, gap, lost=0):
+        return dict(tokens_per_s=tps, gap_p99_us=gap, lost=lost, errors=0, duplicated=0,
+                    usage_mismatch=0)  # fmt: skip
+
+    direct = {64: point(1000, 100), 256: point(2000, 100)}
+    server = {64: point(950, 110), 256: point(1900, 130, lost=1)}
+    j = bench_serve.judge(direct, server, {256: point(3700, 100)}, dict(ready_less_capture_s=3))
+    assert j["tokens_ratio"] == pytest.approx({"64": 0.95, "256": 0.95})
+    assert j["gap_ratio"] == pytest.approx({"64": 1.1, "256": 1.3}) and j["lost"] == 1
+    assert j["dp_over_one_engine"] == pytest.approx({"256": 3700 / 1900})
+    assert j["met"] == dict(tokens_ratio=True, gap_ratio=False, dp=True, lost=False,
+                            duplicated=True, ready=True)  # fmt: skip
+    assert bench_serve.judge(direct, server, {}, {})["met"]["dp"] is None
+
+
+def test_workload_requests_are_seeded_and_exact_length() -> None:
+    wl = Workload(prompt_len=16, max_tokens=9, vocab=1000)
+    assert wl.prompt(3) == wl.prompt(3) != wl.prompt(4)
+    assert len(wl.prompt(3)) == 16 and max(wl.prompt(3)) < 1000
+    b = wl.body(3, "m")
+    assert b["ignore_eos"] and b["seed"] == 3 and b["max_tokens"] == 9 and b["stream"]
