@@ -90,7 +90,7 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     tiles, P = launch_shape(M, N, t.block_m, t.block_n, t.split, cfg.min_programs, MAX_TILES)
     if programs_per_tile is not None:  # tests: every P gives the same bits
         P = programs_per_tile
-    f32_dot = interpreter_enabled() and x.dtype == torch.bfloat16
+    interpreted = interpreter_enabled()
     if P > 1:
         partial = torch.empty((P, 2 if silu_mul else 1, M, N), dtype=torch.float32,
                               device=x.device)  # fmt: skip
@@ -102,7 +102,7 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
         M, N, K, x.stride(0), w.stride(0), K // t.split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         PARTS=t.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        PRECISION="ieee" if x.dtype == torch.float32 or f32_dot else "tf32", F32_DOT=f32_dot,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out

@@ -56,7 +56,7 @@ def _tree_push(J: tl.constexpr, cur, s0, s1, s2, s3):
 @triton.jit
 def _part_dot(x_ptr, w_ptr, k_lo, part_k, K, mmask, nmask, rk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
+              PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     """One part's [BLOCK_M, BLOCK_N] float32 sum over K columns k_lo .. k_lo + part_k."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     x_ptr += k_lo
@@ -65,9 +65,14 @@ def _part_dot(x_ptr, w_ptr, k_lo, part_k, K, mmask, nmask, rk,
         kmask = rk[None, :] < tl.minimum(part_k, K - k_lo) - k0
         x = tl.load(x_ptr, mask=mmask[:, None] & kmask, other=0.0)
         w = tl.load(w_ptr, mask=nmask[:, None] & kmask, other=0.0)
-        if F32_DOT:  # the interpreter multiplies bf16 as raw bits: exact fp32 products
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if INTERPRETED:
+            # the interpreter's dot is numpy's BLAS, which sums a row differently by its
+            # place in the tile (and multiplies bf16 as raw bits): exact float32 products,
+            # each output summed on its own
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc = acc + tl.sum(prod, axis=2)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         x_ptr += BLOCK_K
         w_ptr += BLOCK_K
     return acc
@@ -102,7 +107,7 @@ def _linear_kernel(
     PARTS: tl.constexpr,  # parts per program (S / P)
     P: tl.constexpr,  # programs per tile
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     q = tl.program_id(1)
@@ -122,11 +127,11 @@ def _linear_kernel(
     for j in tl.static_range(PARTS):
         k_lo = (q * PARTS + j) * part_k
         acc = _part_dot(x_ptr, w_ptr, k_lo, part_k, K, mmask, nmask, rk,
-                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, F32_DOT)  # fmt: skip
+                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)  # fmt: skip
         acc, s0, s1, s2, s3 = _tree_push(j, acc, s0, s1, s2, s3)
         if SILU_MUL:
             up = _part_dot(x_ptr, up_ptr, k_lo, part_k, K, mmask, nmask, rk,
-                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, F32_DOT)  # fmt: skip
+                           BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)  # fmt: skip
             up, u0, u1, u2, u3 = _tree_push(j, up, u0, u1, u2, u3)
     if P == 1:
         _epilogue(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL)

@@ -72,7 +72,7 @@ class Server:
 
     # ---- small routes ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        st = self.engine.executor_stats()
+        st = self.engine.stats()
         per = [{"running": e.running, "waiting": e.waiting, "free_slots": e.free_slots,
                 "steps": e.steps} for e in self.engine.engine_stats()]  # fmt: skip
         return JSONResponse({"status": "ok", "model": self.model.name, "running": st.running,
@@ -86,7 +86,7 @@ class Server:
         return JSONResponse({"object": "list", "data": [m]})
 
     async def prometheus(self, request: Request) -> Response:
-        text = self.metrics.render(self.engine.executor_stats())
+        text = self.metrics.render(self.engine.stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # ---- generation ------------------------------------------------------------------
