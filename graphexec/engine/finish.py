@@ -193,7 +193,9 @@ class StepOutputs(Sequence[RequestOutput]):
         self._stop_reasons: dict[int, str | int] = {}
         self._messages: dict[int, str] = {}
         self._lengths = None  # [n] tokens each row's run emitted (0: none), before stops
-        single = toks is None or toks.shape[1] == 1
+        # the one-token fast path only where every row reports exactly one output (a row
+        # of 0 is a token dropped: its request ended meanwhile)
+        single = toks is None or (toks.shape[1] == 1 and bool((counts == 1).all()))
         self._starts = None if single else np.cumsum(counts) - counts
         self._total = 0 if toks is None else int(counts.sum())
 
@@ -206,7 +208,7 @@ class StepOutputs(Sequence[RequestOutput]):
         if self._toks is None:
             return None
         if self._toks.shape[1] == 1:
-            return self._toks[:, 0]
+            return np.where(self._counts > 0, self._toks[:, 0], -1)
         keep = np.arange(self._toks.shape[1]) < self._counts[:, None]
         return np.where(keep, self._toks, -1)
 
