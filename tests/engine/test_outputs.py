@@ -50,7 +50,7 @@ def test_len_equals_the_outputs_iterated_when_a_row_reports_nothing() -> None:
                            np.array([0, 3]))  # fmt: skip
         got = list(outs)
         assert len(outs) == len(got) == sum(counts)
-        assert [o.token_id for o in got] == [t for t, c in zip((5, 6), counts) if c]
+        assert [o.token_id for o in got] == [t for t, c in zip((5, 6), counts, strict=True) if c]
         assert [outs[i] for i in range(len(outs))] == got
         assert outs.row_token_ids.tolist() == [5 if counts[0] else -1, 6 if counts[1] else -1]
 
