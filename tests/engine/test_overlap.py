@@ -77,9 +77,10 @@ def masked() -> list[Event]:
     # fmt: on
 
 
-def make(overlap: bool, speculative=None) -> gx.DecodeExecutor:
-    ex = gx.DecodeExecutor(gx.models.TableModel(V, seed=3, max_seq_len=40), max_batch_size=12,
-                           device="cpu", seed=0, tokenizer=byte_tokenizer(), overlap=overlap,
+def make(overlap: bool, speculative=None, device: str = "cpu", model=None) -> gx.DecodeExecutor:
+    model = model or gx.models.TableModel(V, seed=3, max_seq_len=40)
+    ex = gx.DecodeExecutor(model, max_batch_size=12, device=device, seed=0,
+                           tokenizer=byte_tokenizer(), overlap=overlap,
                            speculative=speculative)  # fmt: skip
     ex.capture(progress=False)
     return ex
