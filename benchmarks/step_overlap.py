@@ -95,7 +95,8 @@ def run(args, load: int) -> list[dict]:
     try:
         for B in args.batches:
             for overlap in (False, True):
-                model = gx.models.TinyLM(args.vocab, seed=0, max_seq_len=args.steps + 128)
+                # room for the timed steps and as many graph replays after them
+                model = gx.models.TinyLM(args.vocab, seed=0, max_seq_len=2 * args.steps + 160)
                 r = measure(model, args.vocab, B, overlap, args.steps)
                 r["cpu_load"] = load
                 rows.append(r)
