@@ -32,7 +32,8 @@ def tok():
 
 def executor(tok) -> gx.DecodeExecutor:
     model = gx.models.TableModel(tok.vocab_size, seed=0, max_seq_len=256)
-    return gx.DecodeExecutor(model, max_batch_size=SLOTS, device="cpu", tokenizer=tok)
+    return gx.DecodeExecutor(model, max_batch_size=SLOTS, device="cpu", tokenizer=tok,
+                             overlap=True)  # as the server builds it  # fmt: skip
 
 
 class Engines:
