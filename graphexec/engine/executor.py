@@ -216,7 +216,8 @@ class DecodeExecutor:
     # ---- the step --------------------------------------------------------------------
     def step(self, mode: str | None = None) -> StepOutputs:
         """Admit what was queued, then the outputs of every running request: its next
-        tokens (a run of 1..K+1 with speculation), or its end.
+        tokens (a run of 1..K+1 with speculation), or its end. With `overlap`, the outputs
+        of the step the previous call launched (this call's step runs meanwhile).
 
         mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
         same step function without replay, on the same buffers.
@@ -235,11 +236,12 @@ class DecodeExecutor:
         t0 = time.perf_counter()
         reqs = self.requests
         ready = reqs.drain()
-        prev, outs = self._inflight, None
-        self._inflight, self._waited = None, 0.0
+        prev, outs = self._inflight, None  # step N, held until collected
+        self._waited = 0.0
         plan = reqs.plan()
         if prev is not None and (self.drafter is not None or plan.mask_rows):
-            outs = self._finish(prev)  # the launch needs step N's tokens on the host
+            # the launch needs step N's tokens on the host: collect N first
+            self._inflight, outs = None, self._finish(prev)
             prev, plan = None, reqs.plan()
         prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
@@ -258,7 +260,8 @@ class DecodeExecutor:
         if prev is not None:
             outs = self._finish(prev)
         self._inflight = launched
-        outs = outs or StepOutputs()
+        if outs is None:
+            outs = StepOutputs()
         outs.ready = ready + outs.ready  # (aborts and failed prefills first)
         late = self._waited - early
         self.last_step_timing = StepTiming(t1 - t0 - early, self._waited,

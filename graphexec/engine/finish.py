@@ -138,7 +138,7 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
         count[i] = 1  # its error output
     outs = StepOutputs(plan.rows, keys, toks, count, gen, reasons, lp)
     outs._texts, outs._stop_reasons, outs._messages = texts, stop_reasons, messages
-    outs._lengths = ntok
+    outs._lengths = np.where(alive, ntok, 0)  # a dead row emitted nothing that counts
     if texts is not None:
         outs._plain, outs._has_text = plain[0], plan.has_text.copy()
     return outs, [Finished(i, r) for i, r in sorted(reasons.items())]
