@@ -98,7 +98,6 @@ class Request:
     prompt_len: int
     stop_ids: frozenset[int]
     variant_rank: int  # params.variant_rank: a chunk takes the max over its rows
-    generated: int = 0
     prompt_logprobs: Any = None  # reported with its first token (params.prompt_logprobs)
     history: Any = None  # n-gram speculation: its prompt and output (a TokenHistory)
     text: Any = None  # its detokenised output and stop strings (an OutputText)

@@ -24,6 +24,10 @@ class EngineConfig:
     same names as keyword arguments).
 
     max_batch_size: requests that may run at once (one slot each).
+    overlap: the pipelined step: `step()` launches step N + 1, then waits for step N by its
+        event and returns N's outputs (one call late; step until `idle` to drain), so the
+        device never waits for the host's finish. False: each step is collected in the
+        call that launched it. The same tokens either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
@@ -53,6 +57,7 @@ class EngineConfig:
     """
 
     max_batch_size: int = 256
+    overlap: bool = False
     device: torch.device | str | None = None
     cuda_graphs: bool = True
     buckets: Sequence[int] | None = None
@@ -71,6 +76,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _int_at_least_1("max_batch_size", self.max_batch_size)
         _int_at_least_1("prefill_budget", self.prefill_budget)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {self.backend!r}")
         sp = self.speculative

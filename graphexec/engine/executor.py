@@ -3,17 +3,27 @@
 A step is a few calls that return values:
   1. admit      the commands queued since the last step (`Requests.drain`): admissions
                 take slots (staged writes) and queue their prompts; aborts release slots
-  2. launch     each chunk of the plan (`StepRunner.launch`): token masks (and drafts) up,
-                slot ids written, its key's graph replayed or its step run eagerly, its
-                outputs copied to pinned host memory without blocking; a chunk whose
-                step raises ends its requests with "error"
+  2. launch     step N + 1: each chunk of the plan (`StepRunner.launch`): token masks
+                (and drafts) up, slot ids written, its key's graph replayed or its step
+                run eagerly, its outputs copied to pinned host memory without blocking,
+                an event recorded; a chunk whose step raises ends its requests with "error"
   3. prefill    behind the decode graphs: the staged slot writes flushed, the queued
                 prompts prefilled in one ragged batch cut to `prefill_budget` tokens; a
                 completed prompt decodes from the next step on (when nothing is
                 decoding, this runs first and the new rows decode in this step)
-  4. wait       once, for the outputs
-  5. finish     per row, its run of tokens (`engine.finish`): masks fed, text
+  4. wait       for step N, by its event
+  5. finish     step N per row, its run of tokens (`engine.finish`): masks fed, text
                 detokenised, stop checks, outputs; finished slots released
+
+The pipelined step (`overlap=True`): the decode state lives on the device, so step N + 1
+needs nothing from N's host work but which rows still run, and `step()` returns N's
+outputs while N + 1 runs. A row whose generated plus in-flight tokens reach its limit is
+not launched again; a row that stops at N (EOS, a stop id or string) ran once more in
+N + 1, and that token is dropped (`BatchPlan.live`); its slot is freed when N is
+collected, and the next occupant's flush is queued after N + 1 on the stream. Steps whose
+launch needs N's tokens on the host (token masks: grammar, allowed ids, bad words; the
+drafter's drafts and allowances) collect N first, then launch. `overlap=False` collects
+every step in the call that launched it. Tokens never depend on it.
 
 Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
 also while another thread is inside `step()`: they validate and queue under a lock held
@@ -32,7 +42,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from graphexec.engine.config import EngineConfig
 from graphexec.engine.drafts import Drafter
@@ -40,7 +49,6 @@ from graphexec.engine.executor_stats import ExecutorStats, StepTiming
 from graphexec.engine.finish import StepOutputs, finish
 from graphexec.engine.inbox import RequestCheck, RequestQueue
 from graphexec.engine.masks import TokenMasks, grammar_slots
-from graphexec.engine.plan import BatchPlan
 from graphexec.engine.prefill import Prefiller
 from graphexec.engine.requests import Requests
 from graphexec.engine.runner import Launched, StepRunner, build_sampler
@@ -110,7 +118,10 @@ class DecodeExecutor:
                                  self.buckets, model.max_seq_len, self.eos_token_ids,
                                  tokenizer if self.detokenize else None, self.drafter,
                                  backend=self.backend)  # fmt: skip
+        self.overlap = cfg.overlap
         self.last_step_timing = StepTiming()
+        self._inflight: Launched | None = None  # the step launched and not yet collected
+        self._waited = 0.0  # this step's wait for the device (seconds)
         self._steps = 0
         self._stepping = threading.Lock()
 
@@ -128,8 +139,8 @@ class DecodeExecutor:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, running, or waiting to be reported."""
-        return self.requests.idle
+        """Nothing queued, running, in flight, or waiting to be reported."""
+        return self.requests.idle and self._inflight is None
 
     @property
     def graphs(self):  # the `CapturedGraphs` of this executor's keys
@@ -174,6 +185,8 @@ class DecodeExecutor:
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
         with self._step_thread():
+            if self._inflight is not None:
+                self._inflight.wait()  # its graph reads the slot ids about to hold padding
             self.requests.retire_plan()  # the slot ids buffer is about to hold padding
             self.runner.capture(keys, progress)
 
@@ -203,7 +216,8 @@ class DecodeExecutor:
     # ---- the step --------------------------------------------------------------------
     def step(self, mode: str | None = None) -> StepOutputs:
         """Admit what was queued, then the outputs of every running request: its next
-        tokens (a run of 1..K+1 with speculation), or its end.
+        tokens (a run of 1..K+1 with speculation), or its end. With `overlap`, the outputs
+        of the step the previous call launched (this call's step runs meanwhile).
 
         mode: None = replay where a graph was captured (eager otherwise); "eager" runs the
         same step function without replay, on the same buffers.
@@ -222,28 +236,46 @@ class DecodeExecutor:
         t0 = time.perf_counter()
         reqs = self.requests
         ready = reqs.drain()
-        prefilled = not reqs.running and bool(reqs.prefiller.pending)
+        prev, outs = self._inflight, None  # step N, held until collected
+        self._waited = 0.0
+        plan = reqs.plan()
+        if prev is not None and (self.drafter is not None or plan.mask_rows):
+            # the launch needs step N's tokens on the host: collect N first
+            self._inflight, outs = None, self._finish(prev)
+            prev, plan = None, reqs.plan()
+        prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
             ready += reqs.prefill()  # nothing decodes yet: the new rows decode now
-        plan = reqs.plan()
-        launched = Launched()
+            plan = reqs.plan()
+        launched = None
         if plan.rows:
             self._steps += 1
             launched = self.runner.launch(plan, mode != "eager" and self.cuda_graphs)
         if not prefilled:
             ready += reqs.prefill()  # behind the decode graphs: the launches overlap them
         t1 = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        t2 = time.perf_counter()
-        self.prefiller.report_logprobs()
-        outs = self._finish(plan, launched) if plan.rows else StepOutputs()
+        early = self._waited  # waited for above (a launch that needed step N's tokens)
+        if prev is None and not self.overlap:
+            prev, launched = launched, None  # drained: this step is collected now
+        if prev is not None:
+            outs = self._finish(prev)
+        self._inflight = launched
+        if outs is None:
+            outs = StepOutputs()
         outs.ready = ready + outs.ready  # (aborts and failed prefills first)
-        self.last_step_timing = StepTiming(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        late = self._waited - early
+        self.last_step_timing = StepTiming(t1 - t0 - early, self._waited,
+                                           time.perf_counter() - t1 - late)  # fmt: skip
         return outs
 
-    def _finish(self, plan: BatchPlan, launched: Launched) -> StepOutputs:
-        outs, ended = finish(plan, launched.keys, self.runner.host, self.eos_token_ids, self.masks,
+    def _finish(self, launched: Launched) -> StepOutputs:
+        """Wait for a launched step by its event and finish it."""
+        t = time.perf_counter()
+        launched.wait()
+        self._waited += time.perf_counter() - t
+        self.prefiller.report_logprobs()
+        plan = launched.plan
+        outs, ended = finish(plan, launched.keys, launched.host, self.eos_token_ids, self.masks,
                              launched.errors, self._plain)  # fmt: skip
         if self.drafter is not None:
             self.drafter.after(plan, outs._toks, outs._lengths, outs._counts,

@@ -82,9 +82,14 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
     rows with eos_stops; errors: chunk start -> why its step raised; plain: the
     tokenizer's `plain_texts` and a bool array of where they exist (a row whose tokens
     need no decoder gets their plain texts when read).
+    Rows whose request ended since the launch (`plan.live`) report nothing: under the
+    pipelined step a row that stopped at step N ran once more in N + 1, and an abort may
+    come while its step is in flight.
     Returns the step's outputs and the rows that finished (the caller releases them)."""
     toks, lp = gather_runs(plan, keys, host)
     n, t = toks.shape
+    alive = plan.live()
+    gen = plan.generated
     live = toks >= 0
     ntok = live.cumprod(1).sum(1)  # the run's length; 0: no token
     # ids are >= 0, so the -1 past a run (or a code at 0) never matches a stop id
@@ -92,19 +97,19 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
     stop &= plan.eos_stops[:, None]
     for i in plan.own_stops:
         stop[i] |= _isin(toks[i], plan.rows[i].params.stop_token_ids)
-    room = plan.limit - plan.generated  # tokens each row may still emit (>= 1)
+    room = plan.limit - gen  # tokens each live row may still emit (>= 1)
     hit = stop.any(1)
-    count = np.minimum(ntok, room)  # tokens reported (a stop inside the run: below)
-    todo = hit | (count == room) | (ntok == 0)
+    count = np.where(alive, np.minimum(ntok, room), 0)  # reported (a stop in the run: below)
+    todo = (hit | (count == room) | (ntok == 0)) & alive
     texts: dict[int, str] | None = None  # row * T + offset -> its pushed text
     slow = None  # rows walked token by token: a mask's matcher, or text to decode
     if plain is not None and plan.has_text.any():
         texts = {}
         odd = (~plain[1][np.maximum(toks, 0)] & live).any(1)
-        slow = plan.has_text & (plan.text_slow | odd)
+        slow = plan.has_text & (plan.text_slow | odd) & alive
     if plan.mask_rows:
         slow = np.zeros(n, dtype=bool) if slow is None else slow
-        slow[plan.mask_rows] = True
+        slow[plan.mask_rows] = alive[plan.mask_rows]
     reasons: dict[int, str] = {}
     stop_reasons: dict[int, str | int] = {}
     messages: dict[int, str] = {}
@@ -114,8 +119,8 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
             messages[i] = error_message(int(min(toks[i, 0], -1)), errors.get(chunk_at(keys, i)[1]))
             continue
         if slow is not None and slow[i]:
-            count[i], reason, why = _walk(plan, i, toks[i], int(ntok[i]), stop[i], int(room[i]),
-                                          masks, texts, plain)  # fmt: skip
+            count[i], reason, why = _walk(plan, i, int(gen[i]), toks[i], int(ntok[i]), stop[i],
+                                          int(room[i]), masks, texts, plain)  # fmt: skip
         else:
             if hit[i]:
                 count[i] = min(count[i], int(stop[i].argmax()) + 1)
@@ -128,31 +133,30 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
             why = last
         if why is not None:
             stop_reasons[i] = why
-    pos0 = plan.generated.copy()
-    plan.generated += count
+    plan.collected(alive, count)
     for i in messages:
         count[i] = 1  # its error output
-    outs = StepOutputs(plan.rows, keys, toks, count, pos0, reasons, lp)
+    outs = StepOutputs(plan.rows, keys, toks, count, gen, reasons, lp)
     outs._texts, outs._stop_reasons, outs._messages = texts, stop_reasons, messages
-    outs._lengths = ntok
+    outs._lengths = np.where(alive, ntok, 0)  # a dead row emitted nothing that counts
     if texts is not None:
         outs._plain, outs._has_text = plain[0], plan.has_text.copy()
     return outs, [Finished(i, r) for i, r in sorted(reasons.items())]
 
 
-def _walk(plan, i, toks, ntok, stop, room, masks, texts, plain):
-    """Row i's run token by token (its mask's matcher, its text): (tokens reported,
-    reason or None, stop reason or None)."""
+def _walk(plan, i, pos0, toks, ntok, stop, room, masks, texts, plain):
+    """Row i's run token by token from output position `pos0` (its mask's matcher, its
+    text): (tokens reported, reason or None, stop reason or None)."""
     req = plan.rows[i]
     has_mask = masks.has(req.slot)
     text = req.text if texts is not None else None
-    pos0, t = int(plan.generated[i]), len(toks)
+    t, text_slow = len(toks), plan.counters.text_slow
     for j in range(ntok):
         tok = int(toks[j])
         hit = pushed = False
-        if text is not None and (plan.text_slow[i] or not plain[1][tok]):
+        if text is not None and (text_slow[req.slot] or not plain[1][tok]):
             texts[i * t + j], hit = text.push(tok, pos0 + j + 1)
-            plan.text_slow[i] = text.needs_push
+            text_slow[req.slot] = text.needs_push
             pushed = True
         reason = why = None
         if stop[j]:
@@ -193,7 +197,9 @@ class StepOutputs(Sequence[RequestOutput]):
         self._stop_reasons: dict[int, str | int] = {}
         self._messages: dict[int, str] = {}
         self._lengths = None  # [n] tokens each row's run emitted (0: none), before stops
-        single = toks is None or toks.shape[1] == 1
+        # the one-token fast path only where every row reports exactly one output (a row
+        # of 0 is a token dropped: its request ended meanwhile)
+        single = toks is None or (toks.shape[1] == 1 and bool((counts == 1).all()))
         self._starts = None if single else np.cumsum(counts) - counts
         self._total = 0 if toks is None else int(counts.sum())
 
@@ -206,7 +212,7 @@ class StepOutputs(Sequence[RequestOutput]):
         if self._toks is None:
             return None
         if self._toks.shape[1] == 1:
-            return self._toks[:, 0]
+            return np.where(self._counts > 0, self._toks[:, 0], -1)
         keep = np.arange(self._toks.shape[1]) < self._counts[:, None]
         return np.where(keep, self._toks, -1)
 

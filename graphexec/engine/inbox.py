@@ -65,14 +65,16 @@ class Abort:
 
 
 def check_prompt(prompt_token_ids, vocab_size: int, max_seq_len: int) -> list[int]:
-    """The prompt as a list of ints in [0, V); ValueError naming prompt_token_ids."""
+    """The prompt as a list of ints in [0, V), shorter than `max_seq_len`; ValueError
+    naming prompt_token_ids."""
     if isinstance(prompt_token_ids, numbers.Integral):
         raise ValueError("prompt_token_ids must be a sequence of ints, got one int")
     prompt = list(token_ids("prompt_token_ids", prompt_token_ids))
-    if not 1 <= len(prompt) <= max_seq_len:
+    # a prompt that fills the context leaves no room for a token: refused, never admitted
+    if not 1 <= len(prompt) < max_seq_len:
         raise ValueError(
-            f"prompt_token_ids must hold 1 to {max_seq_len} tokens (the model's max_seq_len), "
-            f"got {len(prompt)}"
+            f"prompt_token_ids must hold 1 to {max_seq_len - 1} tokens (the model's max_seq_len "
+            f"{max_seq_len} less one for the first generated token), got {len(prompt)}"
         )
     bad = [t for t in prompt if t >= vocab_size]
     if bad:

@@ -2,11 +2,13 @@
 largest bucket, each with its `GraphKey` (the variant: `choose_variant`'s choice routed to
 the graph that serves it on the sampler backend, `variants.served_by`).
 
-It is rebuilt only when a request is admitted, finishes or is aborted. Its per-row
-counters (tokens generated, token limit) are numpy columns, so a step touches no
+It is rebuilt only when a request is admitted, finishes or is aborted, or a row stops
+being launchable (its generated plus in-flight tokens reach its limit). The per-request
+counters live in `SlotCounters`, numpy columns indexed by slot, so a step touches no
 per-request Python object unless that request ends, has a token mask, its own stop ids,
-or its text is detokenised. The counters are the requests' `generated` while the plan
-lives: `retire` writes them back.
+or its text is detokenised; and two steps in flight (the pipelined step) read and
+advance the same counters. A plan keeps each row's slot and the slot's epoch at build
+time: a row whose request ended since (epoch moved on) is dead, its tokens dropped.
 """
 
 from __future__ import annotations
@@ -30,44 +32,98 @@ def chunk_key(rows: list[Request], bucket: int, backend: str) -> GraphKey:
 
 
 @dataclass
+class SlotCounters:
+    """Host counters per slot (numpy [S]), written at admission and by each step's finish.
+
+    generated: tokens the request has reported; limit: min(max_tokens, the room left in the
+    model's sequence); inflight: tokens launched and not yet collected (0 or 1: only
+    one-token steps overlap); text_slow: its next token needs the decoder
+    (`OutputText.needs_push`); epoch: bumped when the slot's request ends."""
+
+    generated: np.ndarray
+    limit: np.ndarray
+    inflight: np.ndarray
+    text_slow: np.ndarray
+    epoch: np.ndarray
+
+    @classmethod
+    def allocate(cls, slots: int) -> SlotCounters:
+        def z(dtype=np.int64):
+            return np.zeros(slots, dtype=dtype)
+
+        return cls(z(), z(), z(), z(bool), z())
+
+    def start(self, slot: int, limit: int, text_slow: bool) -> None:
+        self.generated[slot], self.limit[slot], self.inflight[slot] = 0, limit, 0
+        self.text_slow[slot] = text_slow
+
+    def end(self, slot: int) -> None:
+        """The slot's request ended: rows of it still in flight are dead."""
+        self.epoch[slot] += 1
+        self.inflight[slot] = 0
+
+    def launchable(self, slots: np.ndarray) -> np.ndarray:
+        """bool [n]: the slots' requests may emit a token past those in flight."""
+        return self.generated[slots] + self.inflight[slots] < self.limit[slots]
+
+
+@dataclass
 class BatchPlan:
     rows: list[Request]
     chunks: list[tuple[GraphKey, int, int]]  # (key, first row, rows); spec_k 0 until launch
-    generated: np.ndarray  # i64 [n]: tokens each request has produced
-    limit: np.ndarray  # i64 [n]: min(max_tokens, room left in the model's sequence)
+    counters: SlotCounters
+    slots: np.ndarray  # i64 [n]: each row's slot
+    epoch: np.ndarray  # i64 [n]: its slot's epoch when the plan was built
     own_stops: list[int]  # rows with stop_token_ids of their own
     eos_stops: np.ndarray  # bool [n]: EOS stops the row (not ignore_eos)
     mask_rows: list[int]  # rows with a host-written token mask (grammar, allowed, bad words)
     has_text: np.ndarray  # bool [n]: the row's output text is detokenised
-    text_slow: np.ndarray  # bool [n]: its next token needs the decoder (OutputText.needs_push)
     logprobs: bool  # some row asked for logprobs
     uploaded: bool = False  # the device slot ids hold this plan's only chunk
 
     @classmethod
-    def build(cls, rows: list[Request], buckets: Sequence[int], max_seq_len: int,
+    def build(cls, rows: list[Request], buckets: Sequence[int], counters: SlotCounters,
               has_mask, backend: str) -> BatchPlan:  # fmt: skip
+        slots = np.array([r.slot for r in rows], dtype=np.int64)
         return cls(
             rows=rows,
             chunks=[
                 (chunk_key(rows[start : start + n], bucket, backend), start, n)
                 for start, n, bucket in chunks(len(rows), buckets)
             ],
-            generated=np.array([r.generated for r in rows], dtype=np.int64),
-            limit=np.array(
-                [min(r.params.max_tokens, max_seq_len - r.prompt_len) for r in rows],
-                dtype=np.int64,
-            ),
+            counters=counters,
+            slots=slots,
+            epoch=counters.epoch[slots],
             own_stops=[i for i, r in enumerate(rows) if r.params.stop_token_ids],
             eos_stops=np.array([not r.params.ignore_eos for r in rows], dtype=bool),
             mask_rows=[i for i, r in enumerate(rows) if has_mask(r.slot)],
             has_text=np.array([r.text is not None for r in rows], dtype=bool),
-            text_slow=np.array(
-                [r.text is not None and r.text.needs_push for r in rows], dtype=bool
-            ),  # fmt: skip
             logprobs=any(r.params.logprobs is not None for r in rows),
         )
 
-    def retire(self) -> None:
-        """Write the counters back to the requests (the plan is about to be rebuilt)."""
-        for r, g in zip(self.rows, self.generated.tolist(), strict=True):
-            r.generated = g
+    # the counters of the plan's rows (copies)
+    @property
+    def generated(self) -> np.ndarray:
+        return self.counters.generated[self.slots]
+
+    @property
+    def limit(self) -> np.ndarray:
+        return self.counters.limit[self.slots]
+
+    @property
+    def text_slow(self) -> np.ndarray:
+        return self.counters.text_slow[self.slots]
+
+    def live(self) -> np.ndarray:
+        """bool [n]: rows whose request has not ended since the plan was built."""
+        return self.counters.epoch[self.slots] == self.epoch
+
+    def launched(self) -> None:
+        self.counters.inflight[self.slots] += 1
+
+    def collected(self, live: np.ndarray, count: np.ndarray) -> None:
+        """The step's tokens are in: live rows advance by `count` (dead rows' slots may
+        belong to other requests already: untouched)."""
+        s = self.slots[live]
+        self.counters.inflight[s] -= 1
+        self.counters.generated[s] += count[live]

@@ -3,17 +3,19 @@
 At the start of a step `drain` takes the commands queued since the last one (host
 bookkeeping only): each admitted request gets its slots (staged writes) and its prompt
 joins the step's prefill (`engine.prefill`); aborts release their slots. A request's
-generated count has one home: the step plan's counters while the plan lives (it is
-rebuilt only when a request comes or goes), the `Request` otherwise (`retire_plan`).
+counters (generated, limit, in flight) live in `SlotCounters` by slot, which the step
+plans read; a released slot's epoch moves on, so a step still in flight drops its row.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from graphexec.engine.finish import Finished
 from graphexec.engine.inbox import Aborted, Admit, RequestQueue
-from graphexec.engine.plan import BatchPlan
+from graphexec.engine.plan import BatchPlan, SlotCounters
 from graphexec.engine.prefill import Pending, Prefiller
 from graphexec.engine.slots import SlotTable
 from graphexec.params import variant_rank
@@ -45,6 +47,7 @@ class Requests:
         self.buckets, self.max_seq_len = buckets, max_seq_len
         self.eos_token_ids, self.tokenizer, self.drafter = eos_token_ids, tokenizer, drafter
         self.running: dict[str, Request] = {}
+        self.counters = SlotCounters.allocate(slots.max_slots + 1)
         self.admitted = 0
         self._ends: list[RequestOutput] = []  # ends waiting to be reported
         self._plan: BatchPlan | None = None
@@ -76,16 +79,18 @@ class Requests:
 
     def _abort(self, rid: str) -> None:
         req = self.running.get(rid)
-        if req is not None:
-            self.release(req)  # retires the plan first: req.generated is current
-        elif (hit := self.prefiller.find(rid)) is not None:  # still prefilling
-            self.prefiller.drop(*hit)
-            req = hit[1]
-            self._free_slot(req)
-        else:
+        hit = None if req is not None else self.prefiller.find(rid)
+        if req is None and hit is None:
             return  # it ended meanwhile: a no-op
-        self._ends.append(RequestOutput(rid, None, req.generated, req.params.seed,
-                                        finished=True, finish_reason="abort"))  # fmt: skip
+        req = req or hit[1]
+        pos = int(self.counters.generated[req.slot])  # its first unreported position
+        if hit is None:
+            self.release(req)  # a step still in flight drops its row
+        else:  # still prefilling
+            self.prefiller.drop(*hit)
+            self._free_slot(req)
+        self._ends.append(RequestOutput(rid, None, pos, req.params.seed, finished=True,
+                                        finish_reason="abort"))  # fmt: skip
 
     def _admit(self, c: Admit) -> None:
         """Give each stream of `c` a slot (staged: written at the next flush) and queue its
@@ -107,31 +112,38 @@ class Requests:
                 )
             if self.drafter is not None:
                 self.drafter.admit(req, c.prompt)
+            room = self.max_seq_len - len(c.prompt)
+            self.counters.start(slot, min(p.max_tokens, room),
+                                req.text is not None and req.text.needs_push)  # fmt: skip
             self.masks.add(slot, p, c.bad_words)
             reqs.append(req)
         self.prefiller.add(Pending(reqs, c.prompt, c.params.prompt_logprobs))
 
     # ---- the plan and the ends ----------------------------------------------------------
     def plan(self) -> BatchPlan:
-        """The step plan of the running requests (built when they changed)."""
-        if self._plan is None:
-            self._plan = BatchPlan.build(list(self.running.values()), self.buckets,
-                                         self.max_seq_len, self.masks.has,
-                                         self.backend)  # fmt: skip
-        return self._plan
+        """The step plan of the running requests that may still emit a token past those
+        in flight (built when they changed)."""
+        plan = self._plan
+        if plan is not None and not self.counters.launchable(plan.slots).all():
+            plan = None  # a row's last token is in flight: it is not launched again
+        if plan is None:
+            rows = list(self.running.values())
+            if rows:
+                ok = self.counters.launchable(np.array([r.slot for r in rows])).tolist()
+                rows = [r for r, go in zip(rows, ok, strict=True) if go]
+            plan = self._plan = BatchPlan.build(rows, self.buckets, self.counters,
+                                                self.masks.has, self.backend)  # fmt: skip
+        return plan
 
     def retire_plan(self) -> None:
-        """Requests came or went: write the plan's counters back; rebuild at the next step."""
-        if self._plan is not None:
-            self._plan.retire()
-            self._plan = None
+        """Requests came or went (or the device slot ids changed): rebuild the plan at the
+        next step."""
+        self._plan = None
 
     def end(self, plan: BatchPlan, ended: list[Finished]) -> None:
         """Release the rows of `plan` that finished this step."""
         for f in ended:
             self.release(plan.rows[f.row])
-        if plan is not self._plan:
-            plan.retire()  # requests joined during the step: keep its counters
 
     def release(self, req: Request) -> None:
         self.retire_plan()
@@ -139,6 +151,7 @@ class Requests:
         self._free_slot(req)
 
     def _free_slot(self, req: Request) -> None:
+        self.counters.end(req.slot)
         self.slots.release(req.slot)
         self.masks.remove(req.slot)
         self.queue.ended(req.request_id)
@@ -158,7 +171,7 @@ class Requests:
                 outs.append(RequestOutput(r.request_id, None, 0, r.params.seed, finished=True,
                                           finish_reason="error", message=why))  # fmt: skip
         if res.complete:
-            self._plan = None  # rebuilt with them at the next plan (the step's is retired)
+            self._plan = None  # rebuilt with them at the next plan
             for p in res.complete:
                 for r in p.reqs:
                     self.running[r.request_id] = r

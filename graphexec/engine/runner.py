@@ -4,7 +4,14 @@ It owns the static buffers (slot ids [N]; per run length T, inputs and outputs [
 and their pinned host rows), captures every `GraphKey` (`capture`), and per step
 launches each chunk of the plan (`launch`: token masks and drafts up, slot ids written,
 the key's graph replayed or its step run eagerly, outputs copied to the host without
-blocking). T = 1 is ordinary decoding; a speculative executor also has T = K + 1.
+blocking, and an event recorded behind them: the step's end). T = 1 is ordinary
+decoding; a speculative executor also has T = K + 1.
+
+Two steps may be in flight (the pipelined step launches N + 1 before it reads N), so the
+pinned buffers a launch writes for non-blocking copies (slot ids, outputs) come in two
+sets used by alternate launches: step N + 1 writes the set of N - 1, whose copies the
+executor waited for before it launched N. Mask rows and drafter inputs have one set:
+a step that writes them is launched only once the step before it was collected.
 """
 
 from __future__ import annotations
@@ -55,11 +62,21 @@ class HostRuns:
 
 @dataclass
 class Launched:
-    """A step's chunks as launched [(key, first row, rows)] and the chunks whose step
-    raised (first row -> why)."""
+    """A launched step: its plan, its chunks [(key, first row, rows)], the chunks whose
+    step raised (first row -> why), the pinned host rows its outputs go to (T ->
+    HostRuns), and the CUDA event recorded behind its copies (None on the CPU)."""
 
+    plan: BatchPlan
     keys: list[tuple[GraphKey, int, int]] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+    event: torch.cuda.Event | None = None
+
+    def wait(self) -> None:
+        """Block until the step's outputs are on the host (its event: never a stream
+        synchronize, so work queued behind it keeps the device busy)."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class StepRunner:
@@ -75,10 +92,13 @@ class StepRunner:
         self.slot_ids = torch.full((largest,), self.slots.padding_slot, dtype=torch.int64,
                                    device=device)  # fmt: skip
         self.buffers = {k + 1: RunBuffers.allocate(largest, k + 1, device) for k in self.spec_ks}
-        self.host = {t: HostRuns.allocate(max_batch_size, t, pin) for t in self.buffers}
+        # two sets, for alternate launches (module docstring)
+        self._hosts = [{t: HostRuns.allocate(max_batch_size, t, pin) for t in self.buffers}
+                       for _ in range(2)]  # fmt: skip
         # chunk staging at each chunk's first row
-        self._host_slots = torch.empty(max_batch_size + largest, dtype=torch.int64,
-                                       pin_memory=pin)  # fmt: skip
+        self._host_slot_sets = [torch.empty(max_batch_size + largest, dtype=torch.int64,
+                                            pin_memory=pin) for _ in range(2)]  # fmt: skip
+        self._launches = 0
         self._host_mask_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
         self.graphs = CapturedGraphs(device)
         self.eager: Counter = Counter()
@@ -144,8 +164,12 @@ class StepRunner:
 
     def launch(self, plan: BatchPlan, replay: bool) -> Launched:
         """Replay (or run eagerly) each chunk of the plan and queue its output copies.
-        A chunk whose step raises ends its requests with "error"; the executor goes on."""
-        done = Launched([], {})
+        A chunk whose step raises ends its requests with "error"; the executor goes on.
+        The caller has waited for the launch before the last one (double buffers)."""
+        which = self._launches % 2
+        self._launches += 1
+        done = Launched(plan, host=self._hosts[which])
+        host_slots = self._host_slot_sets[which]
         drafter = self.drafter
         if plan.mask_rows and drafter is None:  # the drafter writes masks per offset
             self.upload_masks([plan.rows[i].slot for i in plan.mask_rows])
@@ -154,12 +178,10 @@ class StepRunner:
             if drafter is not None:
                 key = drafter.prepare(plan, key, start, n, self.masks, inputs)
             done.keys.append((key, start, n))
-            if not plan.uploaded:
-                host = self._host_slots[start : start + key.bucket]
-                host.fill_(self.slots.padding_slot)
-                host[:n] = torch.tensor([r.slot for r in plan.rows[start : start + n]])
+            src = host_slots[start : start + key.bucket]
             if not plan.uploaded or len(plan.chunks) > 1:
-                src = self._host_slots[start : start + key.bucket]
+                src.fill_(self.slots.padding_slot)
+                src[:n] = torch.from_numpy(plan.slots[start : start + n])
                 self.slot_ids[: key.bucket].copy_(src, non_blocking=True)
             try:
                 if not (replay and self.graphs.replay(key)):
@@ -168,16 +190,21 @@ class StepRunner:
             except Exception as e:
                 log.exception("step of %s failed; its %d requests end with 'error'", key, n)
                 done.errors[start] = f"{type(e).__name__}: {e}"
-                self.host[key.spec_k + 1].token_ids[start : start + n, 0] = CHUNK_FAILED
+                done.host[key.spec_k + 1].token_ids[start : start + n, 0] = CHUNK_FAILED
                 continue
-            self.copy_out(key, start, n)
+            self.copy_out(key, start, n, done.host)
         plan.uploaded = True
+        plan.launched()
+        if self.device.type == "cuda":
+            done.event = torch.cuda.Event()
+            done.event.record(torch.cuda.current_stream(self.device))
         return done
 
-    def copy_out(self, key: GraphKey, start: int, n: int) -> None:
-        """Queue the copy of the chunk's runs to the host rows at `start`."""
+    def copy_out(self, key: GraphKey, start: int, n: int, host: dict) -> None:
+        """Queue the copy of the chunk's runs to the host rows at `start` (`host`: T ->
+        HostRuns)."""
         t = key.spec_k + 1
-        out, h = self.buffers[t].out, self.host[t]
+        out, h = self.buffers[t].out, host[t]
         # token ids are < 0 exactly where a row emitted nothing, and -1 after a run
         h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
         if key.logprobs:

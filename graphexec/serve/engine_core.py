@@ -6,7 +6,8 @@ servers over ZeroMQ (`serve.wire`), so no HTTP, JSON or SSE work shares its thre
          (blocking only while there is nothing to step)
       2. admit waiting requests, first come first served, while their streams fit
       3. step the executor once
-      4. send each API server one OUTPUTS message with its requests' rows and the load
+      4. send each API server one OUTPUTS message with its requests' rows, and the load at
+         most every 100 ms (None otherwise: the server keeps the last)
 
 The waiting FIFO has `AsyncDecodeExecutor`'s rules: at most `max_waiting` requests, a
 later small request never overtakes an earlier large one. Token text is made here, by
@@ -29,6 +30,7 @@ from graphexec.serve.engines import EngineStats
 
 log = logging.getLogger(__name__)
 POLL_MS = 500  # idle: how long one wait for a message lasts
+STATS_EVERY_S = 0.1  # stats ride with outputs at most this often
 
 
 @dataclass(eq=False)
@@ -53,6 +55,7 @@ class EngineCore:
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
         self._told_idle = True
+        self._stats_at = -1.0  # monotonic time of the last stats sent with outputs
         self.stopped = False
 
     def run(self) -> None:
@@ -149,6 +152,16 @@ class EngineCore:
     def _stats(self) -> tuple[int, ...]:
         return EngineStats.of(self.ex, len(self.waiting)).as_tuple()
 
+    def _fresh_stats(self) -> tuple[int, ...] | None:
+        """The engine's stats, at most every STATS_EVERY_S (building them costs tens of
+        microseconds, too much per step); None between: the server keeps the last ones.
+        An engine going idle always broadcasts them (`run`)."""
+        now = time.monotonic()
+        if now - self._stats_at < STATS_EVERY_S:
+            return None
+        self._stats_at = now
+        return self._stats()
+
     def _send(self, outs) -> None:
         per: list[list] = [[] for _ in self.outboxes]
         owner = self.owner
@@ -159,7 +172,9 @@ class EngineCore:
             per[server].append(wire.row(o))
             if o.finished:
                 del owner[o.request_id]
-        stats = self._stats()
+        if not any(per):
+            return
+        stats = self._fresh_stats()
         for server, rows in enumerate(per):
             if rows:
                 self._post(server, [wire.OUTPUTS, self.index, stats, rows])

@@ -173,7 +173,8 @@ class RemoteEngines:
             msg = wire.unpack(await sock.recv())
             kind, e = msg[0], msg[1]
             if kind == wire.OUTPUTS:
-                self._stats[e] = EngineStats(*msg[2])
+                if msg[2] is not None:  # None: unchanged (an engine sends them every 100 ms)
+                    self._stats[e] = EngineStats(*msg[2])
                 for r in msg[3]:
                     st = streams.get(r[0])
                     if st is not None:

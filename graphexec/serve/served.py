@@ -67,8 +67,9 @@ def build_executor(spec):
     dm = choose_model(spec.model, device, spec.dtype, spec.max_seq_len, **kw)
     n = spec.max_batch_size or (64 if device.type == "cuda" else 16)
     draft = gx.SpeculativeConfig(drafter="ngram") if spec.speculative else None
+    # the pipelined step: the engine loop's sends and reads overlap the device's next step
     ex = gx.DecodeExecutor(dm.make(), max_batch_size=n, device=device, tokenizer=dm.tokenizer,
-                           seed=spec.seed, speculative=draft)  # fmt: skip
+                           seed=spec.seed, speculative=draft, overlap=True)  # fmt: skip
     if device.type == "cuda" and spec.capture:
         t1 = time.perf_counter()
         ex.capture(capture_keys(spec.capture_keys, ex))

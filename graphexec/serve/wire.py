@@ -3,6 +3,7 @@
     API server -> engine   [ADD, server, request_id, prompt ids, pickled SamplingParams]
                            [ABORT, request_id]
     engine -> API server   [OUTPUTS, engine, stats, rows]   one per step and server
+                                                            (stats None: unchanged)
                            [ADMITTED, engine, request_id, seconds waited]
                            [REJECTED, engine, request_id, kind, message]
                            [STATS, engine, stats]           when the engine goes idle

@@ -14,9 +14,18 @@ P = gx.SamplingParams
 V = 64
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch):
+    """Every test runs on the synchronous and on the pipelined step."""
+    monkeypatch.setattr(f"{__name__}.OVERLAP", request.param)
+
+
+OVERLAP = False
+
+
 def make(n: int) -> gx.DecodeExecutor:
     return gx.DecodeExecutor(gx.models.TableModel(V, seed=0), max_batch_size=n, device="cpu",
-                             cuda_graphs=False)  # fmt: skip
+                             cuda_graphs=False, overlap=OVERLAP)  # fmt: skip
 
 
 async def collect(stream) -> list[gx.RequestOutput]:

@@ -188,8 +188,19 @@ def test_model_sequence_limit_finishes_with_length() -> None:
     ex.add_request("r", [1, 2, 3], P(seed=3, max_tokens=50))
     outs = drain(ex)["r"]
     assert len(outs) == 5 and outs[-1].finish_reason == "length"
-    with pytest.raises(ValueError, match="prompt_token_ids must hold 1 to 8"):
+    with pytest.raises(ValueError, match="prompt_token_ids must hold 1 to 7"):
         ex.add_request("long", list(range(9)), P(seed=1))
+
+
+def test_a_prompt_that_fills_the_context_is_refused_naming_the_prompt() -> None:
+    """It was admitted, emitted one token unfinished, then was released silently."""
+    ex = make(4, max_seq_len=8)
+    with pytest.raises(ValueError, match="prompt_token_ids must hold 1 to 7 tokens"):
+        ex.add_request("full", list(range(8)), P(seed=1))
+    ex.add_request("room", list(range(7)), P(seed=1, max_tokens=50))  # room for one token
+    (o,) = drain(ex)["room"]
+    assert o.position == 0 and o.finished and o.finish_reason == "length"
+    assert ex.idle and ex.free_slots == 4
 
 
 def test_eos_of_the_tokenizer_stops() -> None:

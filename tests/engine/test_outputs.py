@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 import graphexec as gx
+from graphexec.engine.finish import StepOutputs
+from graphexec.request import Request
 
 ROOT = Path(__file__).resolve().parents[2]
 P = gx.SamplingParams
@@ -32,6 +37,22 @@ def test_step_outputs_sequence_and_columns() -> None:
     late = ex.step()  # prefilled behind the last step's graph, it decodes now
     assert [(o.request_id, o.position) for o in late] == [("r0", 2), ("r1", 2), ("late", 0)]
     assert list(outs) == [outs[i] for i in range(len(outs))]  # the bulk and the single path
+
+
+def test_len_equals_the_outputs_iterated_when_a_row_reports_nothing() -> None:
+    """The one-token fast path yielded every row, whatever its count: len() said 0 while
+    iterating gave one output (a row of count 0: its token is dropped)."""
+    req = Request("a", P(seed=1), 0, 1, frozenset(), 0)
+    rows = [req, dataclasses.replace(req, request_id="b", slot=1)]
+    key = gx.GraphKey(gx.SamplerVariant.NO_FILTER, 2, False)
+    for counts in ([0, 0], [1, 0], [0, 1], [1, 1]):
+        outs = StepOutputs(rows, [(key, 0, 2)], np.array([[5], [6]]), np.array(counts),
+                           np.array([0, 3]))  # fmt: skip
+        got = list(outs)
+        assert len(outs) == len(got) == sum(counts)
+        assert [o.token_id for o in got] == [t for t, c in zip((5, 6), counts, strict=True) if c]
+        assert [outs[i] for i in range(len(outs))] == got
+        assert outs.row_token_ids.tolist() == [5 if counts[0] else -1, 6 if counts[1] else -1]
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,172 @@
+"""The pipelined step (overlap=True) against the synchronous one: the same outputs.
+
+Each workload is driven by what the caller has seen: a request is admitted, or aborted,
+once another (or itself) has reported k outputs, so both modes get the same commands at
+the same point of each stream, whatever step they fall in. Every field a caller reads
+(token, position, logprobs, finish reason, stop reason, text) must agree; every request
+ends exactly once and nothing follows its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import graphexec as gx
+from tests.engine.scripted import EOS, byte_tokenizer
+
+P = gx.SamplingParams
+V = EOS + 1
+LONG = [5 + i % 50 for i in range(30)]  # with max_seq_len 40: room for 10 tokens
+
+
+@dataclasses.dataclass
+class Event:
+    after: tuple[str, int] | None  # (request id, outputs it has reported); None: at once
+    add: tuple[str, list[int], gx.SamplingParams] | None = None
+    abort: str | None = None
+
+
+def add(rid: str, prompt: list[int], after=None, **params) -> Event:
+    return Event(after, (rid, prompt, P(**params)))
+
+
+def mixed() -> list[Event]:
+    """EOS, stop ids and strings, max_tokens and context limits, logprobs, n > 1,
+    penalties, greedy; admissions and aborts while steps are in flight."""
+    ab = {97: 5.0, 98: 5.0}
+    # fmt: off
+    return [
+        add("eos", [1, 2], seed=1, logit_bias={EOS: 5.0}, max_tokens=30),
+        add("stopid", [3], seed=2, stop_token_ids=(97, 98), logit_bias=ab, ignore_eos=True,
+            max_tokens=30),
+        add("stopstr", [4], seed=3, stop=["aa", "ab", "ba", "bb"], logit_bias=ab,
+            ignore_eos=True, max_tokens=40),
+        add("len", [5], seed=4, max_tokens=5, logprobs=3, ignore_eos=True),
+        add("ctx", LONG, seed=5, max_tokens=50, ignore_eos=True, logprobs=0),
+        add("greedy", [6], temperature=0.0, seed=6, max_tokens=9),
+        add("n2", [7, 8], seed=7, n=2, max_tokens=7, top_k=20, ignore_eos=True,
+            presence_penalty=0.5, logprobs=1),
+        add("abort", [9], seed=8, max_tokens=30, ignore_eos=True),
+        Event(("abort", 4), abort="abort"),
+        add("late", [10], ("len", 3), seed=9, max_tokens=6, frequency_penalty=0.3,
+            ignore_eos=True),
+        add("late2", [11], ("late", 2), seed=10, max_tokens=4, top_p=0.8, ignore_eos=True),
+        # aborted on its last token (max_tokens 3): in flight when the abort comes
+        add("lastabort", [12], seed=11, max_tokens=3, ignore_eos=True),
+        Event(("lastabort", 2), abort="lastabort"),
+        add("after_end", [13], ("late2", 4), seed=12, max_tokens=3, ignore_eos=True),
+    ]
+    # fmt: on
+
+
+def masked() -> list[Event]:
+    """Rows with token masks (a grammar, allowed ids, bad words) beside plain rows."""
+    # fmt: off
+    return [
+        add("gram", [1], seed=1, grammar=gx.Grammar.regex("[0-9]{2,6}x"), max_tokens=12),
+        add("allowed", [2], seed=2, allowed_token_ids=[97, 98, 99, EOS], max_tokens=12),
+        add("bad", [3], seed=3, bad_words=[[97, 98]], logit_bias={97: 5.0, 98: 5.0},
+            max_tokens=12, ignore_eos=True),
+        add("plain", [4], seed=4, max_tokens=10, ignore_eos=True),
+        add("gram2", [5], ("plain", 3), seed=5, grammar=gx.Grammar.regex("(ab|c)+d"),
+            max_tokens=8),
+        Event(("gram", 2), abort="gram"),
+    ]
+    # fmt: on
+
+
+def make(overlap: bool, speculative=None, device: str = "cpu", model=None) -> gx.DecodeExecutor:
+    model = model or gx.models.TableModel(V, seed=3, max_seq_len=40)
+    ex = gx.DecodeExecutor(model, max_batch_size=12, device=device, seed=0,
+                           tokenizer=byte_tokenizer(), overlap=overlap,
+                           speculative=speculative)  # fmt: skip
+    ex.capture(progress=False)
+    return ex
+
+
+def run(ex: gx.DecodeExecutor, events: list[Event], mode=None) -> dict[str, list[tuple]]:
+    """Each request's outputs as the fields a caller reads; checks that each ends once."""
+    outs: dict[str, list[tuple]] = {}
+    ended: set[str] = set()
+    todo = list(events)
+    while True:
+        due = [e for e in todo if e.after is None or len(outs.get(e.after[0], ())) >= e.after[1]]
+        for e in due:
+            todo.remove(e)
+            if e.add is not None:
+                ex.add_request(*e.add)
+            else:
+                ex.abort(e.abort)
+        if ex.idle:
+            break
+        for o in ex.step(mode):
+            assert o.request_id not in ended, f"{o.request_id}: output after its end"
+            if o.finished:
+                ended.add(o.request_id)
+            row = (o.token_id, o.position, o.logprob, o.top_logprobs, o.finished,
+                   o.finish_reason, o.stop_reason, o.text, o.message)  # fmt: skip
+            outs.setdefault(o.request_id, []).append(row)
+    assert not todo, "an event never fired"
+    assert ended == set(outs), "a request never ended"
+    assert ex.free_slots == ex.max_batch_size
+    for rid, rows in outs.items():
+        pos = [r[1] for r in rows if r[0] is not None]
+        assert pos == list(range(len(pos))), rid
+    return outs
+
+
+@pytest.mark.parametrize("mode", [None, "eager"])
+def test_overlap_gives_the_synchronous_outputs(mode) -> None:
+    sync = run(make(False), mixed(), mode)
+    piped = run(make(True), mixed(), mode)
+    assert piped == sync
+    reasons = {rid: rows[-1][5] for rid, rows in sync.items()}
+    # the workload reaches every kind of end it is meant to
+    assert reasons["eos"] == reasons["stopid"] == reasons["stopstr"] == "stop"
+    assert reasons["len"] == reasons["ctx"] == reasons["late"] == "length"
+    assert reasons["abort"] == reasons["lastabort"] == "abort"
+    assert len(sync["ctx"]) == 10 and sync["stopstr"][-1][6] in ("aa", "ab", "ba", "bb")
+    assert sync["stopid"][-1][6] in (97, 98) and len(sync["abort"]) == 5
+    assert {"n2/0", "n2/1", "after_end"} <= set(sync)
+
+
+def test_replayed_and_eager_pipelined_steps_agree() -> None:
+    assert run(make(True), mixed()) == run(make(True), mixed(), "eager")
+
+
+def test_rows_with_token_masks_give_the_synchronous_outputs() -> None:
+    sync = run(make(False), masked())
+    assert run(make(True), masked()) == sync
+    assert sync["gram2"][-1][5] == "stop" and sync["gram"][-1][5] == "abort"
+    assert all(t in (97, 98, 99, EOS) for t, *_ in sync["allowed"] if t is not None)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_speculative_steps_give_the_synchronous_outputs(drafter) -> None:
+    def spec():
+        d = "ngram" if drafter == "ngram" else gx.models.TableModel(V, seed=3, max_seq_len=40)
+        return gx.SpeculativeConfig(3, drafter=d)
+
+    sync = run(make(False, spec()), mixed())
+    assert run(make(True, spec()), mixed()) == sync
+    plain = run(make(False), mixed())
+    # speculation changes no token (a run of K + 1 may reach an end before an abort does)
+    for rid, rows in plain.items():
+        n = min(len(rows), len(sync[rid])) - 1
+        assert [r[:2] for r in rows[:n]] == [r[:2] for r in sync[rid][:n]], rid
+
+
+def test_outputs_arrive_one_call_late_and_the_stopped_row_runs_once_more() -> None:
+    ex = make(True)
+    ex.add_request("r", [1], P(seed=1, max_tokens=2))
+    ex.add_request("s", [1], P(temperature=0.0, seed=1, max_tokens=9))
+    assert list(ex.step()) == [] and not ex.idle  # step 0 launched, nothing collected
+    first = [(o.request_id, o.position) for o in ex.step()]
+    assert first == [("r", 0), ("s", 0)]
+    # r's second token (its last) is in flight: it was not launched a third time
+    assert ex.stats.steps == 2
+    last = list(ex.step())
+    assert [(o.request_id, o.finish_reason) for o in last] == [("r", "length"), ("s", None)]
+    assert ex.stats.steps == 3  # s alone
