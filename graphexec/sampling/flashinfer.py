@@ -52,8 +52,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.params import SamplerVariant
-from graphexec.sampling import reference
-from graphexec.sampling import processing
+from graphexec.sampling import processing, reference
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 # Philox draws reserved per output position and row: the offset of position `pos` is

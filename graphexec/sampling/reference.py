@@ -68,7 +68,6 @@ from graphexec.sampling.processing import (
     row_max,
     sanitize,
     scale,
-    unpack_bitmask,
 )
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
