@@ -67,7 +67,7 @@ _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
 _FILTERED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_short_kernel",
              *_SELECT_ROUND, *_SELECT_ROUND)  # fmt: skip
 TRITON_KERNELS: dict[SamplerVariant, tuple[str, ...]] = {
-    NO_FILTER: ("_stats_kernel",),
+    NO_FILTER: ("_stats_kernel", "_tail_kernel"),
     TOP_K_TOP_P: _FILTERED,
     DEFAULT: _FILTERED,
 }

@@ -51,7 +51,11 @@ def test_variants_that_share_a_graph_launch_the_same_triton_kernels() -> None:
     for v in SV:
         assert TRITON_KERNELS[v] == TRITON_KERNELS[served_by(v, "triton")]
     assert TRITON_KERNELS[SV.NO_FILTER] != TRITON_KERNELS[SV.DEFAULT]
-    assert triton_kernels(SV.NO_FILTER, True) == ("_stats_kernel", *TRITON_LOGPROBS_KERNELS)
+    assert triton_kernels(SV.NO_FILTER, True) == (
+        "_stats_kernel",
+        "_tail_kernel",
+        *TRITON_LOGPROBS_KERNELS,
+    )
     spec = triton_kernels(SV.DEFAULT, False, spec_k=3)
     assert spec[0] == "_flatten_kernel" and spec[-1] == "_emit_kernel"
 

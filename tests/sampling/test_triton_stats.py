@@ -9,12 +9,12 @@ ensure_interpreter()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
-from graphexec.sampling import (
-    processing,
-    reference,  # noqa: E402
-)
+from graphexec.sampling import processing, reference  # noqa: E402
+from graphexec.sampling.triton.keys import exp_ftz, mass_hi_lo  # noqa: E402
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
@@ -99,3 +99,34 @@ def test_tied_rows_keep_the_first_ids(params: dict) -> None:
                     logits, CONFIGS["interp16"], positions=torch.arange(B) * 11)  # fmt: skip
     assert_same(both.ref, both.tri)
     assert set(both.routes) == {int(R_DONE)}
+
+
+@triton.jit
+def _mass_kernel(z_ptr, e_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    z = tl.load(z_ptr + i)
+    tl.store(e_ptr + i, exp_ftz(z))
+    hi, lo = mass_hi_lo(z)
+    tl.store(hi_ptr + i, hi)
+    tl.store(lo_ptr + i, lo)
+
+
+def test_mass_halves_from_one_conversion() -> None:
+    """`mass_hi_lo`'s one conversion of e * 2**32 gives hi * 2**16 + lo = trunc(e * 2**32)
+    (e = exp(z) as the kernels compute it), e = 1 included; NaN z weighs 2**32 (the stats
+    pass's +inf entries). Every float32 e in [0, 1] was checked offline in numpy."""
+    edge = [0.0, -0.0, -1e-30, -2.0**-25, -2.0**-24, -1e-7, -0.5, -22.18, -22.19, -88.0,
+            -100.0, -104.0, -200.0, float("-inf"), float("nan")]  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    z = torch.cat([torch.tensor(edge), -torch.rand(113, generator=g) * 40.0,
+                   -torch.rand(128, generator=g) * 1e-6])  # fmt: skip
+    e, hi, lo = (
+        torch.empty(256),
+        torch.empty(256, dtype=torch.int32),
+        torch.empty(256, dtype=torch.int32),
+    )
+    _mass_kernel[(1,)](z, e, hi, lo, N=256)
+    got = hi.long() * 65536 + lo.long()
+    want = torch.where(z.isnan(), 2**32, torch.floor(e.double() * 2.0**32).long())
+    assert torch.equal(got, want)
+    assert got[0] == 2**32 and (lo < 65536).all() and (hi <= 65536).all()

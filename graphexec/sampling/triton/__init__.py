@@ -16,11 +16,16 @@ are those whose max reaches lo, the *candidates* their tokens with y >= lo; a *c
 order key (pack) of the last kept token; a *bracket* the histogram bins that hold a cut.
 
 Launches per variant (grids of B x S programs, S programs per row, or B row programs; a
-row's last program of a pass serves what follows it, through an acq_rel counter per row):
+row's last program of a later pass serves what follows it, through an acq_rel counter per
+row):
 
-    no_filter             stats (the row tail runs in its last program per row)
+    no_filter             stats, tail (the stats pass streams only: the row tail has a
+                          launch of its own, so the streaming loop keeps its registers low)
     top_k_top_p, default  stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once)
+
+The stats pass is the read floor's loop: full tiles unmasked with their loads issued an
+iteration ahead, a masked last tile, one ex2 and one conversion per logit (`keys`).
     + logprobs            raw_logprobs, logprobs
 
 Draw first, filter second (`reference`, step 6): every filtered row first draws its
@@ -32,7 +37,7 @@ passes are reads of the row, worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
-| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel (no_filter) or stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
 | candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + check:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, check:_decide_row |
 | short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:short_draw |
 | cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |

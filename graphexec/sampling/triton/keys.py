@@ -11,9 +11,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.runtime.triton_env import interpreter_enabled
+
 PAD_KEY = tl.constexpr(-9223372036854775808)  # below every pack; unpacks to -inf
 BIG_KEY = tl.constexpr(9223372036854775807)  # above every pack
 INT32_MAX = tl.constexpr(2147483647)
+_INTERP = tl.constexpr(interpreter_enabled())
 
 
 @triton.jit
@@ -45,12 +48,30 @@ def unpack(key):
 
 
 @triton.jit
+def exp_ftz(z):
+    """exp(z) for z <= 0 (-inf gives 0): on the GPU the multiply by log2(e) and one
+    ex2.approx.ftz, what tl.exp compiles to but for its denormal fix-up, which changes only
+    results below 2**-126 (their mass is 0 either way); numpy's exp under the interpreter."""
+    if _INTERP:
+        return tl.exp(z)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.ftz.f32 t, $1, 0f3FB8AA3B; ex2.approx.ftz.f32 $0, t; }",
+            "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def mass_hi_lo(z):
     """int32 (hi, lo) with trunc(exp(z) * 2**32) = hi * 2**16 + lo exactly, for z <= 0
-    (-inf gives 0): e * 2**16 and its fraction are exact in fp32."""
-    e16 = tl.exp(z) * 65536.0
-    hi = tl.floor(e16)
-    return hi.to(tl.int32), ((e16 - hi) * 65536.0).to(tl.int32)
+    (-inf gives 0), from one conversion: e * 2**32 is exact (a power-of-two scaling), below
+    2**32 for e < 1, and truncates to u32 as the mass; e = 1 (2**32, past u32) is (2**16,
+    0), and so is a NaN z (the stats pass's +inf entries). `tests/sampling/test_triton_stats.py`
+    checks it against the two-conversion form."""
+    t = exp_ftz(z) * 4294967296.0
+    one = (t < 4294967296.0) == 0
+    u = tl.where(one, 0.0, t).to(tl.uint32)
+    return tl.where(one, 65536, (u >> 16).to(tl.int32)), (u & 0xFFFF).to(tl.int32)
 
 
 @triton.jit

@@ -64,15 +64,15 @@ def sample(
                   num_warps=cfg.num_warps)  # fmt: skip
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     _stats_kernel[(B * S,)](
-        P, W, out.token_ids, out.valid, B, S, per, nblk, TAIL=not filters, RAW_LP=need_lp,
-        NBLK_P2=nblk_p2, **common,
+        P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, NB_P2=nb_p2, R=r, DB=db, FL=fl,
+        enable_fp_fusion=False, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    _tail_kernel[(B,)](
+        P, W, out.token_ids, out.valid, nblk, FILTERS=filters, NB_P2=nb_p2, NBLK_P2=nblk_p2,
+        DB=db, FL=fl, NBINS=cfg.bins, R=r, CB=cfg.check_blocks, enable_fp_fusion=False,
+        num_warps=cfg.tail_warps,
     )  # fmt: skip
     if filters:
-        _tail_kernel[(B,)](
-            P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db, FL=fl,
-            NBINS=cfg.bins, R=r, CB=cfg.check_blocks, enable_fp_fusion=False,
-            num_warps=cfg.tail_warps,
-        )  # fmt: skip
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](
                 P, W, out.token_ids, out.valid, S2, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, R=r,

@@ -110,13 +110,27 @@ def bias_ids(P, slot, NB_P2: tl.constexpr):
 
 
 @triton.jit
+def raw_load(P, row, offs, ok, FL: tl.constexpr):
+    """The raw logits at offs (int32 token ids) as stored (bf16 as its int16 bits), 0
+    where not ok (None: every offs is inside V, no mask)."""
+    ptrs = P.logits + row.to(tl.int64) * P.logits_sb + offs.to(tl.int64) * P.logits_sv
+    if ok is None:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=ok, other=0)
+
+
+@triton.jit
+def widen(raw, FL: tl.constexpr):
+    """`raw_load`'s values as fp32 (bf16 widened exactly from its bits)."""
+    if (FL & 1) != 0:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
+
+
+@triton.jit
 def raw_x(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32 (bf16 widened exactly from its bits), 0 past V."""
-    ok = offs < P.vocab
-    ptrs = P.logits + row.to(tl.int64) * P.logits_sb + offs.to(tl.int64) * P.logits_sv
-    if (FL & 1) != 0:  # bf16 held as its int16 bits: the exact widening
-        return (tl.load(ptrs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return tl.load(ptrs, mask=ok, other=0).to(tl.float32)
+    return widen(raw_load(P, row, offs, offs < P.vocab, FL), FL)
 
 
 @triton.jit
@@ -125,7 +139,17 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
     bias ids (`bias_ids`); [lo, hi): a range holding offs, where bias entries are looked
     for (BIAS False: a row without any, so a tile loop has no data-dependent branch)."""
     ok = offs < P.vocab
-    raw = raw_x(P, row, offs, FL)
+    x = process_raw(P, row, slot, ids, offs, raw_x(P, row, offs, FL), ok, lo, hi, FL, BIAS)
+    return tl.where(ok, x, float("-inf"))
+
+
+@triton.jit
+def process_raw(P, row, slot, ids, offs, raw, ok, lo, hi, FL: tl.constexpr,
+                BIAS: tl.constexpr):  # fmt: skip
+    """`tile_x` of raw logits already widened, without its -inf past V: ok says where offs
+    lies inside V (None: everywhere, a full tile)."""
+    if ok is None:
+        ok = tl.full(offs.shape, 1, tl.int1)
     c64 = offs.to(tl.int64)
     if (FL & 2) != 0:
         word = tl.load(P.bitmask + row.to(tl.int64) * P.bitmask_sb + (c64 // 32) * P.bitmask_sw,
@@ -169,7 +193,7 @@ def tile_x(P, row, slot, ids, offs, lo, hi, FL: tl.constexpr, BIAS: tl.constexpr
         # freq = pres = +0.0 process_value leaves x bit-identical
         zero = tl.zeros(offs.shape, tl.int32)
         x = process_value(raw, allowed, bias, zero, zero != 0, 1.0, 1.0, 0.0, 0.0)
-    return tl.where(ok, x, float("-inf"))
+    return x
 
 
 @triton.jit

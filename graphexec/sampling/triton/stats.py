@@ -11,12 +11,12 @@ store per block b (processed x: bitmask, bias, penalties, `process.tile_x`):
 and, with logprobs on, the raw logits' block max and sum of exp. A block never straddles
 two programs and Q_b is an integer sum, so no split of the row changes a stat.
 
-The row's last program to finish (an acq_rel counter per row) serves the row
-(`_row_tail`): invalid, greedy, no active filter, all live tokens tied; a filtered row
-draws its candidate and keeps it when `candidate` can tell it is in the kept set; else it
-takes the check pass (`R_CHECK`) or plans its next passes (`_plan`): min-p alone
-(`R_CUT`) or a selection (`R_SELECT`), with a lower bound lo of its kept values and the
-list of the blocks that reach it.
+Then `_tail_kernel` (a program per row, a launch of its own, so that the streaming loop
+keeps its registers low) serves the row (`_row_tail`): invalid, greedy, no active filter,
+all live tokens tied; a filtered row draws its candidate and keeps it when `candidate`
+can tell it is in the kept set; else it takes the check pass (`R_CHECK`) or plans its
+next passes (`_plan`): min-p alone (`R_CUT`) or a selection (`R_SELECT`), with a lower
+bound lo of its kept values and the list of the blocks that reach it.
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ from graphexec.sampling.triton.draw import (
 from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
 from graphexec.sampling.triton.process import (
     bias_ids,
+    process_raw,
+    raw_load,
     raw_x,
     row_params,
     tile_x,
+    widen,
 )  # fmt: skip
 
 
@@ -262,56 +265,80 @@ def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
 
 
 @triton.jit
+def _block_stats(P, W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
+                 XN: tl.constexpr):  # fmt: skip
+    """Stores the stats of one tile's blocks bid [R] from their processed x and raw v
+    ([R, DB], -inf past V); ok: bid < NBLK (None: a full tile)."""
+    xm = tl.max(x, axis=1)
+    # z = (x - xm_b) * s is -inf at x = -inf, and at the finite x of a block holding +inf;
+    # NaN at x = xm_b = +inf, which `mass_hi_lo` weighs 2**32 (the collapsed row's mass),
+    # and at x = xm_b = -inf (a dead block: q = 0)
+    hi, lo = mass_hi_lo((x - xm[:, None]) * s)
+    q = tl.where(xm > float("-inf"), sum_halves(hi, lo, 1), 0)
+    dst = row * NBLK + bid
+    tl.store(W.xm + dst, xm, mask=ok)
+    if XN:  # (a +inf entry cannot be below a finite one: no test for it)
+        tl.store(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1),
+                 mask=ok)  # fmt: skip
+    tl.store(W.q + dst, q, mask=ok)
+    if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
+        v = tl.where(v == v, v, float("-inf"))
+        vm = tl.max(v, axis=1)
+        vf = (vm > float("-inf")) & (vm < float("inf"))
+        e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
+                            v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
+        okr = tl.where(raw_mode, bid < NBLK, False)
+        tl.store(W.raw_max + dst, vm, mask=okr)
+        tl.store(W.raw_sum + dst, tl.sum(e, axis=1), mask=okr)
+
+
+@triton.jit
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
                  DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
-    """The stats of blocks t0 .. t1 - 1, R a tile; the loop body has no branch, so its
-    loads stay pipelined. XN: also the block minima (only the filtered variants read
-    them)."""
-    cols = tl.arange(0, DB)[None, :]
-    for t in range(t0, t1, R):
-        bid = t + tl.arange(0, R)
-        offs = bid[:, None] * DB + cols
-        x = tile_x(P, row, slot, ids, offs, t * DB, (t + R) * DB, FL, BIAS)
-        xm = tl.max(x, axis=1)
-        fin = (x > float("-inf")) & (x < float("inf"))
-        xs = tl.where((xm > float("-inf")) & (xm < float("inf")), xm, 0.0)
-        hi, lo = mass_hi_lo(tl.where(fin, (x - xs[:, None]) * s, float("-inf")))
-        q = sum_halves(hi, lo, 1)
-        n_inf = tl.sum((x == float("inf")).to(tl.int32), axis=1).to(tl.int64)
-        q = tl.where(xm == float("inf"), n_inf << 32, q)
-        ok = bid < NBLK
-        dst = row * NBLK + bid
-        tl.store(W.xm + dst, xm, mask=ok)
-        if XN:
-            tl.store(W.xn + dst, tl.min(tl.where(fin, x, float("inf")), axis=1), mask=ok)
-        tl.store(W.q + dst, q, mask=ok)
-        if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
-            v = raw_x(P, row, offs, FL)
-            v = tl.where((offs < P.vocab) & (v == v), v, float("-inf"))
-            vm = tl.max(v, axis=1)
-            vf = (vm > float("-inf")) & (vm < float("inf"))
-            e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
-                                v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
-            okr = tl.where(raw_mode, ok, False)
-            tl.store(W.raw_max + dst, vm, mask=okr)
-            tl.store(W.raw_sum + dst, tl.sum(e, axis=1), mask=okr)
+    """The stats of blocks t0 .. t1 - 1, R a tile. Full tiles (every token inside V) are
+    read unmasked, each one's loads issued an iteration ahead of their use; the loop body
+    has no branch. Then the program's last tiles, masked. XN: also the block minima (only
+    the filtered variants read them)."""
+    rr = tl.arange(0, R)
+    offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
+    n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
+    # (a uniform mask as a vector: the interpreter takes no scalar bool mask)
+    every = tl.full(offs.shape, 1, tl.int1)
+    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False), FL)
+    for i in range(0, n_full):
+        t = t0 + i * R
+        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False), FL)
+        v = widen(raw, FL)
+        x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
+        _block_stats(P, W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
+        raw = nxt
+        offs += R * DB
+    for t in range(t0 + n_full * R, t1, R):
+        bid = t + rr
+        offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+        ok = offs < P.vocab
+        v = raw_x(P, row, offs, FL)
+        x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
+        x = tl.where(ok, x, float("-inf"))
+        _block_stats(P, W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s,
+                     NBLK, RAW_LP, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
 def _stats_kernel(
     P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
-    NBLK, TAIL: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr,
-    NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    FL: tl.constexpr,
+    NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
+    DB: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...).
-    TAIL (no filters): the row's last program serves it; else `_tail_kernel` does."""
+    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...) and
+    writes their stats (W.xm, W.q; XN: W.xn; RAW_LP: W.raw_*); `_tail_kernel` then serves
+    the rows. XN: the filtered variants (they read the block minima)."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
-    slot, greedy, s, seed, pos = row_params(P, row)
+    slot = tl.load(P.slots + row).to(tl.int64)
+    s = tl.where(tl.load(P.temperature + slot) == 0.0, 1.0, tl.load(P.inv_temperature + slot))
     ids = bias_ids(P, slot, NB_P2)
     raw_mode = tl.zeros([], dtype=tl.int1)
     if RAW_LP:
@@ -319,28 +346,26 @@ def _stats_kernel(
     # a row with a logit bias looks its entries up per tile; the others never do
     if tl.max(ids, axis=0) >= 0:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, True, not TAIL)  # fmt: skip
+                     RAW_LP, FL, True, XN)  # fmt: skip
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, False, not TAIL)  # fmt: skip
-    if TAIL:
-        if arrive(W, row, 0, S):
-            _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, False, NBLK_P2, NB_P2, DB, NBINS, FL,
-                      R, 0)  # fmt: skip
+                     RAW_LP, FL, False, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])
 def _tail_kernel(
     P, W,
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
-    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+    NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
+    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
+    CB: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): the row tail of the filtered variants, a launch of its own so that the
-    stats pass keeps the registers of a streaming loop (its occupancy): the candidate, and
-    its membership over at most CB blocks (`candidate`). Program 0 empties round 2's row
-    list, which the finish of round 1 fills."""
-    if tl.program_id(0) == 0:
-        tl.store(W.refine, 0)
-    _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, NBLK_P2, NB_P2, DB, NBINS,
-              FL, R, CB)  # fmt: skip
+    """Grid (B,): the row tail, a launch of its own so that the stats pass keeps the
+    registers of a streaming loop (its occupancy): no_filter's draw (FILTERS False); a
+    filtered row's candidate, and its membership over at most CB blocks (`candidate`).
+    Program 0 empties round 2's row list, which the finish of round 1 fills."""
+    if FILTERS:
+        if tl.program_id(0) == 0:
+            tl.store(W.refine, 0)
+    _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, NBLK_P2, NB_P2, DB,
+              NBINS, FL, R, CB)  # fmt: skip
