@@ -16,6 +16,7 @@ beside it (a busy serving host). Results JSON under `--out` (step_overlap.json).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import graphexec as gx  # noqa: E402
+from graphexec.models.demo_model import choose_model  # noqa: E402
 from graphexec.params import SamplerVariant as SV  # noqa: E402
 
 
@@ -96,8 +98,16 @@ def run(args, load: int) -> list[dict]:
         for B in args.batches:
             for overlap in (False, True):
                 # room for the timed steps and as many graph replays after them
-                model = gx.models.TinyLM(args.vocab, seed=0, max_seq_len=2 * args.steps + 160)
-                r = measure(model, args.vocab, B, overlap, args.steps)
+                n = 2 * args.steps + 160
+                if args.model:
+                    model = choose_model(args.model, torch.device("cuda"), args.dtype, n).make()
+                else:
+                    model = gx.models.TinyLM(args.vocab, seed=0, max_seq_len=n)
+                r = measure(model, model.vocab_size, B, overlap, args.steps)
+                r["model"] = args.model or "tiny"
+                del model  # one model's weights on the device at a time (8B: 16 GB each)
+                gc.collect()
+                torch.cuda.empty_cache()
                 r["cpu_load"] = load
                 rows.append(r)
                 print(f"load {load:3d} B={B:4d} overlap={overlap!s:5s} wall "
@@ -115,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--steps", type=int, default=200, help="timed steps per point")
     ap.add_argument("--vocab", type=int, default=100_277, help="TinyLM's vocabulary")
+    ap.add_argument("--model", default=None, help="a --model value instead of TinyLM")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cpu-load", type=int, default=0,
                     help="also measure beside this many busy processes (0: not)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_load:
         rows += run(args, args.cpu_load)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "step_overlap.json")
+    path = os.path.join(args.out, f"step_overlap-{args.model or 'tiny'}.json")
     with open(path, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        steps=args.steps, rows=rows), f, indent=1)  # fmt: skip
