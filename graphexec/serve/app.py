@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -30,15 +31,17 @@ from graphexec.params import MAX_SEED
 from graphexec.serve.auth import ApiKey
 from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.engines import Engine, LocalEngine
-from graphexec.serve.errors import APIError
+from graphexec.serve.errors import APIError, http_error, internal_error
 from graphexec.serve.metrics import ServerMetrics
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
 from graphexec.serve.request_fields import (
     Parsed,
+    check_depth,
     check_unicode,
     model_not_found,
     param_of,
     parse_request,
+    too_deep,
 )
 from graphexec.serve.responses import DONE, Choice, Echo, Shape
 from graphexec.serve.tools import tool_format
@@ -170,6 +173,9 @@ class Server:
             body = json.loads(await request.body())
         except ValueError as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # nested past the decoder's own limit
+            raise too_deep() from None
+        check_depth(body)
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         check_unicode(body)
@@ -328,13 +334,6 @@ class _Run:
             self.outs.close()
 
 
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """A bug, not the request: logged, and still an OpenAI error object."""
-    log.exception("internal error on %s", request.url.path, exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}", None,
-                    "internal_server_error").response()  # fmt: skip
-
-
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
               model_name: str | None = None, api_key: str | None = None) -> Starlette:  # fmt: skip
     """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
@@ -373,6 +372,7 @@ def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None =
     ]
     middleware = [Middleware(ApiKey, key=api_key)] if api_key else []
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
-                    exception_handlers={Exception: _internal_error})  # fmt: skip
+                    exception_handlers={HTTPException: http_error,
+                                        Exception: internal_error})  # fmt: skip
     app.state.server = server
     return app

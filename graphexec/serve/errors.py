@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -23,3 +28,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer OpenAI error objects, as OpenAI's API does."""
+    what = "Invalid URL" if exc.status_code == 404 else "Method not allowed"
+    err = APIError(exc.status_code, f"{what} ({request.method} {request.url.path})",
+                   headers=dict(exc.headers or {}))  # fmt: skip
+    return err.response()
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the request: logged, and still an OpenAI error object."""
+    log.exception("internal error on %s", request.url.path, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", None,
+                    "internal_server_error").response()  # fmt: skip

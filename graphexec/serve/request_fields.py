@@ -64,6 +64,26 @@ def check_unicode(value: Any, path: str = "") -> None:
             check_unicode(v, f"{path}[{i}]")
 
 
+MAX_DEPTH = 64  # arrays and objects nested deeper are a 400 (no request field needs 64)
+
+
+def too_deep() -> APIError:
+    return APIError(400, f"the body nests more than {MAX_DEPTH} levels of arrays and objects")
+
+
+def check_depth(body: Any) -> None:
+    """APIError(400) for a body nested more than MAX_DEPTH levels. Iterative: the checks
+    after it walk the body recursively."""
+    deepest, todo = 0, [(body, 1)]
+    while todo and deepest <= MAX_DEPTH:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    if deepest > MAX_DEPTH:
+        raise too_deep()
+
+
 def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
                   max_seq_len: int, tool_format: str | None = None) -> Parsed:  # fmt: skip
     """Map a /v1/completions (chat=False) or /v1/chat/completions body onto SamplingParams;

@@ -37,6 +37,32 @@ def assert_error(r: httpx.Response, status: int, param: str | None) -> str:
     return err["message"]
 
 
+@pytest.mark.parametrize("depth", [65, 990, 100_000])
+def test_deeply_nested_bodies_are_a_400_not_a_500(server, depth) -> None:
+    """Arrays nested past 64 levels, past Python's recursion limit, past the JSON
+    decoder's: a 400 error object on every route that reads a body, and the server stays
+    healthy."""
+    nested = "[" * depth + "1" + "]" * depth
+    for path, field in (("completions", "prompt"), ("chat/completions", "messages")):
+        r = post(server, path, f'{{"{field}": {nested}, "max_tokens": 1}}', raw=True)
+        assert "nests more than 64" in assert_error(r, 400, None)
+    r = httpx.post(f"{server.url}/tokenize", content=f'{{"prompt": {nested}}}', timeout=60,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert "nests more than 64" in assert_error(r, 400, None)
+    ok = "[" * 3 + "1" + "]" * 3  # shallow nesting is still judged by the fields
+    assert "nests" not in assert_error(post(server, "completions", f'{{"prompt": {ok}}}',
+                                            raw=True), 400, "prompt")  # fmt: skip
+    assert server.health()["status"] == "ok"
+
+
+def test_unknown_routes_and_wrong_methods_answer_error_objects(server) -> None:
+    r = httpx.get(f"{server.url}/v1/nothing-here", timeout=60)
+    assert "Invalid URL (GET /v1/nothing-here)" in assert_error(r, 404, None)
+    r = httpx.get(f"{server.url}/v1/completions", timeout=60)
+    assert "Method not allowed" in assert_error(r, 405, None)
+    assert "POST" in r.headers["allow"]
+
+
 def test_lone_surrogates_are_a_400_naming_the_field(server) -> None:
     chat = '{"messages": [{"role": "user", "content": "\\ud800 hi"}], "max_tokens": 2}'
     msg = assert_error(post(server, "chat/completions", chat, raw=True), 400, "messages")
