@@ -121,7 +121,6 @@ class DecodeExecutor:
         self.overlap = cfg.overlap
         self.last_step_timing = StepTiming()
         self._inflight: Launched | None = None  # the step launched and not yet collected
-        self._waited = 0.0  # this step's wait for the device (seconds)
         self._steps = 0
         self._stepping = threading.Lock()
 
@@ -237,11 +236,12 @@ class DecodeExecutor:
         reqs = self.requests
         ready = reqs.drain()
         prev, outs = self._inflight, None  # step N, held until collected
-        self._waited = 0.0
+        early = late = 0.0  # waits for the device: before the launch, after it (seconds)
         plan = reqs.plan()
         if prev is not None and (self.drafter is not None or plan.mask_rows):
             # the launch needs step N's tokens on the host: collect N first
-            self._inflight, outs = None, self._finish(prev)
+            self._inflight = None
+            outs, early = self._finish(prev)
             prev, plan = None, reqs.plan()
         prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
@@ -254,25 +254,24 @@ class DecodeExecutor:
         if not prefilled:
             ready += reqs.prefill()  # behind the decode graphs: the launches overlap them
         t1 = time.perf_counter()
-        early = self._waited  # waited for above (a launch that needed step N's tokens)
         if prev is None and not self.overlap:
             prev, launched = launched, None  # drained: this step is collected now
         if prev is not None:
-            outs = self._finish(prev)
+            outs, late = self._finish(prev)
         self._inflight = launched
         if outs is None:
             outs = StepOutputs()
         outs.ready = ready + outs.ready  # (aborts and failed prefills first)
-        late = self._waited - early
-        self.last_step_timing = StepTiming(t1 - t0 - early, self._waited,
+        self.last_step_timing = StepTiming(t1 - t0 - early, early + late,
                                            time.perf_counter() - t1 - late)  # fmt: skip
         return outs
 
-    def _finish(self, launched: Launched) -> StepOutputs:
-        """Wait for a launched step by its event and finish it."""
+    def _finish(self, launched: Launched) -> tuple[StepOutputs, float]:
+        """Wait for a launched step by its event and finish it: (its outputs, the seconds
+        waited for the device)."""
         t = time.perf_counter()
         launched.wait()
-        self._waited += time.perf_counter() - t
+        waited = time.perf_counter() - t
         self.prefiller.report_logprobs()
         plan = launched.plan
         outs, ended = finish(plan, launched.keys, launched.host, self.eos_token_ids, self.masks,
@@ -281,4 +280,4 @@ class DecodeExecutor:
             self.drafter.after(plan, outs._toks, outs._lengths, outs._counts,
                                {f.row for f in ended})  # fmt: skip
         self.requests.end(plan, ended)
-        return outs
+        return outs, waited
