@@ -22,6 +22,7 @@ Results: matmul-<device>-<date>.json in --out, and a markdown table printed last
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -39,6 +40,7 @@ from bench_distributed import time_graph
 
 from graphexec.kernels import fused
 from graphexec.kernels import matmul as mm
+from graphexec.kernels.row_parallel import ROW_SPLIT
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 L2_BYTES = 160 << 20  # cycle through more weight bytes than any L2 holds
@@ -69,12 +71,15 @@ def operands(s: dict, M: int, copies: int):
     return x, ws, b
 
 
-def calls(s: dict, x, ws, b, tile_cfg: mm.MatmulConfig | None):
-    """One callable per weight copy: the invariant kernel (tile_cfg) or cuBLAS (None)."""
+def calls(s: dict, x, ws, b, tile_cfg: mm.MatmulConfig | None, tile: mm.MatmulTile | None = None):
+    """One callable per weight copy: the invariant kernel (tile_cfg; `tile` forces one)
+    or cuBLAS (None)."""
     if tile_cfg is None:
         if s["silu"]:
             return [lambda w=w: fused.silu_mul(F.linear(x, w)) for w in ws]
         return [lambda w=w: F.linear(x, w, b) for w in ws]
+    if tile is not None:
+        return [lambda w=w: mm._launch(x, w, b, s["silu"], tile_cfg, tile=tile) for w in ws]
     if s["silu"]:
         return [lambda w=w: mm.linear_silu_mul(x, w, config=tile_cfg) for w in ws]
     return [lambda w=w: mm.linear(x, w, b, config=tile_cfg) for w in ws]
@@ -115,6 +120,22 @@ def _compile(job: list[tuple[dict, mm.MatmulTile]]) -> int:
                 calls(s, x, ws, b, mm.MatmulConfig(tiles=((s["N"], s["K"], t),)))[0]()
                 done += 1
             except Exception:  # out of resources: the sweep skips it too
+                pass
+    torch.cuda.synchronize()
+    return done
+
+
+def _compile_large(job: list[tuple[dict, mm.MatmulTile, tuple[int, ...]]]) -> int:
+    """Worker: each large tile once at each of the sweep's M (its programs per tile, so
+    its compiled variant, follow M) so Triton's disk cache holds them."""
+    done, gpu = 0, mm.MatmulConfig.gpu()
+    for s, t, rows in job:
+        for M in rows:
+            x, ws, b = operands(s, M, 1)
+            try:
+                mm._launch(x, ws[0], b, s["silu"], gpu, tile=t)
+                done += 1
+            except Exception:  # out of resources: the sweep reports it
                 pass
     torch.cuda.synchronize()
     return done
@@ -179,7 +200,13 @@ def run(args) -> dict:
     return dict(rows=rows)
 
 
-def large_candidates(split: int) -> list[mm.MatmulTile]:
+def large_candidates(split: int, tma: bool) -> list[mm.MatmulTile]:
+    """Pointer-load tiles, or with `tma` the Hopper TMA kernel's (`matmul_tma`)."""
+    if tma:
+        shapes_ = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+                   (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4),
+                   (64, 64, 128, 4, 4), (64, 128, 128, 4, 3))  # fmt: skip
+        return [mm.MatmulTile(*t, split, tma=True) for t in shapes_]
     out = []
     for bm, bn, bk, (w, st) in itertools.product((64, 128), (64, 128, 256), (64, 128),
                                                  ((4, 4), (8, 3))):  # fmt: skip
@@ -188,56 +215,70 @@ def large_candidates(split: int) -> list[mm.MatmulTile]:
     return out
 
 
+def large_split(s: dict, gpu: mm.MatmulConfig) -> int:
+    """The split a model runs the shape with on one GPU: o and down are row-parallel
+    layers (`row_parallel.row_split_gpu`), the others take their decode tile's."""
+    split = gpu.tile(s["N"], s["K"]).split
+    return max(ROW_SPLIT, split) if s["layer"] in ("o", "down") else split
+
+
 def large_sweep(args) -> dict:
-    """Per shape: large-M tiles with the decode tile's split, timed at --large-rows
-    against cuBLAS, each checked bit for bit against the decode tile at M = 256; the
-    best bit-identical one by its worst ratio."""
+    """Per shape: large-M tiles with the split the model runs it with, timed at
+    --large-rows against cuBLAS, each checked bit for bit against the decode tile of
+    that split at M = 256; the best bit-identical one by its worst ratio over M <= 256."""
     gpu, rows = mm.MatmulConfig.gpu(), []
     shape_list = [s for m in args.models for s in shapes(m)]
-    pairs = [(s, t) for s in shape_list
-             for t in large_candidates(gpu.tile(s["N"], s["K"]).split)]  # fmt: skip
+    rows_ = tuple(args.large_rows) + (256,)
+    jobs = []
+    for s in shape_list:
+        dec = dataclasses.replace(gpu.tile(s["N"], s["K"]), split=large_split(s, gpu))
+        jobs += [(s, t, rows_) for t in large_candidates(dec.split, args.tma) + [dec]]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        n = sum(pool.map(_compile, [pairs[i :: args.workers] for i in range(args.workers)]))
+        n = sum(pool.map(_compile_large, [jobs[i :: args.workers] for i in range(args.workers)]))
     print(f"precompiled {n} kernels", flush=True)
     per_shape = args.time_budget / len(shape_list) if args.time_budget else None
     for s in shape_list:
-        t_start, dec = time.perf_counter(), gpu.tile(s["N"], s["K"])
+        split = large_split(s, gpu)
+        t_start = time.perf_counter()
+        dec = dataclasses.replace(gpu.tile(s["N"], s["K"]), split=split)
         wbytes = (2 if s["silu"] else 1) * s["N"] * s["K"] * 2
         copies = max(2, min(16, math.ceil(L2_BYTES / wbytes)))
-        r = dict(s, decode_tile=vars(dec), cublas={}, sweep={})
+        r = dict(s, decode_tile=vars(dec), cublas={}, decode={}, sweep={})
         ops = {M: operands(s, M, copies) for M in args.large_rows}
         for M, (x, ws, b) in ops.items():
             r["cublas"][M] = graph_time_us(calls(s, x, ws, b, None), args.reps)
+            r["decode"][M] = graph_time_us(calls(s, x, ws, b, gpu, dec), args.reps) / r["cublas"][M]
         x256 = torch.randn(256, s["K"], device="cuda", dtype=torch.bfloat16)
         w0 = ops[args.large_rows[0]][1][0]
-        want = mm._launch(x256, w0, None, s["silu"], gpu.replace(verified=frozenset()))
-        for t in large_candidates(dec.split):
+        want = mm._launch(x256, w0, None, s["silu"], gpu, tile=dec)
+        for t in large_candidates(split, args.tma):
             if per_shape and time.perf_counter() - t_start > per_shape:
                 break
-            cfg = gpu.replace(large_tiles=((s["N"], s["K"], t),),
-                              verified=frozenset({(s["N"], s["K"])}), large_m=1)  # fmt: skip
             try:
-                same = torch.equal(mm._launch(x256, w0, None, s["silu"], cfg), want)
-                ratios = {M: graph_time_us(calls(s, x, ws, b, cfg), args.reps) / r["cublas"][M]
+                same = torch.equal(mm._launch(x256, w0, None, s["silu"], gpu, tile=t), want)
+                ratios = {M: graph_time_us(calls(s, x, ws, b, gpu, t), args.reps) / r["cublas"][M]
                           for M, (x, ws, b) in ops.items()}  # fmt: skip
-            except Exception:
+            except Exception as e:  # out of resources, or a Triton without TMA
+                print(f"  {t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             key = f"{t.block_m}x{t.block_n}x{t.block_k}x{t.num_warps}x{t.num_stages}x{t.split}"
-            r["sweep"][key] = dict(same_bits=same, ratios=ratios)
+            r["sweep"][key + ("t" if t.tma else "")] = dict(same_bits=same, ratios=ratios)
         good = {k: v for k, v in r["sweep"].items() if v["same_bits"]}
+        decode_rows = [M for M in args.large_rows if M <= 256]
         if good:
-            best = min(good, key=lambda k: max(good[k]["ratios"].values()))
+            best = min(good, key=lambda k: max(good[k]["ratios"][M] for M in decode_rows))
             r["best"] = dict(tile=best, **good[best])
         print(f"{s['model']:14s} {s['layer']:13s} {len(good)}/{len(r['sweep'])} bit-identical; "
-              f"best {r.get('best')}", flush=True)  # fmt: skip
+              f"decode tile {r['decode']}; best {r.get('best')}", flush=True)  # fmt: skip
         rows.append(r)
         del ops
         torch.cuda.empty_cache()
     print("\nGPU_LARGE_TILES:")
     for r in rows:
         if "best" in r:
-            print(f"    ({r['N']}, {r['K']}, ({r['best']['tile'].replace('x', ', ')})),  "
-                  f"# {r['model']} {r['layer']}")  # fmt: skip
+            t = r["best"]["tile"]
+            vals = t.rstrip("t").replace("x", ", ") + (", tma=True" if t.endswith("t") else "")
+            print(f"    ({r['N']}, {r['K']}, ({vals})),  # {r['model']} {r['layer']}")
     return dict(large_rows=rows)
 
 
@@ -279,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--large-sweep", action="store_true", help="sweep the large-M tiles "
                     "(the decode tile's split; bit-identical ones only) instead")  # fmt: skip
     ap.add_argument("--large-rows", type=int, nargs="+", default=[128, 256, 1024])
+    ap.add_argument("--tma", action="store_true", help="the large sweep's candidates are "
+                    "TMA tiles (Hopper) instead of pointer-load tiles")  # fmt: skip
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="sweep each shape for at most S / shapes seconds")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")

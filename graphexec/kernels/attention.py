@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start, enabled, launch_options
 from graphexec.runtime.triton_env import interpreter_enabled
 
 
@@ -46,6 +47,7 @@ class AttentionConfig:
         (row, KV head), at most max_splits (split_size grows for longer T).
     max_splits: most splits of a row (the combine kernel holds them in one tile).
     num_warps, num_stages: of the split kernel.
+    pdl: programmatic dependent launch where the device has it (`dependent_launch`).
     """
 
     block_n: int = 64
@@ -53,6 +55,7 @@ class AttentionConfig:
     max_splits: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -100,8 +103,9 @@ def _decode_attention_kernel(
     B, T, H, NS, scale, window,
     G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, F32_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -160,8 +164,9 @@ def _combine_kernel(
     ACC,  # f32 [B, H, NS, HD]
     OUT,  # [B, H, HD] q dtype (strides so_b, so_h, 1)
     so_b, so_h, B, H, NS,
-    HD: tl.constexpr, HD_PAD: tl.constexpr, NS_PAD: tl.constexpr,
+    HD: tl.constexpr, HD_PAD: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
@@ -277,6 +282,7 @@ def decode_attention(
     G = H // KV
     hd_pad = max(16, triton.next_power_of_2(hd))
     f32_dot = interpreter_enabled() and q.dtype == torch.bfloat16
+    pdl = enabled(cfg.pdl, q.device)
     _decode_attention_kernel[(B, KV, ns)](
         q, kv, slot_ids, positions, stats, acc,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -284,11 +290,12 @@ def decode_attention(
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=hd, HD_PAD=hd_pad,
         BLOCK_N=cfg.block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or f32_dot else "tf32", F32_DOT=f32_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     _combine_kernel[(B, H)](
         stats, acc, out, out.stride(0), out.stride(1), B, H, ns,
         HD=hd, HD_PAD=hd_pad, NS_PAD=triton.next_power_of_2(ns), num_warps=4,
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return out
 

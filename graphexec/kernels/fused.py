@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start, enabled, launch_options
+
 
 @dataclass(frozen=True)
 class FusedConfig:
@@ -40,12 +42,15 @@ class FusedConfig:
 
     norm_warps, rope_warps, silu_warps: warps per program of each kernel.
     silu_block: columns of the [N, I] output per silu_mul program (a power of two).
+    pdl: launch with programmatic dependent launch where the device has it
+        (`dependent_launch`): a kernel is scheduled while its predecessor finishes.
     """
 
     norm_warps: int = 4
     rope_warps: int = 4
     silu_warps: int = 4
     silu_block: int = 1024
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.silu_block < 16 or self.silu_block & (self.silu_block - 1):
@@ -57,6 +62,12 @@ class FusedConfig:
 
 
 DEFAULT = FusedConfig()
+
+
+def _pdl(cfg: FusedConfig, x: torch.Tensor) -> dict:
+    """The PDL constexpr and launch option of a launch on x's device."""
+    on = enabled(cfg.pdl, x.device)
+    return {"PDL": on, **launch_options(on)}
 
 
 @triton.jit
@@ -81,8 +92,9 @@ def _residual_rms_norm_kernel(
     OUT,  # [N, D] dtype contiguous: the normed rows
     RES_OUT,  # [N, D] dtype contiguous: x + residual; written only with HAS_RES
     sx, sr, D, eps,
-    BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
@@ -132,7 +144,7 @@ def residual_rms_norm(
     _residual_rms_norm_kernel[(N,)](
         x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
         BLOCK_D=triton.next_power_of_2(D), HAS_RES=residual is not None,
-        num_warps=cfg.norm_warps,
+        num_warps=cfg.norm_warps, **_pdl(cfg, x),
     )  # fmt: skip
     return out, new
 
@@ -163,8 +175,9 @@ def _rope_kv_write_kernel(
     Q,  # [B, H, HD] dtype contiguous: the rotated queries
     s_qkv, s_kv, s_s, s_t, s_h, T,
     H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,
-    NH_PAD: tl.constexpr, HD_PAD: tl.constexpr,
+    NH_PAD: tl.constexpr, HD_PAD: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     pos = tl.minimum(tl.maximum(tl.load(POS + b).to(tl.int64), 0), T - 1)
     slot = tl.load(SLOT + b).to(tl.int64)
@@ -238,7 +251,7 @@ def rope_kv_write(
         qkv, positions, slot_ids, cos, sin, kv, q,
         qkv.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), T,
         H=heads, KV_HEADS=KVH, HD=hd, NH_PAD=triton.next_power_of_2(heads + 2 * KVH),
-        HD_PAD=triton.next_power_of_2(hd), num_warps=cfg.rope_warps,
+        HD_PAD=triton.next_power_of_2(hd), num_warps=cfg.rope_warps, **_pdl(cfg, qkv),
     )  # fmt: skip
     return q
 
@@ -276,8 +289,9 @@ def _silu_mul_kernel(
     GU,  # [N, 2 I] dtype (row stride s_gu, last dim contiguous): gate | up
     OUT,  # [N, I] dtype contiguous
     s_gu, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < inter
@@ -301,8 +315,9 @@ def silu_mul(gate_up: torch.Tensor, *, config: FusedConfig | None = None) -> tor
         raise ValueError("silu_mul needs gate_up contiguous in its last dim")
     block = min(cfg.silu_block, triton.next_power_of_2(I2 // 2))
     _silu_mul_kernel[(N, triton.cdiv(I2 // 2, block))](
-        gate_up, out, gate_up.stride(0), I2 // 2, BLOCK=block, num_warps=cfg.silu_warps
-    )
+        gate_up, out, gate_up.stride(0), I2 // 2, BLOCK=block, num_warps=cfg.silu_warps,
+        **_pdl(cfg, gate_up),
+    )  # fmt: skip
     return out
 
 

@@ -27,9 +27,12 @@ and the reference agree to rounding (different summation orders), not bit for bi
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
+from graphexec.kernels import dependent_launch, matmul_tma
 from graphexec.kernels.matmul_config import MatmulConfig, MatmulTile
 from graphexec.kernels.matmul_kernel import _linear_kernel, launch_shape
 from graphexec.runtime.triton_env import interpreter_enabled
@@ -91,19 +94,27 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     if programs_per_tile is not None:  # tests: every P gives the same bits
         P = programs_per_tile
     interpreted = interpreter_enabled()
+    pdl = dependent_launch.enabled(cfg.pdl, x.device) and M < cfg.large_m
+    line = 128 // x.element_size()
+    lines = 1 << max(0, (cfg.prefetch_k // line).bit_length() - 1) if cfg.prefetch_k >= line else 0
     if P > 1:
         partial = torch.empty((P, 2 if silu_mul else 1, M, N), dtype=torch.float32,
                               device=x.device)  # fmt: skip
         counter = _counters(x.device)
     else:
         partial = counter = out  # not read
+    if t.tma and matmul_tma.usable(x, w, t.block_m, t.block_n, t.block_k, t.split):
+        matmul_tma.launch(x, w, bias, out, partial, counter, tiles, P, K // t.split, t,
+                          silu_mul, pdl, dependent_launch.launch_options(pdl))  # fmt: skip
+        return out
     _linear_kernel[(tiles, P)](
         x, w, x if bias is None else bias, out, partial, counter,
         M, N, K, x.stride(0), w.stride(0), K // t.split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         PARTS=t.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        PDL=pdl, LINE=line, LINES=lines, num_warps=t.num_warps, num_stages=t.num_stages,
+        **dependent_launch.launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -225,28 +236,28 @@ def tree_sum(parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
 def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, bool]],
                        rows: int = 256, seed: int = 0) -> MatmulConfig:  # fmt: skip
     """`config` with `verified` = the weight shapes whose large tile gives, on this
-    device, the bits of the decode tile: for each (w [N, K] or [2 I, K], silu_mul), three
-    activations of `rows` rows (normal, scaled by 1e3 and 1e-3, with outliers) through
-    both tiles, compared bit for bit. A shape that differs anywhere keeps its decode
-    tile at every M. Shapes without a large tile are skipped; nothing runs on the CPU."""
+    device, the bits of the decode tile with the same split: for each (w [N, K] or
+    [2 I, K], silu_mul), three activations of `rows` rows (normal, scaled by 1e3 and
+    1e-3, with outliers) through both tiles, compared bit for bit. A shape that differs
+    anywhere keeps its decode tile at every M. Shapes without a large tile are skipped;
+    nothing runs on the CPU."""
     ok = set()
     gen = None
     for w, silu in weights:
         N, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
-        if w.device.type != "cuda" or not any((n, k) == (N, K) for n, k, _ in config.large_tiles):
+        large = [t for n, k, t in config.large_tiles if (n, k) == (N, K)]
+        if w.device.type != "cuda" or not large:
             continue
         if gen is None:
             gen = torch.Generator(device=w.device).manual_seed(seed)
-        trial = config.replace(verified=frozenset({(N, K)}))
+        decode = dataclasses.replace(config.tile(N, K), split=large[0].split)
         same = True
         for scale in (1.0, 1e3, 1e-3):
             x = torch.randn(max(rows, config.large_m), K, device=w.device, generator=gen)
             x[::17, ::13] *= 64.0  # outliers, as activations have
             x = (x * scale).to(w.dtype)
-            same &= torch.equal(
-                _launch(x, w, None, silu, trial),
-                _launch(x, w, None, silu, config.replace(verified=frozenset())),
-            )
+            same &= torch.equal(_launch(x, w, None, silu, config, tile=large[0]),
+                                _launch(x, w, None, silu, config, tile=decode))  # fmt: skip
         if same:
             ok.add((N, K))
     return config.replace(verified=frozenset(ok))

@@ -16,7 +16,8 @@ from graphexec.runtime.triton_env import interpreter_enabled
 @dataclass(frozen=True)
 class MatmulTile:
     """One compiled kernel's tiling: rows x columns of a program, K per step, launch;
-    split: the parts of K summed in the tree (a power of two dividing K)."""
+    split: the parts of K summed in the tree (a power of two dividing K); tma: loads by
+    tensor descriptors (`matmul_tma`, Hopper), for large-M tiles."""
 
     block_m: int
     block_n: int
@@ -24,6 +25,7 @@ class MatmulTile:
     num_warps: int
     num_stages: int
     split: int = 1
+    tma: bool = False
 
 
 # (N, K, (block_m, block_n, block_k, num_warps, num_stages, split)); gate/up's N is I (its
@@ -46,25 +48,26 @@ GPU_TILES = (
     (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
 )
 
-# Tiles for calls of at least `large_m` rows, each with its decode tile's split (so the
-# same reduction order): used only once `verified` on the device (`verify_large_tiles`).
-# (bench_matmul.py --large-sweep on an H200, every candidate bit-identical there)
+# Tiles for calls of at least `large_m` rows (the last field: TMA loads), each with the
+# split the model runs the shape with (o and down: row-parallel, 4 parts), so the same
+# reduction order: used only once `verified` on the device (`verify_large_tiles`).
+# (bench_matmul.py --large-sweep --tma on an H200, every candidate bit-identical there)
 GPU_LARGE_TILES = (
-    (1152, 896, (64, 64, 64, 4, 4, 1)),  # Qwen2.5-0.5B q/k/v
-    (896, 896, (64, 64, 64, 4, 4, 1)),  # o
-    (4864, 896, (64, 64, 64, 4, 4, 1)),  # gate/up + SwiGLU
-    (896, 4864, (64, 128, 64, 4, 4, 4)),  # down
-    (151936, 896, (128, 128, 64, 8, 3, 1)),  # LM head
-    (3072, 2048, (64, 64, 64, 4, 5, 1)),  # Llama-3.2-1B q/k/v
-    (2048, 2048, (64, 128, 64, 8, 3, 4)),  # o
-    (8192, 2048, (64, 128, 64, 4, 4, 1)),  # gate/up + SwiGLU
-    (2048, 8192, (64, 128, 64, 4, 4, 4)),  # down
-    (128256, 2048, (128, 128, 64, 8, 3, 1)),  # LM head
-    (6144, 4096, (64, 128, 64, 4, 4, 1)),  # Llama-3.1-8B q/k/v
-    (4096, 4096, (128, 64, 128, 8, 3, 4)),  # o
-    (14336, 4096, (128, 128, 64, 8, 3, 1)),  # gate/up + SwiGLU
-    (4096, 14336, (128, 128, 64, 8, 3, 4)),  # down
-    (128256, 4096, (128, 128, 64, 8, 3, 1)),  # LM head
+    (1152, 896, (64, 64, 128, 4, 4, 1, True)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (128, 64, 64, 4, 4, 4, True)),  # o (row-parallel: 4 parts)
+    (4864, 896, (64, 64, 128, 4, 4, 1, True)),  # gate/up + SwiGLU
+    (896, 4864, (64, 64, 128, 4, 4, 4, True)),  # down
+    (151936, 896, (128, 128, 64, 8, 3, 1, True)),  # LM head
+    (3072, 2048, (64, 128, 128, 4, 3, 1, True)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (128, 64, 64, 4, 4, 4, True)),  # o
+    (8192, 2048, (128, 128, 64, 8, 4, 1, True)),  # gate/up + SwiGLU
+    (2048, 8192, (128, 64, 64, 4, 4, 4, True)),  # down
+    (128256, 2048, (128, 128, 64, 8, 3, 1, True)),  # LM head
+    (6144, 4096, (128, 64, 64, 4, 4, 1, True)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (128, 128, 64, 8, 3, 4, True)),  # o
+    (14336, 4096, (128, 128, 64, 8, 4, 1, True)),  # gate/up + SwiGLU
+    (4096, 14336, (128, 128, 64, 8, 3, 4, True)),  # down
+    (128256, 4096, (128, 128, 64, 8, 3, 1, True)),  # LM head
 )
 
 
@@ -82,12 +85,19 @@ class MatmulConfig:
         to `split` programs.
     num_warps, num_stages: of every tile.
     tiles: tuned tiles by weight shape, ((N, K, tile), ...), taken before the rule.
-    large_tiles: ((N, K, tile), ...) for calls of at least `large_m` rows; each has the
-        split of `tile(N, K)`, so the same parts and the same K order, and may differ
-        in rows, columns and K per step of a program. Used only where `verified` lists
-        the shape: `verify_large_tiles` checked, on the device, that the two tiles give
-        the same bits (the tensor cores sum each output over K in steps of 16 whatever
-        the tile, but that is the hardware's property, so it is measured, not assumed).
+    large_tiles: ((N, K, tile), ...) for calls of at least `large_m` rows. A call runs
+        one only where its split is the call's (that of `tile(N, K)`, or a row-parallel
+        layer's, `row_parallel`): the same parts and the same K order, in a tile that
+        may differ in rows, columns, K per step and loads (TMA). Used only where
+        `verified` lists the shape: `verify_large_tiles` checked, on the device, that it
+        gives the bits of the decode tile with its split (the tensor cores sum each
+        output over K in steps of 16 whatever the tile, but that is the hardware's
+        property, so it is measured, not assumed).
+    pdl: programmatic dependent launch where the device has it (`dependent_launch`),
+        for calls of fewer than `large_m` rows (at 128-256 rows it slowed a Llama
+        forward by 4-5% on an H200: those calls are not launch-bound).
+    prefetch_k: with pdl, each program asks L2 for the first prefetch_k columns of each
+        of its parts' weight rows before it waits for the kernel before it (0: none).
     """
 
     block_m: int = 64
@@ -103,6 +113,8 @@ class MatmulConfig:
     large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
     large_m: int = 128
     verified: frozenset[tuple[int, int]] = frozenset()
+    pdl: bool = True
+    prefetch_k: int = 512
 
     def __post_init__(self) -> None:
         for name in ("block_m", "max_block_n", "block_k", "short_block_k"):
@@ -112,15 +124,17 @@ class MatmulConfig:
         for name in ("long_k", "min_programs", "num_warps", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MatmulConfig.{name} must be positive")
+        if self.prefetch_k < 0:
+            raise ValueError(f"MatmulConfig.prefetch_k must be >= 0, got {self.prefetch_k}")
         for split in [self.max_split] + [t.split for _, _, t in self.tiles]:
             if not 1 <= split <= MAX_SPLIT or split & (split - 1):
                 raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
                                  f"{MAX_SPLIT}, got {split}")  # fmt: skip
         for n, k, t in self.large_tiles:
-            if t.split != self.tile(n, k).split:
-                raise ValueError(f"MatmulConfig.large_tiles: the tile of [{n}, {k}] splits K "
-                                 f"into {t.split} parts, its decode tile into "
-                                 f"{self.tile(n, k).split}: they must be equal")  # fmt: skip
+            if not 1 <= t.split <= MAX_SPLIT or t.split & (t.split - 1):
+                raise ValueError(f"MatmulConfig.large_tiles: the tile of [{n}, {k}] splits "
+                                 f"K into {t.split} parts, not a power of two in "
+                                 f"1..{MAX_SPLIT}")  # fmt: skip
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
@@ -160,10 +174,13 @@ class MatmulConfig:
             split *= 2
         return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages, split)
 
-    def tile_for(self, N: int, K: int, M: int) -> MatmulTile:
-        """The tile a call of M rows runs: `tile(N, K)`, or its verified large tile."""
+    def tile_for(self, N: int, K: int, M: int, split: int | None = None) -> MatmulTile:
+        """The tile a call of M rows runs with K in `split` parts (None: that of
+        `tile(N, K)`): its verified large tile of that split, else `tile(N, K)` with it."""
+        base = self.tile(N, K)
+        split = split or base.split
         if M >= self.large_m and (N, K) in self.verified:
             for n, k, tile in self.large_tiles:
-                if (n, k) == (N, K):
+                if (n, k) == (N, K) and tile.split == split:
                     return tile
-        return self.tile(N, K)
+        return base if base.split == split else dataclasses.replace(base, split=split)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start, prefetch_rows
 from graphexec.kernels.fused import _rounded
 
 MAX_SPLIT = 16  # parts of K at most: the tree's pending sums s0..s3 hold 16 leaves
@@ -108,6 +109,9 @@ def _linear_kernel(
     P: tl.constexpr,  # programs per tile
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr,  # dependent launch (dependent_launch.py)
+    LINE: tl.constexpr,  # weight elements per 128-byte line
+    LINES: tl.constexpr,  # lines of each part's weight rows to prefetch before the wait
 ):  # fmt: skip
     pid = tl.program_id(0)
     q = tl.program_id(1)
@@ -121,6 +125,13 @@ def _linear_kernel(
     x_ptr = X + rm[:, None] * sx + rk[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptr = W + rn[:, None] * sw + rk[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptr = w_ptr + N * sw
+    if PDL and LINES > 0:  # weights are never written by a step: read ahead of the wait
+        for j in tl.static_range(PARTS):
+            k_lo = (q * PARTS + j) * part_k
+            prefetch_rows(W, rn, nmask, sw, k_lo, part_k, LINE, LINES)
+            if SILU_MUL:
+                prefetch_rows(W, rn + N, nmask, sw, k_lo, part_k, LINE, LINES)
+    dependent_start(PDL)
     z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, s0, s1, s2, s3 = z, z, z, z, z
     up, u0, u1, u2, u3 = z, z, z, z, z
@@ -133,6 +144,16 @@ def _linear_kernel(
             up = _part_dot(x_ptr, up_ptr, k_lo, part_k, K, mmask, nmask, rk,
                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)  # fmt: skip
             up, u0, u1, u2, u3 = _tree_push(j, up, u0, u1, u2, u3)
+    _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, mmask, nmask, M, N,
+                P, HAS_BIAS, SILU_MUL)  # fmt: skip
+
+
+@triton.jit
+def _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, mmask, nmask, M, N,
+                P: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):  # fmt: skip
+    """Program q's subtree sum (acc; up with SILU_MUL) of tile `pid`: the epilogue if it is
+    the tile's only program, else stored to PARTIAL, and the tile's last program to
+    arrive adds the P subtree sums in the tree and runs the epilogue."""
     if P == 1:
         _epilogue(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL)
     else:
@@ -146,6 +167,8 @@ def _linear_kernel(
         tl.debug_barrier()  # the partial stores are ordered before the counter's release
         arrived = tl.atomic_add(COUNTER + pid, 1, sem="acq_rel")
         if arrived == P - 1:  # the tile's last program: every subtree sum is written
+            s0, s1, s2, s3 = acc, acc, acc, acc  # pending sums: each written before read
+            u0, u1, u2, u3 = up, up, up, up
             for j in tl.static_range(P):
                 t = tl.load(PARTIAL + (j * G) * slab + offs, mask=tile_mask, other=0.0,
                             cache_modifier=".cg")  # fmt: skip

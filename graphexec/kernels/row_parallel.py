@@ -65,8 +65,8 @@ def row_split_cpu(N: int, K: int, world: int) -> RowSplit | None:
 def row_split_gpu(N: int, K: int, world: int, *,
                   config: MatmulConfig | None = None) -> RowSplit | None:  # fmt: skip
     """The CUDA route's split of a whole weight [N, K]: `config.tile(N, K)` (shapes only,
-    never M) with its split raised to ROW_SPLIT. Every call of the layer runs this tile
-    (no large-M tile: those were verified at the tile's own split)."""
+    never M) with its split raised to ROW_SPLIT. On one rank a call of many rows may run
+    a verified large tile of that split (`MatmulConfig.tile_for`)."""
     t = (config or MatmulConfig.default()).tile(N, K)
     split = split_of(K, world, max(ROW_SPLIT, t.split))
     if split is None:
@@ -94,11 +94,13 @@ def row_linear_gpu(x: torch.Tensor, w: torch.Tensor, split: RowSplit,
     if not f32 and split.world != 1:
         raise ValueError("a rank's row-parallel product is its float32 subtree sum "
                          "(f32=True); only world 1 rounds in the kernel")  # fmt: skip
+    cfg = config or MatmulConfig.default()
     tile = dataclasses.replace(split.tile, split=split.local)
+    if split.world == 1:  # the whole weight: its verified large tile of this split, if any
+        tile = cfg.tile_for(w.shape[0], w.shape[1], x.shape[0], split.parts)
     if f32:
-        return _launch(x, w, None, False, config or MatmulConfig.default(), tile=tile,
-                       f32_out=True)  # fmt: skip
-    return _launch(x, w, bias, False, config or MatmulConfig.default(), tile=tile)
+        return _launch(x, w, None, False, cfg, tile=tile, f32_out=True)
+    return _launch(x, w, bias, False, cfg, tile=tile)
 
 
 def row_linear_reference(x: torch.Tensor, w: torch.Tensor, split: RowSplit,

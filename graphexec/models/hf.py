@@ -258,8 +258,9 @@ class HFTransformer(SlotKVCache):
             return cfg
         first = self.layers[0]
         weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]
-        # o / down with a row split run its tile at every M: no large tile to verify
-        weights += [(getattr(first, n), False) for n, s in self.row_splits.items() if s is None]
+        # o / down: the whole weight on one rank (a rank's shard keeps its decode tile)
+        weights += [(getattr(first, n), False) for n, s in self.row_splits.items()
+                    if s is None or s.world == 1]  # fmt: skip
         cfg = verify_large_tiles(cfg, weights)
         shapes = {(n, k) for n, k, _ in cfg.large_tiles}
         logger.info("large-M GEMM tiles: %d of this model's shapes verified bit-identical "
