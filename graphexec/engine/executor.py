@@ -106,7 +106,8 @@ class DecodeExecutor:
         sampler = build_sampler(self.backend, device, largest * runs, v, cfg.sampler_config, tp,
                                 cfg.tp_method, spec is not None)  # fmt: skip
         draft = self.drafter.draft if self.drafter else None
-        step = StepFn(model, self.slots, sampler, draft, spec.verify if spec else "strict")
+        step = StepFn(model, self.slots, sampler, draft, spec.verify if spec else "strict",
+                      kernels=self.device.type == "cuda")  # fmt: skip
         self.runner = StepRunner(step, self.masks, self.buckets, n, device, self.drafter)
         self.prefiller = Prefiller(model, cfg.prefill_budget, v, device, draft)
         self._queue = RequestQueue(n, cfg.seed)  # shared with other threads

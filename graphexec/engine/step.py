@@ -24,6 +24,8 @@ device, no host sync, static shapes):
   6. advance    real rows with a valid run: position += tokens emitted, last token = the
                 last one, token counts += each. Padding rows (the padding slot) and
                 invalid rows change nothing, so a graph's padding never touches a slot.
+On CUDA a decode step's steps 1 and 4's mask gather run as one kernel and steps 5 and 6 as
+another (`step_kernels`), the same values as their torch references.
 
 Terms: a *bucket* is the static batch size of a graph; its first n rows are the real
 requests and the rest are *padding rows* pointing at the table's padding slot.
@@ -37,13 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from graphexec.engine.slots import SlotTable
+from graphexec.engine.step_state import advance_decode_reference, gather_inputs_reference
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import GraphKey
 from graphexec.rng import Stream, gumbel
 from graphexec.sampling import processing
 from graphexec.sampling import reference as ref
-from graphexec.sampling.flags import flag_inf, flag_inf_runs
+from graphexec.sampling.flags import flag_inf_runs
 from graphexec.sampling.step_sampler import StepSampler
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.verify import VerifyOutput, clean_drafts
@@ -88,18 +91,24 @@ class StepFn:
     sampler: StepSampler
     draft: object = None  # a draft DecodeModel, or None (n-gram drafts from the host)
     method: str = "strict"  # verify_step's method
+    kernels: bool = False  # decode's bookkeeping by `step_kernels` (CUDA), else torch
 
     def make(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
              out: VerifyOutput) -> Callable[[], None]:  # fmt: skip
         if self.sampler.verify_fn is None:  # no speculation: every step decodes
-            return lambda: self.decode(key, slot_ids, out)
+            gather, advance = gather_inputs_reference, advance_decode_reference
+            if self.kernels:  # (imported here: triton loads when a CUDA executor builds)
+                from graphexec.engine import step_kernels
+
+                gather, advance = step_kernels.gather_inputs, step_kernels.advance_decode
+            return lambda: self.decode(key, slot_ids, out, gather, advance)
         return lambda: self.verify(key, slot_ids, inputs, out)
 
-    def decode(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
+    def decode(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput, gather: Callable,
+               advance: Callable) -> None:  # fmt: skip
         slots, sampler = self.slots, self.sampler
-        pos = slots.positions[slot_ids]
-        model_pos = slots.prompt_lens[slot_ids] + pos - 1
-        raw = self.model.decode(slots.last_token[slot_ids], model_pos, slot_ids)
+        inp = gather(slots, slot_ids)
+        raw = self.model.decode(inp.last, inp.model_pos, slot_ids)
         b = slot_ids.shape[0]
         logits = check_logits(raw, (b, sampler.width(self.model)), self.model, "decode")
         logits = sampler.clip(logits, slots.vocab_size)
@@ -108,11 +117,8 @@ class StepFn:
             drawn.logprobs, drawn.ranks = out.logprobs[:, 0], out.ranks[:, 0]
             drawn.top_logprobs = out.top_logprobs[:, 0]
             drawn.top_token_ids = out.top_token_ids[:, 0]
-        masks = run_masks(slots, slot_ids, pos, 1)[:, 0]
-        sampler(logits, slot_ids, pos, slots.tensors, drawn, masks, key.variant)
-        if not sampler.flags_in_draw:
-            flag_inf(logits, drawn)
-        advance(slots, slot_ids, out)
+        sampler(logits, slot_ids, inp.pos, slots.tensors, drawn, inp.masks, key.variant)
+        advance(slots, slot_ids, logits, drawn.token_ids, drawn.valid, not sampler.flags_in_draw)
 
     def verify(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
                out: VerifyOutput) -> None:  # fmt: skip
@@ -199,15 +205,11 @@ def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
 def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
     """Step 6: move each real row's decode state past the tokens it emitted."""
     b, t = out.token_ids.shape
+    if t == 1:  # a run of one: decoding's form, fewer kernels
+        advance_decode_reference(slots, slot_ids, None, out.token_ids[:, 0], out.valid, False)
+        return
     real = (slot_ids != slots.padding_slot) & out.valid
     counts = slots.tensors.token_counts
-    if t == 1:  # decoding: fewer kernels than the run's general form
-        tok = torch.where(real, out.token_ids[:, 0], 0)
-        slots.positions.index_add_(0, slot_ids, real.to(torch.int64))
-        slots.last_token[slot_ids] = torch.where(real, tok, slots.last_token[slot_ids])
-        if counts is not None:
-            counts.index_put_((slot_ids, tok), real.to(counts.dtype), accumulate=True)
-        return
     n = torch.where(real, out.num_tokens, 0)
     slots.positions.index_add_(0, slot_ids, n)
     last = out.token_ids.gather(1, (n - 1).clamp(min=0).unsqueeze(1)).squeeze(1)

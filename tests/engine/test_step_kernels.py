@@ -1,0 +1,95 @@
+"""The decode step's bookkeeping kernels against their torch references, value for value."""
+
+from __future__ import annotations
+
+from tests.interpreter import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import graphexec as gx  # noqa: E402
+from graphexec.engine import step_kernels as sk  # noqa: E402
+from graphexec.engine import step_state as ss  # noqa: E402
+from graphexec.engine.slots import SlotTable  # noqa: E402
+from graphexec.sampling.flags import INF_TOKEN  # noqa: E402
+
+V = 200
+# the CPU under the interpreter in CI; CUDA with `pytest -m gpu`
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                        reason="kernels compile for CUDA")),
+           pytest.param("cuda", marks=pytest.mark.gpu)]  # fmt: skip
+
+
+def table(penalties: bool, offsets: int, seed: int, device: str) -> SlotTable:
+    """6 slots with prompts, min_tokens holding back ids in several words (and in one
+    word twice over), random positions, last tokens, masks and counts."""
+    g = torch.Generator().manual_seed(seed)
+    st = SlotTable(6, V, device, penalties=penalties, offsets=offsets, max_min_ids=4)
+    min_ids = [(0, 1, 199), (37, 38, 70), (), (5,), (150, 151, 152, 190), (64,)]
+    for i, ids in enumerate(min_ids):
+        p = gx.SamplingParams(seed=i, min_tokens=3 if ids else 0)
+        st.assign(p, prompt_token_ids=list(range(i + 1)), min_ids=ids)
+    st.flush()
+    st.positions[:6] = torch.randint(0, 6, (6,), generator=g).to(device)
+    st.last_token[:6] = torch.randint(0, V, (6,), generator=g).to(device)
+    st.bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, st.bitmask.shape, generator=g,
+                                   dtype=torch.int32))  # fmt: skip
+    if penalties:
+        st.tensors.token_counts.copy_(torch.randint(0, 4, (7, V), generator=g, dtype=torch.int32))
+    return st
+
+
+def state(st: SlotTable) -> list[torch.Tensor]:
+    out = [st.positions.clone(), st.last_token.clone(), st.bitmask.clone()]
+    if st.tensors.token_counts is not None:
+        out.append(st.tensors.token_counts.clone())
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offsets", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gather_inputs_is_the_reference(offsets, seed, device) -> None:
+    """Positions before, at and past min_tokens (3); every slot, the padding slot, and a
+    slot twice: the same positions, model positions, inputs and masks (and the table
+    untouched)."""
+    st = table(True, offsets, seed, device)
+    slot_ids = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 2], device=device)
+    before = state(st)
+    got = sk.gather_inputs(st, slot_ids)
+    want = ss.gather_inputs_reference(st, slot_ids)
+    for name in ("pos", "model_pos", "last", "masks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert all(torch.equal(a, b) for a, b in zip(state(st), before, strict=True))
+    active = want.pos < st.min_tokens[slot_ids]
+    raw = st.bitmask[slot_ids, 0] if offsets > 1 else st.bitmask[slot_ids]
+    assert active.any() and not torch.equal(want.masks[active], raw[active])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("penalties", [True, False])
+@pytest.mark.parametrize("flag", [True, False])
+def test_advance_decode_is_the_reference(penalties, flag, device) -> None:
+    """Real rows, padding rows, an invalid row (-1), a row that drew a +inf token and a
+    +inf logit at column 0 of an invalid row: the same tokens, validity, positions,
+    last tokens and counts as the torch reference."""
+    st = table(penalties, 1, 3, device)
+    slot_ids = torch.tensor([0, 1, 2, 3, 6, 6, 4], device=device)
+    logits = torch.randn(7, V + 8, device=device)  # wider than V, as a padded model's
+    tokens = torch.tensor([5, 17, -1, 199, 3, 0, 42], device=device)
+    valid = torch.tensor([True, True, False, True, True, False, True], device=device)
+    logits[1, 17] = float("inf")  # drew a +inf token: flagged
+    logits[2, 0] = float("inf")  # invalid row reading column 0: flagged too
+    results = []
+    for fn in (sk.advance_decode, ss.advance_decode_reference):
+        s2 = table(penalties, 1, 3, device)
+        t, v = tokens.clone(), valid.clone()
+        fn(s2, slot_ids, logits, t, v, flag)
+        results.append((t, v, state(s2)))
+    (t1, v1, s1), (t2, v2, s2) = results
+    assert torch.equal(t1, t2) and torch.equal(v1, v2)
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+    assert (t1[1] == INF_TOKEN) == flag and (st.positions[1] != s1[0][1]) != flag
+    assert torch.equal(s1[0][6], st.positions[6])  # the padding slot never moves
