@@ -3,11 +3,12 @@ server loop under churn (issue "Admission at server rate").
 
 Steady (`--scenario steady`, the default): for each batch size B, B requests run decode
 steps (none finishes while timed, so the batch plan is reused: the steady state); we time
-`ex.step()` (wall, from the call to its return) in replay and in eager mode, and split the
-replayed step's wall time into host work around the replay (flush, keyed inputs, launch,
-output copies, stop checks) and the wait for the device (`ex.last_step_timing`); those
-steps do not read their outputs. `outputs_us` is measured on 20 more steps: what the
-caller then pays to read all B outputs as `RequestOutput` objects (they are built lazily,
+`ex.step()` (wall, from the call to its return) in replay and in eager mode; `host_us` is
+the host time the device waits for (on CUDA its idle time between steps, by CUDA events;
+`measure` says exactly what counts), and the executor's own split of the step into host
+work and its wait for the device (`ex.last_step_timing`) is kept beside it; those steps
+do not read their outputs. `outputs_us` is measured on 20 more steps: what the caller
+then pays to read all B outputs as `RequestOutput` objects (they are built lazily,
 outside the step).
 
 Churn (`--scenario churn`, or `all` for both; the loop and its measures are in
@@ -34,9 +35,11 @@ Model (`--model PATH|CONFIG`; step_model.py): the steady scenario on a real mode
 (a checkpoint folder, or a config with seeded random weights: `qwen2.5-0.5b`,
 `llama-3.2-1b` in benchmarks/configs/) instead of TinyLM, greedy, at B in 1 8 32 128 256:
 replay vs eager, the batch-invariant step against the cuBLAS one, the speculative step
-(n-gram, K = 3, every draft accepted) against the plain one, decode tokens/s, host
-overhead, and transformers' own `generate` with its static cache on the same weights and
-batch; step-model-<name>-<device>-<date>.json.
+(n-gram, K = 3, every draft accepted) against the plain one, decode tokens/s, host time
+the device waits for, and transformers' own `generate` with its static cache on the same
+weights and batch; on CUDA also the step graph alone, the forward alone against the
+memory floor, and the GPU's idle time per step, overlap on and off, quiet and beside
+`--cpu-load` busy processes (step_replay.py); step-model-<name>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 
@@ -57,7 +60,7 @@ concurrent 20-token prompts to their first tokens; step-cpu-<model>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import datetime
 import gc
 import inspect
@@ -74,6 +77,7 @@ import torch
 import triton
 from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn_section
 from step_prefill import prefill_markdown, prefill_section
+from step_replay import StepEvents, admit_batch, end_batch, p90
 
 import graphexec as gx
 from graphexec.engine.graphs import GraphKey
@@ -88,43 +92,56 @@ WORKLOADS = {
 
 def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None,
             prompts: list[list[int]] | None = None) -> dict:  # fmt: skip
-    prompts = prompts or [[1 + i % 100, 2, 3] for i in range(B)]
-    # B long prompts take several steps' prefill budget: the first requests decode
-    # meanwhile, and must not finish before the timed steps end
-    warm = 3 + -(-sum(len(p) for p in prompts[:B]) // ex.config.prefill_budget)
-    for i in range(B):
-        ex.add_request(f"b{i}", prompts[i],
-                       dataclasses.replace(make(i), max_tokens=steps + 30 + warm))  # fmt: skip
-    for _ in range(warm):  # until every request decodes
-        if len(ex.step(mode)) == B:
-            break
-    else:
-        raise RuntimeError(f"{B} requests did not all decode in {warm} steps")
-    for _ in range(2):  # warm steps
-        ex.step(mode)
+    """B requests in the steady state, `steps` timed steps of `ex.step(mode)`, then 20
+    steps whose outputs are read. Per step (medians; us):
+
+    wall_us (wall_p90_us): `ex.step()` from the call to its return.
+    host_us (host_p90_us): on CUDA, the host time the device waits for: the device's idle
+        time between consecutive timed steps, from the end of step N's device work (its
+        graph replay and output copies) to the start of step N + 1's graph replay, by
+        CUDA events (step_replay.StepEvents; `events` holds their stats). Host work that
+        runs while the device is busy (with `overlap`, finishing N while N + 1 runs)
+        counts nothing; the caller's loop, the executor's host work before the replay and
+        any other host delay count when the device has run dry. Eager steps: the gaps
+        between steps only. Without CUDA (a smoke run) nothing runs beside the host:
+        host_us is host_work_us.
+    host_work_us (host_work_p90_us), before_us, wait_us: the executor's own split of the
+        step (`ex.last_step_timing`): its host work before and after its wait for the
+        device, the part before, and the wait.
+    outputs_us: what the caller pays to read all B outputs as `RequestOutput` objects.
+    """
+    admit_batch(ex, B, make, prompts, steps, mode)
     gc.collect()
+    cuda = ex.device.type == "cuda"
+    stamps = StepEvents(ex, steps) if cuda else contextlib.nullcontext()
     walls, host, wait, before = [], [], [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        outs = ex.step(mode)
-        walls.append(time.perf_counter() - t0)
-        host.append(ex.last_step_timing.host)
-        wait.append(ex.last_step_timing.wait)
-        before.append(ex.last_step_timing.before)
-        assert len(outs) == B
+    with stamps:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            outs = ex.step(mode)
+            walls.append(time.perf_counter() - t0)
+            host.append(ex.last_step_timing.host)
+            wait.append(ex.last_step_timing.wait)
+            before.append(ex.last_step_timing.before)
+            assert len(outs) == B
     built = []
     for _ in range(20):  # then what a caller pays to read every output as an object
         outs = ex.step(mode)
         t1 = time.perf_counter()
         assert len(list(outs)) == B
         built.append(time.perf_counter() - t1)
-    for i in range(B):
-        ex.abort(f"b{i}")
-    ex.step(mode)
+    end_batch(ex, B, ("b",), mode)
     med = statistics.median
-    return dict(wall_us=med(walls) * 1e6, host_us=med(host) * 1e6, wait_us=med(wait) * 1e6,
-                outputs_us=med(built) * 1e6, before_us=med(before) * 1e6,
-                host_p90_us=statistics.quantiles(host, n=10)[-1] * 1e6)  # fmt: skip
+    out = dict(wall_us=med(walls) * 1e6, wall_p90_us=p90(walls) * 1e6,
+               host_work_us=med(host) * 1e6, host_work_p90_us=p90(host) * 1e6,
+               wait_us=med(wait) * 1e6, outputs_us=med(built) * 1e6,
+               before_us=med(before) * 1e6)  # fmt: skip
+    if cuda:
+        ev = out["events"] = stamps.stats()
+        out.update(host_us=ev["idle_us"], host_p90_us=ev["idle_p90_us"])
+    else:
+        out.update(host_us=out["host_work_us"], host_p90_us=out["host_work_p90_us"])
+    return out
 
 
 # ------------------------------------------------------- churn (the loop: step_churn.py)
@@ -254,6 +271,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "HFTransformer(batch_invariant=False), cuBLAS GEMMs")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,
                    help="the speculative step is timed at the batches up to this")  # fmt: skip
+    m.add_argument("--replays", type=int, default=30,
+                   help="CUDA: replays timed of the step graph alone and of the forward "
+                   "alone, per B")  # fmt: skip
+    m.add_argument("--cpu-load", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="CUDA: the idle passes again beside N busy processes (default: "
+                   "the host's cores; 0: no loaded pass)")  # fmt: skip
     c = ap.add_argument_group("--scenario cpu --model smollm2|PATH (step_cpu.py)")
     c.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads, the same for both sides")  # fmt: skip
@@ -270,6 +293,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--hf-modes: unknown {bad}; choose from {list(step_model.MODES)} or off")
     if args.hf_tokens[0] >= args.hf_tokens[1] or args.hf_tokens[0] < 1:
         ap.error("--hf-tokens N1 N2 needs 1 <= N1 < N2")
+    if args.steps < 2 or args.replays < 2 or args.cpu_load < 0:
+        ap.error("--steps and --replays need >= 2 (idle is between steps), --cpu-load >= 0")
     if args.batches is None:
         args.batches = [1, 8, 32, 128, 256]
     return args

@@ -5,8 +5,9 @@ and churn plots are bench_step.plot's).
     python benchmarks/plot_step.py benchmarks/results/step-prefill-<name>-<device>-<date>.json
 
 Each JSON gets a PNG beside it: for a model run, decode tokens/s over B (ours replayed and
-eager, transformers' generate per mode) and the host overhead; for a prefill run, the
-running streams' worst, p99 and mean gap per prefill budget against the steady step.
+eager, transformers' generate per mode) and the GPU's idle time per step; for a prefill
+run, the running streams' worst, p99 and mean gap per prefill budget against the steady
+step.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def plot_model(result: dict, path: str, plt) -> None:
               title=f"{result['model']['name']} ({result['model']['dtype']})")  # fmt: skip
     ax[1].plot(bs, [r["replay"]["host_us"] for r in rows], "o-", label="host us (median)")
     ax[1].plot(bs, [r["replay"]["host_p90_us"] for r in rows], "x--", label="host us (p90)")
+    for k in sorted({k for r in rows for k in r["replay"].get("idle_us", {})}):
+        pts = [(r["batch"], r["replay"]["idle_us"][k]) for r in rows
+               if k in r["replay"].get("idle_us", {})]  # fmt: skip
+        ax[1].plot(*zip(*pts, strict=True), ".:", label=f"idle us, overlap {k}")
     ax[1].axhline(100, color="grey", lw=0.8, ls=":")
     ax[1].set(xscale="log", xlabel="batch", ylabel="us / step",
-              title="executor host overhead around the replay")  # fmt: skip
+              title="host time the GPU waits for (its idle time between steps)")  # fmt: skip
     _finish(fig, ax, result, path)
 
 

@@ -11,11 +11,23 @@ random weights (`graphexec.models.hf_random`) made on the device, in `--dtype`.
 Ours: `DecodeExecutor` over `HFTransformer`, buckets = the batches, the greedy
 `no_filter` key captured per bucket; B requests of `--prompt-len` seeded random tokens
 (temperature 0, no EOS); `bench_step.measure` times `ex.step()` replayed and eager (wall,
-and the host work around the replay). Decode tokens/s = B / replayed step wall. Ours is
+and `host_us`: the host time the device waits for, its idle time between steps by CUDA
+events). Decode tokens/s = B / replayed step wall. Ours is
 the default, batch-invariant HFTransformer; the same executor over
 HFTransformer(batch_invariant=False) (cuBLAS GEMMs) is timed replayed beside it, the
 two executors' steps interleaved (`run_paired`): invariant_cost = invariant step /
 cuBLAS step, both from that paired run.
+
+On the device (CUDA; step_replay.py), per B: `replay.graph_us`, the captured step graph
+of the batch's key alone, and `replay.forward_us`, the model's forward alone (its decode
+on the same inputs, captured in its own graph), each the median of `--replays` replays
+queued back to back and timed by CUDA events; `floor_us`, the bytes the step must read
+(GEMM weights, LM head, the rows' live keys and values: step_floor.py) at the read
+bandwidth measured at the start of the run (`read_gb_s`), and `forward_over_floor` =
+forward_us / floor_us; `replay.idle` (medians in `replay.idle_us`): the GPU's idle time
+between steps (`step_replay.StepEvents`), median and p90, and the wall per step, with
+EngineConfig.overlap on and off (`on`, `off`), then again beside `--cpu-load` busy
+Python processes (`on_loaded`, `off_loaded`; default: one per core of the host).
 
 Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
 K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,
@@ -39,7 +51,7 @@ whether it did and with which config. Mode `eager` passes `disable_compile=True`
 Targets (TARGETS): the invariant step within 1.10x of the cuBLAS step at every B; the
 speculative step (4 tokens a row) within 1.5x of the plain step at every B <= 32; at B=32
 our tokens/s >= 2x transformers' `default` generate; replayed step at B=1 >= 3x faster
-than eager; executor host overhead < 100 us at B=128.
+than eager; host time the device waits for < 100 us a step at B=128.
 """
 
 from __future__ import annotations
@@ -53,7 +65,10 @@ import statistics
 import time
 from pathlib import Path
 
+import step_replay
 import torch
+from step_floor import read_bandwidth
+from step_transformers import MODES, run_transformers
 
 import graphexec as gx
 from graphexec.engine.graphs import GraphKey
@@ -62,7 +77,6 @@ from graphexec.params import SamplerVariant as SV
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MODES = ("default", "eager")
 TARGETS = dict(invariant_cost=1.10, spec_vs_plain=1.5, vs_transformers_b32=2.0,
                replay_speedup_b1=3.0, host_us_b128=100.0)  # fmt: skip
 AT_MOST = ("invariant_cost", "spec_vs_plain", "host_us_b128")
@@ -83,11 +97,6 @@ def resolve(spec: str) -> tuple[str, dict, Path | None]:
     names = sorted(f.stem for f in CONFIGS.glob("*.json"))
     raise SystemExit(f"--model {spec!r}: not a checkpoint folder, a config .json or one of "
                      f"{names}")  # fmt: skip
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def free(device: str) -> None:
@@ -117,9 +126,13 @@ def greedy(i: int) -> gx.SamplingParams:
     return gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True)
 
 
-def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], dict]:
-    """Replay and eager rows per batch (bench_step.measure) on an executor over `model`."""
+def run_ours(args, measure, model, prompts: torch.Tensor,
+             bandwidth: float | None = None) -> tuple[list[dict], dict]:  # fmt: skip
+    """Replay and eager rows per batch (bench_step.measure) on an executor over `model`;
+    on CUDA the device measures too (`step_replay.device_section`, the floor at
+    `bandwidth` bytes/s)."""
     ex, info = steady_executor(args, model, prompts.shape[1])
+    info["overlap"] = ex.overlap  # the replay and eager rows' setting
     listed = prompts.tolist()
     rows = []
     for B in args.batches:
@@ -131,9 +144,7 @@ def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], d
             rows.append(dict(batch=B, error=f"{type(e).__name__}: {str(e)[:400]}"))
             print(f"ours B={B:4d} failed: {rows[-1]['error']}", flush=True)
             with contextlib.suppress(Exception):  # end what was admitted
-                for i in range(B):
-                    ex.abort(f"b{i}")
-                ex.step()
+                step_replay.end_batch(ex, B)
             continue
         r["speedup"] = r["eager"]["wall_us"] / r["replay"]["wall_us"]
         r["tokens_per_s"] = B / r["replay"]["wall_us"] * 1e6
@@ -143,6 +154,9 @@ def run_ours(args, measure, model, prompts: torch.Tensor) -> tuple[list[dict], d
         print(f"ours B={B:4d} replay {rp['wall_us']:9.1f} us (host {rp['host_us']:6.1f}) eager "
               f"{r['eager']['wall_us']:9.1f} us x{r['speedup']:.2f}  {r['tokens_per_s']:9.0f} "
               "tok/s", flush=True)  # fmt: skip
+        if bandwidth is not None:
+            step_replay.device_section(r, args, measure, ex, model, greedy, listed, bandwidth)
+            print(f"device B={B:4d} {step_replay.summary(r)}", flush=True)
     info["replays"] = {str(k): n for k, n in ex.stats.replays.items()}
     info["eager_steps"] = {str(k): n for k, n in ex.stats.eager_steps.items()}
     return rows, info
@@ -227,142 +241,6 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------- transformers
-
-
-def build_transformers(cfg: dict, state: dict | None, folder: Path | None, device: str,
-                       dtype: torch.dtype):  # fmt: skip
-    """transformers' model of the same weights, on `device`, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if folder is not None:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
-        raise RuntimeError(f"transformers' model: missing {missing}, unexpected {unexpected}")
-    return model.eval()
-
-
-def generate_kwargs(max_seq_len: int, mode: str) -> dict:
-    from transformers import GenerationConfig
-
-    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
-    if hasattr(GenerationConfig(), "max_cache_len"):  # one cache size for every call
-        kw["max_cache_len"] = max_seq_len
-    if mode == "eager":
-        kw["disable_compile"] = True
-    return kw
-
-
-def time_generate(model, ids: torch.Tensor, n: int, kw: dict, device: str) -> float:
-    mask = torch.ones_like(ids)
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():  # as generate runs by default
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
-    sync(device)
-    dt = time.perf_counter() - t0
-    if tuple(out.shape) != (ids.shape[0], ids.shape[1] + n):
-        raise RuntimeError(f"generate returned {tuple(out.shape)} for {n} new tokens")
-    return dt
-
-
-def compile_info(model) -> dict:
-    """Whether generate compiled the forward, and with which CompileConfig."""
-    cc = getattr(model, "_last_compile_config", None)
-    if cc is None and hasattr(model, "_compiled_call"):
-        cc = getattr(model.generation_config, "compile_config", None)
-    out = dict(compiled=hasattr(model, "_compiled_call"))
-    if out["compiled"]:
-        cfg = cc.to_dict() if hasattr(cc, "to_dict") else {}
-        out["compile_config"] = {k: v if isinstance(v, (str, int, float, bool, type(None)))
-                                 else repr(v) for k, v in cfg.items()}  # fmt: skip
-    return out
-
-
-def dynamo_counts() -> dict[str, int]:
-    """torch.compile's running totals: graphs compiled, CUDA-graph skips."""
-    from torch._dynamo.utils import counters
-
-    return dict(graphs=counters["stats"]["unique_graphs"],
-                cudagraph_skips=counters["inductor"]["cudagraph_skips"])  # fmt: skip
-
-
-def transformers_row(model, ids: torch.Tensor, mode: str, args) -> dict:
-    n1, n2 = args.hf_tokens
-    kw = generate_kwargs(args.max_seq_len, mode)
-    c0, t0 = dynamo_counts(), time.perf_counter()
-    # the first calls may compile (and record CUDA graphs); eager needs one warm call
-    for n in (n2, n1, n2) if mode == "default" else (n1,):
-        time_generate(model, ids, n, kw, args.device)
-    warmup_s, c1 = time.perf_counter() - t0, dynamo_counts()
-    t1, t2 = [], []
-    for _ in range(args.hf_reps):
-        t1.append(time_generate(model, ids, n1, kw, args.device))
-        t2.append(time_generate(model, ids, n2, kw, args.device))
-    c2 = dynamo_counts()
-    d = statistics.median(t2) - statistics.median(t1)
-    B = ids.shape[0]
-    r = dict(mode=mode, n1=n1, n2=n2, reps=args.hf_reps, warmup_s=warmup_s,
-             t1_s=statistics.median(t1), t2_s=statistics.median(t2),
-             token_us=d / (n2 - n1) * 1e6 if d > 0 else None,
-             tokens_per_s=B * (n2 - n1) / d if d > 0 else None,
-             max_cache_len=kw.get("max_cache_len"), **compile_info(model),
-             warmup_counts={k: c1[k] - c0[k] for k in c0},
-             timed_counts={k: c2[k] - c1[k] for k in c0})  # fmt: skip
-    if r["timed_counts"]["graphs"]:
-        r["warning"] = "torch.compile compiled graphs during the timed calls"
-    if d <= 0:
-        r["error"] = "t(N2) <= t(N1): timing noise larger than the decode steps"
-    return r
-
-
-def run_transformers(result: dict, cfg, state, folder, dtype, prompts, args, save) -> None:
-    """Add transformers' rows to result["rows"] (by B), `save()` after each."""
-    try:
-        import transformers
-    except ImportError as e:
-        result["transformers"] = dict(error=f"transformers is not importable: {e}")
-        print(result["transformers"]["error"])
-        return
-    transformers.logging.set_verbosity_error()
-    info = result["transformers"] = dict(version=transformers.__version__, modes=args.hf_modes)
-    t0 = time.perf_counter()
-    try:
-        model = build_transformers(cfg, state, folder, args.device, dtype)
-    except Exception as e:  # report, keep our rows
-        info["error"] = f"building transformers' model failed: {type(e).__name__}: {e}"
-        print(info["error"])
-        return
-    info["build_s"] = time.perf_counter() - t0
-    budget = args.time_budget
-    for mode in args.hf_modes:
-        for r in result["rows"]:
-            if args.hf_batches and r["batch"] not in args.hf_batches:
-                continue
-            if budget is not None and time.perf_counter() - args.t_start > budget:
-                r.setdefault("transformers", {})[mode] = dict(mode=mode, skipped="time budget")
-                continue
-            ids = prompts[: r["batch"]].to(args.device)
-            try:
-                row = transformers_row(model, ids, mode, args)
-            except Exception as e:  # a compile or generate failure is a row's result
-                row = dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:400]}")
-            r.setdefault("transformers", {})[mode] = row
-            tps = row.get("tokens_per_s")
-            if tps and "tokens_per_s" in r:
-                r.setdefault("vs_transformers", {})[mode] = r["tokens_per_s"] / tps
-            said = (f"{tps:9.0f} tok/s (compiled: {row['compiled']}, warm-up "
-                    f"{row['warmup_s']:.1f} s)" if tps else row.get("error", ""))  # fmt: skip
-            print(f"transformers {mode:7s} B={r['batch']:4d} {said}", flush=True)
-            save()
-    del model
-    free(args.device)
-
-
 # ---------------------------------------------------------------------------- entry
 
 
@@ -390,9 +268,12 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
     name, cfg, folder = resolve(args.model)
     dtype = DTYPES[args.dtype]
     need = args.prompt_len + args.steps + 32  # measure: steps + 30 tokens a request
+    if args.device == "cuda":  # the step graph alone advances the rows 2 * replays + 1
+        need = max(need, args.prompt_len + 2 * args.replays + 16)
     if args.max_seq_len < max(need, args.prompt_len + max(args.hf_tokens)):
         raise SystemExit(f"--max-seq-len {args.max_seq_len} is too short: the prompt and "
                          f"{args.steps} steps need {need}")  # fmt: skip
+    bandwidth = read_bandwidth(args.device) if args.device == "cuda" else None
     t0 = time.perf_counter()
     model, state = load(cfg, folder, args.device, dtype, args.max_seq_len, args.seed)
     load_s = time.perf_counter() - t0
@@ -409,8 +290,10 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
     result = dict(header, **versions, scenario="model", model=dict(
         name=name, source=str(folder) if folder else "random weights", config=cfg,
         dtype=args.dtype, max_seq_len=args.max_seq_len, params=params, load_s=load_s,
-        seed=args.seed), prompt_len=args.prompt_len, steps=args.steps, targets=TARGETS)  # fmt: skip
-    rows, info = run_ours(args, measure, model, prompts)
+        seed=args.seed), prompt_len=args.prompt_len, steps=args.steps, targets=TARGETS,
+        read_gb_s=bandwidth / 1e9 if bandwidth else None, replays=args.replays,
+        cpu_load=args.cpu_load)  # fmt: skip
+    rows, info = run_ours(args, measure, model, prompts, bandwidth)
     spec_batches = [b for b in args.batches if b <= args.spec_max_batch]
     spec = run_spec(args, model, spec_batches) if spec_batches else []
     free(args.device)
@@ -475,7 +358,8 @@ def markdown(result: dict) -> str:
     modes = [k for k in MODES if any(k in r.get("transformers", {}) for r in result["rows"])]
     extra = [k for k in modes if k != "default"]
     head = ["B", "replay us", "cuBLAS replay us", "invariant/cuBLAS", "spec K=3 step us",
-            "spec/plain", "eager us", "host us", "our tok/s", "transformers tok/s",
+            "spec/plain", "eager us", "host us", *step_replay.HEAD, "our tok/s",
+            "transformers tok/s",
             "ours/transformers"] + [f"transformers {k} tok/s" for k in extra]  # fmt: skip
     lines = [f"{m['name']} ({m['source']}, {m['dtype']}) on {result['device']}, "
              f"{result['date']}; transformers "
@@ -493,7 +377,7 @@ def markdown(result: dict) -> str:
                  f"{r['invariant_cost']:.3f}x" if cub else "-",
                  f"{sp['wall_us']:.0f}" if sp else "-", f"{sp['vs_plain']:.2f}x" if sp else "-",
                  f"{r['eager']['wall_us']:.0f}", f"{r['replay']['host_us']:.0f}",
-                 f"{r['tokens_per_s']:.0f}", _cell(hf, "default"),
+                 *step_replay.cells(r), f"{r['tokens_per_s']:.0f}", _cell(hf, "default"),
                  f"{ratio:.2f}x" if ratio else "-", *(_cell(hf, k) for k in extra)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     comp = [r["transformers"]["default"] for r in result["rows"]
@@ -508,7 +392,7 @@ def markdown(result: dict) -> str:
                                "B <= 32 (worst)",
                  vs_transformers_b32="B=32 tokens/s >= 2x transformers generate (static cache)",
                  replay_speedup_b1="replayed decode at B=1 >= 3x faster than eager",
-                 host_us_b128="executor host overhead per step < 100 us at B=128")  # fmt: skip
+                 host_us_b128="host time the GPU waits for < 100 us a step at B=128")  # fmt: skip
     lines.append("")
     for k, text in names.items():
         v, ok = j["values"][k], j["met"][k]

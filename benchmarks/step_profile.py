@@ -17,8 +17,8 @@ kernels per layer; the gap (replay time minus the kernels' sum: launch latency a
 bubbles between nodes).
 
 The floor is the bytes the step must read (every weight it multiplies by, the LM head,
-the KV cache it attends to) at the read bandwidth measured in the same run (one Triton
-kernel reading a 2 GiB buffer once: `floor_kernel.RowMax`).
+the live keys and values it attends to) at the read bandwidth measured in the same run
+(step_floor.py: one Triton kernel reading a 2 GiB buffer once).
 
     python benchmarks/bench_step.py --scenario profile --model llama-3.2-1b [--batches 1 32]
 
@@ -33,7 +33,8 @@ from collections import defaultdict
 
 import torch
 from bench_distributed import capture_graph, replay_us
-from floor_kernel import RowMax
+from step_floor import floor_bytes, floor_us, read_bandwidth
+from step_floor import nbytes as _nbytes
 
 # which kernel names (substrings) each op launches, in order; anything else is "other"
 OP_KERNELS = {
@@ -60,10 +61,6 @@ class OpCall:
     layer: int | None
     bytes: int
     kernels: tuple[str, ...]  # the name patterns of its kernels
-
-
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def recording_ops(model, calls: list[OpCall]):
@@ -157,24 +154,6 @@ def label(kernels: list[str], calls: list[OpCall]) -> list[tuple[str, int | None
     return out
 
 
-def read_bandwidth(device: str, reps: int = 10) -> float:
-    """Bytes per second of one Triton kernel reading 2 GiB once (median of reps)."""
-    x = torch.randn(64, 1 << 24, device=device, dtype=torch.bfloat16)
-    rm = RowMax(64, 1 << 24, x.dtype, torch.device(device))
-    rm(x)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        rm(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    nbytes = _nbytes(x)
-    del x
-    return nbytes / statistics.median(times)
-
-
 def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:
     """(name, median us) of each kernel of one replay, in launch order."""
     from torch.profiler import ProfilerActivity, profile
@@ -225,18 +204,15 @@ def profile_batch(model, B: int, prompt_len: int, steps: int, bandwidth: float) 
     for d in by_op.values():
         d["gb_s"] = d["bytes"] / d["us"] / 1e3 if d["us"] and d["bytes"] else None
     read = sum(c.bytes for c in calls if c.op in ("qkv", "o", "gate_up", "down", "lm_head"))
-    weights = sum(_nbytes(*(getattr(layer, n) for n in ("qkv", "o", "gate_up", "down")))
-                  for layer in model.layers) + _nbytes(model.lm_head)  # fmt: skip
-    kv = sum(c.bytes for c in calls if c.op == "attention")
-    floor_bytes = weights + kv
-    floor_us = floor_bytes / bandwidth * 1e6
+    floor = floor_bytes(model, [prompt_len] * B)  # step_floor: weights, LM head, live KV
+    floor_time = floor_us(floor["floor_bytes"], bandwidth)
     layered = [k for k in kernels if k["layer"] is not None]
     ksum = sum(k["us"] for k in kernels)
     del g
     return dict(batch=B, step_us=step, kernels_sum_us=ksum, gap_us=step - ksum,
                 kernels_per_layer=len(layered) / model.num_layers, kernel_count=len(kernels),
-                floor_bytes=floor_bytes, weight_bytes=weights, kv_bytes=kv, gemm_bytes=read,
-                floor_us=floor_us, step_over_floor=step / floor_us, by_op=dict(by_op),
+                **floor, gemm_bytes=read, floor_us=floor_time,
+                step_over_floor=step / floor_time, by_op=dict(by_op),
                 kernels=kernels)  # fmt: skip
 
 

@@ -15,6 +15,7 @@ ensure_interpreter()  # bench_step imports triton: set the interpreter first (no
 import bench_step  # noqa: E402
 import pytest
 import step_model  # noqa: E402
+import step_transformers
 import torch
 
 from graphexec.models import HFTransformer
@@ -96,8 +97,8 @@ def test_random_state_dict_is_seeded_and_shaped():
 def test_random_weights_give_transformers_logits(name):
     cfg = config(name, **TINY)
     m = random_model(cfg, seed=1, dtype=torch.float32, max_seq_len=32)
-    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=1, dtype=torch.float32),
-                                        None, "cpu", torch.float32)  # fmt: skip
+    state = random_state_dict(cfg, seed=1, dtype=torch.float32)
+    ref = step_transformers.build_transformers(cfg, state, None, "cpu", torch.float32)
     m.bind(1, "cpu")
     ids = [5, 17, 250, 3, 99]
     with torch.no_grad():
@@ -163,9 +164,15 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
     out = capsys.readouterr().out
     head = (
         "| B | replay us | cuBLAS replay us | invariant/cuBLAS | spec K=3 step us | spec/plain "
-        "| eager us | host us | our tok/s | transformers tok/s |"
+        "| eager us | host us | idle us on quiet/loaded | idle us off quiet/loaded | graph us "
+        "| forward us | floor us | forward/floor | our tok/s | transformers tok/s |"
     )
     assert head in out
+    # no CUDA: no device measures, and host_us is the executor's host work
+    assert result["read_gb_s"] is None and "| - | - | - | - | - | - |" in out
+    for r in result["rows"]:
+        assert "graph_us" not in r["replay"] and "floor_us" not in r
+        assert r["replay"]["host_us"] == r["replay"]["host_work_us"] > 0
     assert "B=32 tokens/s >= 2x transformers generate (static cache): not measured" in out
 
 
@@ -212,8 +219,8 @@ def test_short_max_seq_len_and_bad_options_are_refused(tmp_path):
 
 def test_model_bench_reads_a_checkpoint_folder(tmp_path, one_thread):
     cfg = config("llama-3.2-1b", **TINY)
-    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
-                                        torch.bfloat16)  # fmt: skip
+    ref = step_transformers.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
+                                               torch.bfloat16)  # fmt: skip
     ref.save_pretrained(tmp_path / "ckpt")
     ckpt = str(tmp_path / "ckpt")
     bench_step.main(["--device", "cpu", "--model", ckpt, "--batches", "1", "--steps", "2",
@@ -251,8 +258,8 @@ def test_a_failing_batch_keeps_the_others(tmp_path, one_thread):
 
 def test_cpu_scenario_compares_both_sides_on_a_checkpoint(tmp_path, one_thread):
     cfg = config("llama-3.2-1b", **TINY)
-    ref = step_model.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
-                                        torch.float32)  # fmt: skip
+    ref = step_transformers.build_transformers(cfg, random_state_dict(cfg, seed=2), None, "cpu",
+                                               torch.float32)  # fmt: skip
     ref.save_pretrained(tmp_path / "ckpt")
     with pytest.raises(SystemExit, match="--scenario cpu needs --model"):
         bench_step.main(["--scenario", "cpu"])

@@ -1,0 +1,357 @@
+"""The decode step on the device, per batch of `bench_step.py --model` (step_model.py):
+what the GPU runs and how long it waits for the host.
+
+- `StepEvents`: while `ex.step()` runs in a loop, one CUDA event right before each step's
+  first graph replay (eager: before its step function) and one right after its launch
+  returns (behind its output copies), recorded by wrapping the executor's runner for the
+  loop's duration only: a benchmark-side hook, the library pays nothing per step. Per
+  step: busy = end(N) - start(N); idle = start(N+1) - end(N), the time the device had
+  nothing of the loop to run, i.e. waited for the host (`idle_stats`).
+- `queued_replay`: a CUDA graph's device time alone: `reps` replays, each between two
+  events, queued behind a spin kernel that outlasts the host's launching of them all, so
+  the host's launch cost never shows (median); and the host's time per launch.
+- `device_times`: B requests decoding, then the captured step graph of the key their
+  launch used (`ex.graphs.steps[key].graph`) alone, and the model's forward alone
+  (`model.decode` on that step's inputs, captured in a graph of its own), each by
+  `queued_replay`; and the model positions that forward reads, for the floor
+  (step_floor.py). Replaying the step graph advances the rows' positions on the device
+  (by 2 * reps + 1); the requests are aborted after.
+- `busy_processes`: N busy Python processes beside the run (a loaded serving host).
+
+Everything that touches CUDA runs inside functions: the module imports on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from step_floor import floor_bytes, floor_us
+
+from graphexec.runtime.capture import GraphCapture
+
+
+def p90(xs: Sequence[float]) -> float:
+    """The 90th percentile, interpolated within the data (never past its max)."""
+    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+def idle_stats(starts: Sequence[float], ends: Sequence[float]) -> dict:
+    """Per-step device times (us) from each step's start and end stamps (us, one clock, in
+    launch order): busy = end - start, idle = start(N+1) - end(N); medians, the idle p90
+    and max, and the cycle (start to start, mean)."""
+    n = len(starts)
+    if n != len(ends) or n < 2:
+        raise ValueError(f"need matching start and end stamps of >= 2 steps, got {n} and "
+                         f"{len(ends)}")  # fmt: skip
+    busy = [e - s for s, e in zip(starts, ends, strict=True)]
+    idle = [starts[i + 1] - ends[i] for i in range(n - 1)]
+    if min(busy) < 0 or min(idle) < 0:
+        raise ValueError("stamps out of order: a step ends before it starts or starts "
+                         "before the previous one ended")  # fmt: skip
+    return dict(idle_us=statistics.median(idle), idle_p90_us=p90(idle), idle_max_us=max(idle),
+                busy_us=statistics.median(busy), cycle_us=(starts[-1] - starts[0]) / (n - 1),
+                steps=n)  # fmt: skip
+
+
+class StepEvents:
+    """Stamps each launch's device work with CUDA events while the block runs (module
+    docstring). `event` makes an event (default: a timing CUDA event); `steps` events of
+    each kind are made and recorded once up front, so the timed loop creates none."""
+
+    def __init__(self, ex, steps: int, event: Callable[[], object] | None = None) -> None:
+        self.runner = ex.runner
+        self._make = event or functools.partial(torch.cuda.Event, enable_timing=True)
+        self._pool = [self._make() for _ in range(2 * steps)]
+        for e in self._pool:
+            e.record()
+        self.starts: list = []
+        self.ends: list = []
+        self.last_keys: list = []  # (key, first row, rows) of the last launch's chunks
+        self._started = False
+
+    def _stamp(self):
+        e = self._pool.pop() if self._pool else self._make()
+        e.record()
+        return e
+
+    def _start(self) -> None:
+        if not self._started:  # the launch's first graph replay or eager step
+            self._started = True
+            self.starts.append(self._stamp())
+
+    def __enter__(self) -> StepEvents:
+        runner, graphs = self.runner, self.runner.graphs
+        launch, replay, fn = runner.launch, graphs.replay, runner.fn
+
+        def timed_replay(key):
+            self._start()
+            return replay(key)
+
+        def timed_fn(key):
+            step = fn(key)
+
+            def run():
+                self._start()
+                return step()
+
+            return run
+
+        def timed_launch(plan, replay_graphs):
+            self._started = False
+            done = launch(plan, replay_graphs)
+            if self._started:
+                self.ends.append(self._stamp())
+            self._started = False
+            self.last_keys = list(done.keys)
+            return done
+
+        hooks = ((runner, "launch", timed_launch), (graphs, "replay", timed_replay),
+                 (runner, "fn", timed_fn))  # fmt: skip
+        # what to put back: an attribute of the instance itself, or none (the class's)
+        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in hooks]
+        for obj, name, hook in hooks:
+            setattr(obj, name, hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, old in self._saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+    def times(self) -> tuple[list[float], list[float]]:
+        """(starts, ends) in us from the first start; waits for the last end."""
+        if not self.starts:
+            return [], []
+        self.ends[-1].synchronize()
+        t0 = self.starts[0]
+        return ([t0.elapsed_time(e) * 1e3 for e in self.starts],
+                [t0.elapsed_time(e) * 1e3 for e in self.ends])  # fmt: skip
+
+    def stats(self) -> dict:
+        return idle_stats(*self.times())
+
+
+# ------------------------------------------------------------------ a graph alone
+
+
+@functools.cache
+def _spin_cycles_per_us() -> float | None:
+    """Clock cycles per us of `torch.cuda._sleep` (its spin counts cycles); None where
+    this torch has no such kernel."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return None
+    torch.cuda._sleep(1000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    b.synchronize()
+    return 10_000_000 / (a.elapsed_time(b) * 1e3)
+
+
+def queued_replay(replay: Callable[[], object], reps: int) -> dict:
+    """The device time of one `replay()` alone (module docstring): us = the median of
+    `reps` replays queued behind a spin; gap_us: the largest device gap between them (near
+    0 when the queue held); launch_us: host time per `replay()` call, unqueued."""
+    replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        replay()
+    launch_s = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]  # fmt: skip
+    for a, b in pairs:  # made before the queue is filled
+        a.record()
+        b.record()
+    rate = _spin_cycles_per_us()
+    if rate is not None:  # the device spins while the host queues every replay
+        torch.cuda._sleep(int((1.5 * launch_s * reps * 1e6 + 2000) * rate))
+    for a, b in pairs:
+        a.record()
+        replay()
+        b.record()
+    pairs[-1][1].synchronize()
+    times = [a.elapsed_time(b) * 1e3 for a, b in pairs]
+    gaps = [pairs[i][1].elapsed_time(pairs[i + 1][0]) * 1e3 for i in range(reps - 1)]
+    return dict(us=statistics.median(times), min_us=min(times), gap_us=max(gaps, default=0.0),
+                launch_us=launch_s * 1e6, reps=reps, queued=rate is not None)  # fmt: skip
+
+
+# ------------------------------------------------------------ the step, per batch
+
+
+def admit_batch(ex, B: int, make, prompts: list[list[int]] | None, steps: int,
+                mode: str | None = None, prefix: str = "b") -> None:  # fmt: skip
+    """Admit B requests (`prefix`0 ..) that outlive `steps` more steps, then step until
+    every one decodes, and twice more: the steady state."""
+    prompts = prompts or [[1 + i % 100, 2, 3] for i in range(B)]
+    # B long prompts take several steps' prefill budget: the first requests decode
+    # meanwhile, and must not finish before the timed steps end
+    warm = 3 + -(-sum(len(p) for p in prompts[:B]) // ex.config.prefill_budget)
+    for i in range(B):
+        ex.add_request(f"{prefix}{i}", prompts[i],
+                       dataclasses.replace(make(i), max_tokens=steps + 30 + warm))  # fmt: skip
+    for _ in range(warm):  # until every request decodes
+        if len(ex.step(mode)) == B:
+            break
+    else:
+        raise RuntimeError(f"{B} requests did not all decode in {warm} steps")
+    for _ in range(2):  # warm steps
+        ex.step(mode)
+
+
+def end_batch(ex, B: int, prefixes: Sequence[str] = ("b",), mode: str | None = None) -> None:
+    """Abort the batch's requests (any that are left) and step until the executor idles."""
+    for p in prefixes:
+        for i in range(B):
+            ex.abort(f"{p}{i}")
+    for _ in range(8):
+        ex.step(mode)
+        if ex.idle:
+            return
+    raise RuntimeError("the executor did not idle after its requests were aborted")
+
+
+def step_inputs(ex, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, model positions, slot ids) of the step graph of `bucket` rows, as
+    `StepFn.decode` gathers them from the slot table: fresh tensors, static for a graph."""
+    slots = ex.runner.slots
+    slot_ids = ex.runner.slot_ids[:bucket].clone()
+    pos = slots.prompt_lens[slot_ids] + slots.positions[slot_ids] - 1
+    return slots.last_token[slot_ids], pos, slot_ids
+
+
+def device_times(ex, model, B: int, make, prompts, reps: int) -> dict:
+    """The step graph alone and the forward alone at batch B (module docstring); the
+    positions the forward reads (every row of the bucket, padding included)."""
+    admit_batch(ex, B, make, prompts, 4, prefix="d")
+    try:
+        with StepEvents(ex, 2) as ev:
+            for _ in range(2):
+                ex.step()
+        if len(ev.last_keys) != 1:
+            raise RuntimeError(f"{B} rows ran as {len(ev.last_keys)} chunks, not one graph")
+        key = ev.last_keys[0][0]
+        captured = ex.graphs.steps.get(key)
+        if captured is None or captured.graph is None:
+            raise RuntimeError(f"{key} has no captured CUDA graph")
+        torch.cuda.synchronize()
+        graph = queued_replay(captured.graph.replay, reps)
+        ids, pos, slot_ids = step_inputs(ex, key.bucket)
+        fwd, _ = GraphCapture(ids.device)(lambda: model.decode(ids, pos, slot_ids))
+        forward = queued_replay(fwd.replay, reps)
+        positions = pos.clamp(min=0).tolist()
+        del fwd
+    finally:
+        end_batch(ex, B, ("d",))
+    return dict(key=str(key), graph=graph, forward=forward, positions=positions)
+
+
+@contextlib.contextmanager
+def busy_processes(n: int, settle_s: float = 0.5):
+    """n busy Python processes (each spins on a core) while the block runs; killed after."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(n)]  # fmt: skip
+    try:
+        time.sleep(settle_s)  # started and spinning
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool) -> dict:
+    """The replayed step loop (`measure`) with EngineConfig.overlap set to `overlap` (the
+    executor idles between passes, so the switch is clean): its idle and wall per step."""
+    was = ex.overlap
+    ex.overlap = overlap
+    try:
+        m = measure(ex, B, make, steps, None, prompts=prompts)
+    finally:
+        ex.overlap = was
+    return dict(m["events"], overlap=overlap, wall_us=m["wall_us"], wall_p90_us=m["wall_p90_us"])
+
+
+def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: float) -> None:
+    """Add the device measures to row `r` (its `replay` measured with the executor's own
+    overlap setting, quiet): replay.graph_us / forward_us (alone), replay.idle (overlap
+    on / off, quiet / beside `args.cpu_load` busy processes) and replay.idle_us (their
+    medians), and the floor: floor_us, forward_over_floor. A failure is the row's
+    `device_error`; its other results stay."""
+    B, rp = r["batch"], r["replay"]
+    try:
+        mine = "on" if ex.overlap else "off"
+        idle = {mine: dict(rp["events"], overlap=ex.overlap, wall_us=rp["wall_us"],
+                           wall_p90_us=rp["wall_p90_us"])}  # fmt: skip
+        idle["off" if ex.overlap else "on"] = idle_pass(measure, ex, B, make, args.steps,
+                                                        prompts, not ex.overlap)  # fmt: skip
+        if args.cpu_load:
+            with busy_processes(args.cpu_load):
+                for overlap in (True, False):
+                    idle[("on" if overlap else "off") + "_loaded"] = idle_pass(
+                        measure, ex, B, make, args.steps, prompts, overlap)  # fmt: skip
+        for k, v in idle.items():
+            v["cpu_load"] = args.cpu_load if k.endswith("_loaded") else 0
+        t = device_times(ex, model, B, make, prompts, args.replays)
+    except Exception as e:  # the row keeps its replay and eager results
+        r["device_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        with contextlib.suppress(Exception):
+            end_batch(ex, B, ("b", "d"))
+        return
+    rp.update(graph_us=t["graph"]["us"], forward_us=t["forward"]["us"], graph=t["graph"],
+              forward=t["forward"], key=t["key"], idle=idle,
+              idle_us={k: v["idle_us"] for k, v in idle.items()})  # fmt: skip
+    fb = floor_bytes(model, t["positions"])
+    r["floor"] = dict(fb, read_gb_s=bandwidth / 1e9, rows=len(t["positions"]),
+                      mean_position=statistics.mean(t["positions"]))  # fmt: skip
+    r["floor_us"] = floor_us(fb["floor_bytes"], bandwidth)
+    r["forward_over_floor"] = rp["forward_us"] / r["floor_us"]
+
+
+# ------------------------------------------------------------------------- report
+
+HEAD = ("idle us on quiet/loaded", "idle us off quiet/loaded", "graph us", "forward us",
+        "floor us", "forward/floor")  # fmt: skip
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def cells(r: dict) -> list[str]:
+    """A row's cells under HEAD ("-" where not measured: no CUDA, or a device error)."""
+    rp = r.get("replay", {})
+    idle = rp.get("idle_us", {})
+    pair = [f"{_us(idle.get(k))} / {_us(idle.get(k + '_loaded'))}" if k in idle else "-"
+            for k in ("on", "off")]  # fmt: skip
+    ratio = r.get("forward_over_floor")
+    return [*pair, _us(rp.get("graph_us")), _us(rp.get("forward_us")), _us(r.get("floor_us")),
+            f"{ratio:.2f}x" if ratio else "-"]  # fmt: skip
+
+
+def summary(r: dict) -> str:
+    """One printed line of a row's device measures."""
+    if "device_error" in r:
+        return f"failed: {r['device_error']}"
+    rp, f = r["replay"], r["floor"]
+    idle = ", ".join(f"{k} {v:.1f}" for k, v in rp["idle_us"].items())
+    return (
+        f"graph {rp['graph_us']:9.1f} us, forward {rp['forward_us']:9.1f} us, floor "
+        f"{r['floor_us']:9.1f} us ({f['floor_bytes'] / 1e9:.2f} GB) x"
+        f"{r['forward_over_floor']:.2f}; idle us: {idle}"
+    )
