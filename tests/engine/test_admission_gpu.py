@@ -4,6 +4,7 @@ aborts, give the same streams replayed and eager, and memory stays flat."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 
 import pytest
@@ -47,6 +48,7 @@ def churn(ex: gx.DecodeExecutor, steps: int, mode=None, seed: int = 0, memory_at
             while not ex.idle:
                 record(trace, ex.step(mode))
             torch.cuda.synchronize()
+            gc.collect()  # an earlier test's executor, freed late, is not this one's growth
             mem[step] = torch.cuda.memory_allocated()
     return trace, mem
 
