@@ -90,9 +90,11 @@ def _hermes_calls(text: str) -> list[dict[str, Any]]:
 
 
 def _hermes_grammar(fns: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
-    """Free text; at `<tool_call>`, one call of a tool with arguments of its schema."""
+    """Free text; at `<tool_call>`, one call of a tool with arguments of its schema (at
+    most one whitespace character in a row: a model cannot loop on whitespace)."""
     tags = [{"type": "tag", "begin": f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, '
-             '"arguments": ', "content": {"type": "json_schema", "json_schema": schema},
+             '"arguments": ', "content": {"type": "json_schema", "json_schema": schema,
+                                          "max_whitespace_cnt": 1},
              "end": f"}}\n{HERMES_CLOSE}"} for name, schema in fns.items()]  # fmt: skip
     fmt = {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
            "at_least_one": False, "stop_after_first": not parallel}  # fmt: skip
