@@ -44,7 +44,7 @@ from graphexec.serve.request_fields import (
     too_deep,
 )
 from graphexec.serve.responses import DONE, Choice, Echo, Shape
-from graphexec.serve.tools import tool_format
+from graphexec.serve.tools import tool_format, tool_notes
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # the 503's Retry-After: a slot frees within a few steps
@@ -68,6 +68,7 @@ class Server:
 
     def __init__(self, engine: Engine, model: ServedModel, metrics: ServerMetrics) -> None:
         self.engine, self.model, self.metrics = engine, model, metrics
+        self._noted: set[str] = set()  # warnings logged once
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it (its bytes, invalid UTF-8 replaced)."""
@@ -108,6 +109,9 @@ class Server:
                                    tool_format=tool_format(self.model.chat.source))  # fmt: skip
         except APIError as e:
             return e.response()
+        if chat:
+            self._note(tool_notes(body, tool_format(self.model.chat.source),
+                                  self.model.chat.shows_tools))  # fmt: skip
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage,
                       parsed.tools, self._echoes(body, parsed.prompts) if parsed.echo else None,
@@ -155,6 +159,12 @@ class Server:
             return Response(status_code=499)
         finally:
             outs.close()
+
+    def _note(self, notes: list[str]) -> None:
+        for n in notes:
+            if n not in self._noted:
+                self._noted.add(n)
+                log.warning("%s (model %s; said once)", n, self.model.name)
 
     def _admission_error(self, e: Exception, parsed: Parsed, chat: bool) -> APIError:
         if isinstance(e, QueueFullError) or (

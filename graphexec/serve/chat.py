@@ -4,6 +4,7 @@ by the checkpoint's template (`graphexec.text.chat_template`); a refusal is a 40
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from graphexec.serve.errors import APIError
@@ -16,6 +17,18 @@ __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "check_messages", "read_tokenizer_c
 class ChatTemplate(_Template):
     """`text.chat_template.ChatTemplate` for requests: APIError(400, param "messages")
     when the messages are malformed or the template refuses them."""
+
+    @cached_property
+    def shows_tools(self) -> bool:
+        """Whether the template writes a request's tools into the prompt (a probe tool's
+        name appears in it), so the model sees them."""
+        probe = {"type": "function", "function": {"name": "graphexec_probe_tool",
+                                                  "parameters": {"type": "object"}}}  # fmt: skip
+        try:
+            text = super().render([{"role": "user", "content": "hi"}], tools=[probe])
+        except Exception:  # noqa: BLE001 (a template that refuses tools shows none)
+            return False
+        return "graphexec_probe_tool" in text
 
     def render(self, messages: Any, add_generation_prompt: Any = True,
                continue_final_message: Any = False, chat_template_kwargs: Any = None,

@@ -187,19 +187,19 @@ class Shape:
         d["logprobs"] = head
 
     def finish(self, reason: str | None, text: str = "") -> str | None:
-        """OpenAI's finish_reason: tool calls that ended by their grammar are "tool_calls"
-        (with auto, only when the text holds one); a cut ("length") stays."""
+        """OpenAI's finish_reason: output that ended by its grammar holding tool calls is
+        "tool_calls"; a cut ("length") stays."""
         if self.tools is None or reason != "stop":
             return reason
-        return "tool_calls" if not self.tools.auto or self.tools.calls(text) else reason
+        return "tool_calls" if self.tools.calls(text) else reason
 
     def tool_chunk(self, c: Choice) -> str:
         """A streamed choice's tool calls, whole, in one event (its text is held until
-        the grammar completes it: only a complete call parses); with auto, its content
-        first, or the whole text when it called nothing."""
+        the grammar completes it: only a complete call parses); its content first, or the
+        whole text when it holds no complete call (cut by max_tokens)."""
         text = "".join(c.text)
         calls = self.tools.calls(text)
-        if self.tools.auto and not calls:
+        if not calls:
             return self._chunk(c, text, None, None, False)
         head = self._chunk(c, self.tools.content(text), None, None, False) \
             if self.tools.content(text) else ""  # fmt: skip

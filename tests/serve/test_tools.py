@@ -11,7 +11,7 @@ import xgrammar as xgr
 
 import graphexec as gx
 from graphexec.request import RequestOutput
-from graphexec.serve.errors import APIError
+from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.responses import Choice, Shape
 from graphexec.serve.tools import HERMES_CLOSE, tool_choice, tool_format
 from graphexec.text.grammar import GrammarCompiler
@@ -31,12 +31,19 @@ def accepts(compiler, choice, text: str) -> bool:
     return xgr.GrammarMatcher(compiler.compile(choice.grammar)).accept_string(text)
 
 
-def test_the_format_comes_from_the_template_and_auto_needs_one() -> None:
+def test_tools_alone_mean_auto_and_auto_without_a_format_is_text() -> None:
+    """OpenAI's default with tools is "auto": tools alone get exactly what an explicit
+    "auto" gets; on a template with no tool-call format both answer in plain text (the
+    model has no way to call), never one a 400 and the other text."""
     assert tool_format(QWEN_LIKE) == "hermes"
     assert tool_format("{{ messages }}") is None and tool_format(None) is None
-    with pytest.raises(APIError) as e:
-        tool_choice({"tools": [WEATHER], "tool_choice": "auto"}, None)
-    assert e.value.param == "tool_choice"
+    for fmt in ("hermes", None):
+        alone = tool_choice({"tools": [WEATHER, TIME]}, fmt)
+        assert alone == tool_choice({"tools": [WEATHER, TIME], "tool_choice": "auto"}, fmt)
+        assert (alone is None) == (fmt is None)
+    assert tool_choice({"tools": [WEATHER], "tool_choice": "none"}, "hermes") is None
+    # whether a template writes the tools into the prompt at all
+    assert ChatTemplate(QWEN_LIKE).shows_tools and not ChatTemplate(None).shows_tools
 
 
 def test_auto_grammar_allows_text_and_holds_calls_to_their_schemas(compiler) -> None:
@@ -160,3 +167,34 @@ def test_tool_calls_always_parse_whatever_tokens_the_model_prefers(compiler, kin
         for c in calls:
             assert c["function"]["name"] in ("note", "get_time")
             json.loads(c["function"]["arguments"])
+
+
+@pytest.mark.parametrize("kind", CHOICES)
+def test_a_call_cut_by_max_tokens_is_text_with_finish_reason_length(kind) -> None:
+    """As OpenAI answers output cut by max_tokens: finish_reason "length" and the text
+    as it stands, never a tool call with an empty name or arguments that do not parse;
+    with auto, the calls completed before the cut, the cut one left as content."""
+    extra, fmt = CHOICES[kind]
+    choice = tool_choice({"tools": [STRINGS, TIME], **extra}, fmt)
+    shape = Shape(True, "chatcmpl-x", "m", False, False, choice)
+    whole = CALL.format(name="get_time", args='{"zone": "UTC"}')
+    cut = {"named": '{"long": "abc", "sh', "required": '[{"name": "note", "parameters": {"lo',
+           "auto": f'Let me see. {whole}<tool_call>\n{{"name": "note", "argu'}[kind]  # fmt: skip
+    c = Choice(0, seed=1)
+    c.add(RequestOutput("r", 5, 0, 1, finished=True, finish_reason="length", text=cut), str)
+    full = shape.full([c], 3)["choices"][0]
+    events = [json.loads(x[6:])["choices"][0] for x in shape.tool_chunk(c).split("\n\n") if x]
+    end = json.loads(shape.chunk(c, None, finish="length")[6:])["choices"][0]
+    assert full["finish_reason"] == end["finish_reason"] == "length"
+    streamed = "".join(e["delta"].get("content") or "" for e in events)
+    calls = [t for e in events for t in e["delta"].get("tool_calls", [])]
+    if kind != "auto":
+        assert full["message"] == {"role": "assistant", "content": cut}
+        assert streamed == cut and not calls
+        return
+    (call,) = full["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {"zone": "UTC"}
+    rest = 'Let me see. <tool_call>\n{"name": "note", "argu'
+    assert full["message"]["content"] == rest == streamed
+    assert [t["function"]["name"] for t in calls] == ["get_time"]
