@@ -44,3 +44,25 @@ def test_tools_the_template_does_not_show_are_logged_once(executor, caplog) -> N
     notes = [r.getMessage() for r in caplog.records]
     assert sum("does not show the tools" in n for n in notes) == 1, notes
     assert sum("no tool-call format" in n for n in notes) == 1, notes
+
+
+def test_a_text_too_long_in_bytes_for_the_context_is_refused_untokenized(monkeypatch) -> None:
+    """No token stands for more than max_token_bytes bytes, so a text of more than twice
+    max_seq_len x that has more tokens than the context: a 400 naming the field, before
+    the tokenizer spends seconds on it."""
+    from graphexec.serve.errors import APIError
+    from graphexec.serve.prompts import PromptReader, ServedModel
+
+    tok = gx.Tokenizer.cl100k()
+    model = ServedModel("m", tok, 64)
+    reader = PromptReader(model)
+    limit = 2 * 64 * model.max_token_bytes
+    assert len(reader.prompts({"prompt": "a" * limit}, chat=False)[0]) > 64  # tokenized
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    for body, chat, field in (({"prompt": ["a" * (limit + 1), "hi"]}, False, "prompt"),
+                              ({"messages": [{"role": "user", "content": "a" * limit}]},
+                               True, "messages")):  # fmt: skip
+        with pytest.raises(APIError) as e:
+            reader.prompts(body, chat)
+        assert e.value.status == 400 and e.value.param == field
+        assert "maximum context length is 64 tokens" in e.value.message
