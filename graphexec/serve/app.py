@@ -244,7 +244,7 @@ class _Run:
                 parts = head
                 for o in batch:
                     c, piece, lp = self._take(o)
-                    if (o.token_id is not None or piece) and not tools:
+                    if (piece or c.shows(o)) and not tools:
                         parts.append(self.shape.chunk(c, piece, lp))
                     if o.finished:
                         if tools:

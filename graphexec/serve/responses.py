@@ -36,6 +36,15 @@ class Choice:
     last: float | None = None  # monotonic time of its last token
     prompt_logprobs: list | None = None  # [None, PromptLogprob, ...] when asked
 
+    @staticmethod
+    def shows(o: RequestOutput) -> bool:
+        """Whether the answer shows this token (its text, logprobs and event): not the end-
+        of-turn token that finishes a request by "stop" without text (EOS, a stop token id,
+        a grammar's end), which OpenAI's answers never list. A stop string's token stays."""
+        return o.token_id is not None and not (
+            o.finish_reason == "stop" and not o.text and not isinstance(o.stop_reason, str)
+        )
+
     def add(self, o: RequestOutput, token_text) -> str:
         """Take one output; the text it adds (an end without a token adds none)."""
         self.seed = o.seed
@@ -44,7 +53,7 @@ class Choice:
         piece = o.text or ""
         if o.token_id is not None:
             self.tokens += 1
-            if o.logprob is not None:
+            if o.logprob is not None and self.shows(o):
                 self.logprobs.append(_entry(token_text(o.token_id), o.logprob,
                                             o.top_logprobs or [], token_text))  # fmt: skip
         self.text.append(piece)
