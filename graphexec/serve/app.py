@@ -9,13 +9,13 @@ OpenAI error objects. A client that disconnects, streaming or not, aborts its re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,45 +29,27 @@ from graphexec.engine.async_executor import QueueFullError
 from graphexec.engine.inbox import ExecutorFullError
 from graphexec.params import MAX_SEED
 from graphexec.serve.auth import ApiKey
-from graphexec.serve.chat import ChatTemplate
 from graphexec.serve.engines import Engine, LocalEngine
 from graphexec.serve.errors import APIError, http_error, internal_error
 from graphexec.serve.metrics import ServerMetrics
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
-from graphexec.serve.request_fields import (
-    Parsed,
-    check_depth,
-    check_unicode,
-    model_not_found,
-    param_of,
-    parse_request,
-    too_deep,
-)
-from graphexec.serve.responses import DONE, Choice, Echo, Shape
-from graphexec.serve.tools import tool_format
+from graphexec.serve.prompts import MAX_BODY_BYTES, PromptReader, ServedModel, read_body
+from graphexec.serve.request_fields import Parsed, param_of, parse_request
+from graphexec.serve.responses import DONE, Choice, Shape
+from graphexec.serve.tools import tool_format, tool_notes
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # the 503's Retry-After: a slot frees within a few steps
 
 
-@dataclass
-class ServedModel:
-    """What the routes need of the model: its id for clients (`aliases` are accepted
-    too), tokenizer, prompt prefix (BOS), context length and chat template."""
-
-    name: str
-    tokenizer: Any
-    max_seq_len: int
-    prompt_prefix: tuple[int, ...] = ()
-    chat: ChatTemplate = field(default_factory=ChatTemplate)
-    aliases: tuple[str, ...] = ()
-
-
 class Server:
     """The routes' state: the engine(s), the model, the counters."""
 
-    def __init__(self, engine: Engine, model: ServedModel, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, model: ServedModel, metrics: ServerMetrics,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:  # fmt: skip
         self.engine, self.model, self.metrics = engine, model, metrics
+        self.reader, self.max_body_bytes = PromptReader(model), max_body_bytes
+        self._noted: set[str] = set()  # warnings logged once
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it (its bytes, invalid UTF-8 replaced)."""
@@ -101,17 +83,14 @@ class Server:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         t0 = time.monotonic()
-        try:
-            body = await self._body(request)
-            parsed = parse_request(body, self._prompts(body, chat), chat=chat,
-                                   max_seq_len=self.model.max_seq_len,
-                                   tool_format=tool_format(self.model.chat.source))  # fmt: skip
+        try:  # the JSON and the tokenizer in a thread: the event loop keeps answering
+            raw = await read_body(request, self.max_body_bytes)
+            parsed, echoes = await asyncio.to_thread(self._read, raw, chat)
         except APIError as e:
             return e.response()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         shape = Shape(chat, rid, self.model.name, parsed.logprobs, parsed.include_usage,
-                      parsed.tools, self._echoes(body, parsed.prompts) if parsed.echo else None,
-                      parsed.echo_only, parsed.prompt_logprobs is not None,
+                      parsed.tools, echoes, parsed.echo_only, parsed.prompt_logprobs is not None,
                       self.token_text)  # fmt: skip
         if parsed.params.seed is None:  # drawn here, so every choice knows its seed at once
             parsed.params = parsed.params.with_seed(secrets.randbelow(MAX_SEED + 1))
@@ -156,6 +135,22 @@ class Server:
         finally:
             outs.close()
 
+    def _read(self, raw: bytes, chat: bool) -> tuple[Parsed, list | None]:
+        """(the request checked, its prompts tokenized; completions' echoes)."""
+        body = self.reader.body(raw)
+        fmt = tool_format(self.model.chat.source)
+        parsed = parse_request(body, self.reader.prompts(body, chat), chat=chat,
+                               max_seq_len=self.model.max_seq_len, tool_format=fmt)  # fmt: skip
+        if chat:
+            self._note(tool_notes(body, fmt, self.model.chat.shows_tools))
+        return parsed, self.reader.echoes(body, parsed.prompts) if parsed.echo else None
+
+    def _note(self, notes: list[str]) -> None:
+        for n in notes:
+            if n not in self._noted:
+                self._noted.add(n)
+                log.warning("%s (model %s; said once)", n, self.model.name)
+
     def _admission_error(self, e: Exception, parsed: Parsed, chat: bool) -> APIError:
         if isinstance(e, QueueFullError) or (
             isinstance(e, ExecutorFullError) and parsed.params.n <= self.engine.max_batch_size
@@ -169,27 +164,8 @@ class Server:
         return APIError(400, str(e), param_of(str(e), parsed.fields, prompt_field))
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
-        except RecursionError:  # nested past the decoder's own limit
-            raise too_deep() from None
-        check_depth(body)
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object")
-        check_unicode(body)
-        name = body.get("model")
-        if name is not None and name != self.model.name and name not in self.model.aliases:
-            raise model_not_found(name)
-        return body
-
-    def _chat_text(self, body: dict[str, Any]) -> str:
-        return self.model.chat.render(
-            body.get("messages"), body.get("add_generation_prompt", True),
-            body.get("continue_final_message", False), body.get("chat_template_kwargs"),
-            body.get("tools"),
-        )  # fmt: skip
+        raw = await read_body(request, self.max_body_bytes)
+        return await asyncio.to_thread(self.reader.body, raw)
 
     # ---- tokenizer routes (vLLM's /tokenize and /detokenize) --------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -197,21 +173,10 @@ class Server:
         {"tokens", "count", "max_model_len"}: the ids a generation request would run."""
         try:
             body = await self._body(request)
-            chat = body.get("messages") is not None
-            if not chat and not isinstance(body.get("prompt"), str):
-                raise APIError(400, "tokenize takes prompt (a str) or messages", "prompt")
-            special = body.get("add_special_tokens", True)
-            if not isinstance(special, bool):
-                raise APIError(400, "add_special_tokens must be a bool", "add_special_tokens")
-            if chat:
-                ids = self.model.tokenizer.encode(self._chat_text(body), allowed_special="all")
-            else:
-                ids = [*(self.model.prompt_prefix if special else ()),
-                       *self.model.tokenizer.encode(body["prompt"])]  # fmt: skip
+            out = await asyncio.to_thread(self.reader.tokenize, body)
         except APIError as e:
             return e.response()
-        return JSONResponse({"tokens": list(ids), "count": len(ids),
-                             "max_model_len": self.model.max_seq_len})  # fmt: skip
+        return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> Response:
         """{"tokens": [ids]} -> {"prompt": their text}."""
@@ -225,42 +190,6 @@ class Server:
         except APIError as e:
             return e.response()
         return JSONResponse({"prompt": self.model.tokenizer.decode(ids)})
-
-    def _echoes(self, body: dict[str, Any], prompts: list[list[int]]) -> list[Echo]:
-        """Each completions prompt as echo shows it: the text given (ids: decoded), and
-        where each token's text starts in it (the BOS prefix's tokens at 0)."""
-        out = []
-        for item, ids in zip(_prompt_items(body), prompts, strict=True):
-            skip = len(self.model.prompt_prefix) if isinstance(item, str) else 0
-            stream = self.model.tokenizer.decode_stream(skip_special_tokens=False)
-            offsets, at = [0] * skip, 0
-            for t in ids[skip:]:
-                offsets.append(at)
-                at += len(stream.push(t))
-            text = item if isinstance(item, str) else self.model.tokenizer.decode(ids)
-            out.append(Echo(text, list(ids), offsets))
-        return out
-
-    def _prompts(self, body: dict[str, Any], chat: bool) -> list[list[int]]:
-        tok, m = self.model.tokenizer, self.model
-        if chat:  # the template writes BOS itself, as transformers' apply_chat_template
-            return [tok.encode(self._chat_text(body), allowed_special="all")]
-        prompts = []
-        for item in _prompt_items(body):
-            if isinstance(item, str):
-                prompts.append([*m.prompt_prefix, *tok.encode(item)])
-            elif isinstance(item, list) and item and all(type(t) is int for t in item):
-                prompts.append(item)
-            else:
-                raise APIError(400, "prompt must be a str, a list of token ids, or a list of "
-                               "those", "prompt")  # fmt: skip
-        return prompts
-
-
-def _prompt_items(body: dict[str, Any]) -> list[Any]:
-    """A completions body's prompts: a list of prompts (str or ids), or the one prompt."""
-    p = body.get("prompt")
-    return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
 
 
 @dataclass
@@ -315,7 +244,7 @@ class _Run:
                 parts = head
                 for o in batch:
                     c, piece, lp = self._take(o)
-                    if (o.token_id is not None or piece) and not tools:
+                    if (piece or c.shows(o)) and not tools:
                         parts.append(self.shape.chunk(c, piece, lp))
                     if o.finished:
                         if tools:
@@ -335,26 +264,29 @@ class _Run:
 
 
 def build_app(executor, model: ServedModel | None = None, max_queue: int | None = None, *,
-              model_name: str | None = None, api_key: str | None = None) -> Starlette:  # fmt: skip
+              model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:  # fmt: skip
     """The ASGI app over `executor` (a `DecodeExecutor` with a tokenizer, stepped by
     nobody else) in this process. `model` None serves the executor's tokenizer under
     `model_name` (no BOS prefix, the plain chat template). Requests beyond the free slots
     wait in arrival order, at most `max_queue` of them (default 4x max_batch_size); past
     that, 503 with Retry-After. `api_key`: required on every route but /health and
-    /metrics."""
+    /metrics. A body over `max_body_bytes` is a 413."""
     if model is None:
         model = ServedModel(model_name or "graphexec", executor.tokenizer,
                             executor.model.max_seq_len)  # fmt: skip
     queue = 4 * executor.max_batch_size if max_queue is None else max_queue
     metrics = ServerMetrics()
-    return app_over(LocalEngine(executor, queue, metrics.queue.observe), model, metrics, api_key)
+    return app_over(LocalEngine(executor, queue, metrics.queue.observe), model, metrics, api_key,
+                    max_body_bytes)  # fmt: skip
 
 
 def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None = None,
-             api_key: str | None = None) -> Starlette:  # fmt: skip
+             api_key: str | None = None,
+             max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:  # fmt: skip
     """The ASGI app over any `Engine` (in this process, or `serve.remote`'s engine
     processes); the engine is closed at the app's shutdown."""
-    server = Server(engine, model, metrics or ServerMetrics())
+    server = Server(engine, model, metrics or ServerMetrics(), max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

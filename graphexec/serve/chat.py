@@ -4,6 +4,7 @@ by the checkpoint's template (`graphexec.text.chat_template`); a refusal is a 40
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from graphexec.serve.errors import APIError
@@ -16,6 +17,18 @@ __all__ = ["PLAIN_TEMPLATE", "ChatTemplate", "check_messages", "read_tokenizer_c
 class ChatTemplate(_Template):
     """`text.chat_template.ChatTemplate` for requests: APIError(400, param "messages")
     when the messages are malformed or the template refuses them."""
+
+    @cached_property
+    def shows_tools(self) -> bool:
+        """Whether the template writes a request's tools into the prompt (a probe tool's
+        name appears in it), so the model sees them."""
+        probe = {"type": "function", "function": {"name": "graphexec_probe_tool",
+                                                  "parameters": {"type": "object"}}}  # fmt: skip
+        try:
+            text = super().render([{"role": "user", "content": "hi"}], tools=[probe])
+        except Exception:  # noqa: BLE001 (a template that refuses tools shows none)
+            return False
+        return "graphexec_probe_tool" in text
 
     def render(self, messages: Any, add_generation_prompt: Any = True,
                continue_final_message: Any = False, chat_template_kwargs: Any = None,
@@ -58,15 +71,26 @@ class ChatTemplate(_Template):
         return text
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages with string content (text parts joined), as chat templates expect."""
+    """Messages with string content (text parts joined), as chat templates expect. As
+    OpenAI: a role of ROLES, and a content (a str or text parts) in every message but an
+    assistant's with tool_calls."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a str role", "messages")
+        if m["role"] not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                           f"{m['role']!r}", "messages")  # fmt: skip
         content = m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise APIError(400, f"messages[{i}].content is required (a str or a list of text "
+                           f"parts) in a {m['role']} message", "messages")  # fmt: skip
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise APIError(400, f"messages[{i}].content: only text parts are supported",

@@ -54,6 +54,7 @@ class ServerSpec:
     served_model_name: str | None
     api_key: str | None
     log_level: str = "info"
+    max_body_bytes: int = 4 * 1024 * 1024  # serve.prompts.MAX_BODY_BYTES
 
 
 def _logging(level: str) -> None:
@@ -105,7 +106,7 @@ def server_main(spec: ServerSpec, index: int, sock: socket.socket, addr: str,
     metrics = ServerMetrics()
     engines = RemoteEngines(index, addr, engine_addrs, [EngineInfo(*i) for i in infos],
                             on_admitted=metrics.queue.observe)  # fmt: skip
-    app = app_over(engines, model, metrics, spec.api_key)
+    app = app_over(engines, model, metrics, spec.api_key, spec.max_body_bytes)
     config = uvicorn.Config(app, log_level=spec.log_level, timeout_graceful_shutdown=2)
     try:
         uvicorn.Server(config).run(sockets=[sock])

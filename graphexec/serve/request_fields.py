@@ -167,7 +167,8 @@ def _check_context(prompts: list[list[int]], max_tokens: Any, max_seq_len: int, 
     longest = max(len(p) for p in prompts)
     if longest >= max_seq_len:
         raise APIError(400, f"This model's maximum context length is {max_seq_len} tokens; "
-                       f"the {field} has {longest}, leaving no room for a completion",
+                       f"the {field} {'are' if chat else 'is'} {longest} tokens, leaving no "
+                       "room for a completion",
                        field)  # fmt: skip
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 \
             and longest + max_tokens > max_seq_len:  # fmt: skip

@@ -36,6 +36,15 @@ class Choice:
     last: float | None = None  # monotonic time of its last token
     prompt_logprobs: list | None = None  # [None, PromptLogprob, ...] when asked
 
+    @staticmethod
+    def shows(o: RequestOutput) -> bool:
+        """Whether the answer shows this token (its text, logprobs and event): not the end-
+        of-turn token that finishes a request by "stop" without text (EOS, a stop token id,
+        a grammar's end), which OpenAI's answers never list. A stop string's token stays."""
+        return o.token_id is not None and not (
+            o.finish_reason == "stop" and not o.text and not isinstance(o.stop_reason, str)
+        )
+
     def add(self, o: RequestOutput, token_text) -> str:
         """Take one output; the text it adds (an end without a token adds none)."""
         self.seed = o.seed
@@ -44,7 +53,7 @@ class Choice:
         piece = o.text or ""
         if o.token_id is not None:
             self.tokens += 1
-            if o.logprob is not None:
+            if o.logprob is not None and self.shows(o):
                 self.logprobs.append(_entry(token_text(o.token_id), o.logprob,
                                             o.top_logprobs or [], token_text))  # fmt: skip
         self.text.append(piece)
@@ -187,19 +196,19 @@ class Shape:
         d["logprobs"] = head
 
     def finish(self, reason: str | None, text: str = "") -> str | None:
-        """OpenAI's finish_reason: tool calls that ended by their grammar are "tool_calls"
-        (with auto, only when the text holds one); a cut ("length") stays."""
+        """OpenAI's finish_reason: output that ended by its grammar holding tool calls is
+        "tool_calls"; a cut ("length") stays."""
         if self.tools is None or reason != "stop":
             return reason
-        return "tool_calls" if not self.tools.auto or self.tools.calls(text) else reason
+        return "tool_calls" if self.tools.calls(text) else reason
 
     def tool_chunk(self, c: Choice) -> str:
         """A streamed choice's tool calls, whole, in one event (its text is held until
-        the grammar completes it: only a complete call parses); with auto, its content
-        first, or the whole text when it called nothing."""
+        the grammar completes it: only a complete call parses); its content first, or the
+        whole text when it holds no complete call (cut by max_tokens)."""
         text = "".join(c.text)
         calls = self.tools.calls(text)
-        if self.tools.auto and not calls:
+        if not calls:
             return self._chunk(c, text, None, None, False)
         head = self._chunk(c, self.tools.content(text), None, None, False) \
             if self.tools.content(text) else ""  # fmt: skip

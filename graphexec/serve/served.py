@@ -14,8 +14,8 @@ log = logging.getLogger(__name__)
 def served_model(dm, path: str | None, name: str | None, max_seq_len: int):
     """The `ServedModel` of a `DemoModel` (its chat template and special tokens, read from
     the checkpoint's tokenizer_config by `choose_model`)."""
-    from graphexec.serve.app import ServedModel
     from graphexec.serve.chat import ChatTemplate
+    from graphexec.serve.prompts import ServedModel
 
     default = _default_name(dm.spec, path)
     aliases = tuple(a for a in (path, dm.name) if a)
@@ -37,8 +37,8 @@ def front_model(path: str | None, name: str | None, max_seq_len: int, engine_nam
     import graphexec as gx
     from graphexec.models.choice import resolve_model
     from graphexec.models.demo_model import bos_prefix
-    from graphexec.serve.app import ServedModel
     from graphexec.serve.chat import ChatTemplate
+    from graphexec.serve.prompts import ServedModel
     from graphexec.text.chat_template import read_tokenizer_config
 
     spec = resolve_model(path or "tiny")

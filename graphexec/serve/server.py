@@ -16,6 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve subcommand's options."""
     from graphexec.models.choice import add_model_argument
     from graphexec.runtime.threads import add_threads_argument, positive_int
+    from graphexec.serve.prompts import MAX_BODY_BYTES
 
     add_model_argument(p)
     p.add_argument("--served-model-name", default=None,
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every route but /health and "
                    "/metrics (default: $GRAPHEXEC_API_KEY, else none)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=positive_int, default=MAX_BODY_BYTES, metavar="N",
+                   help="the largest request body taken; past it: 413 (default "
+                   f"{MAX_BODY_BYTES}, 4 MiB)")  # fmt: skip
     p.add_argument("--api-servers", type=int, default=1, metavar="M",
                    help="HTTP server processes sharing the port, each apart from the engine "
                    "processes (default 1); 0: the app and one engine in this process")  # fmt: skip
@@ -109,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
         args.served_model_name,
         args.api_key or os.environ.get("GRAPHEXEC_API_KEY"),
         args.log_level,
+        args.max_body_bytes,
     )
     return run(engine_spec(args), server, args.host, args.port, args.data_parallel,
                args.api_servers)  # fmt: skip
@@ -129,7 +134,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
         return 2
     sm = served_model(dm, args.model, args.served_model_name, ex.model.max_seq_len)
     app = build_app(ex, sm, args.max_queue,
-                    api_key=args.api_key or os.environ.get("GRAPHEXEC_API_KEY"))  # fmt: skip
+                    api_key=args.api_key or os.environ.get("GRAPHEXEC_API_KEY"),
+                    max_body_bytes=args.max_body_bytes)  # fmt: skip
     log.info("%s served as %r on http://%s:%d (max batch %d); ready in %.1f s", dm.name, sm.name,
              args.host, args.port, ex.max_batch_size, time.perf_counter() - t0)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

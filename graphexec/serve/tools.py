@@ -7,16 +7,19 @@ into the calls the answer reports:
     required an array of at least one {"name": one of the tools, "parameters": its
              arguments} (the form vLLM constrains "required" with); one call per item;
              exactly one with `parallel_tool_calls: false`.
-    auto     the checkpoint's own tool-call format, where its chat template declares one
-             (`tool_format`): free text, and wherever the model opens a call, a call of
-             one of the tools whose arguments follow that tool's schema (an xgrammar
-             structural tag). The answer is the text before the first call as content,
-             and the calls; text alone when the model called nothing.
-    none     (or no tool_choice with tools, or no tools): plain text; the tools still
-             reach the chat template, which may describe them to the model.
+    auto     (also tools without tool_choice: OpenAI's default) the checkpoint's own
+             tool-call format, where its chat template declares one (`tool_format`): free
+             text, and wherever the model opens a call, a call of one of the tools whose
+             arguments follow that tool's schema (an xgrammar structural tag). The answer
+             is the text around the complete calls as content, and the calls; text alone
+             when the model called nothing. A template that declares no format answers
+             "auto" in plain text (the model has no way to call): `tool_notes` says so.
+    none     (or no tools): plain text; the tools still reach the chat template, which
+             may describe them to the model.
 
 Tool-call formats known (`FORMATS`): "hermes", the `<tool_call>` JSON blocks of Qwen2.5,
-Hermes and many others. A template that declares none answers "auto" with a 400.
+Hermes and many others. Output cut by max_tokens holds no call that does not parse: it
+comes back as text, finish_reason "length", as OpenAI answers a cut.
 """
 
 from __future__ import annotations
@@ -49,50 +52,57 @@ class ToolChoice:
     auto: bool = False
 
     def content(self, text: str) -> str | None:
-        """The message's content beside the calls: None when forced; with auto, the
-        text before the first call (None when empty)."""
-        if not self.auto:
-            return None
-        head = text.split(HERMES_OPEN, 1)[0].strip()
-        return head or None
+        """The message's content beside the calls: None when forced; with auto, the text
+        around the complete calls (None when empty). Output that does not parse (cut by
+        max_tokens) is all content."""
+        if self.auto:
+            return _hermes(text)[0]
+        return None if self._forced(text) else text
 
     def calls(self, text: str) -> list[dict[str, Any]]:
-        """The answer's tool_calls from the constrained output `text`. Output cut short
-        (by max_tokens) does not parse: it comes back as one call with the raw text, its
-        finish_reason ("length") telling the client so. With auto: one per complete
-        `<tool_call>` block (none: a plain answer)."""
-        if self.auto:
-            return _hermes_calls(text)
+        """The answer's tool_calls from the constrained output `text`: each one names a
+        tool of the request and its arguments parse as JSON. Forced output cut short (by
+        max_tokens) does not parse: no calls (OpenAI answers such a cut with its text and
+        finish_reason "length"). With auto: one per complete `<tool_call>` block."""
+        return _hermes(text)[1] if self.auto else (self._forced(text) or [])
+
+    def _forced(self, text: str) -> list[dict[str, Any]] | None:
         try:
             value = json.loads(text)
         except ValueError:
-            return [_call(self.named or "", text)]
+            return None
         if self.named is not None:
             return [_call(self.named, json.dumps(value, ensure_ascii=False))]
         return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
                 for item in value]  # fmt: skip
 
 
-def _hermes_calls(text: str) -> list[dict[str, Any]]:
-    out = []
-    for block in text.split(HERMES_OPEN)[1:]:
-        body, closed, _ = block.partition(HERMES_CLOSE)
+def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the text around the complete calls, stripped, or None; the calls). A block cut
+    short stays in the text."""
+    head, *blocks = text.split(HERMES_OPEN)
+    rest, calls = [head], []
+    for block in blocks:
+        body, closed, after = block.partition(HERMES_CLOSE)
         try:
             value = json.loads(body)
         except ValueError:
             value = None
         if not closed or not isinstance(value, dict) or "name" not in value:
-            out.append(_call("", block))  # cut short: the raw text, as forced calls do
+            rest.append(HERMES_OPEN + block)
             continue
-        out.append(_call(value["name"], json.dumps(value.get("arguments", {}),
-                                                   ensure_ascii=False)))  # fmt: skip
-    return out
+        calls.append(_call(value["name"], json.dumps(value.get("arguments", {}),
+                                                     ensure_ascii=False)))  # fmt: skip
+        rest.append(after)
+    return "".join(rest).strip() or None, calls
 
 
 def _hermes_grammar(fns: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
-    """Free text; at `<tool_call>`, one call of a tool with arguments of its schema."""
+    """Free text; at `<tool_call>`, one call of a tool with arguments of its schema (at
+    most one whitespace character in a row: a model cannot loop on whitespace)."""
     tags = [{"type": "tag", "begin": f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, '
-             '"arguments": ', "content": {"type": "json_schema", "json_schema": schema},
+             '"arguments": ', "content": {"type": "json_schema", "json_schema": schema,
+                                          "max_whitespace_cnt": 1},
              "end": f"}}\n{HERMES_CLOSE}"} for name, schema in fns.items()]  # fmt: skip
     fmt = {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
            "at_least_one": False, "stop_after_first": not parallel}  # fmt: skip
@@ -132,17 +142,14 @@ def tool_choice(body: dict[str, Any], fmt: str | None = None) -> ToolChoice | No
             raise APIError(400, "tool_choice needs tools", "tool_choice")
         return None
     fns = _functions(tools)
-    if choice is None or choice == "none":
+    if choice is None:  # OpenAI's default with tools
+        choice = "auto"
+    if choice == "none" or (choice == "auto" and fmt is None):
         return None
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a bool", "parallel_tool_calls")
     if choice == "auto":
-        if fmt is None:
-            raise APIError(400, "tool_choice 'auto' needs the model's own tool-call format, "
-                           "and this model's chat template declares none (known: "
-                           f"{', '.join(FORMATS)}); use 'required' or name a function",
-                           "tool_choice")  # fmt: skip
         return ToolChoice(None, _hermes_grammar(fns, parallel), auto=True)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name},
@@ -161,3 +168,22 @@ def tool_choice(body: dict[str, Any], fmt: str | None = None) -> ToolChoice | No
         raise APIError(400, f"tool_choice names {name!r}, which is not in tools",
                        "tool_choice")  # fmt: skip
     return ToolChoice(name, Grammar.json_schema(fns[name]))
+
+
+def tool_notes(body: dict[str, Any], fmt: str | None, shows_tools: bool) -> list[str]:
+    """Warnings for a chat request with tools on this template: it does not show the tools
+    to the model (`shows_tools` False), or it has no tool-call format, so "auto" (or tools
+    alone) gets plain text."""
+    if body.get("tools") is None:
+        return []
+    notes = []
+    if not shows_tools:
+        notes.append("the chat template does not show the tools to the model: a request's "
+                     "tools constrain tool_choice 'required' or a named function, but the "
+                     "model is never told about them")  # fmt: skip
+    if fmt is None and body.get("tool_choice", "auto") == "auto":
+        notes.append("the chat template declares no tool-call format (known: "
+                     f"{', '.join(FORMATS)}): tool_choice 'auto' (the default with tools) "
+                     "answers in plain text; 'required' or a named function still call"
+                     )  # fmt: skip
+    return notes

@@ -101,12 +101,13 @@ class GrammarCompiler:
                     # compact JSON: free whitespace lets a sampler loop on spaces forever (the
                     # builtin JSON grammar has no such option, hence the schema for "json")
                     text = _ANY_JSON if grammar.kind == "json" else grammar.text
-                    compiled = c.compile_json_schema(text, any_whitespace=False)
+                    g = self._xgr.Grammar.from_json_schema(text, any_whitespace=False)
+                    compiled = c.compile_grammar(self._json_strings(g))
                 elif grammar.kind == "regex":
                     compiled = c.compile_regex(grammar.text)
                 elif grammar.kind == "structural_tag":
                     tag = self._xgr.Grammar.from_structural_tag(grammar.text)
-                    compiled = c.compile_grammar(tag)
+                    compiled = c.compile_grammar(self._json_strings(tag))
                 else:
                     compiled = c.compile_grammar(grammar.text)
             except Exception as e:  # xgrammar raises several types for bad sources
@@ -115,6 +116,15 @@ class GrammarCompiler:
                 ) from e
             self._cache[key] = compiled
         return self._cache[key]
+
+    def _json_strings(self, g):
+        """`g` with every negated character class (in JSON grammars: the characters of a
+        string) refusing the control characters U+0000-U+001F, which JSON allows in a
+        string only escaped. xgrammar's rule for strings with minLength / maxLength lets
+        them through raw, and strict parsers (json.loads) reject such text."""
+        text = str(g)
+        fixed = no_raw_controls(text)
+        return g if fixed == text else self._xgr.Grammar.from_ebnf(fixed)
 
     def matcher(self, grammar: Grammar):
         return self._xgr.GrammarMatcher(self.compile(grammar))
@@ -209,6 +219,34 @@ def _allows(row, token_id: int) -> bool:
     """Whether bitmask row [W] (int32, host) allows `token_id`."""
     word = token_id >> 5
     return 0 <= word < row.shape[0] and bool((int(row[word]) >> (token_id & 31)) & 1)
+
+
+_CONTROLS = r"\0-\x1f"  # as xgrammar writes the range in a character class
+
+
+def no_raw_controls(ebnf: str) -> str:
+    """xgrammar EBNF text whose negated character classes ([^...], outside quoted
+    literals) all exclude U+0000-U+001F too."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        ch = ebnf[i]
+        if ch not in '"[':
+            out.append(ch)
+            i += 1
+            continue
+        # a literal or a class: copied whole (escapes included), a negated class widened
+        j = i + 1
+        head = ch
+        if ch == "[" and ebnf.startswith("^", j):
+            head, j = "[^", j + 1
+            if not ebnf.startswith(_CONTROLS, j):
+                head += _CONTROLS
+        start, close = j, '"' if ch == '"' else "]"
+        while j < n and ebnf[j] != close:
+            j += 2 if ebnf[j] == "\\" else 1
+        out.append(head + ebnf[start : j + 1])
+        i = j + 1
+    return "".join(out)
 
 
 # xgrammar's C++ errors start with a time and a source location: "[12:00:01] /x/y.cc:42: "

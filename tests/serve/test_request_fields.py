@@ -90,3 +90,31 @@ def test_chat_templates() -> None:
     sandboxed = ChatTemplate("{{ ''.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|not safely|access"):  # the sandbox refuses
         sandboxed.render(msgs)
+
+
+@pytest.mark.parametrize("message,says", [
+    ({"role": "wizard", "content": "hi"}, "messages[1].role"),
+    ({"role": "user"}, "messages[1].content"),
+    ({"role": "user", "content": None}, "messages[1].content"),
+    ({"role": "system"}, "messages[1].content"),
+    ({"role": "tool"}, "messages[1].content"),
+    ({"role": "assistant"}, "messages[1].content"),  # without tool_calls, content is due
+])  # fmt: skip
+def test_messages_need_openais_roles_and_a_content(message, says) -> None:
+    """As OpenAI: roles system, developer, user, assistant, tool (and the old function);
+    content is required but for an assistant message with tool_calls."""
+    with pytest.raises(APIError) as e:
+        ChatTemplate().render([{"role": "user", "content": "hi"}, message])
+    assert e.value.status == 400 and e.value.param == "messages" and says in e.value.message
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    ok = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
+          {"role": "assistant", "tool_calls": calls}, {"role": "tool", "content": "{}",
+                                                      "tool_call_id": "c1"}]  # fmt: skip
+    assert ChatTemplate().render(ok).startswith("developer: be brief\n")
+
+
+def test_the_context_error_reads_well() -> None:
+    for chat, says in ((False, "the prompt is 100 tokens"), (True, "the messages are 100 tokens")):
+        with pytest.raises(APIError) as e:
+            parse({}, chat=chat, prompts=[range(100)])
+        assert says in e.value.message, e.value.message

@@ -41,3 +41,25 @@ def test_tokens_per_second_ring_is_bounded_and_forgets_old_seconds(monkeypatch) 
     assert m.tokens_per_s() == pytest.approx(60.0)
     now[0] += 100
     assert m.tokens_per_s() == 0.0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_end_with_the_last_token_the_text_shows(chat: bool) -> None:
+    """The end-of-turn token (EOS, a stop token id, a grammar's end) that finishes a
+    request adds no text: the logprobs do not list it and no event carries it, as
+    OpenAI's answers end with the text's last token. A stop string's token stays."""
+    shape = Shape(chat, "x", "m", logprobs=True, include_usage=False)
+    entries = "content" if chat else "tokens"
+    for why in (None, 7):  # EOS; a stop token id
+        c = Choice(0)
+        c.add(RequestOutput("r", 5, 0, 1, logprob=-0.5, top_logprobs=[], text="Hi"), str)
+        end = RequestOutput("r", 9, 1, 1, logprob=-0.1, top_logprobs=[], text="", finished=True,
+                            finish_reason="stop", stop_reason=why)  # fmt: skip
+        assert c.add(end, str) == "" and not c.shows(end)
+        full = shape.full([c], 1)["choices"][0]
+        assert len(full["logprobs"][entries]) == 1 and full["finish_reason"] == "stop"
+    c = Choice(0)
+    cut = RequestOutput("r", 5, 0, 1, logprob=-0.5, top_logprobs=[], text="", finished=True,
+                        finish_reason="stop", stop_reason="\n")  # fmt: skip
+    c.add(cut, str)
+    assert c.shows(cut) and len(shape.full([c], 1)["choices"][0]["logprobs"][entries]) == 1

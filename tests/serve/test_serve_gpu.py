@@ -13,6 +13,7 @@ import time
 import pytest
 
 import graphexec as gx
+from graphexec.serve.responses import Choice
 
 pytestmark = pytest.mark.gpu
 openai = pytest.importorskip("openai")
@@ -82,7 +83,8 @@ def test_server_streams_equal_the_executor_directly() -> None:
             ex.add_request(f"r{i}", tok.encode(prompt), gx.SamplingParams(**fields, **extra))
         for o in ex.step():
             got[o.request_id].append(o)
-    direct = [("".join(o.text or "" for o in outs), sum(o.token_id is not None for o in outs))
+    # a token event per token the answer shows (not the EOS that ends a request)
+    direct = [("".join(o.text or "" for o in outs), sum(Choice.shows(o) for o in outs))
               for outs in got.values()]  # fmt: skip
     assert served == direct
     assert all(0 < n <= f["max_tokens"] for (_, n), (_, f, _) in zip(direct, REQUESTS, strict=True))

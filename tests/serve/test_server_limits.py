@@ -79,3 +79,51 @@ def test_queue_full_is_503_and_disconnects_free_the_slot(server, checkpoint) -> 
     m = asyncio.run(main())
     assert "graphexec_requests_rejected_total 1\n" in m
     assert "graphexec_requests_aborted_total 3\n" in m, m
+
+
+def test_bodies_past_the_cap_are_413_and_health_answers_while_the_largest_are_read(
+    server,
+) -> None:
+    """The default cap (4 MiB): past it a 413 error object, by Content-Length or while
+    a chunked body streams in. Bodies just under it, of prompts that each must be
+    tokenized (seconds of work), are handled off the event loop: /health answers within
+    a second all along, and each gets its 400 (prompts past the context)."""
+    import time
+
+    from graphexec.serve.prompts import MAX_BODY_BYTES
+
+    url = f"{server.url}/v1/completions"
+    over = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    r = httpx.post(url, content=over, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    r = httpx.post(url, content=chunks(), timeout=60)  # no Content-Length: chunked
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+
+    words = ("Once", "upon", "a", "time", "there", "was", "ünïcode", "42", "cat")
+    piece = " ".join(words[(i * 7) % len(words)] for i in range(6000))  # ~30 kB of text
+    n = (MAX_BODY_BYTES - 1000) // (len(json.dumps(piece, ensure_ascii=False).encode()) + 2)
+    big = json.dumps({"prompt": [piece] * n, "max_tokens": 1}, ensure_ascii=False).encode()
+    assert 0.99 * MAX_BODY_BYTES < len(big) <= MAX_BODY_BYTES
+
+    async def main() -> tuple[list[httpx.Response], list[float], float]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            t0 = time.monotonic()
+            posts = [asyncio.create_task(http.post(url, content=big, headers={
+                "content-type": "application/json"})) for _ in range(2)]  # fmt: skip
+            waits = []
+            while not all(p.done() for p in posts):
+                a = time.monotonic()
+                assert (await http.get(f"{server.url}/health")).status_code == 200
+                waits.append(time.monotonic() - a)
+                await asyncio.sleep(0.1)
+            return [await p for p in posts], waits, time.monotonic() - t0
+
+    answers, waits, took = asyncio.run(main())
+    for r in answers:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+    assert took > 1.0 and max(waits) < 1.0, (took, max(waits), len(waits))
