@@ -200,13 +200,19 @@ def run(args) -> dict:
     return dict(rows=rows)
 
 
-def large_candidates(split: int, tma: bool) -> list[mm.MatmulTile]:
-    """Pointer-load tiles, or with `tma` the Hopper TMA kernel's (`matmul_tma`)."""
+def large_candidates(split: int, tma: bool, K: int = 0) -> list[mm.MatmulTile]:
+    """Pointer-load tiles, or with `tma` the Hopper TMA kernel's (`matmul_tma`): its tile
+    shapes whose K step divides a part (K / split), each with every programs-per-tile
+    count (0: the launcher's rule by M)."""
     if tma:
         shapes_ = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
                    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4),
-                   (64, 64, 128, 4, 4), (64, 128, 128, 4, 3))  # fmt: skip
-        return [mm.MatmulTile(*t, split, tma=True) for t in shapes_]
+                   (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
+                   (128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (128, 128, 32, 8, 4))  # fmt: skip
+        part = K // split if K else 0
+        ps = [0] + [p for p in (1, 2, 4) if p <= split and split > 1]
+        return [mm.MatmulTile(*t, split, tma=True, programs=p) for t in shapes_ for p in ps
+                if not part or (part % t[2] == 0 and (t[2] == 64 or part % 64))]  # fmt: skip
     out = []
     for bm, bn, bk, (w, st) in itertools.product((64, 128), (64, 128, 256), (64, 128),
                                                  ((4, 4), (8, 3))):  # fmt: skip
@@ -232,7 +238,7 @@ def large_sweep(args) -> dict:
     jobs = []
     for s in shape_list:
         dec = dataclasses.replace(gpu.tile(s["N"], s["K"]), split=large_split(s, gpu))
-        jobs += [(s, t, rows_) for t in large_candidates(dec.split, args.tma) + [dec]]
+        jobs += [(s, t, rows_) for t in large_candidates(dec.split, args.tma, s["K"]) + [dec]]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
         n = sum(pool.map(_compile_large, [jobs[i :: args.workers] for i in range(args.workers)]))
     print(f"precompiled {n} kernels", flush=True)
@@ -251,7 +257,7 @@ def large_sweep(args) -> dict:
         x256 = torch.randn(256, s["K"], device="cuda", dtype=torch.bfloat16)
         w0 = ops[args.large_rows[0]][1][0]
         want = mm._launch(x256, w0, None, s["silu"], gpu, tile=dec)
-        for t in large_candidates(split, args.tma):
+        for t in large_candidates(split, args.tma, s["K"]):
             if per_shape and time.perf_counter() - t_start > per_shape:
                 break
             try:
@@ -262,7 +268,8 @@ def large_sweep(args) -> dict:
                 print(f"  {t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             key = f"{t.block_m}x{t.block_n}x{t.block_k}x{t.num_warps}x{t.num_stages}x{t.split}"
-            r["sweep"][key + ("t" if t.tma else "")] = dict(same_bits=same, ratios=ratios)
+            key += f"x{t.programs}t" if t.tma else ""
+            r["sweep"][key] = dict(same_bits=same, ratios=ratios)
         good = {k: v for k, v in r["sweep"].items() if v["same_bits"]}
         decode_rows = [M for M in args.large_rows if M <= 256]
         if good:
@@ -277,7 +284,10 @@ def large_sweep(args) -> dict:
     for r in rows:
         if "best" in r:
             t = r["best"]["tile"]
-            vals = t.rstrip("t").replace("x", ", ") + (", tma=True" if t.endswith("t") else "")
+            vals = t.rstrip("t").replace("x", ", ")
+            if t.endswith("t"):  # ..., split, programs: the fields tma, programs follow
+                head, programs = vals.rsplit(", ", 1)
+                vals = f"{head}, True, {programs}"
             print(f"    ({r['N']}, {r['K']}, ({vals})),  # {r['model']} {r['layer']}")
     return dict(large_rows=rows)
 

@@ -91,6 +91,8 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
         raise ValueError(f"the tile of weight [{N}, {K}] splits K into {t.split} parts, "
                          "which must divide K")  # fmt: skip
     tiles, P = launch_shape(M, N, t.block_m, t.block_n, t.split, cfg.min_programs, MAX_TILES)
+    if t.programs and tiles <= MAX_TILES:  # a tuned tile's own choice
+        P = t.programs
     if programs_per_tile is not None:  # tests: every P gives the same bits
         P = programs_per_tile
     interpreted = interpreter_enabled()

@@ -17,7 +17,9 @@ from graphexec.runtime.triton_env import interpreter_enabled
 class MatmulTile:
     """One compiled kernel's tiling: rows x columns of a program, K per step, launch;
     split: the parts of K summed in the tree (a power of two dividing K); tma: loads by
-    tensor descriptors (`matmul_tma`, Hopper), for large-M tiles."""
+    tensor descriptors (`matmul_tma`, Hopper), for large-M tiles; programs: programs per
+    output tile, each summing an aligned run of split / programs parts (a power of two
+    dividing split; 0: `launch_shape`'s rule by M). A launch choice: never a bit."""
 
     block_m: int
     block_n: int
@@ -26,6 +28,13 @@ class MatmulTile:
     num_stages: int
     split: int = 1
     tma: bool = False
+    programs: int = 0
+
+    def __post_init__(self) -> None:
+        p = self.programs
+        if p < 0 or (p and (p & (p - 1) or self.split % p)):
+            raise ValueError(f"MatmulTile.programs must be 0 or a power of two dividing the "
+                             f"split ({self.split}), got {p}")  # fmt: skip
 
 
 # (N, K, (block_m, block_n, block_k, num_warps, num_stages, split)); gate/up's N is I (its
@@ -48,26 +57,27 @@ GPU_TILES = (
     (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
 )
 
-# Tiles for calls of at least `large_m` rows (the last field: TMA loads), each with the
+# Tiles for calls of at least `large_m` rows (last fields: TMA loads, programs per tile),
+# each with the
 # split the model runs the shape with (o and down: row-parallel, 4 parts), so the same
 # reduction order: used only once `verified` on the device (`verify_large_tiles`).
 # (bench_matmul.py --large-sweep --tma on an H200, every candidate bit-identical there)
 GPU_LARGE_TILES = (
-    (1152, 896, (64, 64, 128, 4, 4, 1, True)),  # Qwen2.5-0.5B q/k/v
-    (896, 896, (128, 64, 64, 4, 4, 4, True)),  # o (row-parallel: 4 parts)
-    (4864, 896, (64, 64, 128, 4, 4, 1, True)),  # gate/up + SwiGLU
-    (896, 4864, (64, 64, 128, 4, 4, 4, True)),  # down
-    (151936, 896, (128, 128, 64, 8, 3, 1, True)),  # LM head
-    (3072, 2048, (64, 128, 128, 4, 3, 1, True)),  # Llama-3.2-1B q/k/v
-    (2048, 2048, (128, 64, 64, 4, 4, 4, True)),  # o
-    (8192, 2048, (128, 128, 64, 8, 4, 1, True)),  # gate/up + SwiGLU
-    (2048, 8192, (128, 64, 64, 4, 4, 4, True)),  # down
-    (128256, 2048, (128, 128, 64, 8, 3, 1, True)),  # LM head
-    (6144, 4096, (128, 64, 64, 4, 4, 1, True)),  # Llama-3.1-8B q/k/v
-    (4096, 4096, (128, 128, 64, 8, 3, 4, True)),  # o
-    (14336, 4096, (128, 128, 64, 8, 4, 1, True)),  # gate/up + SwiGLU
-    (4096, 14336, (128, 128, 64, 8, 3, 4, True)),  # down
-    (128256, 4096, (128, 128, 64, 8, 3, 1, True)),  # LM head
+    (1152, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 64, 32, 4, 4, 4, True, 2)),  # o (row-parallel: 4 parts)
+    (4864, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # gate/up + SwiGLU
+    (896, 4864, (64, 64, 64, 4, 4, 4, True, 4)),  # down
+    (151936, 896, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
+    (3072, 2048, (64, 64, 64, 4, 4, 1, True, 0)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 64, 4, 4, 4, True, 2)),  # o
+    (8192, 2048, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
+    (2048, 8192, (128, 64, 64, 4, 4, 4, True, 4)),  # down
+    (128256, 2048, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
+    (6144, 4096, (64, 64, 64, 4, 4, 1, True, 0)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (128, 64, 64, 4, 4, 4, True, 2)),  # o
+    (14336, 4096, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
+    (4096, 14336, (128, 64, 64, 4, 4, 4, True, 2)),  # down
+    (128256, 4096, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
 )
 
 
