@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_arguments(s)
     m = sub.add_parser("models", help="download and convert a real model into the cache: "
-                       "models smollm2 (about 15 s)")  # fmt: skip
+                       "models smollm2 (10-15 s)")  # fmt: skip
     from graphexec.checkpoints.smollm2 import add_arguments as add_models_arguments
 
     add_models_arguments(m)
