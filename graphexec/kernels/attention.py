@@ -30,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from graphexec.runtime.triton_env import interpreter_enabled
+from graphexec.runtime.triton_import import tl, triton
 
 
 @dataclass(frozen=True)
