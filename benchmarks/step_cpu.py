@@ -20,6 +20,7 @@ first tokens of the 16 within 2 s.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -101,15 +102,18 @@ class Theirs:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # transformers 5 renames past_key_values to cache (the old name warns FutureWarning)
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def decode(self, ids: list[int], n: int) -> float:
         out = self.model(torch.tensor([ids[:-1]]), use_cache=True)
-        cache, tok = out.past_key_values, torch.tensor([ids[-1:]])
+        cache, tok = out[self.cache_arg], torch.tensor([ids[-1:]])
         t0 = time.perf_counter()
         for _ in range(n):
-            out = self.model(tok, past_key_values=cache, use_cache=True)
-            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = self.model(tok, use_cache=True, **{self.cache_arg: cache})
+            cache, tok = out[self.cache_arg], out.logits[:, -1:].argmax(-1)
         return n / (time.perf_counter() - t0)
 
     @torch.inference_mode()

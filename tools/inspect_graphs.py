@@ -1,4 +1,5 @@
-"""Capture every graph key of an executor (TinyLM by default) and print one row per key:
+"""Capture every graph key of an executor (the demo's model by default: SmolLM2 once set
+up, else TinyLM) and print one row per key:
 `python -m graphexec inspect` (graphexec/app/inspection.py), run from a source checkout.
 
 python tools/inspect_graphs.py [--model smollm2|PATH|CONFIG|tiny|table] [--max-batch-size N]

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_serve_arguments(s)
     m = sub.add_parser("models", help="download and convert a real model into the cache: "
-                       "models smollm2 (about 15 s)")  # fmt: skip
+                       "models smollm2 (10-15 s)")  # fmt: skip
     from graphexec.checkpoints.smollm2 import add_arguments as add_models_arguments
 
     add_models_arguments(m)
@@ -182,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         return models_command(args)
     if args.cmd == "determinism":  # it sets the threads itself (also as its own script)
         return determinism.check(determinism.fill_defaults(args))
+    if args.cmd == "serve":  # each engine sets its own threads where it runs (one line)
+        from graphexec.serve.server import serve
+
+        return serve(args)
     configure_threads(_default_device(args.device), args.threads)
     if args.cmd == "demo":
         from graphexec.app.demo import demo
 
         return demo(args)
-    if args.cmd == "serve":
-        from graphexec.serve.server import serve
-
-        return serve(args)
     from graphexec.app.inspection import inspect_graphs
 
     return inspect_graphs(args)

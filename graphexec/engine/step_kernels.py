@@ -22,10 +22,9 @@ only its own slot (real rows hold distinct slots; padding rows write nothing).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from graphexec.engine.step_state import StepInputs
+from graphexec.runtime.triton_import import tl, triton
 from graphexec.sampling.flags import INF_TOKEN
 
 

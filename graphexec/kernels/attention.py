@@ -30,11 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start, enabled, launch_options
 from graphexec.runtime.triton_env import interpreter_enabled
+from graphexec.runtime.triton_import import tl, triton
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from graphexec.runtime.triton_env import interpreter_enabled
+from graphexec.runtime.triton_import import tl, triton
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import triton
-
 from graphexec.kernels.matmul_kernel import MAX_SPLIT
 from graphexec.runtime.triton_env import interpreter_enabled
+from graphexec.runtime.triton_import import triton
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,9 @@ capturable); which program arrives last decides only who adds, not the order.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from graphexec.kernels.dependent_launch import dependent_start, prefetch_rows
 from graphexec.kernels.fused import _rounded
+from graphexec.runtime.triton_import import tl, triton
 
 MAX_SPLIT = 16  # parts of K at most: the tree's pending sums s0..s3 hold 16 leaves
 

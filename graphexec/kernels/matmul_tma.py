@@ -16,11 +16,10 @@ Whether the two kernels give the same bits on a device is still checked there, a
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.kernels.matmul_kernel import _store_tile, _tree_push
+from graphexec.runtime.triton_import import tl, triton
 
 try:  # Triton >= 3.4 on the host side
     from triton.tools.tensor_descriptor import TensorDescriptor

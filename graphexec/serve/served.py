@@ -58,14 +58,25 @@ def build_executor(spec):
     import torch
 
     import graphexec as gx
-    from graphexec.models.demo_model import choose_model
+    from graphexec.models.choice import resolve_model
+    from graphexec.models.demo_model import DTYPES, choose_dtype, choose_model
     from graphexec.runtime.threads import configure_threads
+    from graphexec.serve.context import context_length, free_memory
 
     device = torch.device(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configure_threads(str(device), spec.threads)
     kw = {} if spec.seed is None else {"seed": spec.seed}
-    dm = choose_model(spec.model, device, spec.dtype, spec.max_seq_len, **kw)
     n = spec.max_batch_size or (64 if device.type == "cuda" else 16)
+    chosen = resolve_model(spec.model or "tiny")
+    max_seq_len = spec.max_seq_len
+    if max_seq_len is None and chosen.config is not None:  # the model's own, memory allowing
+        cfg = chosen.config
+        dt = choose_dtype(spec.dtype, device) or DTYPES.get(
+            str(cfg.get("torch_dtype") or cfg.get("dtype")), torch.bfloat16)  # fmt: skip
+        max_seq_len, note = context_length(cfg, dt.itemsize, n + 1, free_memory(device),
+                                           spec.engines)  # fmt: skip
+        log.info("%s", note)
+    dm = choose_model(chosen, device, spec.dtype, max_seq_len, **kw)
     draft = gx.SpeculativeConfig(drafter="ngram") if spec.speculative else None
     # the pipelined step: the engine loop's sends and reads overlap the device's next step
     ex = gx.DecodeExecutor(dm.make(), max_batch_size=n, device=device, tokenizer=dm.tokenizer,

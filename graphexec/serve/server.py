@@ -39,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N")
+    p.add_argument("--max-seq-len", type=positive_int, default=None, metavar="N",
+                   help="positions per request, prompt + output (default: the model's own "
+                   "context, max_position_embeddings, capped so the KV cache takes at most "
+                   "half the free memory; the log says which; TinyLM 256)")  # fmt: skip
     p.add_argument("--seed", type=int, default=None,
                    help="seeds TinyLM's weights and the seeds drawn for unseeded requests "
                    "(default: weights seed 0, drawn seeds from OS entropy)")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,18 @@ def test_determinism_quick_passes_on_the_cpu() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 captured keys never ran" in r.stdout and ": 0 mismatches" in r.stdout
     assert "/k3 " in r.stdout and "0 differences from no speculation" in r.stdout
+    # progress: per run, counts up to a total that never changes (it jumped: [5/6], [6/10])
+    counts: dict[str, list[tuple[int, int]]] = {}
+    for label, i, n in re.findall(r"\[(.*?) (\d+)/(\d+)\]", r.stderr):
+        counts.setdefault(label, []).append((int(i), int(n)))
+    assert len(counts) == 2, r.stderr  # the runs without and with the draft model
+    for seen in counts.values():
+        assert seen == [(i, seen[0][1]) for i in range(1, seen[0][1] + 1)], seen
+    # the table's columns hold, whatever the key names
+    out = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("key "))
+    lines = out[at : out.index("", at)]
+    assert len(lines) == 9 and len({len(line) for line in lines}) == 1, lines
 
 
 def test_inspect_tool_prints_a_row_per_key() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.serve.conftest import Server
 
-CONTEXT = 1024  # the served checkpoint's max_seq_len (its positions, capped by the server)
+CONTEXT = 2048  # the served checkpoint's max_seq_len: its own (max_position_embeddings)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +78,10 @@ def test_lone_surrogates_are_a_400_naming_the_field(server) -> None:
 
 
 def test_the_context_is_never_silently_overrun(server) -> None:
-    prompt = [5 + i % 300 for i in range(1000)]  # 1000 token ids (the vocabulary: 392)
-    msg = assert_error(post(server, "completions", {"prompt": prompt, "max_tokens": 30}),
+    prompt = [5 + i % 300 for i in range(CONTEXT - 48)]  # token ids (the vocabulary: 392)
+    msg = assert_error(post(server, "completions", {"prompt": prompt, "max_tokens": 78}),
                        400, "max_tokens")  # fmt: skip
-    assert "1024" in msg and "1030" in msg
+    assert str(CONTEXT) in msg and str(CONTEXT + 30) in msg
     assert_error(post(server, "completions", {"prompt": "hi", "max_tokens": 5000}), 400,
                  "max_tokens")  # fmt: skip
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
