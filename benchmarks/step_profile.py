@@ -38,9 +38,19 @@ from step_floor import nbytes as _nbytes
 
 # which kernel names (substrings) each op launches, in order; anything else is "other"
 OP_KERNELS = {
-    "linear": ("_linear_kernel", "gemm", "gemv", "Gemm", "cutlass", "splitK", "nvjet"),
+    "linear": (
+        "_linear_kernel",
+        "_linear_tma_kernel",
+        "gemm",
+        "gemv",
+        "Gemm",
+        "cutlass",
+        "splitK",
+        "nvjet",
+    ),  # fmt: skip
     "linear_silu_mul": (
         "_linear_kernel",
+        "_linear_tma_kernel",
         "gemm",
         "gemv",
         "Gemm",
@@ -51,7 +61,7 @@ OP_KERNELS = {
     ),  # fmt: skip
     "norm": ("_residual_rms_norm_kernel",),
     "rope_kv": ("_rope_kv_write_kernel",),
-    "attend": ("_decode_attention_kernel", "_combine_kernel"),
+    "attend": ("_decode_attention_kernel",),
 }
 
 

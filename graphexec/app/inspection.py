@@ -171,8 +171,8 @@ def describe_keys(keys: list[GraphKey]) -> str:
 
 
 # the kernels of a batch-invariant model layer on CUDA (`models.ops` route map)
-LAYER_KERNELS = ("_linear_kernel", "_residual_rms_norm_kernel", "_rope_kv_write_kernel",
-                 "_decode_attention_kernel", "_combine_kernel")  # fmt: skip
+LAYER_KERNELS = ("_linear_kernel", "_linear_tma_kernel", "_residual_rms_norm_kernel",
+                 "_rope_kv_write_kernel", "_decode_attention_kernel")  # fmt: skip
 
 
 def kernels_per_layer(kernels: list[tuple[str, int]], num_layers: int | None) -> float | None:

@@ -3,19 +3,21 @@
 One query token per row attends over keys 0..pos of its slot's cache row (or, with a
 sliding window w, over pos - w < j <= pos). The cache row is [T] long, but a row reads
 only its live keys: a split-KV ("flash-decoding") kernel whose programs cover fixed key
-ranges, each loading only the part of its range that is live, then a combine kernel that
-merges the partial softmaxes. `decode_attention_reference` is the same computation in
-torch (SDPA with a mask over the whole row), the tests' definition. The CPU route of the
-models is `cpu_route.RowMM.attend` (torch over the live key blocks only).
+ranges, each loading only the part of its range that is live, the last of a row's splits
+to finish merging the partial softmaxes. `decode_attention_reference` is the same
+computation in torch (SDPA with a mask over the whole row), the tests' definition. The
+CPU route of the models is `cpu_route.RowMM.attend` (torch over the live key blocks only).
 
-Kernels (`decode_attention` launches both; grids are fixed by shapes alone):
+Kernels (grids are fixed by shapes alone):
 
     _decode_attention_kernel  grid (B, KV, NUM_SPLITS): the G = H / KV query heads of one
         KV head against split s, keys [s * SPLIT, (s + 1) * SPLIT) clipped to the row's
         live range; fp32 online softmax over BLOCK_N-key tiles; writes (m, l, acc).
         A split that holds no live key loads nothing and writes m = -inf, l = 0 (no acc).
-    _combine_kernel           grid (B, H): merges the live splits of one row and head in
-        one [NUM_SPLITS, hd] tile (a reduction whose shape depends on T only).
+        The last split of a (row, KV head) to finish (a counter per pair, reset by it)
+        merges the pair's splits in split order and writes the output: one launch. With
+        one split the program writes its own normalised output.
+Which program arrives last decides only who merges, never the order of the merge.
 
 Why results do not depend on the batch: a program's work and its reduction order are
 functions of its own row (position, window, slot's keys) and of T and the config, never
@@ -44,7 +46,7 @@ class AttentionConfig:
     block_n: keys per tile of the inner loop (a power of two, >= 16: `tl.dot`'s minimum).
     split_size: keys per split (a multiple of block_n); T / split_size programs per
         (row, KV head), at most max_splits (split_size grows for longer T).
-    max_splits: most splits of a row (the combine kernel holds them in one tile).
+    max_splits: most splits of a row (the merge holds them in one tile).
     num_warps, num_stages: of the split kernel.
     pdl: programmatic dependent launch where the device has it (`dependent_launch`).
     """
@@ -98,11 +100,15 @@ def _decode_attention_kernel(
     POS,  # [B] int: each row's query position (clamped into [0, T - 1] here)
     STATS,  # f32 [2, B, H, NS]: m (running max) then l (sum of exp), per split
     ACC,  # f32 [B, H, NS, HD]: unnormalised output per split (live splits only)
-    sq_b, sq_h, s_kv, s_s, s_t, s_h,
-    B, T, H, NS, scale, window,
+    OUT,  # [B, H, HD] q dtype (strides so_b, so_h, 1)
+    COUNTER,  # i32 [>= B * KV_HEADS], zero between calls; used with NS > 1
+    sq_b, sq_h, s_kv, s_s, s_t, s_h, so_b, so_h,
+    B, T, H, NS, KV_HEADS, scale, window,
     G: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: it writes the output itself
+    NS_PAD: tl.constexpr,
 ):  # fmt: skip
     dependent_start(PDL)
     b = tl.program_id(0)
@@ -150,37 +156,57 @@ def _decode_attention_kernel(
         m = m_new
 
     row = b * H + heads  # [G_PAD] rows of [B, H]
-    tl.store(STATS + row * NS + sp, m, mask=gmask)
-    tl.store(STATS + (B * H + row) * NS + sp, denom, mask=gmask)
-    if lo < hi:  # the combine reads acc of live splits only
-        acc_ptr = ACC + (row[:, None] * NS + sp) * HD + d[None, :]
-        tl.store(acc_ptr, acc, mask=gmask[:, None] & dmask[None, :])
+    gd_mask = gmask[:, None] & dmask[None, :]
+    out_ptr = OUT + b * so_b + heads[:, None] * so_h + d[None, :]
+    if DIRECT:  # one split: its softmax is the row's (the merge's weight would be 1)
+        tl.store(out_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=gd_mask)
+    else:
+        tl.store(STATS + row * NS + sp, m, mask=gmask)
+        tl.store(STATS + (B * H + row) * NS + sp, denom, mask=gmask)
+        if lo < hi:  # the merge reads acc of live splits only
+            acc_ptr = ACC + (row[:, None] * NS + sp) * HD + d[None, :]
+            tl.store(acc_ptr, acc, mask=gd_mask)
+        tl.debug_barrier()  # the stores are ordered before the counter's release
+        arrived = tl.atomic_add(COUNTER + b * KV_HEADS + kh, 1, sem="acq_rel")
+        if arrived == NS - 1:  # every split of this row and KV head is written: merge
+            _merge(STATS, ACC, out_ptr, row, gmask, d, dmask, B, H, NS, HD, NS_PAD)
+            tl.store(COUNTER + b * KV_HEADS + kh, 0)
 
 
 @triton.jit
-def _combine_kernel(
-    STATS,  # f32 [2, B, H, NS]
-    ACC,  # f32 [B, H, NS, HD]
-    OUT,  # [B, H, HD] q dtype (strides so_b, so_h, 1)
-    so_b, so_h, B, H, NS,
-    HD: tl.constexpr, HD_PAD: tl.constexpr, NS_PAD: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    dependent_start(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = b * H + h
+def _merge(STATS, ACC, out_ptr, row, gmask, d, dmask, B, H, NS,
+           HD: tl.constexpr, NS_PAD: tl.constexpr):  # fmt: skip
+    """The live splits of rows `row` [R] (heads of [B, H]) merged in one [R, NS_PAD, HD]
+    tile, in split order, stored through out_ptr [R, HD_PAD]."""
     s = tl.arange(0, NS_PAD)
-    d = tl.arange(0, HD_PAD)
-    smask, dmask = s < NS, d < HD
-    m = tl.load(STATS + row * NS + s, mask=smask, other=float("-inf"))
-    denom = tl.load(STATS + (B * H + row) * NS + s, mask=smask, other=0.0)
+    smask = gmask[:, None] & (s[None, :] < NS)
+    m = tl.load(STATS + row[:, None] * NS + s[None, :], mask=smask, other=float("-inf"),
+                cache_modifier=".cg")  # fmt: skip
+    denom = tl.load(STATS + (B * H + row[:, None]) * NS + s[None, :], mask=smask, other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
     live = m != float("-inf")  # the row's position is live, so one split at least is
-    m_all = tl.max(m, 0)
-    w = tl.where(live, tl.exp(m - m_all), 0.0)  # [NS_PAD]
-    acc = tl.load(ACC + (row * NS + s[:, None]) * HD + d[None, :],
-                  mask=live[:, None] & dmask[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * denom, 0)
-    tl.store(OUT + b * so_b + h * so_h + d, out.to(OUT.dtype.element_ty), mask=dmask)
+    m_all = tl.max(m, 1)
+    w = tl.where(live, tl.exp(m - m_all[:, None]), 0.0)  # [R, NS_PAD]
+    acc = tl.load(ACC + (row[:, None, None] * NS + s[None, :, None]) * HD + d[None, None, :],
+                  mask=live[:, :, None] & dmask[None, None, :], other=0.0,
+                  cache_modifier=".cg")  # fmt: skip
+    out = tl.sum(w[:, :, None] * acc, 1) / tl.sum(w * denom, 1)[:, None]
+    tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+MAX_COUNTERS = 1 << 20  # (row, KV head) pairs a call may hold (4 MiB of counters)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The persistent per-(row, KV head) counters of `device` (zero between calls: the
+    last split of each pair resets its own), made once, before a capture uses them."""
+    key = (device.type, device.index)
+    if key not in _COUNTER_BUFFERS:
+        _COUNTER_BUFFERS[key] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTER_BUFFERS[key]
+
+
+_COUNTER_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, slot_ids, positions, window) -> None:
@@ -252,8 +278,9 @@ def decode_attention(
 
     Note
     ----
-    CUDA graphs: two kernel launches with grids and scratch sizes that depend on shapes
-    only (scratch comes from the caching allocator, the graph's pool when captured); no
+    CUDA graphs: one kernel launch with a grid and scratch sizes that depend on shapes
+    only (scratch comes from the caching allocator, the graph's pool when captured;
+    per-device counters are made at the first call, before any capture uses them); no
     host sync and no branch on tensor values, so a captured call replays with new
     positions and slots. A row reads its live keys (in ``block_n`` tiles per split), not
     the whole row of ``T``: keys past its position (or before its window) are never
@@ -280,21 +307,21 @@ def decode_attention(
     acc = torch.empty((B, H, ns, hd), dtype=torch.float32, device=q.device)
     G = H // KV
     hd_pad = max(16, triton.next_power_of_2(hd))
+    ns_pad = triton.next_power_of_2(ns)
     f32_dot = interpreter_enabled() and q.dtype == torch.bfloat16
     pdl = enabled(cfg.pdl, q.device)
+    if B * KV > MAX_COUNTERS:
+        raise ValueError(f"decode_attention: {B} rows x {KV} KV heads is more than the "
+                         f"{MAX_COUNTERS} counters of one call")  # fmt: skip
     _decode_attention_kernel[(B, KV, ns)](
-        q, kv, slot_ids, positions, stats, acc,
+        q, kv, slot_ids, positions, stats, acc, out, _counters(q.device),
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        B, T, H, ns, float(scale), int(window or 0),
+        out.stride(0), out.stride(1), B, T, H, ns, KV, float(scale), int(window or 0),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), HD=hd, HD_PAD=hd_pad,
         BLOCK_N=cfg.block_n, SPLIT=split, HAS_WINDOW=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or f32_dot else "tf32", F32_DOT=f32_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, **launch_options(pdl),
-    )  # fmt: skip
-    _combine_kernel[(B, H)](
-        stats, acc, out, out.stride(0), out.stride(1), B, H, ns,
-        HD=hd, HD_PAD=hd_pad, NS_PAD=triton.next_power_of_2(ns), num_warps=4,
-        PDL=pdl, **launch_options(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, DIRECT=ns == 1,
+        NS_PAD=ns_pad, **launch_options(pdl),
     )  # fmt: skip
     return out
 

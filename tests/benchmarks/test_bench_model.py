@@ -308,13 +308,12 @@ def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
              "lm_head": "_linear_kernel"}  # fmt: skip
     kernels = ["indexSelectSmallIndex"]
     for c in calls:
-        kernels += (["_decode_attention_kernel", "_combine_kernel"] if c.op == "attention"
-                    else [names[c.op]])  # fmt: skip
+        kernels += ["_decode_attention_kernel"] if c.op == "attention" else [names[c.op]]
     kernels.append("elementwise_kernel")
     labels = step_profile.label(kernels, calls)
     assert labels[0] == ("other", None, 0) and labels[-1] == ("other", None, 0)
     assert [(op, layer) for op, layer, b in labels[1:-1] if b] == [(c.op, c.layer) for c in calls]
-    assert labels[4:6] == [("attention", 0, calls[3].bytes), ("attention", 0, 0)]
+    assert labels[4] == ("attention", 0, calls[3].bytes)
 
 
 def test_measure_waits_until_every_request_decodes() -> None:

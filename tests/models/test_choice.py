@@ -139,11 +139,11 @@ def test_inspect_runs_a_checkpoint_folder_and_a_config(checkpoint, capsys, tmp_p
 def test_inspect_counts_kernels_per_model_layer() -> None:
     from graphexec.app.inspection import kernels_per_layer
 
-    layer = [("_residual_rms_norm_kernel", 2), ("_linear_kernel", 4), ("_combine_kernel", 1),
+    layer = [("_residual_rms_norm_kernel", 2), ("_linear_kernel", 3), ("_linear_tma_kernel", 1),
              ("_rope_kv_write_kernel", 1), ("_decode_attention_kernel", 1)]  # fmt: skip
-    # 16 layers of 9 kernels, the final norm and the LM head, plus the sampler's kernels
+    # 16 layers of 8 kernels, the final norm and the LM head, plus the sampler's kernels
     graph = [(n, c * 16 + (1 if n in ("_linear_kernel", "_residual_rms_norm_kernel") else 0))
              for n, c in layer] + [("_sample_kernel", 3)]  # fmt: skip
-    assert kernels_per_layer(graph, 16) == 9.0
+    assert kernels_per_layer(graph, 16) == 8.0
     assert kernels_per_layer(graph, None) is None
     assert kernels_per_layer([("_sample_kernel", 3)], 16) is None
