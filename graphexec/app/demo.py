@@ -119,7 +119,7 @@ def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | Non
     for i in range(batch):
         p = gx.SamplingParams(seed=i, max_tokens=room, ignore_eos=True)  # batch stays full
         ex.add_request(f"lat{i}", [i + 1], p)
-    ex.step(mode)  # first tokens
+    ex.step(mode)  # first tokens (with overlap, reported by the next call)
     ex.step(mode)  # warm
     sync = torch.cuda.synchronize if ex.device.type == "cuda" else (lambda: None)
     sync()
@@ -129,7 +129,8 @@ def _step_latency(ex: gx.DecodeExecutor, batch: int, steps: int, mode: str | Non
     dt = (time.perf_counter() - t0) / steps
     for i in range(batch):
         ex.abort(f"lat{i}")
-    ex.step(mode)
+    while not ex.idle:  # the aborts, and with overlap the step in flight
+        ex.step(mode)
     return dt * 1e3
 
 

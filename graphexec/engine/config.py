@@ -24,10 +24,11 @@ class EngineConfig:
     same names as keyword arguments).
 
     max_batch_size: requests that may run at once (one slot each).
-    overlap: the pipelined step: `step()` launches step N + 1, then waits for step N by its
-        event and returns N's outputs (one call late; step until `idle` to drain), so the
-        device never waits for the host's finish. False: each step is collected in the
-        call that launched it. The same tokens either way.
+    overlap: the pipelined step (the default): `step()` launches step N + 1, then waits
+        for step N by its event and returns N's outputs (one call late: the first call
+        after an admission may return none; step until `idle` to drain), so the device
+        never waits for the host's finish. False: each step is collected in the call that
+        launched it. The same tokens, positions, logprobs and ends either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
@@ -57,7 +58,7 @@ class EngineConfig:
     """
 
     max_batch_size: int = 256
-    overlap: bool = False
+    overlap: bool = True
     device: torch.device | str | None = None
     cuda_graphs: bool = True
     buckets: Sequence[int] | None = None

@@ -15,15 +15,16 @@ A step is a few calls that return values:
   5. finish     step N per row, its run of tokens (`engine.finish`): masks fed, text
                 detokenised, stop checks, outputs; finished slots released
 
-The pipelined step (`overlap=True`): the decode state lives on the device, so step N + 1
-needs nothing from N's host work but which rows still run, and `step()` returns N's
-outputs while N + 1 runs. A row whose generated plus in-flight tokens reach its limit is
-not launched again; a row that stops at N (EOS, a stop id or string) ran once more in
-N + 1, and that token is dropped (`BatchPlan.live`); its slot is freed when N is
-collected, and the next occupant's flush is queued after N + 1 on the stream. Steps whose
-launch needs N's tokens on the host (token masks: grammar, allowed ids, bad words; the
-drafter's drafts and allowances) collect N first, then launch. `overlap=False` collects
-every step in the call that launched it. Tokens never depend on it.
+The pipelined step (`overlap=True`, the default): the decode state lives on the device,
+so step N + 1 needs nothing from N's host work but which rows still run, and `step()`
+returns N's outputs while N + 1 runs (callers step until `idle`, not a count of calls). A
+row whose generated plus in-flight tokens reach its limit is not launched again; a row
+that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
+dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
+occupant's flush is queued after N + 1 on the stream. Steps whose launch needs N's tokens
+on the host (token masks: grammar, allowed ids, bad words; the drafter's drafts and
+allowances) collect N first, then launch. `overlap=False` collects every step in the call
+that launched it. Tokens never depend on it.
 
 Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
 also while another thread is inside `step()`: they validate and queue under a lock held
@@ -194,11 +195,12 @@ class DecodeExecutor:
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
-        """Validate and queue a request; the next `step()` prefills it and reports its
-        first token. ValueError names the bad field (or says the id is already in use);
-        ExecutorFullError when its n streams do not fit (nobody is evicted). With n > 1,
-        stream i reports as request id "<request_id>/<i>" with seed
-        `stream_seed(seed, i)`; `abort(request_id)` aborts all of them."""
+        """Validate and queue a request; the next `step()` prefills it, and its tokens
+        follow as the steps go (with overlap, each a call after its launch). ValueError
+        names the bad field (or says the id is already in use); ExecutorFullError when its
+        n streams do not fit (nobody is evicted). With n > 1, stream i reports as request
+        id "<request_id>/<i>" with seed `stream_seed(seed, i)`; `abort(request_id)` aborts
+        all of them."""
         prompt, bad, min_ids = self._check(request_id, prompt_token_ids, params)
         self._queue.add(request_id, prompt, params, bad, min_ids)
 

@@ -73,11 +73,22 @@ class ScriptModel:
 
 
 def drain(ex: gx.DecodeExecutor, mode: str | None = None) -> dict[str, list[gx.RequestOutput]]:
+    """Step until the executor is idle: every request's outputs, in order."""
     outs: dict[str, list[gx.RequestOutput]] = {}
     while not ex.idle:
         for o in ex.step(mode):
             outs.setdefault(o.request_id, []).append(o)
     return outs
+
+
+def next_outputs(ex: gx.DecodeExecutor, mode: str | None = None, limit: int = 50):
+    """Step until a call reports outputs, and return them (with overlap, the default, the
+    call that launches a step reports the one before it: none after the first launch)."""
+    for _ in range(limit):
+        outs = ex.step(mode)
+        if len(outs):
+            return outs
+    raise AssertionError(f"no outputs in {limit} steps")
 
 
 def tokens(outs: list[gx.RequestOutput]) -> list[int]:

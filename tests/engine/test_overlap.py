@@ -3,8 +3,8 @@
 Each workload is driven by what the caller has seen: a request is admitted, or aborted,
 once another (or itself) has reported k outputs, so both modes get the same commands at
 the same point of each stream, whatever step they fall in. Every field a caller reads
-(token, position, logprobs, finish reason, stop reason, text) must agree; every request
-ends exactly once and nothing follows its end.
+(token, position, logprobs, prompt logprobs, seed, finish reason, stop reason, text) must
+agree; every request ends exactly once and nothing follows its end.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def add(rid: str, prompt: list[int], after=None, **params) -> Event:
 
 
 def mixed() -> list[Event]:
-    """EOS, stop ids and strings, max_tokens and context limits, logprobs, n > 1,
-    penalties, greedy; admissions and aborts while steps are in flight."""
+    """EOS, stop ids and strings, max_tokens and context limits, logprobs and prompt
+    logprobs, n > 1, penalties, greedy, an unseeded request; admissions and aborts (of a
+    request, of one stream of n) while steps are in flight."""
     ab = {97: 5.0, 98: 5.0}
     # fmt: off
     return [
@@ -57,6 +58,12 @@ def mixed() -> list[Event]:
         add("lastabort", [12], seed=11, max_tokens=3, ignore_eos=True),
         Event(("lastabort", 2), abort="lastabort"),
         add("after_end", [13], ("late2", 4), seed=12, max_tokens=3, ignore_eos=True),
+        add("plp", [14, 15, 16, 17], seed=13, prompt_logprobs=2, logprobs=1, max_tokens=4),
+        # prefilled behind steps in flight; its prompt logprobs come with its first token
+        add("plp_late", LONG[:12], ("greedy", 3), seed=14, prompt_logprobs=0, max_tokens=3,
+            ignore_eos=True),
+        add("unseeded", [18], max_tokens=4, ignore_eos=True),  # the executor draws its seed
+        Event(("n2/1", 3), abort="n2/0"),
     ]
     # fmt: on
 
@@ -79,7 +86,7 @@ def masked() -> list[Event]:
 
 def make(overlap: bool, speculative=None, device: str = "cpu", model=None) -> gx.DecodeExecutor:
     model = model or gx.models.TableModel(V, seed=3, max_seq_len=40)
-    ex = gx.DecodeExecutor(model, max_batch_size=12, device=device, seed=0,
+    ex = gx.DecodeExecutor(model, max_batch_size=16, device=device, seed=0,
                            tokenizer=byte_tokenizer(), overlap=overlap,
                            speculative=speculative)  # fmt: skip
     ex.capture(progress=False)
@@ -106,11 +113,12 @@ def run(ex: gx.DecodeExecutor, events: list[Event], mode=None) -> dict[str, list
             if o.finished:
                 ended.add(o.request_id)
             row = (o.token_id, o.position, o.logprob, o.top_logprobs, o.finished,
-                   o.finish_reason, o.stop_reason, o.text, o.message)  # fmt: skip
+                   o.finish_reason, o.stop_reason, o.text, o.message, o.prompt_logprobs,
+                   o.seed)  # fmt: skip
             outs.setdefault(o.request_id, []).append(row)
     assert not todo, "an event never fired"
     assert ended == set(outs), "a request never ended"
-    assert ex.free_slots == ex.max_batch_size
+    assert ex.free_slots == ex.max_batch_size and not list(ex.step())  # nothing after idle
     for rid, rows in outs.items():
         pos = [r[1] for r in rows if r[0] is not None]
         assert pos == list(range(len(pos))), rid
@@ -130,15 +138,30 @@ def test_overlap_gives_the_synchronous_outputs(mode) -> None:
     assert len(sync["ctx"]) == 10 and sync["stopstr"][-1][6] in ("aa", "ab", "ba", "bb")
     assert sync["stopid"][-1][6] in (97, 98) and len(sync["abort"]) == 5
     assert {"n2/0", "n2/1", "after_end"} <= set(sync)
+    assert (reasons["n2/0"], reasons["n2/1"], reasons["plp_late"]) == ("abort", "length", "length")
+    # prompt logprobs with each first token (the first prompt token has none), then none
+    for rid, n in (("plp", 4), ("plp_late", 12)):
+        first, *rest = sync[rid]
+        assert len(first[9]) == n and first[9][0] is None and all(r[9] is None for r in rest)
+    assert all(r[10] is not None for r in sync["unseeded"])
 
 
 def test_replayed_and_eager_pipelined_steps_agree() -> None:
     assert run(make(True), mixed()) == run(make(True), mixed(), "eager")
 
 
-def test_rows_with_token_masks_give_the_synchronous_outputs() -> None:
-    sync = run(make(False), masked())
-    assert run(make(True), masked()) == sync
+def test_the_pipelined_step_is_the_default() -> None:
+    assert gx.EngineConfig().overlap is True
+    assert gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu").overlap
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_rows_with_token_masks_give_the_synchronous_outputs(drafter) -> None:
+    def spec():
+        return drafter and gx.SpeculativeConfig(3, drafter=drafter)
+
+    sync = run(make(False, spec()), masked())
+    assert run(make(True, spec()), masked()) == sync
     assert sync["gram2"][-1][5] == "stop" and sync["gram"][-1][5] == "abort"
     assert all(t in (97, 98, 99, EOS) for t, *_ in sync["allowed"] if t is not None)
 
