@@ -21,10 +21,11 @@ returns N's outputs while N + 1 runs (callers step until `idle`, not a count of 
 row whose generated plus in-flight tokens reach its limit is not launched again; a row
 that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
 dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
-occupant's flush is queued after N + 1 on the stream. Steps whose launch needs N's tokens
-on the host (token masks: grammar, allowed ids, bad words; the drafter's drafts and
-allowances) collect N first, then launch. `overlap=False` collects every step in the call
-that launched it. Tokens never depend on it.
+occupant's flush is queued after N + 1 on the stream. A step whose drafts need N's tokens
+on the host collects N first; one whose token masks do (grammar, allowed ids, bad words)
+launches N + 1's forward, collects N, then writes the masks and launches N + 1's draw
+(`StepRunner.launch_forward`). `overlap=False` collects every step in the call that
+launched it. Tokens never depend on it.
 
 Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
 also while another thread is inside `step()`: they validate and queue under a lock held
@@ -241,7 +242,10 @@ class DecodeExecutor:
         prev, outs = self._inflight, None  # step N, held until collected
         early = late = 0.0  # waits for the device: before the launch, after it (seconds)
         plan = reqs.plan()
-        if prev is not None and (self.drafter is not None or plan.mask_rows):
+        replay = mode != "eager" and self.cuda_graphs
+        split = (prev is not None and bool(plan.mask_rows)
+                 and self.runner.can_split(plan, replay))  # fmt: skip
+        if prev is not None and not split and (self.drafter is not None or plan.mask_rows):
             # the launch needs step N's tokens on the host: collect N first
             self._inflight = None
             outs, early = self._finish(prev)
@@ -251,9 +255,17 @@ class DecodeExecutor:
             ready += reqs.prefill()  # nothing decodes yet: the new rows decode now
             plan = reqs.plan()
         launched = None
-        if plan.rows:
+        if split:  # N + 1's forward runs while N is finished; then its masks, its draw
             self._steps += 1
-            launched = self.runner.launch(plan, mode != "eager" and self.cuda_graphs)
+            part = self.runner.launch_forward(plan, replay)
+            self._inflight = None
+            outs, early = self._finish(prev)
+            prev, live = None, plan.live()
+            masked = [plan.rows[i].slot for i in plan.mask_rows if live[i]]
+            launched = self.runner.launch_draw(part, masked, replay)
+        elif plan.rows:
+            self._steps += 1
+            launched = self.runner.launch(plan, replay)
         if not prefilled:
             ready += reqs.prefill()  # behind the decode graphs: the launches overlap them
         t1 = time.perf_counter()

@@ -139,6 +139,8 @@ class CapturedGraphs:
         self.cuda = device.type == "cuda"
         self.debug = debug and self.cuda
         self.steps: dict[GraphKey, CapturedStep] = {}
+        # split steps (`capture_parts`): ("forward", bucket) and ("draw", key)
+        self.parts: dict[tuple, CapturedStep] = {}
         self.failed: dict[GraphKey, str] = {}
         self._dots: dict[GraphKey, str] = {}
         self._capture = GraphCapture(device, self.debug) if self.cuda else None
@@ -150,24 +152,61 @@ class CapturedGraphs:
 
     def capture(self, key: GraphKey, fn: Callable[[], None]) -> bool:
         """Warm `fn` up and capture it under `key`; False (logged) when capture fails."""
+        step = self._record(key, fn)
+        if step is not None:
+            self.steps[key] = step
+        return step is not None
+
+    def capture_parts(self, key: GraphKey, forward: Callable[[], None],
+                      draw: Callable[[], None]) -> bool:  # fmt: skip
+        """Capture `key`'s step as two graphs (`StepFn.make_parts`): its bucket's forward
+        (once per bucket) and the key's draw. False (logged) when either fails: the key's
+        steps then run whole."""
+        fkey = ("forward", key.bucket)
+        if fkey not in self.parts:
+            step = self._record(key, forward, part=True)
+            if step is None:
+                return False
+            self.parts[fkey] = step
+        step = self._record(key, draw, part=True)
+        if step is not None:
+            self.parts[("draw", key)] = step
+        return step is not None
+
+    def has_parts(self, key: GraphKey) -> bool:
+        return ("draw", key) in self.parts and ("forward", key.bucket) in self.parts
+
+    def replay_part(self, key: GraphKey, part: str) -> None:
+        """Replay "forward" (of key's bucket) or "draw" (of key), captured by
+        `capture_parts`."""
+        step = self.parts[(part, key.bucket if part == "forward" else key)]
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.fn()
+        step.replays += 1
+
+    def _record(self, key: GraphKey, fn: Callable[[], None],
+                part: bool = False) -> CapturedStep | None:  # fmt: skip
         t0 = time.perf_counter()
         if not self.cuda:
-            self.steps[key] = CapturedStep(key, None, fn, time.perf_counter() - t0, 0, None)
-            return True
+            return CapturedStep(key, None, fn, time.perf_counter() - t0, 0, None)
         before = torch.cuda.memory_reserved(self.device)
         try:
             graph, _ = self._capture(fn)
         except Exception as e:  # OOM, an op that cannot be captured, a bad kernel
             torch.cuda.synchronize(self.device)
-            self.fail(key, f"{type(e).__name__}: {e}")
-            return False
+            if part:  # the key's whole step still serves it
+                log.warning("split capture of %s failed, its steps run whole: %s", key, e)
+            else:
+                self.fail(key, f"{type(e).__name__}: {e}")
+            return None
         torch.cuda.synchronize(self.device)
         names = self._kernel_names(key, graph) if self.debug else None
         nodes = None if names is None else sum(names.values())
         grew = torch.cuda.memory_reserved(self.device) - before
-        self.steps[key] = CapturedStep(key, graph, fn, time.perf_counter() - t0, grew, nodes,
-                                       kernels=names)  # fmt: skip
-        return True
+        return CapturedStep(key, graph, fn, time.perf_counter() - t0, grew, nodes,
+                            kernels=names)  # fmt: skip
 
     def _kernel_names(self, key: GraphKey, graph: torch.cuda.CUDAGraph) -> Counter:
         fd, path = tempfile.mkstemp(suffix=".dot")

@@ -11,7 +11,10 @@ Two steps may be in flight (the pipelined step launches N + 1 before it reads N)
 pinned buffers a launch writes for non-blocking copies (slot ids, outputs) come in two
 sets used by alternate launches: step N + 1 writes the set of N - 1, whose copies the
 executor waited for before it launched N. Mask rows and drafter inputs have one set:
-a step that writes them is launched only once the step before it was collected.
+they are written only once the step before was collected. A one-chunk decode step with
+host-written masks launches in two parts (`launch_forward`, then `launch_draw`: a graph
+each, `CapturedGraphs.capture_parts`): the model runs while the host finishes step N,
+whose tokens the masks of N + 1 need.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class StepRunner:
         self._host_mask_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
         self.graphs = CapturedGraphs(device)
         self.eager: Counter = Counter()
+        self.split_logits: torch.Tensor | None = None  # [largest, W]: split steps' logits
+        self.split_steps = 0
 
     def fn(self, key: GraphKey):
         """The step function of `key` on the static buffers."""
@@ -138,6 +143,10 @@ class StepRunner:
                 self.graphs.fail(key, bad)
             else:
                 self.graphs.capture(key, self.fn(key))
+        if bad is None and self.drafter is None:  # split steps: see `launch_forward`
+            for key in tqdm(keys, desc="capture (split)", unit="key", disable=not progress):
+                if key in self.graphs.steps and not self.graphs.has_parts(key):
+                    self.graphs.capture_parts(key, *self.parts(key))
         self.slots.reset_padding()
         grew = torch.cuda.memory_reserved(self.device) - mem0 if cuda else 0
         log.info(
@@ -195,6 +204,77 @@ class StepRunner:
             self.copy_out(key, start, n, done.host)
         plan.uploaded = True
         plan.launched()
+        if self.device.type == "cuda":
+            done.event = torch.cuda.Event()
+            done.event.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def parts(self, key: GraphKey):
+        """The (forward, draw) functions of `key`'s split step (`StepFn.make_parts`)."""
+        if self.split_logits is None:  # its width and dtype: one decode of a padding row
+            m, pad = self.step.model, self.slots.padding_slot
+            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+            slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
+            row = self.step.sampler.clip(m.decode(ids, ids, slot), self.slots.vocab_size)
+            self.split_logits = row.new_empty((self.buckets[-1], row.shape[-1]))
+            self.slots.reset_padding()
+        _, out = self.buffers[1].view(key)
+        return self.step.make_parts(key, self.slot_ids[: key.bucket], out, self.split_logits)
+
+    def can_split(self, plan: BatchPlan, replay: bool) -> bool:
+        """Whether `plan`'s step may launch as forward, then draw (`launch_forward`)."""
+        if self.drafter is not None or len(plan.chunks) != 1:
+            return False  # (one chunk: the parts share the slot ids buffer)
+        key = plan.chunks[0][0]  # its parts' graphs, or no graph at all (eager)
+        return self.graphs.has_parts(key) or not (replay and key in self.graphs.steps)
+
+    def launch_forward(self, plan: BatchPlan, replay: bool) -> Launched:
+        """The model's part of a one-chunk step whose token masks the host writes: the
+        forward runs while the host finishes the step before (whose tokens those masks
+        need); `launch_draw` then uploads the masks and draws. The same values as
+        `launch`'s whole step."""
+        which = self._launches % 2
+        self._launches += 1
+        self.split_steps += 1
+        done = Launched(plan, host=self._hosts[which])
+        key, start, n = plan.chunks[0]
+        done.keys.append((key, start, n))
+        if not plan.uploaded:
+            src = self._host_slot_sets[which][: key.bucket]
+            src.fill_(self.slots.padding_slot)
+            src[:n] = torch.from_numpy(plan.slots[:n])
+            self.slot_ids[: key.bucket].copy_(src, non_blocking=True)
+        try:
+            if replay and self.graphs.has_parts(key):
+                self.graphs.replay_part(key, "forward")
+            else:
+                self.eager[key] += 1
+                self.parts(key)[0]()
+        except Exception as e:
+            log.exception("step of %s failed; its %d requests end with 'error'", key, n)
+            done.errors[start] = f"{type(e).__name__}: {e}"
+            done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
+        plan.uploaded = True
+        plan.launched()
+        return done
+
+    def launch_draw(self, done: Launched, mask_slots: list[int], replay: bool) -> Launched:
+        """The rest of a split step: `mask_slots`' masks up (rows still live after the step
+        before), the draw, the output copies and the step's event."""
+        key, start, n = done.keys[0]
+        if start not in done.errors:
+            try:
+                if mask_slots:
+                    self.upload_masks(mask_slots)
+                if replay and self.graphs.has_parts(key):
+                    self.graphs.replay_part(key, "draw")
+                else:
+                    self.parts(key)[1]()
+                self.copy_out(key, start, n, done.host)
+            except Exception as e:
+                log.exception("step of %s failed; its %d requests end with 'error'", key, n)
+                done.errors[start] = f"{type(e).__name__}: {e}"
+                done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
         if self.device.type == "cuda":
             done.event = torch.cuda.Event()
             done.event.record(torch.cuda.current_stream(self.device))

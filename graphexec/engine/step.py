@@ -96,22 +96,50 @@ class StepFn:
     def make(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
              out: VerifyOutput) -> Callable[[], None]:  # fmt: skip
         if self.sampler.verify_fn is None:  # no speculation: every step decodes
-            gather, advance = gather_inputs_reference, advance_decode_reference
-            if self.kernels:  # (imported here: triton loads when a CUDA executor builds)
-                from graphexec.engine import step_kernels
-
-                gather, advance = step_kernels.gather_inputs, step_kernels.advance_decode
+            gather, advance = self._bookkeeping()
             return lambda: self.decode(key, slot_ids, out, gather, advance)
         return lambda: self.verify(key, slot_ids, inputs, out)
 
+    def make_parts(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput,
+                   logits: torch.Tensor) -> tuple[Callable[[], None], ...]:  # fmt: skip
+        """A decode step as two functions, for steps whose token masks the host writes
+        while the model runs: (forward: steps 1-3 into `logits` [>= b, W], a static
+        buffer; draw: steps 1, 4-6 from it). Together the same values as `make`'s."""
+        gather, advance = self._bookkeeping()
+        b = slot_ids.shape[0]
+
+        def forward() -> None:
+            logits[:b].copy_(self._logits(gather(self.slots, slot_ids), slot_ids))
+
+        def draw() -> None:
+            self._draw(key, slot_ids, out, gather(self.slots, slot_ids), logits[:b], advance)
+
+        return forward, draw
+
+    def _bookkeeping(self) -> tuple[Callable, Callable]:
+        if self.kernels:  # (imported here: triton loads when a CUDA executor builds)
+            from graphexec.engine import step_kernels
+
+            return step_kernels.gather_inputs, step_kernels.advance_decode
+        return gather_inputs_reference, advance_decode_reference
+
     def decode(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput, gather: Callable,
                advance: Callable) -> None:  # fmt: skip
-        slots, sampler = self.slots, self.sampler
-        inp = gather(slots, slot_ids)
+        inp = gather(self.slots, slot_ids)
+        self._draw(key, slot_ids, out, inp, self._logits(inp, slot_ids), advance)
+
+    def _logits(self, inp, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Step 3 of a decode: the rows' logits [b, W] (padding columns past V dropped)."""
+        sampler = self.sampler
         raw = self.model.decode(inp.last, inp.model_pos, slot_ids)
         b = slot_ids.shape[0]
         logits = check_logits(raw, (b, sampler.width(self.model)), self.model, "decode")
-        logits = sampler.clip(logits, slots.vocab_size)
+        return sampler.clip(logits, self.slots.vocab_size)
+
+    def _draw(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput, inp,
+              logits: torch.Tensor, advance: Callable) -> None:  # fmt: skip
+        """Steps 4-6 of a decode from its logits."""
+        slots, sampler = self.slots, self.sampler
         drawn = SamplerOutput(out.token_ids[:, 0], out.valid)  # views: T = 1
         if out.logprobs is not None:
             drawn.logprobs, drawn.ranks = out.logprobs[:, 0], out.ranks[:, 0]
