@@ -24,11 +24,13 @@ class EngineConfig:
     same names as keyword arguments).
 
     max_batch_size: requests that may run at once (one slot each).
-    overlap: the pipelined step (the default): `step()` launches step N + 1, then waits
-        for step N by its event and returns N's outputs (one call late: the first call
-        after an admission may return none; step until `idle` to drain), so the device
-        never waits for the host's finish. False: each step is collected in the call that
-        launched it. The same tokens, positions, logprobs and ends either way.
+    overlap: the pipelined step: `step()` launches step N + 1, then waits for step N by
+        its event and returns N's outputs (one call late: the first call after an
+        admission may return none; step until `idle` to drain), so the device never waits
+        for the host's finish. False: each step is collected in the call that launched
+        it. None (default): True on CUDA; False on the CPU, where the step's compute runs
+        on the calling thread, so pipelining would only hold each output back a step.
+        The same tokens, positions, logprobs and ends either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
@@ -58,7 +60,7 @@ class EngineConfig:
     """
 
     max_batch_size: int = 256
-    overlap: bool = True
+    overlap: bool | None = None
     device: torch.device | str | None = None
     cuda_graphs: bool = True
     buckets: Sequence[int] | None = None
@@ -77,8 +79,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _int_at_least_1("max_batch_size", self.max_batch_size)
         _int_at_least_1("prefill_budget", self.prefill_budget)
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool or None, got {self.overlap!r}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {self.backend!r}")
         sp = self.speculative

@@ -78,9 +78,10 @@ def build_executor(spec):
         log.info("%s", note)
     dm = choose_model(chosen, device, spec.dtype, max_seq_len, **kw)
     draft = gx.SpeculativeConfig(drafter="ngram") if spec.speculative else None
-    # the pipelined step: the engine loop's sends and reads overlap the device's next step
+    # on CUDA the pipelined step (the default there): the engine loop's sends and reads
+    # overlap the device's next step
     ex = gx.DecodeExecutor(dm.make(), max_batch_size=n, device=device, tokenizer=dm.tokenizer,
-                           seed=spec.seed, speculative=draft, overlap=True)  # fmt: skip
+                           seed=spec.seed, speculative=draft)  # fmt: skip
     if device.type == "cuda" and spec.capture:
         t1 = time.perf_counter()
         ex.capture(capture_keys(spec.capture_keys, ex))

@@ -151,8 +151,14 @@ def test_replayed_and_eager_pipelined_steps_agree() -> None:
 
 
 def test_the_pipelined_step_is_the_default() -> None:
-    assert gx.EngineConfig().overlap is True
-    assert gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu").overlap
+    """On CUDA; the CPU computes a step on the calling thread, so it collects each step in
+    the call that launched it unless told otherwise."""
+    assert gx.EngineConfig().overlap is None
+    assert not gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu").overlap
+    assert gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu",
+                             overlap=True).overlap  # fmt: skip
+    with pytest.raises(ValueError, match="overlap"):
+        gx.EngineConfig(overlap=1)
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram"])
