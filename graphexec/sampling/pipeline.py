@@ -62,9 +62,9 @@ def sample_step(
         backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
         config: the Triton backend's `SamplerConfig` (None: its preset for the device);
             `config.draw_block` is part of the definition, so the torch backend takes it too.
-        workspace: the Triton backend's scratch (`triton.config.Workspace`, allocated once
-            for the largest batch and reused: no allocation or zeroing per call); None
-            allocates one per call.
+        workspace: the Triton backend's scratch (`triton.sampler_config.Workspace`,
+            allocated once for the largest batch and reused: no allocation or zeroing per
+            call); None allocates one per call.
         count_ids: optional [B, NE] int64 ids that row b counts once more each on top
             of its slot's token counts (-1 = none; used only where the table has counts):
             speculative verification's drafts before an offset.

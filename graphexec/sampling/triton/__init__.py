@@ -4,9 +4,9 @@ many times each reads the row's logits (a *pass*) in the worst case, for any log
 `graphexec.sampling.reference` is the definition; every kernel family here has a torch
 reference and tests of its own (`tests/sampling/test_triton_*.py`). Kernels run on CUDA,
 and on the CPU under TRITON_INTERPRET=1 (set before triton is imported). The knobs are one
-frozen `config.SamplerConfig`, passed explicitly; none changes a token. Kernels take the
-batch's inputs as one named tuple P (`process.Inputs`: P.logits, P.top_p, ...) and their
-scratch as another, W (`config.Scratch`: W.xm, W.rowi, ...).
+frozen `sampler_config.SamplerConfig`, passed explicitly; none changes a token. Kernels take
+the batch's inputs as one named tuple P (`process.Inputs`: P.logits, P.top_p, ...) and their
+scratch as another, W (`sampler_config.Workspace`: W.xm, W.rowi, ...).
 
 Terms. A *pass* reads a row's V logits once; a *block* is DRAW_BLOCK consecutive token
 ids; y = (x - max) / T is the scaled processed row; Q_b a block's exact mass relative to

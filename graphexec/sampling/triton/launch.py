@@ -49,8 +49,7 @@ def sample(
         workspace = Workspace.allocate(B, V, logits.device, cfg, need_lp)
     elif not workspace.fits(B, V, cfg, need_lp):
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
-    ws = workspace.rows(B)
-    W = ws.args()
+    W = workspace.rows(B)
     slot_ids, positions = slot_ids.contiguous(), positions.contiguous()  # indexed by row
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
@@ -97,11 +96,11 @@ def sample(
             _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2, **common)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
-        _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)
+        _write_logprobs(logits, slot_ids, table, out, W, P, fl, nblk, nblk_p2, cfg)
     return out
 
 
-def _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg) -> None:
+def _write_logprobs(logits, slot_ids, table, out, W, P, fl, nblk, nblk_p2, cfg) -> None:
     """The raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
     (and processed-mode rows, over their y written here) go to the general writer."""
     B, V = logits.shape
@@ -113,7 +112,7 @@ def _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)
     top_lp = out.top_logprobs if n else out.logprobs
     top_id = out.top_token_ids if n else out.ranks
     _raw_logprobs_kernel[(B,)](
-        P, ws.xm, ws.raw[0], ws.raw[1], y, ws.blocks, lp_cand, out.token_ids,
+        P, W.xm, W.raw_max, W.raw_sum, y, W.blocks, lp_cand, out.token_ids,
         out.logprobs, out.ranks, top_lp, top_id, done, nblk, N=n,
         N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2,
         NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
