@@ -15,9 +15,8 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.check import _check_kernel
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
-from graphexec.sampling.triton.logprobs import write_logprobs
+from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
-from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
 from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
@@ -112,7 +111,7 @@ def _write_logprobs(logits, slot_ids, table, out, W, P, fl, nblk, nblk_p2, cfg) 
     top_lp = out.top_logprobs if n else out.logprobs
     top_id = out.top_token_ids if n else out.ranks
     _raw_logprobs_kernel[(B,)](
-        P, W.xm, W.raw_max, W.raw_sum, y, W.blocks, lp_cand, out.token_ids,
+        P, W, y, lp_cand, out.token_ids,
         out.logprobs, out.ranks, top_lp, top_id, done, nblk, N=n,
         N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2,
         NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
