@@ -8,12 +8,8 @@ on the GPU. The variant and the logprobs width are static: they pick the kernels
 values (every variant gives a row it can serve the token `default` gives it).
 
 `sample_logits` is the convenience call over `SamplingParams`: it validates, builds a
-one-slot-per-row table, allocates the outputs and calls `sample_step`.
-
-Steps, in order (see `graphexec.sampling.reference` for the exact definition):
-grammar bitmask -> logit bias -> penalties -> temperature -> +inf collapse -> top-k ->
-top-p on the top-k mass -> min-p -> Gumbel-max draw (greedy: argmax; rows with no active
-filter: the two-level draw, a block by its mass then a token in it) -> logprobs.
+one-slot-per-row table, allocates the outputs and calls `sample_step`. What both compute
+is `graphexec.sampling.reference`'s definition.
 """
 
 from __future__ import annotations
