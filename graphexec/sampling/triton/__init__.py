@@ -44,7 +44,7 @@ passes are reads of the row, worst case, then the draw's one block):
 | select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
 | round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 6 | select:_bracket, kept:_finish |
 | exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 6 + 31 | kept:_finish |
-| + logprobs | rows asking for logprobs (any route) | logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:_write_logprobs |
+| + logprobs | rows asking for logprobs (any route) | logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:sample |
 
 A row of the last four routes ends in `draw.fallback_draw`: its candidate if it was left
 undecided and the cut keeps it, else the fallback draw. The candidate route is how most

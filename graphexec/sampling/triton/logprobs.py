@@ -74,30 +74,19 @@ def _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS: tl.constexpr
 
 
 @triton.jit
-def _logprobs_kernel(
-    raw_ptr,  # [B, V] logits (f32 / bf16 / f16)
-    stride_raw,
-    x_ptr,  # [B, V] f32 processed logits
-    stride_x,
+def _logprobs_kernel(  # one program per row
+    raw_ptr, stride_raw,  # [B, V] logits (f32 / bf16 / f16)
+    x_ptr, stride_x,  # [B, V] f32 processed logits
     slot_ptr,  # [B] i64
     proc_ptr,  # [S] bool: logprobs of the processed row
     tok_ptr,  # [B] i64 sampled tokens (-1 = invalid row)
     cand_ptr,  # [B, CAP] i64 scratch
-    lp_ptr,  # [B] f32 out
-    rank_ptr,  # [B] i64 out
-    top_lp_ptr,  # [B, N] f32 out
-    top_id_ptr,  # [B, N] i64 out
+    lp_ptr, rank_ptr,  # [B] f32 / i64 out
+    top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
     done_ptr,  # [B] i32: rows already written (`_raw_logprobs_kernel`) are skipped
-    V,
-    BF16_BITS: tl.constexpr,
-    N: tl.constexpr,
-    N_POW2: tl.constexpr,
-    CAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROUNDS: tl.constexpr,
-    INTERP: tl.constexpr,
-    SKIP_DONE: tl.constexpr,
-):
+    V, BF16_BITS: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, CAP: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr, SKIP_DONE: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     if SKIP_DONE:
         if tl.load(done_ptr + row) != 0:
@@ -235,24 +224,6 @@ def write_logprobs(
 
 
 @triton.jit
-def tile_slots(sel):
-    """Slots of the selected entries of a [R, N] tile, counted from 0 in row-major order,
-    and their number."""
-    cnt = tl.sum(sel.to(tl.int32), axis=1)
-    slots = (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-    return slots, tl.sum(cnt, axis=0)
-
-
-@triton.jit
-def _block_list(sel_b, cblk_row, NBLK_P2: tl.constexpr):
-    """Write the ids of the selected blocks, ascending, to cblk_row; returns their count."""
-    b = tl.arange(0, NBLK_P2)
-    tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
-    tl.debug_barrier()
-    return tl.sum(sel_b.to(tl.int32), axis=0)
-
-
-@triton.jit
 def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, FL: tl.constexpr):
     """The row's y = (collapsed x - m) * s, for the general writer's processed rows."""
     for start in range(0, P.vocab, YB):
@@ -267,8 +238,7 @@ def _raw_logprobs_kernel(  # one program per row
     y_ptr,  # [B, V] f32 out: y of processed-mode rows
     cand_ptr,  # [B, CAP] i64 scratch
     tok_ptr,  # [B] i64 sampled tokens (-1 = invalid row)
-    lp_out_ptr,  # [B] f32 out
-    rank_ptr,  # [B] i64 out
+    lp_out_ptr, rank_ptr,  # [B] f32 / i64 out
     top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
     done_ptr,  # [B] i32 out: 1 where this kernel wrote the row's logprobs
     NBLK,
@@ -317,8 +287,10 @@ def _raw_logprobs_kernel(  # one program per row
             sel_b = sel_b | tl.where(top_ok, top_b, False)
         # one pass over both sets of blocks: a block of one set only adds nothing to the
         # other's count or candidates
-        cblk_row = W.blocks + r64 * NBLK
-        nbc = _block_list(sel_b, cblk_row, NBLK_P2)
+        cblk_row = W.blocks + r64 * NBLK  # the selected blocks' ids, ascending
+        tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
+        tl.debug_barrier()
+        nbc = tl.sum(sel_b.to(tl.int32), axis=0)
         cols = tl.arange(0, DB)[None, :]
         crow = cand_ptr + r64 * CAP
         above = tl.zeros([], dtype=tl.int32)
@@ -331,10 +303,12 @@ def _raw_logprobs_kernel(  # one program per row
             above += tl.sum(tl.sum((v > v_tok).to(tl.int32), axis=1), axis=0)
             if N > 0:
                 sel = (v - m >= -d_sel) & (v > float("-inf"))
-                slots, cnt = tile_slots(sel)
-                idx = n + slots
+                # slots of the selected entries, counted from n in row-major order
+                cnt = tl.sum(sel.to(tl.int32), axis=1)
+                before = n + tl.cumsum(cnt, axis=0) - cnt
+                idx = before[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
                 tl.store(crow + idx, pack(v, offs), mask=sel & (idx < CAP))
-                n += cnt
+                n += tl.sum(cnt, axis=0)
         valid = tok >= 0
         tl.store(lp_out_ptr + row, tl.where(valid, (v_tok - m) - lse, float("nan")))
         tl.store(rank_ptr + row, tl.where(valid, above + 1, 0).to(tl.int64))
