@@ -74,11 +74,6 @@ def _flashinfer_sampling():
     return fs
 
 
-def _require_cuda(logits: torch.Tensor) -> None:
-    if logits.device.type != "cuda":
-        raise ValueError(f"backend='flashinfer' needs CUDA tensors, got logits on {logits.device}")
-
-
 def sample(
     logits: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -89,7 +84,8 @@ def sample(
     variant: SamplerVariant = SamplerVariant.DEFAULT,
 ) -> SamplerOutput:
     """The FlashInfer backend of `graphexec.sampling.pipeline.sample_step` (see module doc)."""
-    _require_cuda(logits)
+    if logits.device.type != "cuda":
+        raise ValueError(f"backend='flashinfer' needs CUDA tensors, got logits on {logits.device}")
     fs = _flashinfer_sampling()
     B, V = logits.shape
     if B == 0:

@@ -8,12 +8,8 @@ on the GPU. The variant and the logprobs width are static: they pick the kernels
 values (every variant gives a row it can serve the token `default` gives it).
 
 `sample_logits` is the convenience call over `SamplingParams`: it validates, builds a
-one-slot-per-row table, allocates the outputs and calls `sample_step`.
-
-Steps, in order (see `graphexec.sampling.reference` for the exact definition):
-grammar bitmask -> logit bias -> penalties -> temperature -> +inf collapse -> top-k ->
-top-p on the top-k mass -> min-p -> Gumbel-max draw (greedy: argmax; rows with no active
-filter: the two-level draw, a block by its mass then a token in it) -> logprobs.
+one-slot-per-row table, allocates the outputs and calls `sample_step`. What both compute
+is `graphexec.sampling.reference`'s definition.
 """
 
 from __future__ import annotations
@@ -62,9 +58,9 @@ def sample_step(
         backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
         config: the Triton backend's `SamplerConfig` (None: its preset for the device);
             `config.draw_block` is part of the definition, so the torch backend takes it too.
-        workspace: the Triton backend's scratch (`triton.config.Workspace`, allocated once
-            for the largest batch and reused: no allocation or zeroing per call); None
-            allocates one per call.
+        workspace: the Triton backend's scratch (`triton.sampler_config.Workspace`,
+            allocated once for the largest batch and reused: no allocation or zeroing per
+            call); None allocates one per call.
         count_ids: optional [B, NE] int64 ids that row b counts once more each on top
             of its slot's token counts (-1 = none; used only where the table has counts):
             speculative verification's drafts before an offset.

@@ -76,11 +76,15 @@ def row_max(xc: torch.Tensor) -> torch.Tensor:
     return torch.where(m > -torch.inf, m, 0.0)
 
 
+def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
+    """[B] the fp32 1/T each row scales by (1 for greedy rows)."""
+    greedy = table.temperature[slot_ids] == 0
+    return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
+
+
 def scale(xc: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
-    """Step 4: y = (xc - max) * fp32(1/T); greedy rows are stored with 1/T = 1."""
-    inv_t = table.inv_temperature[slot_ids].unsqueeze(1)
-    greedy = (table.temperature[slot_ids] == 0).unsqueeze(1)
-    return (xc - row_max(xc)) * torch.where(greedy, 1.0, inv_t)
+    """Step 4: y = (xc - max) * fp32(1/T), 1/T = 1 for greedy rows."""
+    return (xc - row_max(xc)) * effective_inv_t(slot_ids, table).unsqueeze(1)
 
 
 def collapse_inf(x: torch.Tensor) -> torch.Tensor:

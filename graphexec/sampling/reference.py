@@ -64,6 +64,7 @@ from graphexec.params import SamplerVariant
 from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.processing import (
     collapse_inf,
+    effective_inv_t,
     process_logits,
     row_max,
     sanitize,
@@ -141,22 +142,11 @@ def plain_rows(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
     return off_k & (table.top_p[slot_ids] >= 1.0) & (table.min_p[slot_ids] <= 0.0)
 
 
-def block_stats(
-    xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, nblocks] f32 block max xm_b, [B, nblocks] int64 Q_b) of collapsed rows xc."""
-    return _block_sums(xc, None, inv_t, draw_block)
-
-
-def kept_block_mass(xc: torch.Tensor, kept: torch.Tensor, inv_t: torch.Tensor, draw_block: int):
-    """[B, nblocks] int64 K_b of filtered rows: Q_b's terms over the kept tokens only."""
-    return _block_sums(xc, kept, inv_t, draw_block)[1]
-
-
-def _block_sums(xc: torch.Tensor, kept: torch.Tensor | None, inv_t: torch.Tensor,
-                draw_block: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(xm_b, sum of trunc(exp((x_i - xm_b) * s) * 2**32) over the finite x_i of each
-    block, only the kept ones when a mask is given)."""
+def block_stats(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
+                kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """([B, nblocks] f32 block max xm_b, [B, nblocks] int64 Q_b) of collapsed rows xc: Q_b
+    = sum of trunc(exp((x_i - xm_b) * s) * 2**32) over the finite x_i of the block; with a
+    mask `kept` of filtered rows, over the kept ones only (K_b)."""
     B, V = xc.shape
     nb = -(-V // draw_block)
     pad = nb * draw_block - V
@@ -182,12 +172,6 @@ def row_mass(
     ym = (xm - row_max(xc)) * inv_t.view(-1, 1)
     terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
     return terms.sum(dim=-1)
-
-
-def effective_inv_t(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
-    """[B] the fp32 1/T each row scales by (1 for greedy rows)."""
-    greedy = table.temperature[slot_ids] == 0
-    return torch.where(greedy, 1.0, table.inv_temperature[slot_ids])
 
 
 def block_ymax(xc: torch.Tensor, xm: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
@@ -255,7 +239,7 @@ def draw_rows(
     if kept is not None:
         kept = torch.where(plain_rows(slot_ids, table).unsqueeze(1), live, kept)
         in_kept = kept.gather(1, cand.unsqueeze(1)).squeeze(1)
-        kb = kept_block_mass(xc, kept, inv_t, draw_block)
+        kb = block_stats(xc, inv_t, draw_block, kept)[1]
         fallback = two_level(y, ym, kb, kept, seed, positions, FALLBACK, draw_block)
         tok = torch.where(in_kept, cand, fallback)
     greedy = table.temperature[slot_ids] == 0

@@ -94,6 +94,7 @@ class SamplingTensors:
         d = torch.device(device)
         f32 = dict(dtype=torch.float32, device=d)
         nb = max(1, max_bias)
+        wide = (num_slots, vocab_size)
         return cls(
             temperature=torch.ones(num_slots, **f32),
             inv_temperature=torch.ones(num_slots, **f32),
@@ -110,21 +111,15 @@ class SamplingTensors:
             logprobs_processed=torch.zeros(num_slots, dtype=torch.bool, device=d),
             bias_ids=torch.full((num_slots, nb), -1, dtype=torch.int32, device=d),
             bias_values=torch.zeros((num_slots, nb), **f32),
-            token_counts=(
-                torch.zeros((num_slots, vocab_size), dtype=torch.int32, device=d)
-                if penalties
-                else None
-            ),
-            prompt_mask=(
-                torch.zeros((num_slots, vocab_size), dtype=torch.bool, device=d)
-                if penalties
-                else None
-            ),
+            token_counts=torch.zeros(wide, dtype=torch.int32, device=d) if penalties else None,
+            prompt_mask=torch.zeros(wide, dtype=torch.bool, device=d) if penalties else None,
         )
 
     @staticmethod
     def host_columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, torch.Tensor]:
-        """The scalar columns for `params`, normalised (see the module docstring), on the CPU."""
+        """The scalar columns for `params`, normalised (see the module docstring), on the CPU:
+        `host_row`'s values as tensors of the table's dtypes, but ln(min_p) from torch's
+        float64 log (`host_row`'s math.log gives the same float32 bits; tests check both)."""
         for i, p in enumerate(params):
             if p.seed is None:
                 raise ValueError(
@@ -132,39 +127,22 @@ class SamplingTensors:
                     "(the executor draws one at admission)"
                 )
             p.check_vocab(vocab_size)
-        f32 = torch.float32
-        temp = torch.tensor([p.temperature for p in params], dtype=f32)
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=f32)
-        # fp32 reciprocals computed once here, so every backend multiplies by the same bits;
-        # 1/T is clamped so that a tiny temperature never turns into inf (0 * inf = NaN)
-        big = torch.finfo(f32).max
-        inv_t = torch.where(temp == 0, 1.0, (1.0 / temp).clamp(max=big))
-        return dict(
-            temperature=temp,
-            inv_temperature=inv_t,
-            top_k=torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params], dtype=torch.int32
-            ),
-            top_p=torch.tensor([p.top_p for p in params], dtype=f32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=f32),
-            log_min_p=torch.tensor([p.min_p for p in params], dtype=torch.float64).log().to(f32),
-            seed=torch.tensor([p.seed for p in params], dtype=torch.int64),
-            repetition_penalty=rep,
-            inv_repetition_penalty=(1.0 / rep).clamp(max=big),
-            presence_penalty=torch.tensor([p.presence_penalty for p in params], dtype=f32),
-            frequency_penalty=torch.tensor([p.frequency_penalty for p in params], dtype=f32),
-            logprobs=torch.tensor(
-                [-1 if p.logprobs is None else p.logprobs for p in params], dtype=torch.int32
-            ),
-            logprobs_processed=torch.tensor([p.logprobs_mode == "processed" for p in params]),
-        )
+        rows = [SamplingTensors.host_row(p, vocab_size) for p in params]
+        like = SamplingTensors.allocate(0, 1, "cpu")
+        cols = {name: torch.tensor([r[j] for r in rows], dtype=getattr(like, name).dtype)
+                for j, name in enumerate(HOST_FIELDS)}  # fmt: skip
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+        cols["log_min_p"] = min_p.log().to(torch.float32)
+        return cols
 
     @staticmethod
     def host_row(p: SamplingParams, vocab_size: int) -> tuple:
-        """`host_columns` of one request without torch, for hot paths (SlotTable.flush):
-        the values in HOST_FIELDS order as Python scalars; rounding a float to float32
-        (torch.tensor(..., dtype=float32), struct "f") gives host_columns' bits exactly.
-        `p` must be checked already (seed set, check_vocab)."""
+        """The scalar columns of one request without torch, for hot paths (SlotTable.flush):
+        the values in HOST_FIELDS order as Python scalars, each rounded to float32 exactly
+        as torch.tensor(..., dtype=float32) rounds it. 1/T and 1/rep are the fp32
+        reciprocals computed once, so every backend multiplies by the same bits; 1/T is
+        clamped so that a tiny temperature never turns into inf (0 * inf = NaN). `p` must
+        be checked already (seed set, check_vocab)."""
         t = _f32(p.temperature)
         rep = _f32(p.repetition_penalty)
         return (

@@ -77,7 +77,7 @@ def test_fallback_exactly_when_the_candidate_is_out(case: Case) -> None:
     out = ~in_kept
     assert 0.05 < out.float().mean() < 0.95, "both routes must be taken"
     # the others take the fallback draw (its own streams) over the kept set
-    kb = ref.kept_block_mass(xc, kept, inv_t, 8)
+    kb = ref.block_stats(xc, inv_t, 8, kept)[1]
     fb = ref.two_level(y, ym, kb, kept, table.seed[slots], torch.arange(n), ref.FALLBACK, 8)
     assert torch.equal(d.token_ids[out], fb[out])
     assert kept.gather(1, d.token_ids.unsqueeze(1)).all()

@@ -97,7 +97,7 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
     xm, qb = reference.block_stats(x, s, db)
     ym = torch.where(xm > -torch.inf, (xm - processing.row_max(x)) * s, -torch.inf)
     plain = bool(reference.plain_rows(slots, table)[0])
-    mass = qb if plain else reference.kept_block_mass(x, kept, s, db)
+    mass = qb if plain else reference.block_stats(x, s, db, kept)[1]
     lb = ym + torch.log(mass.float()) + reference.row_gumbel_stream(
         table.seed, posr, ym.shape[1], Stream.BLOCK)  # fmt: skip
     if tok_ref // db != tok_tri // db:

@@ -4,9 +4,9 @@ many times each reads the row's logits (a *pass*) in the worst case, for any log
 `graphexec.sampling.reference` is the definition; every kernel family here has a torch
 reference and tests of its own (`tests/sampling/test_triton_*.py`). Kernels run on CUDA,
 and on the CPU under TRITON_INTERPRET=1 (set before triton is imported). The knobs are one
-frozen `config.SamplerConfig`, passed explicitly; none changes a token. Kernels take the
-batch's inputs as one named tuple P (`process.Inputs`: P.logits, P.top_p, ...) and their
-scratch as another, W (`config.Scratch`: W.xm, W.rowi, ...).
+frozen `sampler_config.SamplerConfig`, passed explicitly; none changes a token. Kernels take
+the batch's inputs as one named tuple P (`process.Inputs`: P.logits, P.top_p, ...) and their
+scratch as another, W (`sampler_config.Workspace`: W.xm, W.rowi, ...).
 
 Terms. A *pass* reads a row's V logits once; a *block* is DRAW_BLOCK consecutive token
 ids; y = (x - max) / T is the scaled processed row; Q_b a block's exact mass relative to
@@ -23,10 +23,10 @@ row):
                           launch of its own, so the streaming loop keeps its registers low)
     top_k_top_p, default  stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once)
+    + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 The stats pass is the read floor's loop: full tiles unmasked with their loads issued an
 iteration ahead, a masked last tile, one ex2 and one conversion per logit (`keys`).
-    + logprobs            raw_logprobs, logprobs
 
 Draw first, filter second (`reference`, step 6): every filtered row first draws its
 candidate c from the whole row, exactly as no_filter does (the two-level draw by the block
@@ -44,7 +44,7 @@ passes are reads of the row, worst case, then the draw's one block):
 | select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
 | round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 6 | select:_bracket, kept:_finish |
 | exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 6 + 31 | kept:_finish |
-| + logprobs | rows asking for logprobs (any route) | raw_logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:_write_logprobs |
+| + logprobs | rows asking for logprobs (any route) | logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:sample |
 
 A row of the last four routes ends in `draw.fallback_draw`: its candidate if it was left
 undecided and the cut keeps it, else the fallback draw. The candidate route is how most

@@ -13,16 +13,11 @@ is decided from c alone:
              p (before + q_c), out when before >= p (before + (k - rank) q_c), and
              decided by the cut's passes in between
 
-Only the blocks whose max reaches y_c hold tokens ranked above c: a peaked row reads a
-few blocks again, a flat row most of the row. Before reading any, the blocks whose max
-is above c's prove a lower bound of the count (one token each) and of the mass (their
-maxima's), which rejects c at once when it already reaches the filter's limit.
-
-The row tail (`decide_in_tail`) counts up to check_blocks listed blocks itself; a row with
-more (`R_CHECK`) takes the check pass (`check._check_kernel`), its listed blocks spread
-over late_programs, whose last program per row decides. A row whose candidate is kept is
-done; the others take the cut's passes, with their candidate (W.rowi's I_CAND, -1 when
-it is known to be out) tested against the cut by `draw.fallback_draw`.
+Only the blocks whose max reaches y_c hold tokens ranked above c. Before reading any, the
+blocks whose max is above c's prove a lower bound of the count (one token each) and of
+the mass (their maxima's), which rejects c at once when it already reaches the filter's
+limit. The row tail counts up to check_blocks such blocks (`decide_in_tail`); more, the
+check pass (`check`).
 """
 
 from __future__ import annotations
@@ -118,23 +113,8 @@ def decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p, lnmp, to
                         tl.store(ri + cf.I_CMASS, tl.zeros([], dtype=tl.int64))
                     else:
                         tl.debug_barrier()  # the list, read back by every thread
-                        cnt, before = count_above(
-                            P,
-                            W,
-                            row,
-                            slot,
-                            ids,
-                            0,
-                            n_list,
-                            n_list,
-                            pack(yc, c),
-                            m,
-                            s,
-                            NBLK,
-                            R,
-                            DB,
-                            FL,
-                            True,
-                        )
+                        cnt, before = count_above(P, W, row, slot, ids, 0, n_list, n_list,
+                                                  pack(yc, c), m, s, NBLK, R, DB, FL,
+                                                  True)  # fmt: skip
                         state = decide(cnt, before, yc, top_k, top_p, total)
     return state

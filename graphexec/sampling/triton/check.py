@@ -1,13 +1,8 @@
-"""The check pass: the candidate's membership for rows with many blocks to read.
-
-A filtered row whose candidate needs more than check_blocks blocks counted (`R_CHECK`, set
-by the row tail with the list of blocks whose max reaches the candidate's value) has them
-counted here by late_programs programs over the batch: each sums the tokens ranked above
-the candidate in its share of the list (`candidate.count_above`) into the row's I_CCNT /
-I_CMASS with int64 atomics (exact, in any order). The row's last program (an acq_rel
-counter, `stats.arrive`) decides: kept, the candidate is the token; else the row is
-planned (`stats.plan_row`) for the cut's passes, its candidate marked out (-1) or left to
-be tested against the cut.
+"""The check pass: the candidate's membership (`candidate`) for R_CHECK rows, whose list
+of blocks is longer than check_blocks. Each program sums its share of the list into the
+row's I_CCNT / I_CMASS with int64 atomics (exact, in any order); the row's last program
+decides: kept, the candidate is the token; else the row is planned (`stats.plan_row`)
+for the cut's passes, its candidate marked out (-1) or left to be tested against the cut.
 """
 
 from __future__ import annotations

@@ -16,9 +16,7 @@ scalars, evaluated per token by `kept_mask`:
               pack is >= cut (cut: the pack of the last kept bracket token)
 
 Every route's kept set takes this form: no filter (all above), min-p alone (above, y >=
-log_min_p), ties and the exact search (all bracket 1), the selection (`kept`). A filtered
-row's token is its candidate (`two_level_draw` over the whole row, streams TOKEN and
-BLOCK) where the kept set holds it, else `fallback_draw`'s (streams FALLBACK_*).
+log_min_p), ties and the exact search (all bracket 1), the selection (`kept`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""The kept pass, last of a filtered row: exact masses, the bracket resolved, the draw.
+"""The kept pass and the finish, last of a filtered row (routes: the package docstring).
 
-Programs (row, slice) read the row's listed blocks again and sort each live token with
-y >= lo into its region by bin (`draw` module docstring): above, bracket 1, middle,
-bracket 2, below. Per block they store the kept mass (relative to the block max) of the
-above and of the middle tokens with y >= log_min_p; per row they add up exact counts
-and masses (q = trunc(exp(y) 2**32), int64) of the regions; bracket tokens are appended
-to the row's gather buffer through an atomic counter. Min-p alone (`R_CUT`) is the same
-pass with every token above.
+`_kept_kernel`: programs (row, slice) read the row's listed blocks again and sort each
+live token with y >= lo into its region by bin (`draw` module docstring). Per block they
+store the kept mass (relative to the block max) of the above and of the middle tokens
+with y >= log_min_p; per row they add up exact counts and masses (q = trunc(exp(y)
+2**32), int64) of the regions; bracket tokens are appended to the row's gather buffer
+through an atomic counter. Min-p alone (`R_CUT`) only sums its cut blocks (`short.cut_tiles`).
 
-The finish resolves the cut among the gathered tokens (`_resolve`: each one's position in
-the row's order and the exact mass before it, from every pair, no sort). A cut elsewhere
-(above, inside the middle, past the brackets) or a bracket past the gather cap sends the
-row to round 2 (`select.plan_round2`: these kernels again over a narrower range), and in
-round 2 to the exact search (`exact`). The kept bracket tokens' masses are added to their
-blocks, and the row is drawn (`draw.fallback_draw`: its candidate if kept, else the
-fallback draw).
+`_finish_kernel` resolves the cut among the gathered tokens by counting (`_resolve`), adds
+the kept bracket tokens' masses to their blocks and draws the row (`draw.fallback_draw`),
+or sends it to round 2 (`select.plan_round2`) or, in round 2, to the exact search.
 """
 
 from __future__ import annotations
@@ -58,9 +53,8 @@ def _f(keys, w, c, base, mid, max2):
 
 
 @triton.jit
-def _search(
-    keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexpr, ITERS: tl.constexpr
-):
+def _search(keys, w, lo, hi, on_keys, target, base, mid, max2, WAYS: tl.constexpr,
+            ITERS: tl.constexpr):  # fmt: skip
     """The largest v in [lo, hi] with F(v) >= target (F(lo) >= target on entry): v a key
     (the high 32 bits of a pack, on_keys) or a pack."""
     j = tl.arange(0, WAYS).to(tl.int64)
@@ -303,21 +297,9 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
 
 
 @triton.jit
-def _kept_row(
-    P,
-    W,
-    row,
-    route,
-    sp,
-    S,
-    NBLK,
-    NB_P2: tl.constexpr,
-    R: tl.constexpr,
-    DB: tl.constexpr,
-    NBINS: tl.constexpr,
-    WCAP: tl.constexpr,
-    FL: tl.constexpr,
-):
+def _kept_row(P, W, row, route, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+              DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr,
+              FL: tl.constexpr):  # fmt: skip
     """Slice sp of S of the row's listed blocks."""
     ri = W.rowi + row * cf.NUM_I
     slot = tl.load(P.slots + row).to(tl.int64)

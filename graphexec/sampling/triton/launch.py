@@ -15,9 +15,8 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.check import _check_kernel
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
-from graphexec.sampling.triton.logprobs import write_logprobs
+from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
-from graphexec.sampling.triton.raw_logprobs import _raw_logprobs_kernel
 from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
@@ -49,8 +48,7 @@ def sample(
         workspace = Workspace.allocate(B, V, logits.device, cfg, need_lp)
     elif not workspace.fits(B, V, cfg, need_lp):
         raise ValueError("workspace was allocated for another batch, vocabulary or config")
-    ws = workspace.rows(B)
-    W = ws.args()
+    W = workspace.rows(B)
     slot_ids, positions = slot_ids.contiguous(), positions.contiguous()  # indexed by row
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
@@ -97,28 +95,20 @@ def sample(
             _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2, **common)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
-        _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg)
+        # the raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
+        # (and processed-mode rows, over their y written by it) go to the general writer
+        n = out.num_top or 0
+        cap = cfg.logprobs_cap
+        interp = interpreter_enabled()
+        y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+        done = torch.empty(B, dtype=torch.int32, device=logits.device)
+        _raw_logprobs_kernel[(B,)](
+            P, W, y, torch.empty((B, cap), dtype=torch.int64, device=logits.device),
+            out.token_ids, out.logprobs, out.ranks, out.top_logprobs if n else out.logprobs,
+            out.top_token_ids if n else out.ranks, done, nblk, N=n,
+            N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, NB_P2=nb_p2,
+            GR=2 if interp else 32, DB=db, CAP=cap, YB=256 if interp else 2048, INTERP=interp,
+            FL=fl, enable_fp_fusion=False, num_warps=8,
+        )  # fmt: skip
+        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done)
     return out
-
-
-def _write_logprobs(logits, slot_ids, table, out, ws, P, fl, nblk, nblk_p2, cfg) -> None:
-    """The raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
-    (and processed-mode rows, over their y written here) go to the general writer."""
-    B, V = logits.shape
-    n = out.num_top or 0
-    lp_cap = cfg.logprobs_cap
-    y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
-    lp_cand = torch.empty((B, lp_cap), dtype=torch.int64, device=logits.device)
-    done = torch.empty(B, dtype=torch.int32, device=logits.device)
-    top_lp = out.top_logprobs if n else out.logprobs
-    top_id = out.top_token_ids if n else out.ranks
-    _raw_logprobs_kernel[(B,)](
-        P, ws.xm, ws.raw[0], ws.raw[1], y, ws.blocks, lp_cand, out.token_ids,
-        out.logprobs, out.ranks, top_lp, top_id, done, nblk, N=n,
-        N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2,
-        NB_P2=max(16, triton.next_power_of_2(table.bias_ids.shape[1])),
-        GR=2 if interpreter_enabled() else 32,
-        DB=cfg.draw_block, CAP=lp_cap, YB=256 if interpreter_enabled() else 2048,
-        INTERP=interpreter_enabled(), FL=fl, enable_fp_fusion=False, num_warps=8,
-    )  # fmt: skip
-    write_logprobs(logits, y, slot_ids, table, out, cap=cfg.logprobs_cap, done=done)

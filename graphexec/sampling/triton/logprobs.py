@@ -1,4 +1,4 @@
-"""The logprobs writer: the sampled token's logprob and rank, and the top-N.
+"""The logprobs writers: the sampled token's logprob and rank, and the top-N.
 
 Per row, over v = the raw logits (default) or the scaled processed row y
 (`logprobs_processed`; the sampler's y = (x - max) / T, already collapsed),
@@ -8,9 +8,22 @@ both NaN-free and +inf-collapsed as in `graphexec.sampling.reference.write_logpr
     rank  = 1 + #(v_j > v_token)
     top-N = the first N of the row's (value desc, id asc) order
 
-One program per row, in passes: max and +inf count; the sum, the rank; top-N over
-candidates v >= m - delta (N <= their count <= CAP, delta bisected), or where ties make
-that impossible, exactly N located by bisection over the order keys.
+`_raw_logprobs_kernel` serves raw rows from the stats pass's raw block stats (rxm_b, the
+raw max; rs_b = sum exp(v - rxm_b), v the raw logits, NaN -> -inf), a program per row:
+
+    lse    log(sum_b rs_b * exp(rxm_b - m)), m = max rxm_b; a sum in block order, fixed
+           by V, so the value does not depend on the batch
+    rank   only blocks whose max exceeds v_token can hold a v above it
+    top-N  the N-th largest block max bounds the N-th value from below: only the blocks
+           at or above that bound can hold the top N; their candidates are sorted, the
+           first N kept
+
+Both sets of blocks are read again in one pass over their union. The rows it does not
+serve (a raw +inf, fewer live blocks than N, more candidates than CAP, processed mode:
+their y is written for it) are left to the general writer, `_logprobs_kernel`, one program
+per row, in passes: max and +inf count; the sum, the rank; top-N over candidates v >= m -
+delta (N <= their count <= CAP, delta bisected), or where ties make that impossible,
+exactly N located by bisection over the order keys.
 """
 
 from __future__ import annotations
@@ -22,6 +35,24 @@ import triton.language as tl
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.keys import collapse_inf, okey, pack, sort_desc, unpack
+from graphexec.sampling.triton.process import bias_ids, raw_x, row_params, tile_x
+from graphexec.sampling.triton.stats import grid_delta
+
+
+@triton.jit
+def _store_top(crow, n, m, lse, top_lp_row, top_id_row, N: tl.constexpr, N_POW2: tl.constexpr,
+               CAP: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The top N of the n candidate packs at crow (at most CAP), sorted: their logprobs
+    (v - m) - lse and ids (past n: -inf and -1)."""
+    tl.debug_barrier()
+    c = tl.arange(0, CAP)
+    keys = tl.load(crow + c, mask=c < n, other=-9223372036854775808)
+    keys = tl.reshape(sort_desc(tl.reshape(keys, (1, CAP)), INTERP), (CAP,))
+    # keep the first N_POW2 sorted keys: a rank-select with a one-hot sum
+    j = tl.arange(0, N_POW2)
+    vals, ids = unpack(tl.sum(tl.where(c[None, :] == j[:, None], keys[None, :], 0), axis=1))
+    tl.store(top_lp_row + j, (vals - m) - lse, mask=j < N)
+    tl.store(top_id_row + j, ids.to(tl.int64), mask=j < N)
 
 
 @triton.jit
@@ -43,30 +74,19 @@ def _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS: tl.constexpr
 
 
 @triton.jit
-def _logprobs_kernel(
-    raw_ptr,  # [B, V] logits (f32 / bf16 / f16)
-    stride_raw,
-    x_ptr,  # [B, V] f32 processed logits
-    stride_x,
+def _logprobs_kernel(  # one program per row
+    raw_ptr, stride_raw,  # [B, V] logits (f32 / bf16 / f16)
+    x_ptr, stride_x,  # [B, V] f32 processed logits
     slot_ptr,  # [B] i64
     proc_ptr,  # [S] bool: logprobs of the processed row
     tok_ptr,  # [B] i64 sampled tokens (-1 = invalid row)
     cand_ptr,  # [B, CAP] i64 scratch
-    lp_ptr,  # [B] f32 out
-    rank_ptr,  # [B] i64 out
-    top_lp_ptr,  # [B, N] f32 out
-    top_id_ptr,  # [B, N] i64 out
-    done_ptr,  # [B] i32: rows already written (`raw_logprobs`) are skipped
-    V,
-    BF16_BITS: tl.constexpr,
-    N: tl.constexpr,
-    N_POW2: tl.constexpr,
-    CAP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROUNDS: tl.constexpr,
-    INTERP: tl.constexpr,
-    SKIP_DONE: tl.constexpr,
-):
+    lp_ptr, rank_ptr,  # [B] f32 / i64 out
+    top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
+    done_ptr,  # [B] i32: rows already written (`_raw_logprobs_kernel`) are skipped
+    V, BF16_BITS: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, CAP: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr, SKIP_DONE: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0)
     if SKIP_DONE:
         if tl.load(done_ptr + row) != 0:
@@ -165,18 +185,8 @@ def _logprobs_kernel(
             idx = base + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             tl.store(crow + idx, pack(v, offs), mask=sel & (idx < CAP))
             base += tl.sum(sel.to(tl.int32))
-        tl.debug_barrier()
-        c = tl.arange(0, CAP)
-        keys = tl.load(crow + c, mask=c < base, other=-9223372036854775808)
-        keys = tl.reshape(sort_desc(tl.reshape(keys, (1, CAP)), INTERP), (CAP,))
-        # keep the first N_POW2 sorted keys: a rank-select with a one-hot sum
-        j = tl.arange(0, N_POW2)
-        sel_keys = tl.sum(tl.where(c[None, :] == j[:, None], keys[None, :], 0), axis=1)
-        vals, ids = unpack(sel_keys)
-        vals = tl.where(j < base, vals, float("-inf"))
-        jm = j < N
-        tl.store(top_lp_ptr + row * N + j, (vals - m) - lse, mask=jm)
-        tl.store(top_id_ptr + row * N + j, ids.to(tl.int64), mask=jm)
+        _store_top(crow, base, m, lse, top_lp_ptr + row * N, top_id_ptr + row * N, N, N_POW2, CAP,
+                   INTERP)  # fmt: skip
 
 
 def write_logprobs(
@@ -211,3 +221,118 @@ def write_logprobs(
         INTERP=interpreter_enabled(), SKIP_DONE=done is not None,
         num_warps=8 if not interpreter_enabled() else 4,
     )  # fmt: skip
+
+
+@triton.jit
+def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, FL: tl.constexpr):
+    """The row's y = (collapsed x - m) * s, for the general writer's processed rows."""
+    for start in range(0, P.vocab, YB):
+        offs = start + tl.arange(0, YB)
+        x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, FL), has_inf)
+        tl.store(y_row + offs, (x - m) * s, mask=offs < P.vocab)
+
+
+@triton.jit
+def _raw_logprobs_kernel(  # one program per row
+    P, W,  # W.xm, W.raw_max, W.raw_sum: the stats pass's; W.blocks: scratch
+    y_ptr,  # [B, V] f32 out: y of processed-mode rows
+    cand_ptr,  # [B, CAP] i64 scratch
+    tok_ptr,  # [B] i64 sampled tokens (-1 = invalid row)
+    lp_out_ptr, rank_ptr,  # [B] f32 / i64 out
+    top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
+    done_ptr,  # [B] i32 out: 1 where this kernel wrote the row's logprobs
+    NBLK,
+    N: tl.constexpr, N_POW2: tl.constexpr, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr,
+    GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr, YB: tl.constexpr,
+    INTERP: tl.constexpr, FL: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    slot, greedy, inv_t, seed_unused, pos_unused = row_params(P, row)
+    served = tl.zeros([], dtype=tl.int32)
+    # every raw-mode row, asked or not: the reference writes them all
+    raw_mode = tl.load(P.lp_processed + slot).to(tl.int32) == 0
+    b = tl.arange(0, NBLK_P2)
+    rxm = tl.load(W.raw_max + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
+    mr = tl.max(rxm, axis=0)
+    if raw_mode & (mr < float("inf")):
+        rs = tl.load(W.raw_sum + r64 * NBLK + b, mask=b < NBLK, other=0.0)
+        m = tl.where(mr > float("-inf"), mr, 0.0)
+        total = tl.sum(tl.where(rs > 0.0, rs * tl.exp(rxm - m), 0.0), axis=0)
+        lse = tl.log(total)
+        tok = tl.load(tok_ptr + row)
+        t_col = tl.maximum(tok, 0) + tl.arange(0, 1)[None, :]
+        v_tok = tl.sum(tl.sum(_raw(P, row, t_col, FL), axis=1), axis=0)
+        live = b < NBLK
+        # rank: a v above v_tok lies in a block whose max is above it
+        sel_b = live & (rxm > v_tok)
+        delta = tl.full([], float("inf"), tl.float32)
+        top_ok = tl.zeros([], dtype=tl.int1)
+        # candidates: v >= m - d_sel; d_sel = -inf selects none
+        d_sel = tl.full([], float("-inf"), tl.float32)
+        if N > 0:
+            # the N-th largest block max bounds the N-th value: the blocks at or above it
+            # hold the top N; each holds a candidate at least, so more than CAP cannot fit
+            ym = tl.where(live, rxm - m, float("-inf"))
+            delta = grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), N * 1.0, 0.0, 0)
+            top_b = (ym >= -delta) & (ym > float("-inf"))
+            # N blocks or more hold the max: the top N are its first N tokens by id, in
+            # the first N of those blocks (rows of ties)
+            at_max = live & (rxm == mr)
+            tied = (tl.sum(at_max.to(tl.int32), axis=0) >= N) & (mr > float("-inf"))
+            top_b = tl.where(tied, at_max & (tl.cumsum(at_max.to(tl.int32), axis=0) <= N), top_b)
+            delta = tl.where(tied, 0.0, delta)
+            top_ok = tl.sum(top_b.to(tl.int32), axis=0) <= CAP
+            d_sel = tl.where(top_ok, delta, float("-inf"))
+            sel_b = sel_b | tl.where(top_ok, top_b, False)
+        # one pass over both sets of blocks: a block of one set only adds nothing to the
+        # other's count or candidates
+        cblk_row = W.blocks + r64 * NBLK  # the selected blocks' ids, ascending
+        tl.store(cblk_row + tl.cumsum(sel_b.to(tl.int32), axis=0) - 1, b, mask=sel_b)
+        tl.debug_barrier()
+        nbc = tl.sum(sel_b.to(tl.int32), axis=0)
+        cols = tl.arange(0, DB)[None, :]
+        crow = cand_ptr + r64 * CAP
+        above = tl.zeros([], dtype=tl.int32)
+        n = tl.zeros([], dtype=tl.int32)
+        for i in range(0, nbc, GR):
+            jj = i + tl.arange(0, GR)
+            bid = tl.load(cblk_row + jj, mask=jj < nbc, other=NBLK)
+            offs = bid[:, None] * DB + cols
+            v = _raw(P, row, offs, FL)
+            above += tl.sum(tl.sum((v > v_tok).to(tl.int32), axis=1), axis=0)
+            if N > 0:
+                sel = (v - m >= -d_sel) & (v > float("-inf"))
+                # slots of the selected entries, counted from n in row-major order
+                cnt = tl.sum(sel.to(tl.int32), axis=1)
+                before = n + tl.cumsum(cnt, axis=0) - cnt
+                idx = before[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+                tl.store(crow + idx, pack(v, offs), mask=sel & (idx < CAP))
+                n += tl.sum(cnt, axis=0)
+        valid = tok >= 0
+        tl.store(lp_out_ptr + row, tl.where(valid, (v_tok - m) - lse, float("nan")))
+        tl.store(rank_ptr + row, tl.where(valid, above + 1, 0).to(tl.int64))
+        served = 1
+        if N > 0:
+            # tied rows store their first CAP candidates by id: the top N among them
+            if top_ok & ((n <= CAP) | tied) & (delta < float("inf")):
+                _store_top(crow, n, m, lse, top_lp_ptr + r64 * N, top_id_ptr + r64 * N, N, N_POW2,
+                           CAP, INTERP)  # fmt: skip
+            else:
+                served = 0
+    tl.store(done_ptr + row, served)
+    if raw_mode == 0:
+        # y as the sampler scales it: m the row max of x (0 where none is finite)
+        xm = tl.load(W.xm + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
+        mx = tl.max(xm, axis=0)
+        has_inf = mx == float("inf")
+        m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
+        _write_y(P, row, slot, bias_ids(P, slot, NB_P2), m, has_inf, inv_t, y_ptr + r64 * P.vocab,
+                 YB, FL)  # fmt: skip
+
+
+@triton.jit
+def _raw(P, row, offs, FL: tl.constexpr):
+    """The raw logits at offs as fp32, NaN -> -inf, -inf past V."""
+    v = raw_x(P, row, offs, FL)
+    return tl.where((offs < P.vocab) & (v == v), v, float("-inf"))

@@ -1,11 +1,5 @@
-"""Triton twin of `graphexec.rng`: the counter-based noise u(seed, pos, token_id, stream).
-
-Bit-identical to the torch reference (see `graphexec.rng` for the definition):
-
-    key     = (seed & 0xFFFFFFFF, seed >> 32)
-    counter = (token_id >> 2, pos, stream, 0)
-    x       = Philox4x32-10(counter, key)[token_id & 3]
-    u       = ((x >> 8) | 1) * 2**-24
+"""Triton twin of `graphexec.rng`: the counter-based noise u(seed, pos, token_id, stream),
+bit-identical to the torch reference (`graphexec.rng` holds the definition).
 
 `philox4x32` is the raw generator on uint32 tensors; `block_bits` the words of a run of
 consecutive tokens, one Philox call per 4 tokens whose 4 outputs are put back in token
@@ -18,13 +12,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Same constants as graphexec.rng; literals >= 2**31 are typed uint32 by Triton.
-PHILOX_M0: tl.constexpr = tl.constexpr(0xD2511F53)
-PHILOX_M1: tl.constexpr = tl.constexpr(0xCD9E8D57)
-PHILOX_W0: tl.constexpr = tl.constexpr(0x9E3779B9)
-PHILOX_W1: tl.constexpr = tl.constexpr(0xBB67AE85)
-PHILOX_ROUNDS: tl.constexpr = tl.constexpr(10)
-U_SCALE: tl.constexpr = tl.constexpr(2.0**-24)
+from graphexec import rng
+
+# graphexec.rng's constants; literals >= 2**31 are typed uint32 by Triton
+PHILOX_M0: tl.constexpr = tl.constexpr(rng.PHILOX_M0)
+PHILOX_M1: tl.constexpr = tl.constexpr(rng.PHILOX_M1)
+PHILOX_W0: tl.constexpr = tl.constexpr(rng.PHILOX_W0)
+PHILOX_W1: tl.constexpr = tl.constexpr(rng.PHILOX_W1)
+PHILOX_ROUNDS: tl.constexpr = tl.constexpr(rng.PHILOX_ROUNDS)
+U_SCALE: tl.constexpr = tl.constexpr(rng.U_SCALE)
 
 
 @triton.jit
@@ -44,21 +40,16 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
-def _key(seed):
-    """(k0, k1) uint32 from an int64 seed (any shape): low and high 32 bits."""
-    seed = seed.to(tl.int64)
-    return seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
-
-
-@triton.jit
 def block_bits(seed, pos, start, BLOCK: tl.constexpr, STREAM: tl.constexpr):
     """[BLOCK] uint32 words of tokens start .. start+BLOCK-1 for one row.
 
-    seed, pos: int64 scalars; start: a multiple of 4. One Philox call per 4 tokens.
+    seed, pos: int64 scalars; start: a multiple of 4. One Philox call per 4 tokens, keyed
+    on the low and high 32 bits of the seed.
     """
     G: tl.constexpr = BLOCK // 4
     tl.static_assert(BLOCK % 4 == 0, "BLOCK must be a multiple of 4")
-    k0, k1 = _key(seed)
+    seed = seed.to(tl.int64)
+    k0, k1 = seed.to(tl.uint32), (seed >> 32).to(tl.uint32)
     c0 = (start // 4 + tl.arange(0, G)).to(tl.uint32)
     c1 = tl.full((G,), 0, tl.uint32) + pos.to(tl.int64).to(tl.uint32)
     c2 = tl.full((G,), STREAM, tl.uint32)

@@ -6,8 +6,8 @@ repetition / frequency / presence penalties; temperature comes later), bit for b
 to `processing.process_logits`:
 
 - `process_value` is the element-wise definition, with the reference's order of
-  operations and its arithmetic (multiplications by the fp32 reciprocals torch stored in
-  the table, never divisions). Kernels are launched with `enable_fp_fusion=False`:
+  operations and its arithmetic (multiplications by the fp32 reciprocals stored in the
+  table, never divisions). Kernels are launched with `enable_fp_fusion=False`:
   `x - freq * count` must be a rounded multiply then a rounded subtract, as in torch.
 - `tile_x` processes a tile of token ids of one row. A slot's bias ids are sorted
   (`SamplingTensors`): the entries inside the tile's id range are found with two counts.
@@ -87,12 +87,6 @@ def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres
 
 
 @triton.jit
-def neg_zero(shape: tl.constexpr):
-    """-0.0 from its bits (a literal -0.0 may become +0.0)."""
-    return tl.full(shape, -(2**31), tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def row_params(P, row):
     """(slot, greedy, s, seed, pos) of a batch row: its table slot (i64), whether T == 0,
     the scale s = 1/T of its y (1 for greedy rows), and its noise keys."""
@@ -157,7 +151,8 @@ def process_raw(P, row, slot, ids, offs, raw, ok, lo, hi, FL: tl.constexpr,
         allowed = ((word >> (offs & 31).to(tl.int32)) & 1) != 0
     else:
         allowed = tl.full(offs.shape, 1, tl.int1)
-    bias = neg_zero(offs.shape)
+    # -0.0 from its bits (a literal -0.0 may become +0.0)
+    bias = tl.full(offs.shape, -(2**31), tl.int32).to(tl.float32, bitcast=True)
     if BIAS:
         first = tl.sum(((ids >= 0) & (ids < lo)).to(tl.int32), axis=0)
         n = tl.sum(((ids >= lo) & (ids < hi)).to(tl.int32), axis=0)
@@ -217,9 +212,8 @@ def proc_args(
     bitmask: torch.Tensor | None,
     count_ids: torch.Tensor | None = None,
 ) -> tuple[Inputs, int]:
-    """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. Absent
-    optional tensors are stood in for by table columns (never read). count_ids [B, NE]
-    counts for the penalties only where the table has token counts."""
+    """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. count_ids
+    [B, NE] counts for the penalties only where the table has token counts."""
     mask = table.top_k if bitmask is None else bitmask
     if bitmask is not None and bitmask.dtype != torch.int32:
         mask = bitmask.view(torch.int32) if bitmask.element_size() == 4 else bitmask.to(torch.int32)

@@ -159,33 +159,11 @@ def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
     return max(1, min(tiles, triton.cdiv(programs, max(B, 1))))
 
 
-class Scratch(NamedTuple):
-    """`Workspace` as the kernels take it (`Workspace.args`): W.xm, W.q, ... (its fields'
-    shapes), the raw logprob block stats split in two."""
-
-    xm: torch.Tensor
-    xn: torch.Tensor
-    q: torch.Tensor
-    kept: torch.Tensor
-    kept_mid: torch.Tensor
-    blocks: torch.Tensor
-    hist: torch.Tensor
-    gath: torch.Tensor
-    gath_x: torch.Tensor
-    rowf: torch.Tensor
-    rowi: torch.Tensor
-    total: torch.Tensor
-    arrive: torch.Tensor
-    refine: torch.Tensor
-    raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on) the raw logits' block max
-    raw_sum: torch.Tensor  # f32 [B, NBLK] their block sum of exp(v - raw_max)
-
-
-@dataclass
-class Workspace:
-    """Scratch of one sampler call, B rows of NBLK blocks. `arrive` must start at zero:
-    each pass's last program of a row resets its counter, so a persistent workspace
-    (the executor's) stays valid across calls and graph replays."""
+class Workspace(NamedTuple):
+    """Scratch of one sampler call, B rows of NBLK blocks, as the kernels take it: one named
+    tuple W (W.xm, W.q, ...). `arrive` must start at zero: each pass's last program of a row
+    resets its counter, so a persistent workspace (the executor's) stays valid across calls
+    and graph replays."""
 
     xm: torch.Tensor  # f32 [B, NBLK]: block max of x (+inf: holds +inf; -inf: none live)
     xn: torch.Tensor  # f32 [B, NBLK]: block min of the finite x (+inf: none)
@@ -201,7 +179,8 @@ class Workspace:
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
     arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
-    raw: torch.Tensor  # f32 [2, B, NBLK] (logprobs on) raw block max and sum exp
+    raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
+    raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
 
     @classmethod
     def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
@@ -212,6 +191,7 @@ class Workspace:
             return torch.empty(shape, dtype=dtype, device=d)
 
         i64 = torch.int64
+        raw = (B, nblk) if logprobs else (1, 1)
         return cls(
             xm=e(B, nblk), xn=e(B, nblk), q=e(B, nblk, dtype=i64), kept=e(B, nblk, dtype=i64),
             kept_mid=e(B, nblk, dtype=i64), blocks=e(B, nblk, dtype=torch.int32),
@@ -219,8 +199,7 @@ class Workspace:
             gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
-            refine=e(B + 1, dtype=torch.int32),
-            raw=e(2, B, nblk) if logprobs else e(2, 1, 1),
+            refine=e(B + 1, dtype=torch.int32), raw_max=e(*raw), raw_sum=e(*raw),
         )  # fmt: skip
 
     def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:
@@ -228,19 +207,10 @@ class Workspace:
         return (
             self.xm.shape[0] >= B and self.xm.shape[1] == nblk
             and self.hist.shape[1] == config.bins and self.gath.shape[1] == config.gather_cap
-            and (not logprobs or self.raw.shape[1] >= B)
-        )  # fmt: skip
-
-    def args(self) -> Scratch:
-        """The workspace as the kernels take it: one named tuple W of its tensors."""
-        return Scratch(
-            xm=self.xm, xn=self.xn, q=self.q, kept=self.kept, kept_mid=self.kept_mid,
-            blocks=self.blocks, hist=self.hist, gath=self.gath, gath_x=self.gath_x,
-            rowf=self.rowf, rowi=self.rowi, total=self.total, arrive=self.arrive,
-            refine=self.refine, raw_max=self.raw[0], raw_sum=self.raw[1],
+            and (not logprobs or self.raw_max.shape[0] >= B)
         )  # fmt: skip
 
     def rows(self, B: int) -> Workspace:
         """The first B rows (views: a persistent workspace serves every bucket)."""
-        cut = {f.name: getattr(self, f.name)[:B] for f in dataclasses.fields(self)}
-        return Workspace(**{**cut, "raw": self.raw[:, :B], "refine": self.refine[: B + 1]})
+        cut = {name: t[:B] for name, t in self._asdict().items()}
+        return Workspace(**{**cut, "refine": self.refine[: B + 1]})

@@ -13,14 +13,10 @@ cuts: one bracket when they touch, else bracket 1 for top-p and bracket 2 at J_k
 middle between them summed, not gathered. It also keeps the coarse bins that surely hold
 every cut (I_RA..I_RB: J_k and the bounds' span).
 
-Round 1 bins [lo, 0] (top = 0). A row whose bracket is estimated past the gather cap, or
-whose cut the kept pass finds outside it (an estimate off by a few bins: the masses of a
-row's few largest tokens are known to a bin's width only), takes round 2
-(`plan_round2`): the same passes over the sure bins' range alone, NBINS bins anew, the
-tokens above its top counted with exact masses here, so its estimates are hundreds of
-times finer. Round 2's few rows share `late_programs` programs whatever B is
-(`refine_share`). A row that round 2 does not resolve either (runs of equal values wider
-than the cap) takes the exact search (`R_EXACT`).
+Round 1 bins [lo, 0] (top = 0); round 2 (`plan_round2`, why: the package docstring) the
+sure bins' range alone, NBINS bins anew, the tokens above its top counted with exact
+masses here. Round 2's few rows share `late_programs` programs whatever B is
+(`refine_share`).
 """
 
 from __future__ import annotations

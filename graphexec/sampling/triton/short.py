@@ -1,23 +1,16 @@
-"""The plan's block list, and the short route: a filtered row whose candidates lie in a
-few blocks is finished right after its plan (`stats._plan`), by one program, with no
-selection pass. A launch of its own, so that the row tail's code stays small.
+"""The short route: a filtered row whose candidates (tokens with y >= lo) lie in a few
+blocks is finished right after its plan (`stats._plan`) by one program, in a launch of its
+own (so that the row tail's code stays small), with no selection pass.
 
-A real model's rows are peaked: the plan's lower bound lo of the kept values leaves a few
-blocks with ym_b >= lo, and a few dozen tokens with y >= lo. Every kept token is one of
-those candidates (lo is proven), and so is every token ahead of one in the row's order,
-so the exact counts and masses that decide the cut come from them alone. Sorted by pack
-(descending: the row's order), the candidates' inclusive mass sums F_j give every cut
-(the `reference` definition, step 5): top-k's is the k-th pack, top-p's the first pack
-with F_j >= p * total (total: F at top-k's cut, or the row's mass from its block stats),
-min-p's the pack of y = log_min_p. The kept set never reaches below the candidates.
-
-One loop over the listed blocks, R at a time (registers stay those of a [R, DB] tile),
-compacts the candidates (pack and x) into the row's gather buffers; the kept ones then
-add their masses to their blocks' K_b, and the row is drawn (`draw.fallback_draw`).
-min-p alone needs no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of
-them: more go to the kept pass, which spreads them over several programs). A row past
-either bound (more than `short_blocks` listed blocks, or more candidates than
-`short_tokens`) keeps its route: the selection passes serve it.
+Every kept token is a candidate (lo is proven), and so is every token ahead of one in the
+row's order, so the exact counts and masses that decide the cut come from them alone.
+Sorted by pack (the row's order), the candidates' inclusive mass sums F_j give every cut
+(`reference`, step 5): top-k's is the k-th pack, top-p's the first pack with F_j >= p *
+total (total: F at top-k's cut, or the row's mass from its block stats), min-p's the pack
+of y = log_min_p. One loop over the listed blocks, R at a time (registers stay those of
+a [R, DB] tile), compacts the candidates into the row's gather buffers. min-p alone needs
+no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of them: more go to
+the kept pass, which spreads them over several programs).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""The one full read of the logits: per-block stats of every row, then its plan.
+"""The one full read of the logits, then the row tail (the route map: the package docstring).
 
-Programs (row, slice) read their slice as [R, DB] tiles, one block per tile row, and
-store per block b (processed x: bitmask, bias, penalties, `process.tile_x`):
-
-    xm_b   max of x (+inf where the block holds +inf, -inf where nothing is live)
-    xn_b   min of the finite x (+inf where none)
-    Q_b    sum of trunc(exp((x_i - xm_b) * s) * 2**32) over its finite x_i (int64, exact;
-           a block holding +inf: 2**32 per +inf entry, the collapsed row's mass)
-
-and, with logprobs on, the raw logits' block max and sum of exp. A block never straddles
-two programs and Q_b is an integer sum, so no split of the row changes a stat.
-
-Then `_tail_kernel` (a program per row, a launch of its own, so that the streaming loop
-keeps its registers low) serves the row (`_row_tail`): invalid, greedy, no active filter,
-all live tokens tied; a filtered row draws its candidate and keeps it when `candidate`
-can tell it is in the kept set; else it takes the check pass (`R_CHECK`) or plans its
-next passes (`_plan`): min-p alone (`R_CUT`) or a selection (`R_SELECT`), with a lower
-bound lo of its kept values and the list of the blocks that reach it.
+`_stats_kernel`: programs (row, slice) read their slice as [R, DB] tiles, one block per
+tile row, and store each block's stats from the processed x (`process.tile_x`): the
+`Workspace` fields xm, xn, Q_b and, with logprobs on, the raw block max and sum of exp. A
+block never straddles two programs and Q_b is an integer sum, so no split of the row
+changes a stat. `_tail_kernel` then serves a row (`_row_tail`) or plans its next passes
+(`_plan`: a lower bound lo of its kept values and the list of the blocks that reach it).
 """
 
 from __future__ import annotations
@@ -298,8 +287,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile. Full tiles (every token inside V) are
     read unmasked, each one's loads issued an iteration ahead of their use; the loop body
-    has no branch. Then the program's last tiles, masked. XN: also the block minima (only
-    the filtered variants read them)."""
+    has no branch. Then the program's last tiles, masked."""
     rr = tl.arange(0, R)
     offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
     n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
@@ -332,9 +320,8 @@ def _stats_kernel(
     NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
     DB: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B * S,): program (row, sp) = divmod(pid, S) covers blocks [sp * PER, ...) and
-    writes their stats (W.xm, W.q; XN: W.xn; RAW_LP: W.raw_*); `_tail_kernel` then serves
-    the rows. XN: the filtered variants (they read the block minima)."""
+    """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
+    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)
@@ -360,10 +347,8 @@ def _tail_kernel(
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
     CB: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): the row tail, a launch of its own so that the stats pass keeps the
-    registers of a streaming loop (its occupancy): no_filter's draw (FILTERS False); a
-    filtered row's candidate, and its membership over at most CB blocks (`candidate`).
-    Program 0 empties round 2's row list, which the finish of round 1 fills."""
+    """Grid (B,): the row tail (`_row_tail`). Program 0 empties round 2's row list, which
+    the finish of round 1 fills."""
     if FILTERS:
         if tl.program_id(0) == 0:
             tl.store(W.refine, 0)
