@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from graphexec.runtime.triton_import import MISSING, _cdiv, _Missing, _next_power_of_2
+from tests.interpreter import ensure_interpreter
+
+ensure_interpreter()  # triton_import imports Triton where it is installed
+
+from graphexec.runtime.triton_import import (  # noqa: E402
+    MISSING,
+    _cdiv,
+    _Missing,
+    _next_power_of_2,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = """
