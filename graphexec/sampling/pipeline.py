@@ -29,20 +29,11 @@ def default_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def sample_step(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    backend: str | None = None,
-    *,
-    config=None,
-    workspace=None,
-    count_ids: torch.Tensor | None = None,
-) -> SamplerOutput:
+def sample_step(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+                variant: SamplerVariant = SamplerVariant.DEFAULT, backend: str | None = None, *,
+                config=None, workspace=None,
+                count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
 
     Args:
@@ -101,16 +92,11 @@ def _check_tensor(name: str, t: torch.Tensor | None, shape: tuple, device: torch
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def sample_logits(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int] | torch.Tensor,
-    token_counts: torch.Tensor | None = None,
-    prompt_mask: torch.Tensor | None = None,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant | str | None = None,
-    backend: str | None = None,
-) -> SamplerOutput:
+def sample_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  positions: Sequence[int] | torch.Tensor, token_counts: torch.Tensor | None = None,
+                  prompt_mask: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                  variant: SamplerVariant | str | None = None,
+                  backend: str | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row of `logits`, exactly and reproducibly.
 
     Args:

@@ -82,14 +82,8 @@ class SamplingTensors:
         return self.temperature.device
 
     @classmethod
-    def allocate(
-        cls,
-        num_slots: int,
-        vocab_size: int,
-        device: torch.device | str,
-        max_bias: int = 1,
-        penalties: bool = False,
-    ) -> SamplingTensors:
+    def allocate(cls, num_slots: int, vocab_size: int, device: torch.device | str,
+                 max_bias: int = 1, penalties: bool = False) -> SamplingTensors:  # fmt: skip
         """A table of `num_slots` rows, every row set to plain sampling (T=1, no filters)."""
         d = torch.device(device)
         f32 = dict(dtype=torch.float32, device=d)
@@ -188,14 +182,9 @@ class SamplingTensors:
         self.bias_values.index_copy_(0, idx, vals.to(self.device))
 
     @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        vocab_size: int,
-        device: torch.device | str,
-        token_counts: torch.Tensor | None = None,
-        prompt_mask: torch.Tensor | None = None,
-    ) -> SamplingTensors:
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device | str, token_counts: torch.Tensor | None = None,
+                    prompt_mask: torch.Tensor | None = None) -> SamplingTensors:  # fmt: skip
         """A table with one slot per entry of `params` (slot b serves batch row b)."""
         d = torch.device(device)
         nb = max(len(p.logit_bias or {}) for p in params)

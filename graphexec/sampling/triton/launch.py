@@ -23,19 +23,11 @@ from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
 
 
-def sample(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    *,
-    config: SamplerConfig | None = None,
-    workspace: Workspace | None = None,
-    count_ids: torch.Tensor | None = None,
-) -> SamplerOutput:
+def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+           table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+           variant: SamplerVariant = SamplerVariant.DEFAULT, *, config: SamplerConfig | None = None,
+           workspace: Workspace | None = None,
+           count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row into `out` (see `pipeline.sample_step`). `workspace`: a
     persistent `Workspace` for at least B rows of this V and config (the executor's);
     None allocates one."""
