@@ -95,11 +95,6 @@ def row_gumbel_stream(seed: torch.Tensor, pos: torch.Tensor, n: int, stream: int
     return -torch.log(-torch.log(u))
 
 
-def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] token noise for every token of each row."""
-    return row_gumbel_stream(seed, pos, vocab_size, Stream.TOKEN)
-
-
 def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
                 total: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Step 5 on scaled rows y: [B, V] bool, True where a token survives the filters.

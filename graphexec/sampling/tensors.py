@@ -74,10 +74,6 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # bool [S, V]: token occurs in the prompt
 
     @property
-    def num_slots(self) -> int:
-        return self.temperature.shape[0]
-
-    @property
     def device(self) -> torch.device:
         return self.temperature.device
 

@@ -28,12 +28,11 @@ row):
 The stats pass is the read floor's loop: full tiles unmasked with their loads issued an
 iteration ahead, a masked last tile, one ex2 and one conversion per logit (`keys`).
 
-Draw first, filter second (`reference`, step 6): every filtered row first draws its
-candidate c from the whole row, exactly as no_filter does (the two-level draw by the block
-stats Q_b; one block read again). If c is in the kept set it is the token; else the row
-takes the cut's machinery below and draws from the kept set on the fallback streams.
-Routes, one per row, and what serves it (kernels are `file:function` in this package;
-passes are reads of the row, worst case, then the draw's one block):
+Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate
+(the two-level draw over the whole row, as no_filter draws) when the kept set holds it,
+else a draw from the kept set on the fallback streams. Routes, one per row, and what
+serves it (kernels are `file:function` in this package; passes are reads of the row,
+worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
@@ -49,13 +48,10 @@ passes are reads of the row, worst case, then the draw's one block):
 A row of the last four routes ends in `draw.fallback_draw`: its candidate if it was left
 undecided and the cut keeps it, else the fallback draw. The candidate route is how most
 rows end: a kept set of mass m keeps the candidate with probability m (top-p 0.9: about
-nine rows in ten), and on a peaked row its check reads a few blocks.
-
-Each later pass reads only the listed blocks: peaked rows read a few dozen blocks again
-(and take the short route: one program gathers the candidates, sorts them and resolves
-every cut from their exact masses), flat ones most of the row. The draw reads one block
-again: greedy, the first block holding the max; else the block the two-level draw picks
-(ties also read the block of their last kept id).
+nine rows in ten), and on a peaked row its check reads a few blocks. Each later pass
+reads only the listed blocks: peaked rows a few dozen (the short route), flat ones most of
+the row. The draw reads one block again: greedy, the first block holding the max; else
+the block the two-level draw picks (ties also read the block of their last kept id).
 
 Why it is bounded: the kept set of a filtered row is a prefix of the row's order, so its
 cut is found by counting, never by sorting a set whose size depends on the data. min-p's
@@ -67,13 +63,13 @@ bins between lo and the max (exact counts; masses estimated) and places a bracke
 around each cut; the kept pass sums the exact integer masses outside the brackets and
 gathers the bracket's tokens (at most gather_cap), and the finish resolves the cut among
 them by counting: pairwise up to 64 gathered tokens, else by 16-way searches over their
-keys. Every decision is checked against exact counts and masses. A
-bracket that does not hold the cut (top-p's crossing is estimated from bin edges, so the
-few largest tokens' masses are known to a bin's width: randn3 rows at temperature 1 missed
-by a few bins) sends the row to round 2, the same passes over the bins that surely hold
-every cut, binned anew (hundreds of times finer) with the mass above them counted
-exactly; round 2's rows share `late_programs` programs whatever B is, so one such row costs
-the batch two parallel passes over that row, not a serial search. Only a row whose second
+keys. Every decision is checked against exact counts and masses. A bracket that does not
+hold the cut (top-p's crossing is estimated from bin edges, so the few largest tokens'
+masses are known to a bin's width: randn3 rows at temperature 1 missed by a few bins)
+sends the row to round 2, the same passes over the bins that surely hold every cut, binned
+anew (hundreds of times finer) with the mass above them counted exactly; round 2's rows
+share `late_programs` programs whatever B is, so one such row costs the batch two parallel
+passes over that row, not a serial search. Only a row whose second
 bracket fails too (more than gather_cap tokens of one value at the cut) takes the exact
 search (`exact`: 16-way searches over the 64-bit order keys by one program, bounded at 31
 passes but serial, so milliseconds for such a row). No estimate changes a token.

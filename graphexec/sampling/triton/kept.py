@@ -32,11 +32,7 @@ from graphexec.sampling.triton.keys import (
     tile_total,
     unpack,
 )
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    list_tile,
-    row_params,
-)
+from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
 from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
 from graphexec.sampling.triton.short import cut_tiles
 
@@ -357,9 +353,8 @@ def _finish_kernel(
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
     ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): round 1, the rows the kept pass summed, resolved and drawn, or sent to
-    round 2 (a launch of its own: the kept pass keeps the registers of a streaming loop);
-    round 2, program i serves entry i of the refine list."""
+    """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
+    round 1, the rows the kept pass summed; round 2, entry i of the refine list."""
     if ROUND2:
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)

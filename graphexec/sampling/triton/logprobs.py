@@ -189,17 +189,9 @@ def _logprobs_kernel(  # one program per row
                    INTERP)  # fmt: skip
 
 
-def write_logprobs(
-    logits: torch.Tensor,
-    y: torch.Tensor,
-    slot_ids: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    *,
-    cap: int,
-    block: int | None = None,
-    done: torch.Tensor | None = None,
-) -> None:
+def write_logprobs(logits: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor,
+                   table: SamplingTensors, out: SamplerOutput, *, cap: int,
+                   block: int | None = None, done: torch.Tensor | None = None) -> None:  # fmt: skip
     """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids
     (done: optional [B] int32, rows already written are skipped)."""
     B, V = y.shape

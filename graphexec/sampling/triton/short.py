@@ -20,20 +20,8 @@ import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
-from graphexec.sampling.triton.keys import (
-    BIG_KEY,
-    PAD_KEY,
-    mass,
-    pack,
-    sort_desc,
-    sum_mass,
-    unpack,
-)
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    list_tile,
-    row_params,
-)  # fmt: skip
+from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
+from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
 
 
 @triton.jit
