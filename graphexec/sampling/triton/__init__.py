@@ -36,9 +36,9 @@ worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
-| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
-| candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + check:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, check:_decide_row |
-| short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:short_draw |
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_tail_kernel |
+| candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + check:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, check:_check_kernel |
+| short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:_short_kernel |
 | cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |
 | select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
 | round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 6 | select:_bracket, kept:_finish |

@@ -17,28 +17,6 @@ from graphexec.sampling.triton.process import bias_ids
 from graphexec.sampling.triton.stats import arrive, plan_row
 
 
-@triton.jit
-def _decide_row(P, W, tok_ptr, valid_ptr, row, slot, NBLK, NBLK_P2: tl.constexpr,
-                DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
-    ri = W.rowi + row * cf.NUM_I
-    top_k = tl.load(P.top_k + slot)
-    top_p = tl.load(P.top_p + slot)
-    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
-    cnt = tl.load(ri + cf.I_CCNT, cache_modifier=".cg")
-    before = tl.load(ri + cf.I_CMASS, cache_modifier=".cg")
-    state = decide(cnt, before, yc, top_k, top_p, tl.load(W.total + row))
-    if state == KEPT:
-        tok = tl.load(ri + cf.I_CAND)
-        tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
-        tl.store(tok_ptr + row, tok)
-        tl.store(valid_ptr + row, tok >= 0)
-    else:
-        if state == OUT:
-            tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
-        plan_row(P, W, row, slot, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
-                 NBINS)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["S", "NBLK"])
 def _check_kernel(
     P, W,
@@ -72,5 +50,20 @@ def _check_kernel(
                                           NBLK, R, DB, FL, False)  # fmt: skip
             tl.atomic_add(ri + cf.I_CCNT, cnt, sem="relaxed")
             tl.atomic_add(ri + cf.I_CMASS, before, sem="relaxed")
-        if arrive(W, row, 2, S):
-            _decide_row(P, W, tok_ptr, valid_ptr, row, slot, NBLK, NBLK_P2, DB, NBINS)
+        if arrive(W, row, 2, S):  # the row's last program decides
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+            cnt = tl.load(ri + cf.I_CCNT, cache_modifier=".cg")
+            before = tl.load(ri + cf.I_CMASS, cache_modifier=".cg")
+            state = decide(cnt, before, yc, top_k, top_p, tl.load(W.total + row))
+            if state == KEPT:
+                tok = tl.load(ri + cf.I_CAND)
+                tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+                tl.store(tok_ptr + row, tok)
+                tl.store(valid_ptr + row, tok >= 0)
+            else:
+                if state == OUT:
+                    tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
+                plan_row(P, W, row, slot, top_k, top_p, tl.load(P.log_min_p + slot), NBLK,
+                         NBLK_P2, DB, NBINS)  # fmt: skip

@@ -1,7 +1,6 @@
 """The draw itself, shared by every route's last step (`reference`, step 6).
 
-Terms: y = (x - m) * s is the scaled row (m its max, s = 1/T); ym_b the block maxes of
-y; K_b a block's kept mass relative to its max (int64, exact). A row's kept set is a few
+A row's kept set (terms: the package docstring; m the row max, s = 1/T) is a few
 scalars, evaluated per token by `kept_mask`:
 
     bins      j(y) = min(floor((top - y) * inv_w * FINE), NBINS * FINE - 1) for y <=

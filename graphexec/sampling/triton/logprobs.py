@@ -1,12 +1,6 @@
-"""The logprobs writers: the sampled token's logprob and rank, and the top-N.
-
-Per row, over v = the raw logits (default) or the scaled processed row y
-(`logprobs_processed`; the sampler's y = (x - max) / T, already collapsed),
-both NaN-free and +inf-collapsed as in `graphexec.sampling.reference.write_logprobs`:
-
-    lp(t) = (v_t - m) - log(sum_j exp(v_j - m))      m = max v, sum in a fixed order
-    rank  = 1 + #(v_j > v_token)
-    top-N = the first N of the row's (value desc, id asc) order
+"""The logprobs writers: the sampled token's logprob and rank, and the top-N, as
+`reference.write_logprobs` defines them (step 7), over the raw logits or, for
+`logprobs_processed` rows, the sampler's scaled row y.
 
 `_raw_logprobs_kernel` serves raw rows from the stats pass's raw block stats (rxm_b, the
 raw max; rs_b = sum exp(v - rxm_b), v the raw logits, NaN -> -inf), a program per row:

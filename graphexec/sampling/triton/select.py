@@ -37,17 +37,9 @@ def load_plan(W, row):
     ends and scale, and bracket bounds (`stats._plan` or `plan_round2`, then `_bracket`)."""
     fr = W.rowf + row * 8
     ri = W.rowi + row * cf.NUM_I
-    return (
-        tl.load(fr + cf.F_M),
-        tl.load(fr + cf.F_S),
-        tl.load(fr + cf.F_LO),
-        tl.load(fr + cf.F_TOP),
-        tl.load(fr + cf.F_INVW),
-        tl.load(ri + cf.I_JHI),
-        tl.load(ri + cf.I_J1),
-        tl.load(ri + cf.I_J2),
-        tl.load(ri + cf.I_JLO),
-    )
+    return (tl.load(fr + cf.F_M), tl.load(fr + cf.F_S), tl.load(fr + cf.F_LO),
+            tl.load(fr + cf.F_TOP), tl.load(fr + cf.F_INVW), tl.load(ri + cf.I_JHI),
+            tl.load(ri + cf.I_J1), tl.load(ri + cf.I_J2), tl.load(ri + cf.I_JLO))  # fmt: skip
 
 
 @triton.jit

@@ -4,8 +4,8 @@
 tile row, and store each block's stats from the processed x (`process.tile_x`): the
 `Workspace` fields xm, xn, Q_b and, with logprobs on, the raw block max and sum of exp. A
 block never straddles two programs and Q_b is an integer sum, so no split of the row
-changes a stat. `_tail_kernel` then serves a row (`_row_tail`) or plans its next passes
-(`_plan`: a lower bound lo of its kept values and the list of the blocks that reach it).
+changes a stat. `_tail_kernel` then serves a row or plans its next passes (`_plan`: a
+lower bound lo of its kept values and the list of the blocks that reach it).
 """
 
 from __future__ import annotations
@@ -185,75 +185,6 @@ def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, D
 
 
 @triton.jit
-def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
-              NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):  # fmt: skip
-    slot, greedy, s, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
-    b = tl.arange(0, NBLK_P2)
-    bm = b < NBLK
-    base = row * NBLK
-    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
-    mx = tl.max(xm, axis=0)
-    has_inf = mx == float("inf")
-    valid = mx > float("-inf")
-    m = tl.where(valid & (has_inf == 0), mx, 0.0)
-    ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
-    q = tl.where(ym > float("-inf"), q, 0)
-    tok = tl.full([], -1, tl.int32)
-    route = tl.zeros([], dtype=tl.int32)
-    if valid:
-        if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
-        else:
-            filt = tl.zeros([], dtype=tl.int1)
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
-            lnmp = tl.load(P.log_min_p + slot)
-            if FILTERS:
-                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
-            if filt:
-                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
-                e = tl.exp(ym.to(tl.float64))
-                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-                tl.store(W.total + row, total)
-                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
-                if ties:
-                    tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
-                                     seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                else:
-                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
-                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
-                    ri = W.rowi + row * cf.NUM_I
-                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
-                    if state == KEPT:
-                        tok = c
-                    else:
-                        fr = W.rowf + row * 8
-                        tl.store(fr + cf.F_YC, yc)
-                        if state == cf.R_CHECK:
-                            # the check pass's row scale (`_plan` stores it for the others)
-                            tl.store(fr + cf.F_M, m)
-                            tl.store(fr + cf.F_S, s)
-                            route = tl.full([], cf.R_CHECK, tl.int32)
-                        else:
-                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                            route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
-                                          total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
-            else:
-                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
-                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if route == cf.R_DONE:
-        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(valid_ptr + row, valid)
-
-
-@triton.jit
 def _block_stats(P, W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
                  XN: tl.constexpr):  # fmt: skip
     """Stores the stats of one tile's blocks bid [R] from their processed x and raw v
@@ -347,10 +278,73 @@ def _tail_kernel(
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
     CB: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): the row tail (`_row_tail`). Program 0 empties round 2's row list, which
-    the finish of round 1 fills."""
+    """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
+    next passes (module docstring). Program 0 empties round 2's row list, which the finish
+    of round 1 fills."""
+    row = tl.program_id(0)
     if FILTERS:
-        if tl.program_id(0) == 0:
+        if row == 0:
             tl.store(W.refine, 0)
-    _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, NBLK_P2, NB_P2, DB,
-              NBINS, FL, R, CB)  # fmt: skip
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    b = tl.arange(0, NBLK_P2)
+    bm = b < NBLK
+    base = row * NBLK
+    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(xm, axis=0)
+    has_inf = mx == float("inf")
+    valid = mx > float("-inf")
+    m = tl.where(valid & (has_inf == 0), mx, 0.0)
+    ym = block_y(xm, m, s, has_inf)
+    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.where(ym > float("-inf"), q, 0)
+    tok = tl.full([], -1, tl.int32)
+    route = tl.zeros([], dtype=tl.int32)
+    if valid:
+        if greedy:
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
+        else:
+            filt = tl.zeros([], dtype=tl.int1)
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            lnmp = tl.load(P.log_min_p + slot)
+            if FILTERS:
+                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
+            if filt:
+                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
+                e = tl.exp(ym.to(tl.float64))
+                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                tl.store(W.total + row, total)
+                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+                if ties:
+                    tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
+                                     seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                else:
+                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
+                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
+                    ri = W.rowi + row * cf.NUM_I
+                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
+                    if state == KEPT:
+                        tok = c
+                    else:
+                        fr = W.rowf + row * 8
+                        tl.store(fr + cf.F_YC, yc)
+                        if state == cf.R_CHECK:
+                            # the check pass's row scale (`_plan` stores it for the others)
+                            tl.store(fr + cf.F_M, m)
+                            tl.store(fr + cf.F_S, s)
+                            route = tl.full([], cf.R_CHECK, tl.int32)
+                        else:
+                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+                            route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
+                                          total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+            else:
+                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
+                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+    if route == cf.R_DONE:
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(valid_ptr + row, valid)
