@@ -3,16 +3,8 @@
 `SamplingTensors` holds one row per slot (the executor's `SlotTable` owns one sized
 `max_slots`; `sample_logits` builds a throwaway one with a slot per batch row). Kernels
 read a batch row's parameters through `slot_ids[b]`, so the table never moves and a CUDA
-graph captured over it stays valid while the values change between replays.
-
-Normalised encodings (so kernels test one thing):
-    temperature    0 = greedy; inv_temperature = fp32(1 / T) (1 for greedy rows)
-    top_k          0 = off (top_k <= 0 or >= V)
-    top_p          1 = off;  min_p  0 = off
-    log_min_p      fp32(ln(min_p)) computed in float64 on the host (-inf = off): min-p keeps
-                   y >= log_min_p, a compare every backend makes on the same bits
-    logprobs       -1 = off; else the top-N asked (0..20)
-    bias_ids       -1 pads a slot's sparse logit-bias list (bias_values 0 there)
+graph captured over it stays valid while the values change between replays. Values are
+normalised (`SamplingTensors`' field comments), so kernels test one thing.
 """
 
 from __future__ import annotations
@@ -55,20 +47,22 @@ def _recip32(x: float) -> float:
 class SamplingTensors:
     """Per-slot sampling parameters, each a device tensor with a leading [S] dim."""
 
-    temperature: torch.Tensor  # f32 [S]
-    inv_temperature: torch.Tensor  # f32 [S]
-    top_k: torch.Tensor  # i32 [S]
-    top_p: torch.Tensor  # f32 [S]
-    min_p: torch.Tensor  # f32 [S]
-    log_min_p: torch.Tensor  # f32 [S]
+    temperature: torch.Tensor  # f32 [S]: 0 = greedy
+    inv_temperature: torch.Tensor  # f32 [S]: fp32(1 / T) (1 for greedy rows)
+    top_k: torch.Tensor  # i32 [S]: 0 = off (top_k <= 0 or >= V)
+    top_p: torch.Tensor  # f32 [S]: 1 = off
+    min_p: torch.Tensor  # f32 [S]: 0 = off
+    # f32 [S]: fp32(ln(min_p)) from a float64 log on the host (-inf = off): min-p keeps
+    # y >= log_min_p, a compare every backend makes on the same bits
+    log_min_p: torch.Tensor
     seed: torch.Tensor  # i64 [S]
     repetition_penalty: torch.Tensor  # f32 [S]
     inv_repetition_penalty: torch.Tensor  # f32 [S]
     presence_penalty: torch.Tensor  # f32 [S]
     frequency_penalty: torch.Tensor  # f32 [S]
-    logprobs: torch.Tensor  # i32 [S]
+    logprobs: torch.Tensor  # i32 [S]: -1 = off; else the top-N asked (0..20)
     logprobs_processed: torch.Tensor  # bool [S]
-    bias_ids: torch.Tensor  # i32 [S, NB]
+    bias_ids: torch.Tensor  # i32 [S, NB]: ascending, -1 pads the list (bias_values 0 there)
     bias_values: torch.Tensor  # f32 [S, NB]
     token_counts: torch.Tensor | None = None  # i32 [S, V]: tokens generated so far
     prompt_mask: torch.Tensor | None = None  # bool [S, V]: token occurs in the prompt
@@ -107,7 +101,7 @@ class SamplingTensors:
 
     @staticmethod
     def host_columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, torch.Tensor]:
-        """The scalar columns for `params`, normalised (see the module docstring), on the CPU:
+        """The scalar columns for `params`, normalised (the fields' comments), on the CPU:
         `host_row`'s values as tensors of the table's dtypes, but ln(min_p) from torch's
         float64 log (`host_row`'s math.log gives the same float32 bits; tests check both)."""
         for i, p in enumerate(params):

@@ -88,7 +88,7 @@ def _cut(keys, w, ok_g, lowest, highest, target, base, mid, max2, CAP: tl.conste
 
 
 @triton.jit
-def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
+def _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
              CAP: tl.constexpr, WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr,
              WAYS: tl.constexpr, ITERS: tl.constexpr, NBLK):  # fmt: skip
     """(ok, cut, midk): the cut C of a selected row's kept set {pack >= C} (with y >=
@@ -175,9 +175,9 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
 
 @triton.jit
 def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
-            NB_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, NBINS: tl.constexpr,
-            WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr,
-            SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
+            NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr,
+            WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
+            FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     ri = W.rowi + row * cf.NUM_I
@@ -196,13 +196,11 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         n_g = tl.load(ri + cf.I_NG)
         ok = n_g <= WCAP
         if ok & (n_g <= FEW):  # narrow vectors: the tail's latency
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
-                                     top_p, n_g, FEW, WCAP, NBINS, DB, WAYS, ITA,
-                                     NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g, FEW,
+                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         elif ok:
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
-                                     top_p, n_g, WCAP, WCAP, NBINS, DB, WAYS, ITA,
-                                     NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g, WCAP,
+                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         if ok == 0:
             route = tl.full([], cf.R_EXACT if ROUND2 else cf.R_REFINE, tl.int64)
     if route == cf.R_REFINE:  # round 1 only: the draw waits for round 2
@@ -359,11 +357,11 @@ def _finish_kernel(
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
             route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
+                    WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
     else:
         row = tl.program_id(0)
         route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if route != cf.R_DONE:
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, FL, False)  # fmt: skip
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
+                    WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

@@ -75,7 +75,7 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
 
 
 @triton.jit
-def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
+def _ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
                NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """A filtered row whose live tokens all share one value (+inf rows included): each
     weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
@@ -110,7 +110,7 @@ def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, p
 
 
 @triton.jit
-def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
+def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
           NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
     """The next passes' plan of a filtered row (module docstring): route, lo, bins, the
     list of blocks with ym_b >= lo; zeroes what those passes sum into."""
@@ -180,12 +180,12 @@ def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, D
     q = tl.where(ym > float("-inf"), q, 0)
     xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-    return _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row),
-                 NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+    return _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
+                 NBLK_P2, DB, NBINS)  # fmt: skip
 
 
 @triton.jit
-def _block_stats(P, W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
+def _block_stats(W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
                  XN: tl.constexpr):  # fmt: skip
     """Stores the stats of one tile's blocks bid [R] from their processed x and raw v
     ([R, DB], -inf past V); ok: bid < NBLK (None: a full tile)."""
@@ -224,13 +224,13 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
     n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
     # (a uniform mask as a vector: the interpreter takes no scalar bool mask)
     every = tl.full(offs.shape, 1, tl.int1)
-    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False), FL)
+    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False))
     for i in range(0, n_full):
         t = t0 + i * R
-        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False), FL)
+        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False))
         v = widen(raw, FL)
         x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
-        _block_stats(P, W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
+        _block_stats(W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
         raw = nxt
         offs += R * DB
     for t in range(t0 + n_full * R, t1, R):
@@ -240,8 +240,8 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         v = raw_x(P, row, offs, FL)
         x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
         x = tl.where(ok, x, float("-inf"))
-        _block_stats(P, W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s,
-                     NBLK, RAW_LP, XN)  # fmt: skip
+        _block_stats(W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s, NBLK,
+                     RAW_LP, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
@@ -318,8 +318,8 @@ def _tail_kernel(
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 if ties:
-                    tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
-                                     seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                    tok = _ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
+                                     NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
                     c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
                                            NBLK, NBLK_P2, DB, FL)  # fmt: skip
@@ -339,8 +339,8 @@ def _tail_kernel(
                             route = tl.full([], cf.R_CHECK, tl.int32)
                         else:
                             yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                            route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
-                                          total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+                            route = _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total,
+                                          NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             else:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
                                                pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
