@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 BACKENDS = ("torch", "triton", "flashinfer")
@@ -36,17 +37,15 @@ def sample_step(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.T
                 count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
 
-    Args:
-        logits: [B, V] float32 / bfloat16 / float16, read as is (no upcast copy).
+    Args (as `sample_logits`'s, on the logits' device, but for these):
+        logits: read as is (no upcast copy).
         slot_ids: [B] int64, row b's parameters are table row slot_ids[b].
-        positions: [B] int64 output position of the token being drawn (the noise counter).
-        table: per-slot parameters on the logits' device.
+        positions: [B] int64.
+        table: per-slot parameters.
         out: preallocated outputs (`SamplerOutput.allocate(B, device, num_top)`); logprobs
             are written when out.logprobs is not None.
-        bitmask: optional [B, ceil(V/32)] int32 xgrammar bitmask (1 = allowed).
-        variant: which kernels run; every row must be servable by it (the caller's job:
-            `choose_variant`); an unservable row would be sampled without its filters.
-        backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
+        variant: every row must be servable by it (the caller's job: `choose_variant`); an
+            unservable row would be sampled without its filters.
         config: the Triton backend's `SamplerConfig` (None: its preset for the device);
             `config.draw_block` is part of the definition, so the torch backend takes it too.
         workspace: the Triton backend's scratch (`triton.sampler_config.Workspace`,
@@ -208,8 +207,6 @@ def check_batch(B: int, V: int, dev: torch.device, params, positions, token_coun
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend in ("triton", "flashinfer") and dev.type != "cuda":
-        from graphexec.sampling.triton import interpreter_enabled
-
         if backend == "flashinfer" or not interpreter_enabled():
             raise ValueError(
                 f"backend {backend!r} needs CUDA tensors (triton runs on the CPU only under "

@@ -18,10 +18,13 @@ import torch
 
 from graphexec.params import SamplingParams
 
-# host_columns' keys, in order: the order of `SamplingTensors.host_row`'s values
+# host_columns' keys, in order: the order of `SamplingTensors.host_row`'s values; their
+# columns are float32 but for HOST_DTYPES
 HOST_FIELDS = ("temperature", "inv_temperature", "top_k", "top_p", "min_p", "log_min_p", "seed",
                "repetition_penalty", "inv_repetition_penalty", "presence_penalty",
                "frequency_penalty", "logprobs", "logprobs_processed")  # fmt: skip
+HOST_DTYPES = {"top_k": torch.int32, "seed": torch.int64, "logprobs": torch.int32,
+               "logprobs_processed": torch.bool}  # fmt: skip
 _F32 = struct.Struct("<f")
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -74,27 +77,19 @@ class SamplingTensors:
     @classmethod
     def allocate(cls, num_slots: int, vocab_size: int, device: torch.device | str,
                  max_bias: int = 1, penalties: bool = False) -> SamplingTensors:  # fmt: skip
-        """A table of `num_slots` rows, every row set to plain sampling (T=1, no filters)."""
+        """A table of `num_slots` rows, every row set to plain sampling (default params)."""
         d = torch.device(device)
-        f32 = dict(dtype=torch.float32, device=d)
+        plain = cls.host_row(SamplingParams(seed=0), vocab_size)
+        cols = {
+            name: torch.full((num_slots,), v, dtype=HOST_DTYPES.get(name, torch.float32), device=d)
+            for name, v in zip(HOST_FIELDS, plain, strict=True)
+        }
         nb = max(1, max_bias)
         wide = (num_slots, vocab_size)
         return cls(
-            temperature=torch.ones(num_slots, **f32),
-            inv_temperature=torch.ones(num_slots, **f32),
-            top_k=torch.zeros(num_slots, dtype=torch.int32, device=d),
-            top_p=torch.ones(num_slots, **f32),
-            min_p=torch.zeros(num_slots, **f32),
-            log_min_p=torch.full((num_slots,), -torch.inf, **f32),
-            seed=torch.zeros(num_slots, dtype=torch.int64, device=d),
-            repetition_penalty=torch.ones(num_slots, **f32),
-            inv_repetition_penalty=torch.ones(num_slots, **f32),
-            presence_penalty=torch.zeros(num_slots, **f32),
-            frequency_penalty=torch.zeros(num_slots, **f32),
-            logprobs=torch.full((num_slots,), -1, dtype=torch.int32, device=d),
-            logprobs_processed=torch.zeros(num_slots, dtype=torch.bool, device=d),
+            **cols,
             bias_ids=torch.full((num_slots, nb), -1, dtype=torch.int32, device=d),
-            bias_values=torch.zeros((num_slots, nb), **f32),
+            bias_values=torch.zeros((num_slots, nb), dtype=torch.float32, device=d),
             token_counts=torch.zeros(wide, dtype=torch.int32, device=d) if penalties else None,
             prompt_mask=torch.zeros(wide, dtype=torch.bool, device=d) if penalties else None,
         )
@@ -102,7 +97,7 @@ class SamplingTensors:
     @staticmethod
     def host_columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, torch.Tensor]:
         """The scalar columns for `params`, normalised (the fields' comments), on the CPU:
-        `host_row`'s values as tensors of the table's dtypes, but ln(min_p) from torch's
+        `host_row`'s values as tensors of the columns' dtypes, but ln(min_p) from torch's
         float64 log (`host_row`'s math.log gives the same float32 bits; tests check both)."""
         for i, p in enumerate(params):
             if p.seed is None:
@@ -112,8 +107,7 @@ class SamplingTensors:
                 )
             p.check_vocab(vocab_size)
         rows = [SamplingTensors.host_row(p, vocab_size) for p in params]
-        like = SamplingTensors.allocate(0, 1, "cpu")
-        cols = {name: torch.tensor([r[j] for r in rows], dtype=getattr(like, name).dtype)
+        cols = {name: torch.tensor([r[j] for r in rows], dtype=HOST_DTYPES.get(name, torch.float32))
                 for j, name in enumerate(HOST_FIELDS)}  # fmt: skip
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
         cols["log_min_p"] = min_p.log().to(torch.float32)

@@ -78,7 +78,3 @@ Why the two-level draw: a block by its exact kept mass K_b, then a token inside 
 noise is drawn for the block maxes and one block, and the draw reads one block again
 whatever the filters kept (`reference`, step 6).
 """
-
-from graphexec.runtime.triton_env import interpreter_enabled
-
-__all__ = ["interpreter_enabled"]

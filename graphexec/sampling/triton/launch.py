@@ -11,8 +11,8 @@ import torch
 import triton
 
 from graphexec.params import SamplerVariant
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.check import _check_kernel
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs

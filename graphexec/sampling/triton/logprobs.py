@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.keys import collapse_inf, okey, pack, sort_desc, unpack
 from graphexec.sampling.triton.process import bias_ids, raw_x, row_params, tile_x
 from graphexec.sampling.triton.stats import grid_delta

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.reference import DRAW_BLOCK
-from graphexec.sampling.triton import interpreter_enabled
 
 # Row routes (`Workspace.rowi[:, I_ROUTE]`), decided by the stats pass's row tail.
 R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter, all ties
