@@ -89,6 +89,7 @@ def _short_kernel(
         top_p = tl.load(P.top_p + slot)
         lnmp = tl.load(P.log_min_p + slot)
         total = tl.load(W.total + row)
+        tok = tl.full([], -1, tl.int32)
         tl.debug_barrier()  # the plan's stores, read back by every thread
         n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
         lo = tl.load(W.rowf + row * 8 + cf.F_LO)
@@ -138,6 +139,8 @@ def _short_kernel(
             tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0,
                                 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB,
                                 1, FL)  # fmt: skip
+            route = route * 0  # R_DONE
+        if route == cf.R_DONE:
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
             tl.store(tok_ptr + row, tok.to(tl.int64))
             tl.store(valid_ptr + row, tok >= 0)
