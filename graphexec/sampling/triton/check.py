@@ -65,5 +65,5 @@ def _check_kernel(
             else:
                 if state == OUT:
                     tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
-                plan_row(P, W, row, slot, top_k, top_p, tl.load(P.log_min_p + slot), NBLK,
-                         NBLK_P2, DB, NBINS)  # fmt: skip
+                plan_row(W, row, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
+                         NBINS)  # fmt: skip

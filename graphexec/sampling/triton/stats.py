@@ -15,25 +15,9 @@ import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
-from graphexec.sampling.triton.draw import (
-    FALLBACK_BLOCK,
-    FALLBACK_TOKEN,
-    FLT_MAX,
-    block_y,
-    candidate_draw,
-    greedy_token,
-    two_level_draw,
-)  # fmt: skip
-from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    process_raw,
-    raw_load,
-    raw_x,
-    row_params,
-    tile_x,
-    widen,
-)  # fmt: skip
+from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
+from graphexec.sampling.triton.keys import mass_hi_lo, sum_halves
+from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, row_params, widen
 
 
 @triton.jit
@@ -72,41 +56,6 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
         hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
         deltas = lo + (hi - lo) * (d + 1).to(tl.float32) / 8.0
     return hi
-
-
-@triton.jit
-def _ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
-               NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
-    """A filtered row whose live tokens all share one value (+inf rows included): each
-    weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
-    (`reference`, step 5, with every q equal); its candidate where it is one of them, else
-    the fallback draw over them."""
-    b = tl.arange(0, NBLK_P2)
-    n_b = q >> 32
-    n_live = tl.sum(n_b, axis=0)
-    L = tl.where((top_k > 0) & (top_k < n_live), top_k.to(tl.int64), n_live)
-    if top_p < 1.0:
-        t = tl.where(top_k > 0, L.to(tl.float64) * 4294967296.0, total)
-        L = tl.minimum(L, tl.math.ceil(top_p.to(tl.float64) * t / 4294967296.0).to(tl.int64))
-    cum = tl.cumsum(n_b, axis=0)
-    bl = tl.min(tl.where(cum >= L, b, NBLK_P2), axis=0)
-    need = L - tl.sum(tl.where(b == bl - 1, cum, 0), axis=0)
-    offs = bl * DB + tl.arange(0, DB)
-    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, FL) == mx
-    rank = tl.cumsum(live.to(tl.int64), axis=0)
-    last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
-    kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
-    cut = pack(tl.zeros([], dtype=tl.float32), last)
-    m = tl.where(mx == float("inf"), 0.0, mx)
-    # the candidate (every live token), kept when it is one of the first L live ids
-    tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
-                                   pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if tok > last:
-        tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
-                                       seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,
-                                       1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL,
-                                       FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
-    return tok
 
 
 @triton.jit
@@ -166,7 +115,7 @@ def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
 
 
 @triton.jit
-def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
              NBINS: tl.constexpr):  # fmt: skip
     """`_plan` from the row's stored stats (its max and 1/T in rowf): the plan of a row
     whose candidate the check pass did not keep."""
@@ -237,7 +186,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         bid = t + rr
         offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
         ok = offs < P.vocab
-        v = raw_x(P, row, offs, FL)
+        v = widen(raw_load(P, row, offs, ok), FL)
         x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
         x = tl.where(ok, x, float("-inf"))
         _block_stats(W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s, NBLK,
@@ -318,7 +267,7 @@ def _tail_kernel(
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 if ties:
-                    tok = _ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
+                    tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
                                      NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
                     c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
