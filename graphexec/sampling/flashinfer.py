@@ -50,25 +50,19 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 OFFSET_STRIDE = 1 << 16
 
 
-def _flashinfer_sampling():
-    """Import `flashinfer.sampling` or raise an ImportError that says what to install."""
-    try:
-        import flashinfer.sampling as fs
-    except ImportError as e:
-        raise ImportError(
-            "backend='flashinfer' needs FlashInfer (pip install 'graphexec[flashinfer]', i.e. "
-            f"flashinfer-python); importing flashinfer.sampling failed: {e}"
-        ) from e
-    return fs
-
-
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
            table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
            variant: SamplerVariant = SamplerVariant.DEFAULT) -> SamplerOutput:  # fmt: skip
     """The FlashInfer backend of `graphexec.sampling.pipeline.sample_step` (see module doc)."""
     if logits.device.type != "cuda":
         raise ValueError(f"backend='flashinfer' needs CUDA tensors, got logits on {logits.device}")
-    fs = _flashinfer_sampling()
+    try:
+        import flashinfer.sampling as fs
+    except ImportError as e:  # say what to install
+        raise ImportError(
+            "backend='flashinfer' needs FlashInfer (pip install 'graphexec[flashinfer]', i.e. "
+            f"flashinfer-python); importing flashinfer.sampling failed: {e}"
+        ) from e
     B, V = logits.shape
     if B == 0:
         return out
@@ -114,6 +108,3 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     if out.logprobs is not None:
         reference.write_logprobs(processing.sanitize(logits), x, slot_ids, table, tok, out)
     return out
-
-
-__all__ = ["OFFSET_STRIDE", "sample"]

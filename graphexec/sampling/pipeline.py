@@ -1,11 +1,11 @@
 """The sampler pipeline's two entry points.
 
 `sample_step` is the tensor-level call the executor captures in a CUDA graph: every input
-is a device tensor (logits [B, V], slot_ids [B], positions [B], the per-slot
-`SamplingTensors` table, an optional bitmask [B, ceil(V/32)]) and the outputs go into a
-preallocated `SamplerOutput`, so nothing allocates on the host's say-so and nothing waits
-on the GPU. The variant and the logprobs width are static: they pick the kernels, not the
-values (every variant gives a row it can serve the token `default` gives it).
+is a device tensor (the parameters in a per-slot `SamplingTensors` table) and the outputs
+go into a preallocated `SamplerOutput`, so nothing allocates on the host's say-so and
+nothing waits on the GPU. The variant and the logprobs width are static: they pick the
+kernels, not the values (every variant gives a row it can serve the token `default`
+gives it).
 
 `sample_logits` is the convenience call over `SamplingParams`: it validates, builds a
 one-slot-per-row table, allocates the outputs and calls `sample_step`. What both compute
@@ -114,9 +114,8 @@ def sample_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             not batch-position invariant, see `graphexec.sampling.flashinfer`).
 
     Returns:
-        `SamplerOutput`: token_ids [B] int64 (-1 where valid is False), valid [B] bool,
-        and when any row set `logprobs`: logprobs [B] f32, ranks [B] i64, top_logprobs /
-        top_token_ids [B, N] with N the largest `logprobs` asked.
+        `SamplerOutput`, its logprob fields set when any row set `logprobs` (top-N: N the
+        largest `logprobs` asked).
 
     Example:
         >>> import torch, graphexec as gx

@@ -286,6 +286,3 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     if out.logprobs is not None:
         write_logprobs(sanitize(logits), y, slot_ids, table, d.token_ids, out)
     return out
-
-
-__all__ = ["sample", "draw_batch", "filter_mask", "write_logprobs"]

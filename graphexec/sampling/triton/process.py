@@ -1,5 +1,4 @@
-"""Processing: logits -> processed fp32 logits x, at any tile of one row's token ids
-(`tests/sampling/test_triton_process.py` writes it out for whole rows).
+"""Processing: logits -> processed fp32 logits x, at any tile of one row's token ids.
 
 Steps 1-2 of `graphexec.sampling.reference` (sanitise, grammar bitmask, logit bias,
 repetition / frequency / presence penalties; temperature comes later), bit for bit equal

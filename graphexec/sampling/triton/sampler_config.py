@@ -59,24 +59,24 @@ class SamplerConfig:
     late_programs: the same for the check, select and kept passes, which walk a row's
         block list (dependent loads: a flat row needs many programs; rows with few listed
         blocks pay a few us for the programs that leave at once); round 2's in all.
-    bins: histogram bins of the selection pass (a power of two).
-    gather_cap: most bracket tokens a row gathers and resolves by counting (past it:
-        round 2, then the exact search).
-    search_ways: candidates per pass of the exact search (a power of two).
-    search_blocks: blocks per step of the exact search's passes (a power of two; one
-        keeps its registers, shared with the kept pass, low).
+    bins: histogram bins of the selection pass.
+    gather_cap: most bracket tokens a row gathers and resolves by counting.
+    search_ways, search_blocks: candidates per pass of the exact search, and blocks per
+        step of its passes (one keeps its registers, shared with the kept pass, low).
     short_blocks: most listed blocks of a row the short route serves (min-p alone: a
         quarter of it); 0 turns the short route off.
-    short_tokens: most candidates of such a row (a power of two, 16 to gather_cap).
+    short_tokens: most candidates of such a row (16 to gather_cap).
     check_blocks: most blocks the row tail reads to decide a candidate (more: the check
         pass). 0 decides no candidate early: every filtered row takes the cut's passes and
         its candidate is tested against the cut (for tests of them).
-    logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
-        row past it goes to the general writer.
+    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general
+        writer).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
         vectors span a row's blocks and gathered tokens.
+    Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
+    short_tokens, logprobs_cap, and short_blocks unless 0.
     """
 
     draw_block: int = DRAW_BLOCK

@@ -14,9 +14,7 @@ middle between them summed, not gathered. It also keeps the coarse bins that sur
 every cut (I_RA..I_RB: J_k and the bounds' span).
 
 Round 1 bins [lo, 0] (top = 0); round 2 (`plan_round2`, why: the package docstring) the
-sure bins' range alone, NBINS bins anew, the tokens above its top counted with exact
-masses here. Round 2's few rows share `late_programs` programs whatever B is
-(`refine_share`).
+sure bins' range alone, the tokens above its top counted with exact masses here.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ Sorted by pack (the row's order), the candidates' inclusive mass sums F_j give e
 total (total: F at top-k's cut, or the row's mass from its block stats), min-p's the pack
 of y = log_min_p. One loop over the listed blocks, R at a time (registers stay those of
 a [R, DB] tile), compacts the candidates into the row's gather buffers. min-p alone needs
-no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of them: more go to
-the kept pass, which spreads them over several programs).
+no cut: the loop sums its cut blocks' K_b (more go to the kept pass's programs).
 """
 
 from __future__ import annotations

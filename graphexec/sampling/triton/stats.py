@@ -1,11 +1,13 @@
-"""The one full read of the logits, then the row tail (the route map: the package docstring).
+"""The one full read of the logits, then the row tail and its check pass (the route map:
+the package docstring).
 
 `_stats_kernel`: programs (row, slice) read their slice as [R, DB] tiles, one block per
 tile row, and store each block's stats from the processed x (`process.tile_x`): the
 `Workspace` fields xm, xn, Q_b and, with logprobs on, the raw block max and sum of exp. A
 block never straddles two programs and Q_b is an integer sum, so no split of the row
 changes a stat. `_tail_kernel` then serves a row or plans its next passes (`_plan`: a
-lower bound lo of its kept values and the list of the blocks that reach it).
+lower bound lo of its kept values and the list of the blocks that reach it);
+`_check_kernel` decides the candidates the tail left to it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
+from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide, decide_in_tail
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
-from graphexec.sampling.triton.keys import mass_hi_lo, sum_halves
+from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
 from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, row_params, widen
 
 
@@ -165,9 +167,10 @@ def _block_stats(W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
                  DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
-    """The stats of blocks t0 .. t1 - 1, R a tile. Full tiles (every token inside V) are
-    read unmasked, each one's loads issued an iteration ahead of their use; the loop body
-    has no branch. Then the program's last tiles, masked."""
+    """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
+    token inside V) are read unmasked, each one's loads issued an iteration ahead of their
+    use, one ex2 and one conversion per logit (`keys`); the loop body has no branch. Then
+    the program's last tiles, masked."""
     rr = tl.arange(0, R)
     offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
     n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
@@ -297,3 +300,59 @@ def _tail_kernel(
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
+
+
+@triton.jit(do_not_specialize=["S", "NBLK"])
+def _check_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows whose candidate is kept
+    S,  # programs per row
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    NBINS: tl.constexpr, FL: tl.constexpr,
+):  # fmt: skip
+    """The check pass, for R_CHECK rows (more than check_blocks blocks to count for their
+    candidate). Grid (B * S,): program (row, sp) = divmod(pid, S) sums slice sp of the
+    row's listed blocks into its I_CCNT / I_CMASS with int64 atomics (exact, in any order);
+    the row's last program decides: kept, the candidate is the token; else the row is
+    planned (`plan_row`) for the cut's passes, its candidate marked out (-1) or left to be
+    tested against the cut."""
+    row = tl.program_id(0) // S
+    sp = tl.program_id(0) % S
+    ri = W.rowi + row * cf.NUM_I
+    if tl.load(ri + cf.I_ROUTE) == cf.R_CHECK:
+        slot = tl.load(P.slots + row).to(tl.int64)
+        ids = bias_ids(P, slot, NB_P2)
+        n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(n_list, R), S) * R
+        e0 = sp * per
+        e1 = tl.minimum(e0 + per, n_list)
+        if e0 < e1:
+            m = tl.load(W.rowf + row * 8 + cf.F_M)
+            s = tl.load(W.rowf + row * 8 + cf.F_S)
+            yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+            pk_c = pack(yc, tl.load(ri + cf.I_CAND).to(tl.int32))
+            if tl.max(ids, axis=0) >= 0:
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                                          NBLK, R, DB, FL, True)  # fmt: skip
+            else:
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                                          NBLK, R, DB, FL, False)  # fmt: skip
+            tl.atomic_add(ri + cf.I_CCNT, cnt, sem="relaxed")
+            tl.atomic_add(ri + cf.I_CMASS, before, sem="relaxed")
+        if arrive(W, row, 2, S):  # the row's last program decides
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+            cnt = tl.load(ri + cf.I_CCNT, cache_modifier=".cg")
+            before = tl.load(ri + cf.I_CMASS, cache_modifier=".cg")
+            state = decide(cnt, before, yc, top_k, top_p, tl.load(W.total + row))
+            if state == KEPT:
+                tok = tl.load(ri + cf.I_CAND)
+                tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+                tl.store(tok_ptr + row, tok)
+                tl.store(valid_ptr + row, tok >= 0)
+            else:
+                if state == OUT:
+                    tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
+                plan_row(W, row, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
+                         NBINS)  # fmt: skip
