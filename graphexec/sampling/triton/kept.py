@@ -208,8 +208,7 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2, NBINS)
     else:
         if route == cf.R_EXACT:
-            xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"),
-                         cache_modifier=".cg")  # fmt: skip
+            xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
             y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
             y_lo = tl.maximum(y_lo, -FLT_MAX)
             cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
@@ -227,14 +226,12 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             midk = tl.zeros([], dtype=tl.int1)
             tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
         tl.debug_barrier()
-        kv = tl.load(W.kept + row * NBLK + b, mask=bm & (ym >= klo), other=0,
-                     cache_modifier=".cg")  # fmt: skip
+        kv = tl.load(W.kept + row * NBLK + b, mask=bm & (ym >= klo), other=0, cache_modifier=".cg")
         if midk:
             kv += tl.load(W.kept_mid + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                           cache_modifier=".cg")  # fmt: skip
-        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi,
-                            j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
-                            FL)  # fmt: skip
+        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi, j1,
+                            j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, FL)  # fmt: skip
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, tok >= 0)
 

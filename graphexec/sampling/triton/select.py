@@ -254,8 +254,7 @@ def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
         else:
             h, n_ab, m_ab = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS,
                                         FL, False, ROUND2)  # fmt: skip
-        tl.atomic_add(W.hist + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
-                      sem="relaxed")  # fmt: skip
+        tl.atomic_add(W.hist + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0, sem="relaxed")
         if ROUND2:
             tl.atomic_add(ri + cf.I_NTOP, n_ab, sem="relaxed")
             tl.atomic_add(ri + cf.I_MTOP, m_ab, sem="relaxed")

@@ -74,8 +74,7 @@ def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
         # above it); top-p's point where a lower bound of the mass above it passes p; min-p
         if top_k > 0:
-            lo = -grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32), 0.0,
-                             0)  # fmt: skip
+            lo = -grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32), 0.0, 0)
             if top_p >= 1.0:
                 lo = tl.maximum(lo, lnmp)
         else:
@@ -310,12 +309,10 @@ def _check_kernel(
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, FL: tl.constexpr,
 ):  # fmt: skip
-    """The check pass, for R_CHECK rows (more than check_blocks blocks to count for their
-    candidate). Grid (B * S,): program (row, sp) = divmod(pid, S) sums slice sp of the
-    row's listed blocks into its I_CCNT / I_CMASS with int64 atomics (exact, in any order);
-    the row's last program decides: kept, the candidate is the token; else the row is
-    planned (`plan_row`) for the cut's passes, its candidate marked out (-1) or left to be
-    tested against the cut."""
+    """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
+    program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
+    (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
+    is the token; else `plan_row`, the candidate marked out (-1) or left to the cut."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     ri = W.rowi + row * cf.NUM_I
