@@ -131,7 +131,8 @@ def test_row_gumbel_extreme_words_finite(monkeypatch, word: int) -> None:
         return w, w, w, w
 
     monkeypatch.setattr(reference, "philox4x32", fake)
-    g = reference.row_gumbel(torch.tensor([1, 2]), torch.tensor([0, 3]), 10)
+    seed, pos = torch.tensor([1, 2]), torch.tensor([0, 3])
+    g = reference.row_gumbel_stream(seed, pos, 10, rng.Stream.TOKEN)
     assert g.shape == (2, 10)
     assert torch.isfinite(g).all()
     u = 2.0**-24 if word == 0 else 1 - 2.0**-24
@@ -176,7 +177,7 @@ def test_row_gumbel_equals_gumbel_per_token() -> None:
     V = 37  # not a multiple of 4: the last Philox call is partly used
     seed = torch.tensor([0, 1, 2**32 + 1, 2**63 - 1, 987654321])
     pos = torch.tensor([0, 9, 2**32 - 1, 3, 100])
-    rg = reference.row_gumbel(seed, pos, V)
+    rg = reference.row_gumbel_stream(seed, pos, V, rng.Stream.TOKEN)
     per_tok = rng.gumbel(seed.unsqueeze(1), pos.unsqueeze(1), torch.arange(V).unsqueeze(0))
     assert rg.shape == (5, V) and rg.dtype == torch.float32
     assert torch.equal(rg, per_tok)

@@ -1,8 +1,8 @@
 """Optional FlashInfer backend of `sample_step` (`backend="flashinfer"`, CUDA only).
 
-It runs the same processors as the torch reference (`processing.process_logits`: grammar
-bitmask, logit bias, penalties, temperature; then the +inf collapse), hands the processed
-rows to FlashInfer's fused samplers and writes logprobs with `reference.write_logprobs`:
+It runs the torch reference's processing (`processing.process_logits`, then the +inf
+collapse), hands the processed rows to FlashInfer's fused samplers and writes logprobs
+with `reference.write_logprobs` (so they match the torch backend's for the same token):
 
     no_filter      flashinfer.sampling.sampling_from_logits (Gumbel-max over the row)
     top_k_top_p    flashinfer.sampling.top_k_top_p_sampling_from_logits with per-row top_k /
@@ -15,36 +15,24 @@ rows to FlashInfer's fused samplers and writes logprobs with `reference.write_lo
 
 The variant picks the sampler for the whole batch (dispatching per row would need a host
 sync); every row the variant serves gets its own filters through the per-row tensors.
-
-Randomness: each row passes its own seed (`table.seed[slot_ids]`) and a Philox offset of
-`positions * OFFSET_STRIDE` as [B] int64 tensors. FlashInfer 0.7.2 reads element `row` of
-such tensors (element 0 when the tensor has length 1), but it derives the Philox
-subsequence from the row index (`curand_init(seed, row, offset)`; sampling_from_logits uses
-`row * V + token`). **So this backend is NOT batch-position invariant**: the same request
-with the same seed and position draws a different token at a different row of the batch.
-It is also **not bit-compatible with the torch and triton backends** (different generator,
-different draw method), and its tokens are not reproducible across FlashInfer versions.
-
-What it lacks compared with `graphexec.sampling.reference` (where it is approximate):
-- Exact tie rules. Ties at the top-k boundary may keep more or fewer than k tokens
-  (FlashInfer's radix select), and draws do not break ties by the lower token id.
-- Fixed-point top-p. The top-p threshold is decided from float32 sums (rejection
-  sampling with pivots / float renormalisation), so a token whose cumulative mass lies
-  within float rounding of p may be kept or dropped differently than the reference's
-  exact integer fixed-point rule.
-- min-p compares float32 probabilities against `min_p * max_prob`; the reference keeps
-  y >= log_min_p (y = (x - max) / T). Tokens at the boundary may differ by rounding.
-- Draw semantics: top-k/top-p and min-p draws are inverse-CDF / rejection sampling from
-  float32 probabilities, which is the right distribution up to float rounding, not an
-  exact Gumbel-max over the filtered logits.
-- A sampled token that falls outside [0, V) or on a -inf processed logit (FlashInfer falls
-  back to its "last valid index" when u is within rounding of the total mass) is replaced
-  by the row's argmax. This should never happen for a row with samplable tokens; it is
-  there so the backend never emits an id outside the row's support.
+Each row passes its own seed and a Philox offset of `positions * OFFSET_STRIDE`, but
+FlashInfer 0.7.2 derives the Philox subsequence from the row index (`curand_init(seed,
+row, offset)`; sampling_from_logits uses `row * V + token`). **So this backend is NOT
+batch-position invariant**, nor bit-compatible with the torch and triton backends, nor
+reproducible across FlashInfer versions. Where it is approximate:
+- Ties at the top-k boundary may keep more or fewer than k tokens (FlashInfer's radix
+  select), and draws do not break ties by the lower token id.
+- The top-p threshold comes from float32 sums (rejection sampling with pivots / float
+  renormalisation), not the reference's exact integer fixed point; min-p compares float32
+  probabilities against `min_p * max_prob`, not y >= log_min_p. Tokens at either boundary
+  may differ by rounding.
+- top-k/top-p and min-p draws are inverse-CDF / rejection sampling from float32
+  probabilities: the right distribution up to float rounding, not an exact Gumbel-max.
+- A sampled token outside [0, V) or on a -inf processed logit (FlashInfer's "last valid
+  index" fallback when u is within rounding of the total mass) is replaced by the row's
+  argmax, so the backend never emits an id outside the row's support.
 - Not CUDA-graph capturable as written: `processing.process_logits` reads a device flag on
   the host (logit-bias check). Use it eagerly (tests, comparisons, benchmarks).
-Logprobs are the reference's (`write_logprobs`), so they match the torch backend exactly
-for the same sampled token.
 """
 
 from __future__ import annotations
@@ -62,31 +50,19 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 OFFSET_STRIDE = 1 << 16
 
 
-def _flashinfer_sampling():
-    """Import `flashinfer.sampling` or raise an ImportError that says what to install."""
+def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+           table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+           variant: SamplerVariant = SamplerVariant.DEFAULT) -> SamplerOutput:  # fmt: skip
+    """The FlashInfer backend of `graphexec.sampling.pipeline.sample_step` (see module doc)."""
+    if logits.device.type != "cuda":
+        raise ValueError(f"backend='flashinfer' needs CUDA tensors, got logits on {logits.device}")
     try:
         import flashinfer.sampling as fs
-    except ImportError as e:
+    except ImportError as e:  # say what to install
         raise ImportError(
             "backend='flashinfer' needs FlashInfer (pip install 'graphexec[flashinfer]', i.e. "
             f"flashinfer-python); importing flashinfer.sampling failed: {e}"
         ) from e
-    return fs
-
-
-def sample(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-) -> SamplerOutput:
-    """The FlashInfer backend of `graphexec.sampling.pipeline.sample_step` (see module doc)."""
-    if logits.device.type != "cuda":
-        raise ValueError(f"backend='flashinfer' needs CUDA tensors, got logits on {logits.device}")
-    fs = _flashinfer_sampling()
     B, V = logits.shape
     if B == 0:
         return out
@@ -132,6 +108,3 @@ def sample(
     if out.logprobs is not None:
         reference.write_logprobs(processing.sanitize(logits), x, slot_ids, table, tok, out)
     return out
-
-
-__all__ = ["OFFSET_STRIDE", "sample"]

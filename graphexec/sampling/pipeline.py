@@ -1,11 +1,11 @@
 """The sampler pipeline's two entry points.
 
 `sample_step` is the tensor-level call the executor captures in a CUDA graph: every input
-is a device tensor (logits [B, V], slot_ids [B], positions [B], the per-slot
-`SamplingTensors` table, an optional bitmask [B, ceil(V/32)]) and the outputs go into a
-preallocated `SamplerOutput`, so nothing allocates on the host's say-so and nothing waits
-on the GPU. The variant and the logprobs width are static: they pick the kernels, not the
-values (every variant gives a row it can serve the token `default` gives it).
+is a device tensor (the parameters in a per-slot `SamplingTensors` table) and the outputs
+go into a preallocated `SamplerOutput`, so nothing allocates on the host's say-so and
+nothing waits on the GPU. The variant and the logprobs width are static: they pick the
+kernels, not the values (every variant gives a row it can serve the token `default`
+gives it).
 
 `sample_logits` is the convenience call over `SamplingParams`: it validates, builds a
 one-slot-per-row table, allocates the outputs and calls `sample_step`. What both compute
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from graphexec.params import SamplerVariant, SamplingParams, choose_variant
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 BACKENDS = ("torch", "triton", "flashinfer")
@@ -29,33 +30,22 @@ def default_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def sample_step(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    backend: str | None = None,
-    *,
-    config=None,
-    workspace=None,
-    count_ids: torch.Tensor | None = None,
-) -> SamplerOutput:
+def sample_step(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+                variant: SamplerVariant = SamplerVariant.DEFAULT, backend: str | None = None, *,
+                config=None, workspace=None,
+                count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row into `out`; CUDA-graph capturable with backend="triton".
 
-    Args:
-        logits: [B, V] float32 / bfloat16 / float16, read as is (no upcast copy).
+    Args (as `sample_logits`'s, on the logits' device, but for these):
+        logits: read as is (no upcast copy).
         slot_ids: [B] int64, row b's parameters are table row slot_ids[b].
-        positions: [B] int64 output position of the token being drawn (the noise counter).
-        table: per-slot parameters on the logits' device.
+        positions: [B] int64.
+        table: per-slot parameters.
         out: preallocated outputs (`SamplerOutput.allocate(B, device, num_top)`); logprobs
             are written when out.logprobs is not None.
-        bitmask: optional [B, ceil(V/32)] int32 xgrammar bitmask (1 = allowed).
-        variant: which kernels run; every row must be servable by it (the caller's job:
-            `choose_variant`); an unservable row would be sampled without its filters.
-        backend: "torch", "triton" or "flashinfer"; None = triton on CUDA, torch elsewhere.
+        variant: every row must be servable by it (the caller's job: `choose_variant`); an
+            unservable row would be sampled without its filters.
         config: the Triton backend's `SamplerConfig` (None: its preset for the device);
             `config.draw_block` is part of the definition, so the torch backend takes it too.
         workspace: the Triton backend's scratch (`triton.sampler_config.Workspace`,
@@ -101,16 +91,11 @@ def _check_tensor(name: str, t: torch.Tensor | None, shape: tuple, device: torch
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def sample_logits(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int] | torch.Tensor,
-    token_counts: torch.Tensor | None = None,
-    prompt_mask: torch.Tensor | None = None,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant | str | None = None,
-    backend: str | None = None,
-) -> SamplerOutput:
+def sample_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  positions: Sequence[int] | torch.Tensor, token_counts: torch.Tensor | None = None,
+                  prompt_mask: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
+                  variant: SamplerVariant | str | None = None,
+                  backend: str | None = None) -> SamplerOutput:  # fmt: skip
     """Sample one token per row of `logits`, exactly and reproducibly.
 
     Args:
@@ -129,9 +114,8 @@ def sample_logits(
             not batch-position invariant, see `graphexec.sampling.flashinfer`).
 
     Returns:
-        `SamplerOutput`: token_ids [B] int64 (-1 where valid is False), valid [B] bool,
-        and when any row set `logprobs`: logprobs [B] f32, ranks [B] i64, top_logprobs /
-        top_token_ids [B, N] with N the largest `logprobs` asked.
+        `SamplerOutput`, its logprob fields set when any row set `logprobs` (top-N: N the
+        largest `logprobs` asked).
 
     Example:
         >>> import torch, graphexec as gx
@@ -222,8 +206,6 @@ def check_batch(B: int, V: int, dev: torch.device, params, positions, token_coun
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend in ("triton", "flashinfer") and dev.type != "cuda":
-        from graphexec.sampling.triton import interpreter_enabled
-
         if backend == "flashinfer" or not interpreter_enabled():
             raise ValueError(
                 f"backend {backend!r} needs CUDA tensors (triton runs on the CPU only under "

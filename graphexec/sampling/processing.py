@@ -21,14 +21,9 @@ def sanitize(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), torch.full_like(x, -torch.inf), x)
 
 
-def process_logits(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    table: SamplingTensors,
-    bitmask: torch.Tensor | None = None,
-    count_ids: torch.Tensor | None = None,
-    lo: int = 0,
-) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
+                   bitmask: torch.Tensor | None = None, count_ids: torch.Tensor | None = None,
+                   lo: int = 0) -> torch.Tensor:  # fmt: skip
     """Steps 1-2: the processed fp32 logits x [B, V] (before temperature). count_ids
     [B, NE] (-1 = none): ids each row counts once more on top of its slot's counts
     (speculative drafts before an offset); only where the table has token counts.

@@ -88,30 +88,15 @@ def row_gumbel_stream(seed: torch.Tensor, pos: torch.Tensor, n: int, stream: int
     groups = torch.arange((n + 3) // 4, device=seed.device, dtype=torch.int64)
     s = seed.to(torch.int64).unsqueeze(1)
     zero = torch.zeros((), dtype=torch.int64, device=seed.device)
-    words = philox4x32(
-        groups.unsqueeze(0),
-        pos.to(torch.int64).unsqueeze(1),
-        zero + int(stream),
-        zero,
-        s & 0xFFFFFFFF,
-        s >> 32,
-    )
+    words = philox4x32(groups.unsqueeze(0), pos.to(torch.int64).unsqueeze(1), zero + int(stream),
+                       zero, s & 0xFFFFFFFF, s >> 32)  # fmt: skip
     bits = torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], -1)
     u = ((bits[:, :n] >> 8) | 1).to(torch.float32) * 2.0**-24
     return -torch.log(-torch.log(u))
 
 
-def row_gumbel(seed: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] token noise for every token of each row."""
-    return row_gumbel_stream(seed, pos, vocab_size, Stream.TOKEN)
-
-
-def filter_mask(
-    x: torch.Tensor,
-    slot_ids: torch.Tensor,
-    table: SamplingTensors,
-    total: torch.Tensor | None = None,
-) -> torch.Tensor:
+def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
+                total: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Step 5 on scaled rows y: [B, V] bool, True where a token survives the filters.
 
     total: [B] float64 top-p total for rows with top-k off (`row_mass`); None sums q
@@ -160,12 +145,8 @@ def block_stats(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
     return xm, torch.where(fin, (torch.exp(z) * MASS_SCALE).to(torch.int64), 0).sum(-1)
 
 
-def row_mass(
-    xc: torch.Tensor,
-    inv_t: torch.Tensor,
-    draw_block: int,
-    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def row_mass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
+             stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """[B] float64 total of step 5 (top-k off): sum_b Q_b * exp(ym_b), in block order
     (stats: the rows' `block_stats`, when already computed)."""
     xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
@@ -180,16 +161,9 @@ def block_ymax(xc: torch.Tensor, xm: torch.Tensor, inv_t: torch.Tensor) -> torch
     return torch.where(xm > -torch.inf, (xm - row_max(xc)) * inv_t.view(-1, 1), -torch.inf)
 
 
-def two_level(
-    y: torch.Tensor,
-    ym: torch.Tensor,
-    mass: torch.Tensor,
-    among: torch.Tensor,
-    seed: torch.Tensor,
-    positions: torch.Tensor,
-    streams: tuple[int, int],
-    draw_block: int,
-) -> torch.Tensor:
+def two_level(y: torch.Tensor, ym: torch.Tensor, mass: torch.Tensor, among: torch.Tensor,
+              seed: torch.Tensor, positions: torch.Tensor, streams: tuple[int, int],
+              draw_block: int) -> torch.Tensor:  # fmt: skip
     """[B] the two-level draw of step 6 over the tokens `among` [B, V] (block masses
     `mass` [B, nblocks] over them), with noise streams (token, block)."""
     V = y.shape[1]
@@ -216,16 +190,10 @@ class Draw:
     kept: torch.Tensor
 
 
-def draw_rows(
-    xc: torch.Tensor,
-    y: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    kept: torch.Tensor | None,
-    draw_block: int = DRAW_BLOCK,
-    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> Draw:
+def draw_rows(xc: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor,
+              positions: torch.Tensor, table: SamplingTensors, kept: torch.Tensor | None,
+              draw_block: int = DRAW_BLOCK,
+              stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> Draw:  # fmt: skip
     """Step 6 from scaled rows y (xc: collapsed y's source, for greedy rows and the block
     masses; stats: its `block_stats`, if known; kept: the filters' mask, None when no row
     has an active filter)."""
@@ -270,14 +238,9 @@ def log_softmax_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return shifted - lse, m, lse
 
 
-def write_logprobs(
-    raw: torch.Tensor,
-    y: torch.Tensor,
-    slot_ids: torch.Tensor,
-    table: SamplingTensors,
-    tokens: torch.Tensor,
-    out: SamplerOutput,
-) -> None:
+def write_logprobs(raw: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor,
+                   table: SamplingTensors, tokens: torch.Tensor,
+                   out: SamplerOutput) -> None:  # fmt: skip
     """Step 7, into out.logprobs / ranks / top_logprobs / top_token_ids."""
     processed = table.logprobs_processed[slot_ids].unsqueeze(1)
     v = collapse_inf(torch.where(processed, y, raw))
@@ -294,17 +257,10 @@ def write_logprobs(
         out.top_logprobs.copy_((sv[:, :n] - m) - lse)
 
 
-def draw_batch(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    *,
-    draw_block: int = DRAW_BLOCK,
-    count_ids: torch.Tensor | None = None,
-) -> tuple[Draw, torch.Tensor]:
+def draw_batch(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+               table: SamplingTensors, bitmask: torch.Tensor | None = None,
+               variant: SamplerVariant = SamplerVariant.DEFAULT, *, draw_block: int = DRAW_BLOCK,
+               count_ids: torch.Tensor | None = None) -> tuple[Draw, torch.Tensor]:  # fmt: skip
     """Steps 1-6 of raw logits [B, V]: (the `Draw`, the scaled rows y)."""
     xc = collapse_inf(process_logits(logits, slot_ids, table, bitmask, count_ids))
     y = scale(xc, slot_ids, table)
@@ -317,18 +273,10 @@ def draw_batch(
     return draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats), y
 
 
-def sample(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    *,
-    draw_block: int = DRAW_BLOCK,
-    count_ids: torch.Tensor | None = None,
-) -> SamplerOutput:
+def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+           table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+           variant: SamplerVariant = SamplerVariant.DEFAULT, *, draw_block: int = DRAW_BLOCK,
+           count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
     """The torch backend of `graphexec.sampling.pipeline.sample_step` (`draw_block` is
     for tests only: the library always uses DRAW_BLOCK)."""
     d, y = draw_batch(logits, slot_ids, positions, table, bitmask, variant,
@@ -338,6 +286,3 @@ def sample(
     if out.logprobs is not None:
         write_logprobs(sanitize(logits), y, slot_ids, table, d.token_ids, out)
     return out
-
-
-__all__ = ["sample", "draw_batch", "filter_mask", "write_logprobs"]

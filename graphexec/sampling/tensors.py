@@ -3,16 +3,8 @@
 `SamplingTensors` holds one row per slot (the executor's `SlotTable` owns one sized
 `max_slots`; `sample_logits` builds a throwaway one with a slot per batch row). Kernels
 read a batch row's parameters through `slot_ids[b]`, so the table never moves and a CUDA
-graph captured over it stays valid while the values change between replays.
-
-Normalised encodings (so kernels test one thing):
-    temperature    0 = greedy; inv_temperature = fp32(1 / T) (1 for greedy rows)
-    top_k          0 = off (top_k <= 0 or >= V)
-    top_p          1 = off;  min_p  0 = off
-    log_min_p      fp32(ln(min_p)) computed in float64 on the host (-inf = off): min-p keeps
-                   y >= log_min_p, a compare every backend makes on the same bits
-    logprobs       -1 = off; else the top-N asked (0..20)
-    bias_ids       -1 pads a slot's sparse logit-bias list (bias_values 0 there)
+graph captured over it stays valid while the values change between replays. Values are
+normalised (`SamplingTensors`' field comments), so kernels test one thing.
 """
 
 from __future__ import annotations
@@ -26,10 +18,13 @@ import torch
 
 from graphexec.params import SamplingParams
 
-# host_columns' keys, in order: the order of `SamplingTensors.host_row`'s values
+# host_columns' keys, in order: the order of `SamplingTensors.host_row`'s values; their
+# columns are float32 but for HOST_DTYPES
 HOST_FIELDS = ("temperature", "inv_temperature", "top_k", "top_p", "min_p", "log_min_p", "seed",
                "repetition_penalty", "inv_repetition_penalty", "presence_penalty",
                "frequency_penalty", "logprobs", "logprobs_processed")  # fmt: skip
+HOST_DTYPES = {"top_k": torch.int32, "seed": torch.int64, "logprobs": torch.int32,
+               "logprobs_processed": torch.bool}  # fmt: skip
 _F32 = struct.Struct("<f")
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -55,70 +50,54 @@ def _recip32(x: float) -> float:
 class SamplingTensors:
     """Per-slot sampling parameters, each a device tensor with a leading [S] dim."""
 
-    temperature: torch.Tensor  # f32 [S]
-    inv_temperature: torch.Tensor  # f32 [S]
-    top_k: torch.Tensor  # i32 [S]
-    top_p: torch.Tensor  # f32 [S]
-    min_p: torch.Tensor  # f32 [S]
-    log_min_p: torch.Tensor  # f32 [S]
+    temperature: torch.Tensor  # f32 [S]: 0 = greedy
+    inv_temperature: torch.Tensor  # f32 [S]: fp32(1 / T) (1 for greedy rows)
+    top_k: torch.Tensor  # i32 [S]: 0 = off (top_k <= 0 or >= V)
+    top_p: torch.Tensor  # f32 [S]: 1 = off
+    min_p: torch.Tensor  # f32 [S]: 0 = off
+    # f32 [S]: fp32(ln(min_p)) from a float64 log on the host (-inf = off): min-p keeps
+    # y >= log_min_p, a compare every backend makes on the same bits
+    log_min_p: torch.Tensor
     seed: torch.Tensor  # i64 [S]
     repetition_penalty: torch.Tensor  # f32 [S]
     inv_repetition_penalty: torch.Tensor  # f32 [S]
     presence_penalty: torch.Tensor  # f32 [S]
     frequency_penalty: torch.Tensor  # f32 [S]
-    logprobs: torch.Tensor  # i32 [S]
+    logprobs: torch.Tensor  # i32 [S]: -1 = off; else the top-N asked (0..20)
     logprobs_processed: torch.Tensor  # bool [S]
-    bias_ids: torch.Tensor  # i32 [S, NB]
+    bias_ids: torch.Tensor  # i32 [S, NB]: ascending, -1 pads the list (bias_values 0 there)
     bias_values: torch.Tensor  # f32 [S, NB]
     token_counts: torch.Tensor | None = None  # i32 [S, V]: tokens generated so far
     prompt_mask: torch.Tensor | None = None  # bool [S, V]: token occurs in the prompt
-
-    @property
-    def num_slots(self) -> int:
-        return self.temperature.shape[0]
 
     @property
     def device(self) -> torch.device:
         return self.temperature.device
 
     @classmethod
-    def allocate(
-        cls,
-        num_slots: int,
-        vocab_size: int,
-        device: torch.device | str,
-        max_bias: int = 1,
-        penalties: bool = False,
-    ) -> SamplingTensors:
-        """A table of `num_slots` rows, every row set to plain sampling (T=1, no filters)."""
+    def allocate(cls, num_slots: int, vocab_size: int, device: torch.device | str,
+                 max_bias: int = 1, penalties: bool = False) -> SamplingTensors:  # fmt: skip
+        """A table of `num_slots` rows, every row set to plain sampling (default params)."""
         d = torch.device(device)
-        f32 = dict(dtype=torch.float32, device=d)
+        plain = cls.host_row(SamplingParams(seed=0), vocab_size)
+        cols = {
+            name: torch.full((num_slots,), v, dtype=HOST_DTYPES.get(name, torch.float32), device=d)
+            for name, v in zip(HOST_FIELDS, plain, strict=True)
+        }
         nb = max(1, max_bias)
         wide = (num_slots, vocab_size)
         return cls(
-            temperature=torch.ones(num_slots, **f32),
-            inv_temperature=torch.ones(num_slots, **f32),
-            top_k=torch.zeros(num_slots, dtype=torch.int32, device=d),
-            top_p=torch.ones(num_slots, **f32),
-            min_p=torch.zeros(num_slots, **f32),
-            log_min_p=torch.full((num_slots,), -torch.inf, **f32),
-            seed=torch.zeros(num_slots, dtype=torch.int64, device=d),
-            repetition_penalty=torch.ones(num_slots, **f32),
-            inv_repetition_penalty=torch.ones(num_slots, **f32),
-            presence_penalty=torch.zeros(num_slots, **f32),
-            frequency_penalty=torch.zeros(num_slots, **f32),
-            logprobs=torch.full((num_slots,), -1, dtype=torch.int32, device=d),
-            logprobs_processed=torch.zeros(num_slots, dtype=torch.bool, device=d),
+            **cols,
             bias_ids=torch.full((num_slots, nb), -1, dtype=torch.int32, device=d),
-            bias_values=torch.zeros((num_slots, nb), **f32),
+            bias_values=torch.zeros((num_slots, nb), dtype=torch.float32, device=d),
             token_counts=torch.zeros(wide, dtype=torch.int32, device=d) if penalties else None,
             prompt_mask=torch.zeros(wide, dtype=torch.bool, device=d) if penalties else None,
         )
 
     @staticmethod
     def host_columns(params: Sequence[SamplingParams], vocab_size: int) -> dict[str, torch.Tensor]:
-        """The scalar columns for `params`, normalised (see the module docstring), on the CPU:
-        `host_row`'s values as tensors of the table's dtypes, but ln(min_p) from torch's
+        """The scalar columns for `params`, normalised (the fields' comments), on the CPU:
+        `host_row`'s values as tensors of the columns' dtypes, but ln(min_p) from torch's
         float64 log (`host_row`'s math.log gives the same float32 bits; tests check both)."""
         for i, p in enumerate(params):
             if p.seed is None:
@@ -128,8 +107,7 @@ class SamplingTensors:
                 )
             p.check_vocab(vocab_size)
         rows = [SamplingTensors.host_row(p, vocab_size) for p in params]
-        like = SamplingTensors.allocate(0, 1, "cpu")
-        cols = {name: torch.tensor([r[j] for r in rows], dtype=getattr(like, name).dtype)
+        cols = {name: torch.tensor([r[j] for r in rows], dtype=HOST_DTYPES.get(name, torch.float32))
                 for j, name in enumerate(HOST_FIELDS)}  # fmt: skip
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
         cols["log_min_p"] = min_p.log().to(torch.float32)
@@ -188,14 +166,9 @@ class SamplingTensors:
         self.bias_values.index_copy_(0, idx, vals.to(self.device))
 
     @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        vocab_size: int,
-        device: torch.device | str,
-        token_counts: torch.Tensor | None = None,
-        prompt_mask: torch.Tensor | None = None,
-    ) -> SamplingTensors:
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device | str, token_counts: torch.Tensor | None = None,
+                    prompt_mask: torch.Tensor | None = None) -> SamplingTensors:  # fmt: skip
         """A table with one slot per entry of `params` (slot b serves batch row b)."""
         d = torch.device(device)
         nb = max(len(p.logit_bias or {}) for p in params)

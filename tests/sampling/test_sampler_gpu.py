@@ -102,7 +102,7 @@ def near_tie_ok(logits, params, pos, counts, prompt, bitmask, row, tok_ref, tok_
         table.seed, posr, ym.shape[1], Stream.BLOCK)  # fmt: skip
     if tok_ref // db != tok_tri // db:
         return close(lb[0, tok_ref // db].item(), lb[0, tok_tri // db].item())
-    sc = y[0] + reference.row_gumbel(table.seed, posr, V)[0]
+    sc = y[0] + reference.row_gumbel_stream(table.seed, posr, V, Stream.TOKEN)[0]
     return close(sc[tok_ref].item(), sc[tok_tri].item())
 
 

@@ -25,21 +25,17 @@ row):
                           select, kept, finish (rows not in a launch's route leave at once)
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
-The stats pass is the read floor's loop: full tiles unmasked with their loads issued an
-iteration ahead, a masked last tile, one ex2 and one conversion per logit (`keys`).
-
-Draw first, filter second (`reference`, step 6): every filtered row first draws its
-candidate c from the whole row, exactly as no_filter does (the two-level draw by the block
-stats Q_b; one block read again). If c is in the kept set it is the token; else the row
-takes the cut's machinery below and draws from the kept set on the fallback streams.
-Routes, one per row, and what serves it (kernels are `file:function` in this package;
-passes are reads of the row, worst case, then the draw's one block):
+Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate
+(the two-level draw over the whole row, as no_filter draws) when the kept set holds it,
+else a draw from the kept set on the fallback streams. Routes, one per row, and what
+serves it (kernels are `file:function` in this package; passes are reads of the row,
+worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
-| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_row_tail |
-| candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + check:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, check:_decide_row |
-| short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:short_draw |
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_tail_kernel |
+| candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + stats:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, stats:_check_kernel |
+| short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:_short_kernel |
 | cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |
 | select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
 | round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: late_programs shared by its rows) | 6 | select:_bracket, kept:_finish |
@@ -49,13 +45,12 @@ passes are reads of the row, worst case, then the draw's one block):
 A row of the last four routes ends in `draw.fallback_draw`: its candidate if it was left
 undecided and the cut keeps it, else the fallback draw. The candidate route is how most
 rows end: a kept set of mass m keeps the candidate with probability m (top-p 0.9: about
-nine rows in ten), and on a peaked row its check reads a few blocks.
-
-Each later pass reads only the listed blocks: peaked rows read a few dozen blocks again
-(and take the short route: one program gathers the candidates, sorts them and resolves
-every cut from their exact masses), flat ones most of the row. The draw reads one block
-again: greedy, the first block holding the max; else the block the two-level draw picks
-(ties also read the block of their last kept id).
+nine rows in ten), and on a peaked row its check reads a few blocks. Each later pass
+reads only the listed blocks: peaked rows a few dozen (the short route), flat ones most of
+the row. The draw reads one block again (`reference`, step 6: a block by its exact kept
+mass K_b, then a token inside it, whatever the filters kept): greedy, the first block
+holding the max; else the block the two-level draw picks (ties also read the block of
+their last kept id).
 
 Why it is bounded: the kept set of a filtered row is a prefix of the row's order, so its
 cut is found by counting, never by sorting a set whose size depends on the data. min-p's
@@ -67,22 +62,14 @@ bins between lo and the max (exact counts; masses estimated) and places a bracke
 around each cut; the kept pass sums the exact integer masses outside the brackets and
 gathers the bracket's tokens (at most gather_cap), and the finish resolves the cut among
 them by counting: pairwise up to 64 gathered tokens, else by 16-way searches over their
-keys. Every decision is checked against exact counts and masses. A
-bracket that does not hold the cut (top-p's crossing is estimated from bin edges, so the
-few largest tokens' masses are known to a bin's width: randn3 rows at temperature 1 missed
-by a few bins) sends the row to round 2, the same passes over the bins that surely hold
-every cut, binned anew (hundreds of times finer) with the mass above them counted
-exactly; round 2's rows share `late_programs` programs whatever B is, so one such row costs
-the batch two parallel passes over that row, not a serial search. Only a row whose second
-bracket fails too (more than gather_cap tokens of one value at the cut) takes the exact
-search (`exact`: 16-way searches over the 64-bit order keys by one program, bounded at 31
-passes but serial, so milliseconds for such a row). No estimate changes a token.
-
-Why the two-level draw: a block by its exact kept mass K_b, then a token inside it, so
-noise is drawn for the block maxes and one block, and the draw reads one block again
-whatever the filters kept (`reference`, step 6).
+keys. Every decision is checked against exact counts and masses. A bracket that does not
+hold the cut (top-p's crossing is estimated from bin edges, so the few largest tokens'
+masses are known to a bin's width: randn3 rows at temperature 1 missed by a few bins)
+sends the row to round 2, the same passes over the bins that surely hold every cut, binned
+anew (hundreds of times finer) with the mass above them counted exactly; round 2's rows
+share `late_programs` programs whatever B is, so one such row costs the batch two parallel
+passes over that row, not a serial search. Only a row whose second bracket fails too
+(more than gather_cap tokens of one value at the cut) takes the exact search (`exact`:
+16-way searches over the 64-bit order keys by one program, bounded at 31 passes but
+serial, so milliseconds for such a row). No estimate changes a token.
 """
-
-from graphexec.runtime.triton_env import interpreter_enabled
-
-__all__ = ["interpreter_enabled"]

@@ -1,8 +1,7 @@
 """The candidate route: draw first, filter second (`reference`, step 6).
 
-A filtered row's candidate c is the two-level draw over the whole row (its block stats
-Q_b; one block read again), exactly as `no_filter` draws. Whether c is in the kept set
-is decided from c alone:
+Whether a filtered row's candidate c (the route map) is in the kept set is decided from c
+alone:
 
     min-p    y_c >= log_min_p: nothing more to read
     top-k    the tokens ranked above c (pack > pack_c) number fewer than k
@@ -17,7 +16,7 @@ Only the blocks whose max reaches y_c hold tokens ranked above c. Before reading
 blocks whose max is above c's prove a lower bound of the count (one token each) and of
 the mass (their maxima's), which rejects c at once when it already reaches the filter's
 limit. The row tail counts up to check_blocks such blocks (`decide_in_tail`); more, the
-check pass (`check`).
+check pass (`stats._check_kernel`).
 """
 
 from __future__ import annotations

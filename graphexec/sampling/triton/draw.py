@@ -1,7 +1,6 @@
 """The draw itself, shared by every route's last step (`reference`, step 6).
 
-Terms: y = (x - m) * s is the scaled row (m its max, s = 1/T); ym_b the block maxes of
-y; K_b a block's kept mass relative to its max (int64, exact). A row's kept set is a few
+A row's kept set (terms: the package docstring; m the row max, s = 1/T) is a few
 scalars, evaluated per token by `kept_mask`:
 
     bins      j(y) = min(floor((top - y) * inv_w * FINE), NBINS * FINE - 1) for y <=
@@ -129,3 +128,38 @@ def greedy_token(P, row, slot, ids, xm, mx, NBLK_P2: tl.constexpr, DB: tl.conste
     offs = gb * DB + tl.arange(0, DB)
     x = tile_x(P, row, slot, ids, offs, gb * DB, gb * DB + DB, FL)
     return tl.min(tl.where(x == mx, offs, INT32_MAX), axis=0)
+
+
+@triton.jit
+def ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
+              NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """A filtered row whose live tokens all share one value (+inf rows included): each
+    weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
+    (`reference`, step 5, with every q equal); its candidate where it is one of them, else
+    the fallback draw over them."""
+    b = tl.arange(0, NBLK_P2)
+    n_b = q >> 32
+    n_live = tl.sum(n_b, axis=0)
+    L = tl.where((top_k > 0) & (top_k < n_live), top_k.to(tl.int64), n_live)
+    if top_p < 1.0:
+        t = tl.where(top_k > 0, L.to(tl.float64) * 4294967296.0, total)
+        L = tl.minimum(L, tl.math.ceil(top_p.to(tl.float64) * t / 4294967296.0).to(tl.int64))
+    cum = tl.cumsum(n_b, axis=0)
+    bl = tl.min(tl.where(cum >= L, b, NBLK_P2), axis=0)
+    need = L - tl.sum(tl.where(b == bl - 1, cum, 0), axis=0)
+    offs = bl * DB + tl.arange(0, DB)
+    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, FL) == mx
+    rank = tl.cumsum(live.to(tl.int64), axis=0)
+    last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
+    kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
+    cut = pack(tl.zeros([], dtype=tl.float32), last)
+    m = tl.where(mx == float("inf"), 0.0, mx)
+    # the candidate (every live token), kept when it is one of the first L live ids
+    tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
+                                   pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+    if tok > last:
+        tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
+                                       seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,
+                                       1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL,
+                                       FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
+    return tok

@@ -32,11 +32,7 @@ from graphexec.sampling.triton.keys import (
     tile_total,
     unpack,
 )
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    list_tile,
-    row_params,
-)
+from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
 from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
 from graphexec.sampling.triton.short import cut_tiles
 
@@ -92,7 +88,7 @@ def _cut(keys, w, ok_g, lowest, highest, target, base, mid, max2, CAP: tl.conste
 
 
 @triton.jit
-def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
+def _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
              CAP: tl.constexpr, WCAP: tl.constexpr, NBINS: tl.constexpr, DB: tl.constexpr,
              WAYS: tl.constexpr, ITERS: tl.constexpr, NBLK):  # fmt: skip
     """(ok, cut, midk): the cut C of a selected row's kept set {pack >= C} (with y >=
@@ -179,9 +175,9 @@ def _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
 
 @triton.jit
 def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
-            NB_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, NBINS: tl.constexpr,
-            WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr,
-            SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
+            NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr,
+            WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
+            FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
     slot, greedy, s_unused, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     ri = W.rowi + row * cf.NUM_I
@@ -200,13 +196,11 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         n_g = tl.load(ri + cf.I_NG)
         ok = n_g <= WCAP
         if ok & (n_g <= FEW):  # narrow vectors: the tail's latency
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
-                                     top_p, n_g, FEW, WCAP, NBINS, DB, WAYS, ITA,
-                                     NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g, FEW,
+                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         elif ok:
-            ok, cut, midk = _resolve(P, W, row, slot, m, s, lo, top, inv_w, j2, lnmp, top_k,
-                                     top_p, n_g, WCAP, WCAP, NBINS, DB, WAYS, ITA,
-                                     NBLK)  # fmt: skip
+            ok, cut, midk = _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g, WCAP,
+                                     WCAP, NBINS, DB, WAYS, ITA, NBLK)  # fmt: skip
         if ok == 0:
             route = tl.full([], cf.R_EXACT if ROUND2 else cf.R_REFINE, tl.int64)
     if route == cf.R_REFINE:  # round 1 only: the draw waits for round 2
@@ -214,8 +208,7 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
         plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2, NBINS)
     else:
         if route == cf.R_EXACT:
-            xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"),
-                         cache_modifier=".cg")  # fmt: skip
+            xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
             y_lo = tl.min(tl.where(xn < float("inf"), (xn - m) * s, 0.0), axis=0)
             y_lo = tl.maximum(y_lo, -FLT_MAX)
             cut = exact_cut(P, W, row, slot, ids, m, s, y_lo, top_k, top_p, lnmp,
@@ -233,14 +226,12 @@ def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
             midk = tl.zeros([], dtype=tl.int1)
             tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
         tl.debug_barrier()
-        kv = tl.load(W.kept + row * NBLK + b, mask=bm & (ym >= klo), other=0,
-                     cache_modifier=".cg")  # fmt: skip
+        kv = tl.load(W.kept + row * NBLK + b, mask=bm & (ym >= klo), other=0, cache_modifier=".cg")
         if midk:
             kv += tl.load(W.kept_mid + row * NBLK + b, mask=bm & (ym >= klo), other=0,
                           cache_modifier=".cg")  # fmt: skip
-        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi,
-                            j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS,
-                            FL)  # fmt: skip
+        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi, j1,
+                            j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2, DB, NBINS, FL)  # fmt: skip
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, tok >= 0)
 
@@ -357,18 +348,17 @@ def _finish_kernel(
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
     ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): round 1, the rows the kept pass summed, resolved and drawn, or sent to
-    round 2 (a launch of its own: the kept pass keeps the registers of a streaming loop);
-    round 2, program i serves entry i of the refine list."""
+    """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
+    round 1, the rows the kept pass summed; round 2, entry i of the refine list."""
     if ROUND2:
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
             route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
+                    WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
     else:
         row = tl.program_id(0)
         route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if route != cf.R_DONE:
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, R, NBINS,
-                    WCAP, WAYS, ITA, ITB, SB, FL, False)  # fmt: skip
+            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
+                    WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

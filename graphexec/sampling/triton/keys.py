@@ -57,8 +57,7 @@ def exp_ftz(z):
     else:
         return tl.inline_asm_elementwise(
             "{ .reg .f32 t; mul.ftz.f32 t, $1, 0f3FB8AA3B; ex2.approx.ftz.f32 $0, t; }",
-            "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1,
-        )  # fmt: skip
+            "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit

@@ -11,34 +11,24 @@ import torch
 import triton
 
 from graphexec.params import SamplerVariant
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton import interpreter_enabled
-from graphexec.sampling.triton.check import _check_kernel
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
-from graphexec.sampling.triton.stats import _stats_kernel, _tail_kernel
+from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel, _tail_kernel
 
 
-def sample(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    bitmask: torch.Tensor | None = None,
-    variant: SamplerVariant = SamplerVariant.DEFAULT,
-    *,
-    config: SamplerConfig | None = None,
-    workspace: Workspace | None = None,
-    count_ids: torch.Tensor | None = None,
-) -> SamplerOutput:
-    """Sample one token per row into `out` (see `pipeline.sample_step`). `workspace`: a
-    persistent `Workspace` for at least B rows of this V and config (the executor's);
-    None allocates one."""
+def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+           table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
+           variant: SamplerVariant = SamplerVariant.DEFAULT, *, config: SamplerConfig | None = None,
+           workspace: Workspace | None = None,
+           count_ids: torch.Tensor | None = None) -> SamplerOutput:  # fmt: skip
+    """The Triton backend of `pipeline.sample_step` (`workspace`: for at least B rows of
+    this V and config, or None to allocate one)."""
     cfg = config or SamplerConfig.default()
     B, V = logits.shape
     if B == 0:
@@ -58,36 +48,28 @@ def sample(
     per = triton.cdiv(triton.cdiv(nblk, r), S) * r
     filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
-    common = dict(NB_P2=nb_p2, R=r, DB=db, FL=fl, NBINS=cfg.bins, enable_fp_fusion=False,
-                  num_warps=cfg.num_warps)  # fmt: skip
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
-    _stats_kernel[(B * S,)](
-        P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, NB_P2=nb_p2, R=r, DB=db, FL=fl,
-        enable_fp_fusion=False, num_warps=cfg.num_warps,
-    )  # fmt: skip
-    _tail_kernel[(B,)](
-        P, W, out.token_ids, out.valid, nblk, FILTERS=filters, NB_P2=nb_p2, NBLK_P2=nblk_p2,
-        DB=db, FL=fl, NBINS=cfg.bins, R=r, CB=cfg.check_blocks, enable_fp_fusion=False,
-        num_warps=cfg.tail_warps,
-    )  # fmt: skip
+    # every launch's constants: the passes' (common) and the row kernels' (rows)
+    base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False)
+    common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
+    rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
+    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=r,
+                            num_warps=cfg.num_warps, **base)  # fmt: skip
+    _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters, NBINS=cfg.bins,
+                       R=r, CB=cfg.check_blocks, **rows)  # fmt: skip
     if filters:
         if cfg.check_blocks:
-            _check_kernel[(B * S2,)](
-                P, W, out.token_ids, out.valid, S2, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, R=r,
-                DB=db, NBINS=cfg.bins, FL=fl, enable_fp_fusion=False, num_warps=cfg.num_warps,
-            )  # fmt: skip
+            _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
+                                     **common)  # fmt: skip
         if cfg.short_blocks:
-            _short_kernel[(B,)](
-                P, W, out.token_ids, out.valid, nblk, NB_P2=nb_p2, NBLK_P2=nblk_p2, DB=db,
-                R=min(r, cfg.short_blocks), SB=cfg.short_blocks, ST=cfg.short_tokens,
-                WCAP=cfg.gather_cap, FL=fl, INTERP=interpreter_enabled(),
-                enable_fp_fusion=False, num_warps=cfg.tail_warps,
-            )  # fmt: skip
-        ways = cfg.search_ways
-        bits = int(math.log2(ways))
-        finish = dict(NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=ways, SB=cfg.search_blocks,
-                      ITA=-(-32 // bits) + 1, ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
-                      **{**common, "num_warps": cfg.tail_warps})  # fmt: skip
+            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=min(r, cfg.short_blocks),
+                                SB=cfg.short_blocks, ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                                INTERP=interpreter_enabled(), **rows)  # fmt: skip
+        bits = int(math.log2(cfg.search_ways))
+        finish = dict(common, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=cfg.search_ways,
+                      SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
+                      ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
+                      num_warps=cfg.tail_warps)  # fmt: skip
         G = cfg.late_programs  # round 2's programs, shared by its few rows
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
             _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
@@ -106,9 +88,8 @@ def sample(
             P, W, y, torch.empty((B, cap), dtype=torch.int64, device=logits.device),
             out.token_ids, out.logprobs, out.ranks, out.top_logprobs if n else out.logprobs,
             out.top_token_ids if n else out.ranks, done, nblk, N=n,
-            N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, NB_P2=nb_p2,
-            GR=2 if interp else 32, DB=db, CAP=cap, YB=256 if interp else 2048, INTERP=interp,
-            FL=fl, enable_fp_fusion=False, num_warps=8,
+            N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
+            CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
         )  # fmt: skip
         write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done)
     return out

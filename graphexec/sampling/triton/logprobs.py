@@ -1,12 +1,6 @@
-"""The logprobs writers: the sampled token's logprob and rank, and the top-N.
-
-Per row, over v = the raw logits (default) or the scaled processed row y
-(`logprobs_processed`; the sampler's y = (x - max) / T, already collapsed),
-both NaN-free and +inf-collapsed as in `graphexec.sampling.reference.write_logprobs`:
-
-    lp(t) = (v_t - m) - log(sum_j exp(v_j - m))      m = max v, sum in a fixed order
-    rank  = 1 + #(v_j > v_token)
-    top-N = the first N of the row's (value desc, id asc) order
+"""The logprobs writers: the sampled token's logprob and rank, and the top-N, as
+`reference.write_logprobs` defines them (step 7), over the raw logits or, for
+`logprobs_processed` rows, the sampler's scaled row y.
 
 `_raw_logprobs_kernel` serves raw rows from the stats pass's raw block stats (rxm_b, the
 raw max; rs_b = sum exp(v - rxm_b), v the raw logits, NaN -> -inf), a program per row:
@@ -32,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton import interpreter_enabled
 from graphexec.sampling.triton.keys import collapse_inf, okey, pack, sort_desc, unpack
 from graphexec.sampling.triton.process import bias_ids, raw_x, row_params, tile_x
 from graphexec.sampling.triton.stats import grid_delta
@@ -85,12 +79,11 @@ def _logprobs_kernel(  # one program per row
     top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
     done_ptr,  # [B] i32: rows already written (`_raw_logprobs_kernel`) are skipped
     V, BF16_BITS: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, CAP: tl.constexpr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr, SKIP_DONE: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
-    if SKIP_DONE:
-        if tl.load(done_ptr + row) != 0:
-            return
+    if tl.load(done_ptr + row) != 0:
+        return
     slot = tl.load(slot_ptr + row)
     processed = tl.load(proc_ptr + slot).to(tl.int32) != 0
     raw_row = raw_ptr + row.to(tl.int64) * stride_raw
@@ -189,25 +182,17 @@ def _logprobs_kernel(  # one program per row
                    INTERP)  # fmt: skip
 
 
-def write_logprobs(
-    logits: torch.Tensor,
-    y: torch.Tensor,
-    slot_ids: torch.Tensor,
-    table: SamplingTensors,
-    out: SamplerOutput,
-    *,
-    cap: int,
-    block: int | None = None,
-    done: torch.Tensor | None = None,
-) -> None:
-    """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids
-    (done: optional [B] int32, rows already written are skipped)."""
+def write_logprobs(logits: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor,
+                   table: SamplingTensors, out: SamplerOutput, *, cap: int,
+                   done: torch.Tensor) -> None:  # fmt: skip
+    """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids,
+    but for the rows the raw writer served (done [B] int32, nonzero there)."""
     B, V = y.shape
     n = out.num_top or 0
     if cap < n:
         raise ValueError(f"cap ({cap}) must be >= the top-N width ({n})")
     cand = torch.empty((B, cap), dtype=torch.int64, device=y.device)
-    blk = block or min(triton.next_power_of_2(V), 4096 if interpreter_enabled() else 2048)
+    blk = min(triton.next_power_of_2(V), 4096 if interpreter_enabled() else 2048)
     top_lp = out.top_logprobs if n else out.logprobs
     top_id = out.top_token_ids if n else out.ranks
     bf16 = logits.dtype == torch.bfloat16
@@ -216,20 +201,10 @@ def write_logprobs(
     _logprobs_kernel[(B,)](
         logits, logits.stride(0), y, y.stride(0), slot_ids, table.logprobs_processed,
         out.token_ids, cand, out.logprobs, out.ranks, top_lp, top_id,
-        done if done is not None else out.ranks, V, BF16_BITS=bf16, N=n,
-        N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap, BLOCK=blk, ROUNDS=16,
-        INTERP=interpreter_enabled(), SKIP_DONE=done is not None,
+        done, V, BF16_BITS=bf16, N=n, N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap,
+        BLOCK=blk, ROUNDS=16, INTERP=interpreter_enabled(),
         num_warps=8 if not interpreter_enabled() else 4,
     )  # fmt: skip
-
-
-@triton.jit
-def _write_y(P, row, slot, ids, m, has_inf, s, y_row, YB: tl.constexpr, FL: tl.constexpr):
-    """The row's y = (collapsed x - m) * s, for the general writer's processed rows."""
-    for start in range(0, P.vocab, YB):
-        offs = start + tl.arange(0, YB)
-        x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, FL), has_inf)
-        tl.store(y_row + offs, (x - m) * s, mask=offs < P.vocab)
 
 
 @triton.jit
@@ -322,13 +297,17 @@ def _raw_logprobs_kernel(  # one program per row
                 served = 0
     tl.store(done_ptr + row, served)
     if raw_mode == 0:
-        # y as the sampler scales it: m the row max of x (0 where none is finite)
+        # the general writer's y, as the sampler scales it: m the row max of x (0 where none
+        # is finite)
         xm = tl.load(W.xm + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
         mx = tl.max(xm, axis=0)
         has_inf = mx == float("inf")
         m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
-        _write_y(P, row, slot, bias_ids(P, slot, NB_P2), m, has_inf, inv_t, y_ptr + r64 * P.vocab,
-                 YB, FL)  # fmt: skip
+        ids = bias_ids(P, slot, NB_P2)
+        for start in range(0, P.vocab, YB):
+            offs = start + tl.arange(0, YB)
+            x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + YB, FL), has_inf)
+            tl.store(y_ptr + r64 * P.vocab + offs, (x - m) * inv_t, mask=offs < P.vocab)
 
 
 @triton.jit

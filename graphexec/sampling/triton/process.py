@@ -1,5 +1,4 @@
-"""Processing: logits -> processed fp32 logits x, at any tile of one row's token ids
-(`tests/sampling/test_triton_process.py` writes it out for whole rows).
+"""Processing: logits -> processed fp32 logits x, at any tile of one row's token ids.
 
 Steps 1-2 of `graphexec.sampling.reference` (sanitise, grammar bitmask, logit bias,
 repetition / frequency / presence penalties; temperature comes later), bit for bit equal
@@ -104,7 +103,7 @@ def bias_ids(P, slot, NB_P2: tl.constexpr):
 
 
 @triton.jit
-def raw_load(P, row, offs, ok, FL: tl.constexpr):
+def raw_load(P, row, offs, ok):
     """The raw logits at offs (int32 token ids) as stored (bf16 as its int16 bits), 0
     where not ok (None: every offs is inside V, no mask)."""
     ptrs = P.logits + row.to(tl.int64) * P.logits_sb + offs.to(tl.int64) * P.logits_sv
@@ -124,7 +123,7 @@ def widen(raw, FL: tl.constexpr):
 @triton.jit
 def raw_x(P, row, offs, FL: tl.constexpr):
     """The raw logits at offs as fp32 (bf16 widened exactly from its bits), 0 past V."""
-    return widen(raw_load(P, row, offs, offs < P.vocab, FL), FL)
+    return widen(raw_load(P, row, offs, offs < P.vocab), FL)
 
 
 @triton.jit

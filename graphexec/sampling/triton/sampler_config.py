@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.reference import DRAW_BLOCK
-from graphexec.sampling.triton import interpreter_enabled
 
 # Row routes (`Workspace.rowi[:, I_ROUTE]`), decided by the stats pass's row tail.
 R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter, all ties
@@ -56,33 +56,27 @@ class SamplerConfig:
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
     programs: stats-pass programs to aim for over the batch (rows x slices).
-    late_programs: the same for the check, select and kept passes, which read fewer
-        blocks; round 2 spreads its few rows over this many programs whatever B is. A
-        program walks its blocks through the row's block list (dependent loads), so a
-        flat row needs many programs; rows with few listed blocks pay a few us for the
-        programs that leave at once.
-    bins: histogram bins of the selection pass (a power of two).
-    gather_cap: most bracket tokens a row gathers and resolves by counting; a row past
-        it takes round 2 (a bracket over a narrower range), and past it again the serial
-        exact search.
-    search_ways: candidates per pass of the exact search (a power of two).
-    search_blocks: blocks per step of the exact search's passes (a power of two; one
-        keeps its registers, shared with the kept pass, low).
-    short_blocks: most listed blocks of a filtered row that the short route finishes in
-        one program (`short`: no selection pass; min-p alone, a quarter of it); 0 turns
-        the short route off.
-    short_tokens: most candidates (tokens with y >= lo) of such a row (a power of two, 16
-        to gather_cap): its cut is found by sorting them.
-    check_blocks: most blocks the row tail reads to decide whether a filtered row's
-        candidate is kept (`candidate`); a row with more takes the check pass, spread
-        over late_programs. 0 decides no candidate early: every filtered row takes the
-        cut's passes and its candidate is tested against the cut (for tests of them).
-    logprobs_cap: most top-N candidates the raw logprobs writer sorts (a power of two); a
-        row past it goes to the general writer.
+    late_programs: the same for the check, select and kept passes, which walk a row's
+        block list (dependent loads: a flat row needs many programs; rows with few listed
+        blocks pay a few us for the programs that leave at once); round 2's in all.
+    bins: histogram bins of the selection pass.
+    gather_cap: most bracket tokens a row gathers and resolves by counting.
+    search_ways, search_blocks: candidates per pass of the exact search, and blocks per
+        step of its passes (one keeps its registers, shared with the kept pass, low).
+    short_blocks: most listed blocks of a row the short route serves (min-p alone: a
+        quarter of it); 0 turns the short route off.
+    short_tokens: most candidates of such a row (16 to gather_cap).
+    check_blocks: most blocks the row tail reads to decide a candidate (more: the check
+        pass). 0 decides no candidate early: every filtered row takes the cut's passes and
+        its candidate is tested against the cut (for tests of them).
+    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general
+        writer).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
         vectors span a row's blocks and gathered tokens.
+    Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
+    short_tokens, logprobs_cap, and short_blocks unless 0.
     """
 
     draw_block: int = DRAW_BLOCK
@@ -130,19 +124,9 @@ class SamplerConfig:
     def interpreter(cls) -> SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
-        return cls(
-            programs=16,
-            late_programs=16,
-            gather_cap=256,
-            bins=128,
-            search_blocks=4,
-            short_blocks=8,
-            short_tokens=64,
-            check_blocks=8,
-            logprobs_cap=64,
-            num_warps=4,
-            tail_warps=4,
-        )
+        return cls(programs=16, late_programs=16, gather_cap=256, bins=128, search_blocks=4,
+                   short_blocks=8, short_tokens=64, check_blocks=8, logprobs_cap=64, num_warps=4,
+                   tail_warps=4)  # fmt: skip
 
     @classmethod
     def default(cls) -> SamplerConfig:

@@ -14,9 +14,7 @@ middle between them summed, not gathered. It also keeps the coarse bins that sur
 every cut (I_RA..I_RB: J_k and the bounds' span).
 
 Round 1 bins [lo, 0] (top = 0); round 2 (`plan_round2`, why: the package docstring) the
-sure bins' range alone, NBINS bins anew, the tokens above its top counted with exact
-masses here. Round 2's few rows share `late_programs` programs whatever B is
-(`refine_share`).
+sure bins' range alone, the tokens above its top counted with exact masses here.
 """
 
 from __future__ import annotations
@@ -37,17 +35,9 @@ def load_plan(W, row):
     ends and scale, and bracket bounds (`stats._plan` or `plan_round2`, then `_bracket`)."""
     fr = W.rowf + row * 8
     ri = W.rowi + row * cf.NUM_I
-    return (
-        tl.load(fr + cf.F_M),
-        tl.load(fr + cf.F_S),
-        tl.load(fr + cf.F_LO),
-        tl.load(fr + cf.F_TOP),
-        tl.load(fr + cf.F_INVW),
-        tl.load(ri + cf.I_JHI),
-        tl.load(ri + cf.I_J1),
-        tl.load(ri + cf.I_J2),
-        tl.load(ri + cf.I_JLO),
-    )
+    return (tl.load(fr + cf.F_M), tl.load(fr + cf.F_S), tl.load(fr + cf.F_LO),
+            tl.load(fr + cf.F_TOP), tl.load(fr + cf.F_INVW), tl.load(ri + cf.I_JHI),
+            tl.load(ri + cf.I_J1), tl.load(ri + cf.I_J2), tl.load(ri + cf.I_JLO))  # fmt: skip
 
 
 @triton.jit
@@ -264,8 +254,7 @@ def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
         else:
             h, n_ab, m_ab = _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R, DB, NBINS,
                                         FL, False, ROUND2)  # fmt: skip
-        tl.atomic_add(W.hist + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0,
-                      sem="relaxed")  # fmt: skip
+        tl.atomic_add(W.hist + row * NBINS + tl.arange(0, NBINS), h, mask=h != 0, sem="relaxed")
         if ROUND2:
             tl.atomic_add(ri + cf.I_NTOP, n_ab, sem="relaxed")
             tl.atomic_add(ri + cf.I_MTOP, m_ab, sem="relaxed")

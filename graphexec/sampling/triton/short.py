@@ -9,8 +9,7 @@ Sorted by pack (the row's order), the candidates' inclusive mass sums F_j give e
 total (total: F at top-k's cut, or the row's mass from its block stats), min-p's the pack
 of y = log_min_p. One loop over the listed blocks, R at a time (registers stay those of
 a [R, DB] tile), compacts the candidates into the row's gather buffers. min-p alone needs
-no cut: the loop sums its cut blocks' K_b (at most short_blocks / 4 of them: more go to
-the kept pass, which spreads them over several programs).
+no cut: the loop sums its cut blocks' K_b (more go to the kept pass's programs).
 """
 
 from __future__ import annotations
@@ -20,20 +19,8 @@ import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
-from graphexec.sampling.triton.keys import (
-    BIG_KEY,
-    PAD_KEY,
-    mass,
-    pack,
-    sort_desc,
-    sum_mass,
-    unpack,
-)
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    list_tile,
-    row_params,
-)  # fmt: skip
+from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
+from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
 
 
 @triton.jit
@@ -76,69 +63,6 @@ def _cut(keys, n, top_k, top_p, total, lomin, ST: tl.constexpr, INTERP: tl.const
     return resolved, cut
 
 
-@triton.jit
-def short_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, route, seed, pos,
-               NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
-               SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
-               INTERP: tl.constexpr):  # fmt: skip
-    """(token, route) of a row the plan gave R_SELECT or R_CUT: drawn here (R_DONE) when
-    it fits SB blocks and ST candidates, else (-1, route) unchanged."""
-    tok = tl.full([], -1, tl.int32)
-    ri = W.rowi + row * cf.NUM_I
-    tl.debug_barrier()  # the plan's stores, read back by every thread
-    n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
-    lo = tl.load(W.rowf + row * 8 + cf.F_LO)
-    cut = tl.full([], PAD_KEY, tl.int64)
-    # min-p alone: K_b of the cut blocks over y >= log_min_p, when they are few (one
-    # program reads them here; the kept pass spreads more over several)
-    resolved = (route == cf.R_CUT) & (n_list <= SB // 4)
-    if resolved:
-        cut_tiles(P, W, row, slot, ids, 0, n_list, n_list, lnmp, NBLK, R, DB, FL, True)
-    if (route == cf.R_SELECT) & (n_list <= SB):
-        # the candidates (packs and x), compacted into the row's gather buffers by a
-        # running count (no atomics: the selection passes count their own gather from 0);
-        # the listed blocks' K_b zeroed, for the kept candidates to add to
-        n = tl.zeros([], dtype=tl.int32)
-        e0 = tl.zeros([], dtype=tl.int32)
-        while (e0 < n_list) & (n <= ST):  # a row past ST candidates is declined at once
-            x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
-            y = (x - m) * s
-            inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
-            at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
-            put = inr & (at < ST)
-            tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
-            tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
-            tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
-            n += tl.sum(inr.to(tl.int32), axis=0)
-            e0 += R
-        if n <= ST:
-            tl.debug_barrier()
-            c = tl.arange(0, ST)
-            ok = c < n
-            keys = tl.load(W.gath + row * WCAP + c, mask=ok, other=PAD_KEY)
-            lomin = tl.load(ri + cf.I_LOMIN) != 0
-            resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
-            if resolved:
-                yg, idg = unpack(keys)
-                kept = ok & (keys >= cut) & (yg >= lnmp)
-                bg = idg // DB
-                xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
-                xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
-                tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
-    if resolved:
-        tl.debug_barrier()
-        b = tl.arange(0, NBLK_P2)
-        # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
-        # tokens all lie in the listed blocks (ym_b >= lo)
-        rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
-        kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
-        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0,
-                            0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB,
-                            1, FL)  # fmt: skip
-        route = route * 0  # R_DONE
-    return tok, route
-
-
 @triton.jit(do_not_specialize=["NBLK"])
 def _short_kernel(
     P, W,
@@ -147,8 +71,8 @@ def _short_kernel(
     SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
     INTERP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): program b serves row b when its plan (R_SELECT or R_CUT) fits the short
-    route; the selection passes skip the rows it marks R_DONE."""
+    """Grid (B,): program b draws row b (and marks it R_DONE, so that the selection passes
+    skip it) when its plan (R_SELECT or R_CUT) fits SB blocks and ST candidates."""
     row = tl.program_id(0)
     ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
@@ -160,10 +84,61 @@ def _short_kernel(
         b = tl.arange(0, NBLK_P2)
         xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"))
         ym = block_y(xm, m, s, False)
-        tok, route = short_draw(P, W, row, slot, ids, ym, m, s, tl.load(P.top_k + slot),
-                                tl.load(P.top_p + slot), tl.load(P.log_min_p + slot),
-                                tl.load(W.total + row), route, seed, pos, NBLK, NBLK_P2,
-                                DB, R, SB, ST, WCAP, FL, INTERP)  # fmt: skip
+        top_k = tl.load(P.top_k + slot)
+        top_p = tl.load(P.top_p + slot)
+        lnmp = tl.load(P.log_min_p + slot)
+        total = tl.load(W.total + row)
+        tok = tl.full([], -1, tl.int32)
+        tl.debug_barrier()  # the plan's stores, read back by every thread
+        n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+        lo = tl.load(W.rowf + row * 8 + cf.F_LO)
+        cut = tl.full([], PAD_KEY, tl.int64)
+        # min-p alone: K_b of the cut blocks over y >= log_min_p, when they are few (one
+        # program reads them here; the kept pass spreads more over several)
+        resolved = (route == cf.R_CUT) & (n_list <= SB // 4)
+        if resolved:
+            cut_tiles(P, W, row, slot, ids, 0, n_list, n_list, lnmp, NBLK, R, DB, FL, True)
+        if (route == cf.R_SELECT) & (n_list <= SB):
+            # the candidates (packs and x), compacted into the row's gather buffers by a
+            # running count (no atomics: the selection passes count their own gather from 0);
+            # the listed blocks' K_b zeroed, for the kept candidates to add to
+            n = tl.zeros([], dtype=tl.int32)
+            e0 = tl.zeros([], dtype=tl.int32)
+            while (e0 < n_list) & (n <= ST):  # a row past ST candidates is declined at once
+                x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+                y = (x - m) * s
+                inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
+                at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+                put = inr & (at < ST)
+                tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
+                tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
+                tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+                n += tl.sum(inr.to(tl.int32), axis=0)
+                e0 += R
+            if n <= ST:
+                tl.debug_barrier()
+                c = tl.arange(0, ST)
+                ok = c < n
+                keys = tl.load(W.gath + row * WCAP + c, mask=ok, other=PAD_KEY)
+                lomin = tl.load(ri + cf.I_LOMIN) != 0
+                resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
+                if resolved:
+                    yg, idg = unpack(keys)
+                    kept = ok & (keys >= cut) & (yg >= lnmp)
+                    bg = idg // DB
+                    xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
+                    xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
+                    tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+        if resolved:
+            tl.debug_barrier()
+            # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
+            # tokens all lie in the listed blocks (ym_b >= lo)
+            rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
+            kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
+            tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0,
+                                0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB,
+                                1, FL)  # fmt: skip
+            route = route * 0  # R_DONE
         if route == cf.R_DONE:
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
             tl.store(tok_ptr + row, tok.to(tl.int64))

@@ -1,11 +1,13 @@
-"""The one full read of the logits, then the row tail (the route map: the package docstring).
+"""The one full read of the logits, then the row tail and its check pass (the route map:
+the package docstring).
 
 `_stats_kernel`: programs (row, slice) read their slice as [R, DB] tiles, one block per
 tile row, and store each block's stats from the processed x (`process.tile_x`): the
 `Workspace` fields xm, xn, Q_b and, with logprobs on, the raw block max and sum of exp. A
 block never straddles two programs and Q_b is an integer sum, so no split of the row
-changes a stat. `_tail_kernel` then serves a row (`_row_tail`) or plans its next passes
-(`_plan`: a lower bound lo of its kept values and the list of the blocks that reach it).
+changes a stat. `_tail_kernel` then serves a row or plans its next passes (`_plan`: a
+lower bound lo of its kept values and the list of the blocks that reach it);
+`_check_kernel` decides the candidates the tail left to it.
 """
 
 from __future__ import annotations
@@ -14,26 +16,10 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
-from graphexec.sampling.triton.draw import (
-    FALLBACK_BLOCK,
-    FALLBACK_TOKEN,
-    FLT_MAX,
-    block_y,
-    candidate_draw,
-    greedy_token,
-    two_level_draw,
-)  # fmt: skip
+from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide, decide_in_tail
+from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
 from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
-from graphexec.sampling.triton.process import (
-    bias_ids,
-    process_raw,
-    raw_load,
-    raw_x,
-    row_params,
-    tile_x,
-    widen,
-)  # fmt: skip
+from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, row_params, widen
 
 
 @triton.jit
@@ -75,42 +61,7 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
 
 
 @triton.jit
-def _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
-               NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
-    """A filtered row whose live tokens all share one value (+inf rows included): each
-    weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
-    (`reference`, step 5, with every q equal); its candidate where it is one of them, else
-    the fallback draw over them."""
-    b = tl.arange(0, NBLK_P2)
-    n_b = q >> 32
-    n_live = tl.sum(n_b, axis=0)
-    L = tl.where((top_k > 0) & (top_k < n_live), top_k.to(tl.int64), n_live)
-    if top_p < 1.0:
-        t = tl.where(top_k > 0, L.to(tl.float64) * 4294967296.0, total)
-        L = tl.minimum(L, tl.math.ceil(top_p.to(tl.float64) * t / 4294967296.0).to(tl.int64))
-    cum = tl.cumsum(n_b, axis=0)
-    bl = tl.min(tl.where(cum >= L, b, NBLK_P2), axis=0)
-    need = L - tl.sum(tl.where(b == bl - 1, cum, 0), axis=0)
-    offs = bl * DB + tl.arange(0, DB)
-    live = tile_x(P, row, slot, ids, offs, bl * DB, bl * DB + DB, FL) == mx
-    rank = tl.cumsum(live.to(tl.int64), axis=0)
-    last = tl.min(tl.where(live & (rank == need), offs, DB * NBLK_P2), axis=0)
-    kv = tl.where(b < bl, q, tl.where(b == bl, need << 32, 0))
-    cut = pack(tl.zeros([], dtype=tl.float32), last)
-    m = tl.where(mx == float("inf"), 0.0, mx)
-    # the candidate (every live token), kept when it is one of the first L live ids
-    tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
-                                   pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if tok > last:
-        tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
-                                       seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,
-                                       1 << 30, cut, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL,
-                                       FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
-    return tok
-
-
-@triton.jit
-def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
+def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
           NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
     """The next passes' plan of a filtered row (module docstring): route, lo, bins, the
     list of blocks with ym_b >= lo; zeroes what those passes sum into."""
@@ -123,8 +74,7 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
         # above it); top-p's point where a lower bound of the mass above it passes p; min-p
         if top_k > 0:
-            lo = -grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32), 0.0,
-                             0)  # fmt: skip
+            lo = -grid_delta(ym, tl.full([NBLK_P2], 1.0, tl.float32), top_k.to(tl.float32), 0.0, 0)
             if top_p >= 1.0:
                 lo = tl.maximum(lo, lnmp)
         else:
@@ -166,7 +116,7 @@ def _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
 
 
 @triton.jit
-def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
+def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
              NBINS: tl.constexpr):  # fmt: skip
     """`_plan` from the row's stored stats (its max and 1/T in rowf): the plan of a row
     whose candidate the check pass did not keep."""
@@ -180,81 +130,12 @@ def plan_row(P, W, row, slot, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, D
     q = tl.where(ym > float("-inf"), q, 0)
     xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-    return _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row),
-                 NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+    return _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
+                 NBLK_P2, DB, NBINS)  # fmt: skip
 
 
 @triton.jit
-def _row_tail(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr,
-              NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr):  # fmt: skip
-    slot, greedy, s, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
-    b = tl.arange(0, NBLK_P2)
-    bm = b < NBLK
-    base = row * NBLK
-    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
-    mx = tl.max(xm, axis=0)
-    has_inf = mx == float("inf")
-    valid = mx > float("-inf")
-    m = tl.where(valid & (has_inf == 0), mx, 0.0)
-    ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
-    q = tl.where(ym > float("-inf"), q, 0)
-    tok = tl.full([], -1, tl.int32)
-    route = tl.zeros([], dtype=tl.int32)
-    if valid:
-        if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
-        else:
-            filt = tl.zeros([], dtype=tl.int1)
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
-            lnmp = tl.load(P.log_min_p + slot)
-            if FILTERS:
-                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
-            if filt:
-                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
-                e = tl.exp(ym.to(tl.float64))
-                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-                tl.store(W.total + row, total)
-                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
-                if ties:
-                    tok = _ties_draw(P, W, row, slot, ids, xm, mx, ym, q, top_k, top_p, total,
-                                     seed, pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                else:
-                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
-                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
-                    ri = W.rowi + row * cf.NUM_I
-                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
-                    if state == KEPT:
-                        tok = c
-                    else:
-                        fr = W.rowf + row * 8
-                        tl.store(fr + cf.F_YC, yc)
-                        if state == cf.R_CHECK:
-                            # the check pass's row scale (`_plan` stores it for the others)
-                            tl.store(fr + cf.F_M, m)
-                            tl.store(fr + cf.F_S, s)
-                            route = tl.full([], cf.R_CHECK, tl.int32)
-                        else:
-                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                            route = _plan(P, W, row, slot, ym, yn, q, top_k, top_p, lnmp, m, s,
-                                          total, NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
-            else:
-                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
-                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if route == cf.R_DONE:
-        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(valid_ptr + row, valid)
-
-
-@triton.jit
-def _block_stats(P, W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
+def _block_stats(W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
                  XN: tl.constexpr):  # fmt: skip
     """Stores the stats of one tile's blocks bid [R] from their processed x and raw v
     ([R, DB], -inf past V); ok: bid < NBLK (None: a full tile)."""
@@ -285,32 +166,33 @@ def _block_stats(P, W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constex
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
                  DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
-    """The stats of blocks t0 .. t1 - 1, R a tile. Full tiles (every token inside V) are
-    read unmasked, each one's loads issued an iteration ahead of their use; the loop body
-    has no branch. Then the program's last tiles, masked."""
+    """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
+    token inside V) are read unmasked, each one's loads issued an iteration ahead of their
+    use, one ex2 and one conversion per logit (`keys`); the loop body has no branch. Then
+    the program's last tiles, masked."""
     rr = tl.arange(0, R)
     offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
     n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
     # (a uniform mask as a vector: the interpreter takes no scalar bool mask)
     every = tl.full(offs.shape, 1, tl.int1)
-    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False), FL)
+    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False))
     for i in range(0, n_full):
         t = t0 + i * R
-        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False), FL)
+        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False))
         v = widen(raw, FL)
         x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
-        _block_stats(P, W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
+        _block_stats(W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
         raw = nxt
         offs += R * DB
     for t in range(t0 + n_full * R, t1, R):
         bid = t + rr
         offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
         ok = offs < P.vocab
-        v = raw_x(P, row, offs, FL)
+        v = widen(raw_load(P, row, offs, ok), FL)
         x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
         x = tl.where(ok, x, float("-inf"))
-        _block_stats(P, W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s,
-                     NBLK, RAW_LP, XN)  # fmt: skip
+        _block_stats(W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s, NBLK,
+                     RAW_LP, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
@@ -347,10 +229,127 @@ def _tail_kernel(
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
     CB: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B,): the row tail (`_row_tail`). Program 0 empties round 2's row list, which
-    the finish of round 1 fills."""
+    """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
+    next passes (module docstring). Program 0 empties round 2's row list, which the finish
+    of round 1 fills."""
+    row = tl.program_id(0)
     if FILTERS:
-        if tl.program_id(0) == 0:
+        if row == 0:
             tl.store(W.refine, 0)
-    _row_tail(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, NBLK_P2, NB_P2, DB,
-              NBINS, FL, R, CB)  # fmt: skip
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    b = tl.arange(0, NBLK_P2)
+    bm = b < NBLK
+    base = row * NBLK
+    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(xm, axis=0)
+    has_inf = mx == float("inf")
+    valid = mx > float("-inf")
+    m = tl.where(valid & (has_inf == 0), mx, 0.0)
+    ym = block_y(xm, m, s, has_inf)
+    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
+    q = tl.where(ym > float("-inf"), q, 0)
+    tok = tl.full([], -1, tl.int32)
+    route = tl.zeros([], dtype=tl.int32)
+    if valid:
+        if greedy:
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
+        else:
+            filt = tl.zeros([], dtype=tl.int1)
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            lnmp = tl.load(P.log_min_p + slot)
+            if FILTERS:
+                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
+            if filt:
+                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
+                e = tl.exp(ym.to(tl.float64))
+                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                tl.store(W.total + row, total)
+                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+                if ties:
+                    tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
+                                     NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                else:
+                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
+                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
+                    ri = W.rowi + row * cf.NUM_I
+                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
+                    if state == KEPT:
+                        tok = c
+                    else:
+                        fr = W.rowf + row * 8
+                        tl.store(fr + cf.F_YC, yc)
+                        if state == cf.R_CHECK:
+                            # the check pass's row scale (`_plan` stores it for the others)
+                            tl.store(fr + cf.F_M, m)
+                            tl.store(fr + cf.F_S, s)
+                            route = tl.full([], cf.R_CHECK, tl.int32)
+                        else:
+                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+                            route = _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total,
+                                          NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+            else:
+                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
+                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+    if route == cf.R_DONE:
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(valid_ptr + row, valid)
+
+
+@triton.jit(do_not_specialize=["S", "NBLK"])
+def _check_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows whose candidate is kept
+    S,  # programs per row
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
+    NBINS: tl.constexpr, FL: tl.constexpr,
+):  # fmt: skip
+    """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
+    program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
+    (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
+    is the token; else `plan_row`, the candidate marked out (-1) or left to the cut."""
+    row = tl.program_id(0) // S
+    sp = tl.program_id(0) % S
+    ri = W.rowi + row * cf.NUM_I
+    if tl.load(ri + cf.I_ROUTE) == cf.R_CHECK:
+        slot = tl.load(P.slots + row).to(tl.int64)
+        ids = bias_ids(P, slot, NB_P2)
+        n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(n_list, R), S) * R
+        e0 = sp * per
+        e1 = tl.minimum(e0 + per, n_list)
+        if e0 < e1:
+            m = tl.load(W.rowf + row * 8 + cf.F_M)
+            s = tl.load(W.rowf + row * 8 + cf.F_S)
+            yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+            pk_c = pack(yc, tl.load(ri + cf.I_CAND).to(tl.int32))
+            if tl.max(ids, axis=0) >= 0:
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                                          NBLK, R, DB, FL, True)  # fmt: skip
+            else:
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                                          NBLK, R, DB, FL, False)  # fmt: skip
+            tl.atomic_add(ri + cf.I_CCNT, cnt, sem="relaxed")
+            tl.atomic_add(ri + cf.I_CMASS, before, sem="relaxed")
+        if arrive(W, row, 2, S):  # the row's last program decides
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+            cnt = tl.load(ri + cf.I_CCNT, cache_modifier=".cg")
+            before = tl.load(ri + cf.I_CMASS, cache_modifier=".cg")
+            state = decide(cnt, before, yc, top_k, top_p, tl.load(W.total + row))
+            if state == KEPT:
+                tok = tl.load(ri + cf.I_CAND)
+                tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+                tl.store(tok_ptr + row, tok)
+                tl.store(valid_ptr + row, tok >= 0)
+            else:
+                if state == OUT:
+                    tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
+                plan_row(W, row, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
+                         NBINS)  # fmt: skip
