@@ -11,6 +11,11 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `pytest -n 2` on a 2-core machine: one torch thread a worker, or they fight for cores
     torch.set_num_threads(1)
+    # and one for the processes a worker starts (gloo ranks, benchmark ranks), whose torch
+    # would take a pool of every core beside the other worker (a rank of 3 tiny decode
+    # steps: 38 s of wall with two threads on busy cores, 3 s with one); the CLI and the
+    # server set their own count (--threads, or the idle cores)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
