@@ -6,10 +6,12 @@ the same seed and keeps its shard) as `HFTransformer(..., tp_group=WORLD)`, and 
 `DecodeExecutor(tp_group=WORLD)` whose buckets are --batches, the greedy `no_filter` key
 captured per bucket. Every rank runs the same requests (B of --prompt-len tokens); rank 0
 times `ex.step()` replayed (`bench_step.measure`: the median wall over --steps), and
-the step's collectives alone (`reduce_time`: the 2 L + 1 model reduces of B rows in one
-CUDA graph). speedup(T) = step(T = 1) / step(T) at the same B.
+the model's own reductions alone on every rank (`reduce_time`: its 2 L row-parallel
+reductions of B rows in one CUDA graph), with each rank's host time. speedup(T) =
+step(T = 1) / step(T) at the same B. --per-shard: each rank draws only its part of the
+weights (Llama-3.1-70B, which does not fit one GPU; --worlds without 1).
 
-Targets (TARGETS) on llama-3.2-1b at B = 32: 1.6x at T = 2, 2.5x at T = 4.
+Targets (TARGETS) on llama-3.1-8b at B = 32: 1.7x at T = 2, 2.5x at T = 4.
 
     python benchmarks/bench_tp_step.py --model llama-3.2-1b --worlds 1 2 4 --out DIR
 """
@@ -31,7 +33,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-TARGETS = {2: 1.6, 4: 2.5}  # speedup over T = 1 at B = 32
+TARGETS = {2: 1.7, 4: 2.5}  # speedup over T = 1 at B = 32
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) -> None:
@@ -40,6 +42,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
 
     import graphexec as gx
     from graphexec.models.hf_random import random_state_dict
+    from graphexec.models.hf_shard import TPShard
     from graphexec.params import SamplerVariant as SV
     from graphexec.request import GraphKey
 
@@ -55,7 +58,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
         group = dist.group.WORLD
     try:
         _, cfg, _ = resolve(args.model)
-        state = random_state_dict(cfg, seed=0, device=dev, dtype=dtype)
+        # --per-shard: each rank draws only its part (a model too big for one device)
+        shard = TPShard.of(cfg, rank, world) if args.per_shard else None
+        state = random_state_dict(cfg, seed=0, device=dev, dtype=dtype, shard=shard)
         model = gx.models.HFTransformer(cfg, state, device=dev, dtype=dtype,
                                         max_seq_len=args.max_seq_len, tp_group=group)  # fmt: skip
         del state
@@ -76,13 +81,14 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
                 dict(
                     world=world,
                     batch=B,
+                    rank=rank,
                     **r,
-                    reduce_us=reduce_time(model, cfg, B, dev) if world > 1 else 0.0,
+                    reduce_us=reduce_time(model, B, dev) if world > 1 else 0.0,
+                    reduce_path=reduce_path(model, B),
                     failed={str(k): v for k, v in ex.stats.failed.items()},
                 )
             )
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
+        Path(f"{out}.{rank}").write_text(json.dumps(rows))
         if world > 1 and cuda:
             dist.barrier()
             # destroying NCCL communicators that CUDA graphs captured can block forever
@@ -93,16 +99,27 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
             dist.destroy_process_group()
 
 
-def reduce_time(model, cfg: dict, B: int, dev: torch.device, reps: int = 20) -> float:
-    """Median us of one step's collectives alone: a CUDA graph of the 2 L + 1 reduces of a
-    decode over B rows ([B, D] in the model's dtype: o and down per layer, the embedding);
-    on the CPU, wall time of the same calls."""
-    n = 2 * int(cfg["num_hidden_layers"]) + 1
-    x = torch.randn(B, int(cfg["hidden_size"]), device=dev).to(model.dtype)
+def reduce_path(model, B: int) -> str:
+    """Which path the model's row-parallel reductions of B rows take."""
+    if model.tp.world == 1:
+        return "none"
+    return "symmetric tree" if model.tp.partial_out(0, B) is not None else "nccl"
+
+
+def reduce_time(model, B: int, dev: torch.device, reps: int = 20) -> float:
+    """Median us of one decode step's reductions alone, on this rank: a CUDA graph of the
+    model's own 2 L row-parallel reductions of B rows (`TPShard.reduce_tree` of float32
+    subtree sums, o and down alternating: the one-kernel tree over symmetric memory
+    within its row cap, else the NCCL path); on the CPU, wall time of the same calls."""
+    tp, D = model.tp, model.dim
+    parts = [tp.partial_out(i, B) for i in range(2)]
+    parts = [torch.empty(B, D, device=dev) if p is None else p for p in parts]
+    for p in parts:
+        p.normal_()
 
     def run() -> None:
-        for _ in range(n):
-            model.tp.reduce(x)
+        for i in range(2 * model.num_layers):
+            tp.reduce_tree(parts[i % 2], model.dtype)
 
     run()
     if dev.type != "cuda":
@@ -114,6 +131,7 @@ def reduce_time(model, cfg: dict, B: int, dev: torch.device, reps: int = 20) -> 
         return sorted(times)[reps // 2]
     from bench_distributed import time_graph
 
+    dist.barrier()
     return time_graph(run, reps)
 
 
@@ -126,6 +144,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tp-method", default="auto")
+    ap.add_argument("--per-shard", action="store_true",
+                    help="each rank draws only its part of the random weights")
     ap.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -142,7 +162,11 @@ def main(argv=None) -> dict:
         for w in worlds:
             out, init = os.path.join(d, f"w{w}.json"), f"file://{os.path.join(d, f'init{w}')}"
             mp.spawn(_rank, args=(w, args, init, out), nprocs=w, join=True)
-            rows += json.loads(Path(out).read_text())
+            ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(w)]
+            for i, row in enumerate(ranks[0]):  # rank 0's step; every rank's host and reduce
+                row["host_us_per_rank"] = [rr[i]["host_us"] for rr in ranks]
+                row["reduce_us_per_rank"] = [rr[i]["reduce_us"] for rr in ranks]
+                rows.append(row)
             print(f"T={w}: " + ", ".join(f"B={r['batch']} {r['wall_us']:.0f} us"
                                          for r in rows if r["world"] == w), flush=True)  # fmt: skip
     one = {r["batch"]: r["wall_us"] for r in rows if r["world"] == 1}
@@ -167,6 +191,7 @@ def main(argv=None) -> dict:
         prompt_len=args.prompt_len,
         steps=args.steps,
         tp_method=args.tp_method,
+        per_shard=args.per_shard,
         rows=rows,
         targets={f"speedup_t{t}_b32": f">= {v}" for t, v in TARGETS.items()},
     )
@@ -179,14 +204,15 @@ def main(argv=None) -> dict:
     )
     path.write_text(json.dumps(result, indent=1))
     print(
-        "| T | B | step us | host us | collectives us | speedup over T = 1 |\n"
-        "|---:|---:|---:|---:|---:|---:|"
+        "| T | B | step us | host us (max rank) | reductions us (max rank) | path | "
+        "speedup over T = 1 |\n|---:|---:|---:|---:|---:|---|---:|"
     )
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else ""
         print(
-            f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | {r['host_us']:.0f} | "
-            f"{r['reduce_us']:.0f} | {sp} |"
+            f"| {r['world']} | {r['batch']} | {r['wall_us']:.0f} | "
+            f"{max(r['host_us_per_rank']):.0f} | {max(r['reduce_us_per_rank']):.0f} | "
+            f"{r['reduce_path']} | {sp} |"
         )
     return result
 

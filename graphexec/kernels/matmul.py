@@ -69,16 +69,21 @@ _COUNTER_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
             programs_per_tile: int | None = None, *, tile: MatmulTile | None = None,
-            f32_out: bool = False) -> torch.Tensor:  # fmt: skip
+            f32_out: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One launch; `tile` overrides the config's (row_parallel: a rank's parts of the
     whole weight's tile); `f32_out`: the tree's float32 root, no bias, no rounding (the
-    epilogue's rounding to float32 is the identity)."""
+    epilogue's rounding to float32 is the identity), into `out` [M, N] (contiguous
+    float32, e.g. a symmetric buffer) if given."""
     _check(x, w, bias, silu_mul)
     if f32_out and (bias is not None or silu_mul):
         raise ValueError("f32_out gives the bare float32 sum: no bias, no SwiGLU")
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
-    out = torch.empty((M, N), dtype=torch.float32 if f32_out else x.dtype, device=x.device)
+    dtype = torch.float32 if f32_out else x.dtype
+    if out is None:
+        out = torch.empty((M, N), dtype=dtype, device=x.device)
+    elif not f32_out or out.shape != (M, N) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{M}, {N}] with f32_out")
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -235,6 +240,47 @@ def tree_sum(parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
+def _same_bits(w: torch.Tensor, silu: bool, config: MatmulConfig, a: MatmulTile,
+               b: MatmulTile, rows: tuple[int, ...], gen: torch.Generator) -> bool:  # fmt: skip
+    """Whether tiles `a` and `b` give the same bits on weight `w` for activations of each
+    row count in `rows` at three scales (normal, x 1e3, x 1e-3, with outliers)."""
+    K = w.shape[1]
+    for m in rows:
+        for scale in (1.0, 1e3, 1e-3):
+            x = torch.randn(m, K, device=w.device, generator=gen)
+            x[::17, ::13] *= 64.0  # outliers, as activations have
+            x = (x * scale).to(w.dtype)
+            if not torch.equal(_launch(x, w, None, silu, config, tile=a),
+                               _launch(x, w, None, silu, config, tile=b)):  # fmt: skip
+                return False
+    return True
+
+
+def verify_shard_tiles(config: MatmulConfig, shards: list[tuple[int, torch.Tensor, bool]],
+                       seed: int = 0) -> MatmulConfig:  # fmt: skip
+    """`config` with a tile for each column shard (N, w [n, K] or [2 n, K], silu_mul) of a
+    whole weight of N output columns: `shard_tile(N, K, n)` where, on this device, it
+    gives the bits of the whole's tile (same split) at 1, 7 and 64 rows; else the whole's
+    tile itself. Either way each output of the shard sums K as the whole weight's does,
+    so a sharded model computes the bits of one device."""
+    tiles: dict[tuple[int, int], MatmulTile] = {}
+    gen = None
+    for N, w, silu in shards:
+        n, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
+        whole, cand = config.tile(N, K), config.shard_tile(N, K, n)
+        if cand != whole:
+            if w.device.type != "cuda" and not interpreter_enabled():
+                cand = whole  # no kernel runs here to measure it
+            else:
+                gen = gen or torch.Generator(device=w.device).manual_seed(seed)
+                if not _same_bits(w, silu, config, cand, whole, (1, 7, 64), gen):
+                    cand = whole
+        if tiles.get((n, K), cand).split != cand.split:
+            raise ValueError(f"two weights shard to [{n}, {K}] with different splits of K")
+        tiles[(n, K)] = cand
+    return config.replace(tiles=tuple((n, k, t) for (n, k), t in tiles.items()) + config.tiles)
+
+
 def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, bool]],
                        rows: int = 256, seed: int = 0) -> MatmulConfig:  # fmt: skip
     """`config` with `verified` = the weight shapes whose large tile gives, on this
@@ -253,13 +299,6 @@ def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, b
         if gen is None:
             gen = torch.Generator(device=w.device).manual_seed(seed)
         decode = dataclasses.replace(config.tile(N, K), split=large[0].split)
-        same = True
-        for scale in (1.0, 1e3, 1e-3):
-            x = torch.randn(max(rows, config.large_m), K, device=w.device, generator=gen)
-            x[::17, ::13] *= 64.0  # outliers, as activations have
-            x = (x * scale).to(w.dtype)
-            same &= torch.equal(_launch(x, w, None, silu, config, tile=large[0]),
-                                _launch(x, w, None, silu, config, tile=decode))  # fmt: skip
-        if same:
+        if _same_bits(w, silu, config, large[0], decode, (max(rows, config.large_m),), gen):
             ok.add((N, K))
     return config.replace(verified=frozenset(ok))

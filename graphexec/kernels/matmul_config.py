@@ -183,6 +183,14 @@ class MatmulConfig:
             split *= 2
         return MatmulTile(self.block_m, bn, bk, self.num_warps, self.num_stages, split)
 
+    def shard_tile(self, N: int, K: int, n: int) -> MatmulTile:
+        """The candidate tile of a column shard [n, K] of a whole weight [N, K] (a
+        tensor-parallel rank's rows of q/k/v, gate/up or the LM head): the whole weight's
+        split, so each output sums K in the whole's parts and order; columns and K per
+        step those of `tile(n, K)`. The model runs it only once verified bit-identical to
+        the whole's tile (`matmul.verify_shard_tiles`); otherwise the whole's tile."""
+        return dataclasses.replace(self.tile(n, K), split=self.tile(N, K).split)
+
     def tile_for(self, N: int, K: int, M: int, split: int | None = None) -> MatmulTile:
         """The tile a call of M rows runs with K in `split` parts (None: that of
         `tile(N, K)`): its verified large tile of that split, else `tile(N, K)` with it."""

@@ -83,12 +83,14 @@ def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> 
 
 def row_linear_gpu(x: torch.Tensor, w: torch.Tensor, split: RowSplit,
                    bias: torch.Tensor | None = None, *, f32: bool = False,
-                   config: MatmulConfig | None = None) -> torch.Tensor:  # fmt: skip
+                   config: MatmulConfig | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K_r] @ w [N, K_r].T, K_r = K / world: the rank's `split.local` parts in the
     tile of the whole weight (the same K loop per part as at T = 1). f32: the subtree's
     float32 sum [M, N] (no bias, no rounding: the kernel stores its float32 accumulator),
-    for `TPShard.reduce_tree`. Otherwise (world 1 only) the whole tree, bias and the one
-    rounding in the kernel's epilogue: the bits of `f32` then bias, then `.to(dtype)`."""
+    for `TPShard.reduce_tree`, into `out` if given (a symmetric buffer). Otherwise (world
+    1 only) the whole tree, bias and the one rounding in the kernel's epilogue: the bits
+    of `f32` then bias, then `.to(dtype)`."""
     if split.tile is None:
         raise ValueError("row_linear_gpu needs a RowSplit with a tile (row_split_gpu)")
     if not f32 and split.world != 1:
@@ -99,7 +101,7 @@ def row_linear_gpu(x: torch.Tensor, w: torch.Tensor, split: RowSplit,
     if split.world == 1:  # the whole weight: its verified large tile of this split, if any
         tile = cfg.tile_for(w.shape[0], w.shape[1], x.shape[0], split.parts)
     if f32:
-        return _launch(x, w, None, False, cfg, tile=tile, f32_out=True)
+        return _launch(x, w, None, False, cfg, tile=tile, f32_out=True, out=out)
     return _launch(x, w, bias, False, cfg, tile=tile)
 
 

@@ -161,7 +161,8 @@ class HFTransformer(SlotKVCache):
                 raise ValueError(f"missing weight {name!r} (expected shape {list(shape)})")
             w[name] = tp.take(name, t.detach(), shape).to(dev, dtype)
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if tied else w["lm_head.weight"]  # [V_r, D]
+        lo, hi = tp.vocab  # a tied head: this rank's rows of the (replicated) embedding
+        self.lm_head = self.embed[lo:hi] if tied else w["lm_head.weight"]  # [V_r, D]
         self.norm = w["model.norm.weight"]
         self.layers: list[DecoderLayer] = []
         for i in range(self.num_layers):
@@ -230,6 +231,8 @@ class HFTransformer(SlotKVCache):
             self.ops = ForwardOps.select(d, True, self.fused, self._verified_matmul())
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=d)
+        if self.row_splits["o"] is not None:  # decode and verify rows reduce in one kernel
+            self.tp = self.tp.bind(d, min(max(512, 4 * num_slots), 2048), self.dim)
         # cos/sin tables [T, hd] computed in float32 (as transformers does), then cast
         t = torch.arange(self.max_seq_len, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
@@ -250,13 +253,19 @@ class HFTransformer(SlotKVCache):
         """The GEMM config with its large-M tiles checked on this device against the
         decode tiles, bit for bit, on one layer's weights and the LM head (each weight
         shape is shared by every layer); a shape that differs keeps its decode tile."""
-        from graphexec.kernels.matmul import verify_large_tiles
+        from graphexec.kernels.matmul import verify_large_tiles, verify_shard_tiles
         from graphexec.kernels.matmul_config import MatmulConfig
 
         cfg = self.matmul or MatmulConfig.default()
+        first = self.layers[0]
+        if self.tp.world > 1:  # column shards sum K as the whole weights do
+            W = self.tp.world
+            whole_qkv = (self.heads + 2 * self.kv_heads) * W * self.head_dim
+            cfg = verify_shard_tiles(cfg, [(whole_qkv, first.qkv, False),
+                                           (self._row_k["down"], first.gate_up, True),
+                                           (self.vocab_size, self.lm_head, False)])  # fmt: skip
         if not cfg.large_tiles:
             return cfg
-        first = self.layers[0]
         weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]
         # o / down: the whole weight on one rank (a rank's shard keeps its decode tile)
         weights += [(getattr(first, n), False) for n, s in self.row_splits.items()
@@ -289,8 +298,8 @@ class HFTransformer(SlotKVCache):
         masks = {w: causal & (key_pos > qpos.clamp(max=C - 1) - w)
                  for w in set(self.windows) - {None}}  # fmt: skip
         masks[None] = causal
-        qrows, tp = batch.padded_tokens.view(-1), self.tp
-        delta, res = tp.embed(self.embed, batch.token_ids), None
+        qrows = batch.padded_tokens.view(-1)
+        delta, res = self.embed[batch.token_ids], None
         # cuDNN's SDPA builds a plan per new shape (~50 ms each on an H200), and chunked
         # prefill keeps making new (Lmax, C): the other backends have no per-shape setup
         with sdpa_kernel(PREFILL_SDPA):
@@ -345,12 +354,12 @@ class HFTransformer(SlotKVCache):
     def _layers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         slot_ids: torch.Tensor, rows: torch.Tensor | None,
                         prefill: bool) -> torch.Tensor | None:  # fmt: skip
-        ops, tp = self.ops, self.tp
+        ops = self.ops
         N, H, hd = input_ids.shape[0], self.heads, self.head_dim
         # a bad position never indexes out of the cache (the executor keeps them in range)
         pos = positions.clamp(0, self.max_seq_len - 1)
-        # [N, D]: res = x, delta its next update; row-parallel partials are summed (tp)
-        delta, res = tp.embed(self.embed, input_ids), None
+        # [N, D]: res = x, delta its next update; row-parallel partials are summed (_row)
+        delta, res = self.embed[input_ids], None
         for i, layer in enumerate(self.layers):
             h, res = ops.norm(delta, res, layer.ln1, self.eps)
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
@@ -379,4 +388,6 @@ class HFTransformer(SlotKVCache):
             return tp.reduce(self.ops.linear(x, w))
         if tp.world == 1:
             return self.ops.row_linear(x, w, split)
-        return tp.reduce_tree(self.ops.row_linear(x, w, split, f32=True), x.dtype)
+        out = tp.partial_out(0 if name == "o" else 1, x.shape[0])
+        kw = {} if out is None else {"out": out}  # straight into the symmetric buffer
+        return tp.reduce_tree(self.ops.row_linear(x, w, split, f32=True, **kw), x.dtype)

@@ -16,6 +16,7 @@ import torch
 
 from graphexec.checkpoints.hf_config import param_shapes
 from graphexec.models.hf import HFTransformer
+from graphexec.models.hf_shard import TPShard
 
 __all__ = ["param_shapes", "random_model", "random_state_dict"]
 
@@ -26,10 +27,13 @@ def random_state_dict(
     seed: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    shard: TPShard | None = None,
 ) -> dict[str, torch.Tensor]:
     """Seeded random weights for `config`, by transformers' names, made on `device`
     (default CPU; "meta" gives shapes only). The same seed on the same device type gives
-    the same weights."""
+    the same weights. `shard`: only that tensor-parallel rank's part of each weight
+    (`TPShard.shape`), for models whose whole state does not fit one device; the parts
+    are not those of the whole dict (each is drawn on its own)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     std = float(config.get("initializer_range") or 0.02)
     gen = None
@@ -38,6 +42,8 @@ def random_state_dict(
         gen.manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, shape in param_shapes(config).items():
+        if shard is not None:
+            shape = shard.shape(name, shape)
         t = torch.empty(shape, device=dev, dtype=dtype)
         if name.endswith("norm.weight"):
             t.fill_(1.0)

@@ -10,8 +10,8 @@ Megatron's scheme over T ranks of a torch.distributed group; rank r holds:
     o_proj                      columns      the same query heads' inputs
     gate_proj, up_proj          rows         its slice of the intermediate (I)
     down_proj                   columns      the same slice of I
-    embed_tokens, lm_head       rows         its vocabulary slice
-    norms                       -            all of it (replicated)
+    lm_head                     rows         its vocabulary slice
+    embed_tokens, norms         -            all of it (replicated)
 
 Column-parallel layers (q/k/v, gate/up) need no communication: each rank computes its
 heads' attention and its slice of the SwiGLU from the full hidden state. The row-parallel
@@ -22,10 +22,10 @@ in rank order: the bits of one rank. Otherwise (T = 3) `reduce` adds rounded par
 (`distributed.comm.sum_in_rank_order`: all-gather, then a sum in rank order, so every
 rank holds the same bits and no row depends on the batch, close to T = 1). Rank r's query
 heads map to its own KV heads (heads per KV group H/KV on every rank), so attention stays
-local. The embedding: a rank looks up the ids inside its vocabulary slice, zeros elsewhere, then
-`reduce` (one non-zero term per element: the sum is exact, the unsharded bits). The LM
-head: logits [N, V_r] of the rank's slice, what the executor's TP sampler takes; no
-all-gather of logits.
+local. The embedding is replicated: a lookup costs no collective (a sharded table would
+need one all-reduce a step for a few KB of rows; the whole table costs V x D more bytes
+per rank). The LM head: logits [N, V_r] of the rank's slice (a tied head: the rank's
+rows of the embedding), what the executor's TP sampler takes; no all-gather of logits.
 
 Slices of the vocabulary and of the intermediate follow `distributed.vocab_slices`
 (contiguous, in rank order, the first V % T ranks one wider); heads must divide evenly
@@ -34,6 +34,7 @@ Slices of the vocabulary and of the intermediate follow `distributed.vocab_slice
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ SPLITS: dict[str, tuple[int, str]] = {
     "self_attn.o_proj.weight": (1, "q"),
     "mlp.gate_proj.weight": (0, "inter"), "mlp.up_proj.weight": (0, "inter"),
     "mlp.down_proj.weight": (1, "inter"),
-    "model.embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
+    "lm_head.weight": (0, "vocab"),
 }  # fmt: skip
 
 
@@ -75,6 +76,7 @@ class TPShard:
     rank: int
     world: int
     ranges: dict[str, tuple[int, int]]  # "q", "kv", "inter", "vocab": [lo, hi) of rows
+    tree: Any = None  # distributed.tree_reduce.SymmetricTree, from `bind` (CUDA, NCCL)
 
     @classmethod
     def create(cls, group, cfg: dict[str, Any]) -> TPShard:
@@ -167,18 +169,6 @@ class TPShard:
                         state[name] = part[:, cut[1] : cut[2]]
         return state
 
-    def embed(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows [N, D] of the whole embedding for ids [N], from this rank's rows `table`
-        [V_r, D]: a lookup of the ids in the slice, zeros for the others, then `reduce`
-        (exact: one rank contributes each row). An id outside [0, V) (verify's -1 padding
-        drafts, whose logits are never read) gives zeros."""
-        if self.world == 1:
-            return table[ids]
-        lo, hi = self.vocab
-        local = ids - lo
-        inside = (local >= 0) & (local < hi - lo)
-        rows = table.index_select(0, local.clamp(0, hi - lo - 1))
-        return self.reduce(rows.masked_fill(~inside.unsqueeze(1), 0))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x [N, D] (a row-parallel layer's partial), the same
@@ -189,16 +179,38 @@ class TPShard:
 
         return sum_in_rank_order(x, self.group)
 
+    def bind(self, device: torch.device, rows: int, width: int) -> TPShard:
+        """This shard with its symmetric buffers for row-parallel reductions of up to
+        `rows` rows of `width` (`distributed.tree_reduce`), where the ranks run on CUDA
+        over NCCL and torch has symmetric memory; else unchanged (the NCCL or gloo path).
+        A collective: every rank binds at once."""
+        from graphexec.distributed import tree_reduce
+
+        if (self.world == 1 or device.type != "cuda" or self.tree is not None
+                or not tree_reduce.available(self.group)):  # fmt: skip
+            return self
+        tree = tree_reduce.SymmetricTree.create(self.group, rows, width, device)
+        return dataclasses.replace(self, tree=tree)
+
+    def partial_out(self, which: int, M: int) -> torch.Tensor | None:
+        """Where a row-parallel layer's float32 subtree sum [M, D] goes: symmetric buffer
+        `which` (0: o, 1: down: consecutive reductions alternate) within the row cap,
+        else None (a new tensor, reduced over NCCL)."""
+        return self.tree.buffer(which, M) if self.tree is not None else None
+
     def reduce_tree(self, part: torch.Tensor, dtype: torch.dtype,
                     bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """A row-parallel layer's output from each rank's float32 subtree sum `part`
         [N, D] (`row_parallel`): gather the T sums (float32, so nothing is rounded
         before the root), finish the split's tree over them in rank order
         (`matmul.tree_sum`), add the bias in float32, round once to `dtype`. The same
-        bits on every rank, and at every T dividing the split."""
+        bits on every rank, and at every T dividing the split. A `part` in a symmetric
+        buffer (`partial_out`) is reduced by one kernel (`tree_reduce`), the same bits."""
         from graphexec.kernels.matmul import tree_sum
         from graphexec.kernels.row_parallel import finish
 
+        if self.tree is not None and self.tree.owns(part):
+            return self.tree.reduce(part, dtype, bias)
         if self.world > 1:
             from graphexec.distributed.comm import all_gather
 

@@ -240,10 +240,12 @@ def test_two_ranks_logits_loading_and_bad_configs(ckpts) -> None:
         assert errors[0] == errors[1] and "num_attention_heads (5) must be divisible" in errors[0]
         assert errors[2] == errors[3] and "num_key_value_heads (1) must be divisible" in errors[2]
     shapes = [got["llama"]["shapes"] for got in per_rank]
-    # heads 4 -> 2 a rank (hd 8), KV 2 -> 1, I 64 -> 32, V 301 -> 151 / 150
+    # heads 4 -> 2 a rank (hd 8), KV 2 -> 1, I 64 -> 32, V 301 -> 151 / 150 (the LM
+    # head; the embedding is replicated)
     assert shapes[0]["qkv"] == ((2 + 2 * 1) * 8, 32) and shapes[0]["o"] == (32, 16)
     assert shapes[0]["gate_up"] == (64, 32) and shapes[0]["down"] == (32, 32)
-    assert [s["embed"][0] for s in shapes] == [151, 150]
+    assert [s["lm_head"][0] for s in shapes] == [151, 150]
+    assert [s["embed"][0] for s in shapes] == [301, 301]
 
 
 def test_divisibility_is_checked_before_any_group() -> None:

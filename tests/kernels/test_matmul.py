@@ -158,6 +158,28 @@ def test_tile_depends_on_the_weight_shape_only() -> None:
     assert gpu.tile(151936, 896) == mm.MatmulTile(*tuned[151936, 896])
 
 
+@pytest.mark.parametrize("silu", [False, True])
+def test_column_shards_sum_k_as_the_whole_weight(silu) -> None:
+    """A tensor-parallel rank's rows of a column-parallel weight (q/k/v, gate/up, the LM
+    head) give the bits of the same columns of the whole weight: `verify_shard_tiles`
+    gives the shard the whole's split of K (the rule alone would split this shard's K in
+    2 where the whole takes 1, and the bits differ)."""
+    cfg = mm.MatmulConfig.interpreter()
+    N, K, T = 128, 256, 4
+    assert cfg.tile(N // T, K).split != cfg.tile(N, K).split  # the bug this guards
+    x, w, _ = operands(8, 2 * N if silu else N, K, torch.float32, seed=3)  # no rounding
+    fn = mm.linear_silu_mul if silu else mm.linear
+    whole = fn(x, w, config=cfg)
+    for r in (0, T - 1):
+        cols = slice(r * N // T, (r + 1) * N // T)
+        part = torch.cat([w[cols], w[N:][cols]]) if silu else w[cols]
+        sharded = mm.verify_shard_tiles(cfg, [(N, part, silu)])
+        assert sharded.tile(N // T, K).split == cfg.tile(N, K).split
+        assert torch.equal(fn(x, part, config=sharded), whole[:, cols])
+        if r == 0:  # unfixed, the shard's own split rounds differently
+            assert not torch.equal(fn(x, part, config=cfg), whole[:, cols])
+
+
 def test_bad_arguments_are_named() -> None:
     x, w, b = operands(4, 8, 16, torch.float32, bias=True)
     with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):

@@ -84,3 +84,62 @@ def test_tp_streams_are_deterministic(name: str) -> None:
     for r, got in enumerate(per_rank):
         for arrangement, s in got.items():
             same(s, ref, f"{name}, T = {world}: rank {r}, {arrangement}")
+
+
+def _calls(m: HFTransformer, dev: torch.device) -> list[torch.Tensor]:
+    """Logits of a prompt-sized call (8 slots x 75 positions: 600 rows, above the
+    symmetric buffers' cap), a decode (8 rows), a verify over 4 tokens of 4 slots (16
+    rows) and one of 160 rows (large-M tiles, within the cap)."""
+    g = torch.Generator(device=dev).manual_seed(5)
+    out = []
+    for slots, positions in ((range(8), range(75)), (range(8), range(75, 76)),
+                             (range(4), range(76, 80)), (range(4), range(80, 120))):  # fmt: skip
+        s = torch.tensor([a for a in slots for _ in positions], device=dev)
+        p = torch.tensor([b for _ in slots for b in positions], device=dev)
+        ids = torch.randint(0, m.vocab_size, (len(s),), device=dev, generator=g)
+        out.append(m.decode(ids, p, s))
+    return out
+
+
+def _logits_at_every_world(rank: int, world: int, group=None) -> list[str]:
+    """On each rank: the T = 1 model's logits, then for each T in 2, 4 that fits, the
+    sharded model's (ranks 0 .. T - 1); the rank's vocabulary columns compared bit for
+    bit."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", rank)
+    cfg = dict(config("llama-3.1-8b"), num_hidden_layers=2)
+    weights = random_state_dict(cfg, seed=0, device=dev, dtype=torch.bfloat16)
+
+    def model(g) -> HFTransformer:
+        m = HFTransformer(cfg, weights, device=dev, dtype=torch.bfloat16, max_seq_len=256,
+                          tp_group=g)  # fmt: skip
+        m.bind(9, dev)
+        return m
+
+    want = _calls(model(None), dev)
+    bad = []
+    for T in (t for t in (2, 4, 8) if t <= world):
+        g = group if T == world else dist.new_group(list(range(T)), backend="nccl")
+        if rank < T:
+            m = model(g)
+            if m.tp.tree is None:
+                bad.append(f"T = {T}: no symmetric buffers")
+            lo, hi = m.vocab_slice
+            for i, (got, ref) in enumerate(zip(_calls(m, dev), want, strict=True)):
+                if not torch.equal(got, ref[:, lo:hi]):
+                    n = (got != ref[:, lo:hi]).sum().item()
+                    bad.append(f"T = {T}, call {i}: {n} logits differ from one GPU's")
+            del m
+        dist.barrier(group)
+    return bad
+
+
+def test_logits_are_one_gpus_bits_at_every_world() -> None:
+    """Llama-3.1-8B's width (2 layers, bf16): prefill-sized, decode, verify and large-M
+    calls give rank r's vocabulary columns of one GPU's logits, bit for bit, at T = 2 and
+    4 (column shards summing K as the whole weights do; row-parallel subtrees finished
+    in the tree over symmetric memory, and over NCCL above its row cap)."""
+    world = min(torch.cuda.device_count(), 8)
+    for r, bad in enumerate(run_ranks(world, WithNccl(_logits_at_every_world), timeout=400)):
+        assert bad == [], f"rank {r}: {bad}"

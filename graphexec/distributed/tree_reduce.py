@@ -1,0 +1,180 @@
+"""The row-parallel layers' all-reduce in one kernel over symmetric memory.
+
+A row-parallel layer (o, down) on T ranks leaves each rank the float32 sum of its aligned
+subtree of the layer's K parts (`kernels.row_parallel`); the output is the tree finished
+over the T subtree sums in rank order, plus the bias, rounded once. Over NCCL that is an
+all-gather, log2 T adds and a cast (`TPShard.reduce_tree`): four launches and a
+rendezvous, per layer. Here the ranks of one host share buffers instead
+(`torch.distributed._symmetric_memory`: every rank maps every other rank's buffer), and
+one kernel does it all:
+
+    1. the GEMM writes its subtree sum [M, N] float32 straight into this rank's buffer
+       (`buffer`), one of two that the layers alternate between (o: 0, down: 1);
+    2. `_tree_reduce_kernel`: each program signals every peer that this rank's buffer is
+       written and waits for every peer's signal (a barrier per program, over a signal
+       pad of one int32 per (program, sender) that resets itself: the sender sets 0 -> 1,
+       the receiver takes 1 -> 0), then loads the T ranks' values of its elements, adds
+       them in the tree ((r0 + r1) + (r2 + r3)) ..., adds the bias in float32 and rounds
+       once: the bits of `reduce_tree`'s NCCL path, on every rank.
+
+Why two buffers and no exit barrier: a rank writes buffer b again only two reductions
+later, after passing the barrier of the reduction in between, which every peer enters
+only after its kernel that read buffer b has completed (kernels of one stream run in
+order, and this kernel is launched without dependent launch). The forward alternates
+o and down, so consecutive reductions always use different buffers.
+
+Calls of more than `rows` rows (prefill chunks) take the NCCL path, which gives the same
+bits. A single stream per rank runs the model: two forwards in flight at once on one rank
+would share the buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from graphexec.kernels.fused import _rounded
+from graphexec.kernels.matmul_kernel import _tree_push
+from graphexec.runtime.triton_import import tl, triton
+
+logger = logging.getLogger(__name__)
+
+MAX_PROGRAMS = 128  # programs of one reduction: all resident at once (each waits on peers)
+BLOCK = 1024  # elements per program and step
+
+
+@triton.jit
+def _signal_and_wait(SIG_PTRS, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Program `pid`'s barrier with the same program of every other rank: release this
+    rank's writes to each peer (0 -> 1 on the peer's pad), then acquire each peer's
+    (1 -> 0 on ours). A slot still 1 (its receiver has not consumed the last signal yet)
+    makes the sender spin: nothing is lost and the pad is zero again after each round."""
+    mine = tl.load(SIG_PTRS + RANK).to(tl.pointer_type(tl.int32))  # [MAX_PROGRAMS, WORLD]
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            peer = tl.load(SIG_PTRS + p).to(tl.pointer_type(tl.int32))
+            slot = peer + pid * WORLD + RANK
+            while tl.atomic_cas(slot, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            slot = mine + pid * WORLD + p
+            while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # every thread's loads after the acquire
+
+
+@triton.jit
+def _tree_reduce_kernel(
+    BUF_PTRS,  # [WORLD] int64: each rank's buffers [2, ROWS, N] float32
+    SIG_PTRS,  # [WORLD] int64: each rank's signal pad [MAX_PROGRAMS, WORLD] int32
+    BIAS,  # [N] out dtype; read only with HAS_BIAS
+    OUT,  # [M, N] out dtype, contiguous
+    offset,  # first element of this reduction's buffer in [2, ROWS, N]
+    numel, N,  # M * N, N
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    _signal_and_wait(SIG_PTRS, pid, RANK, WORLD)
+    dt = OUT.dtype.element_ty
+    step = tl.num_programs(0) * BLOCK
+    for start in range(pid * BLOCK, numel, step):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        mask = offs < numel
+        z = tl.zeros([BLOCK], dtype=tl.float32)
+        acc, s0, s1, s2, s3 = z, z, z, z, z
+        for r in tl.static_range(WORLD):  # rank order: the tree's leaves
+            buf = tl.load(BUF_PTRS + r).to(tl.pointer_type(tl.float32)) + offset
+            ptrs = tl.multiple_of(buf + offs, 16)  # the buffers are 16-byte aligned
+            v = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            acc, s0, s1, s2, s3 = _tree_push(r, v, s0, s1, s2, s3)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + offs, _rounded(acc, dt).to(dt), mask=mask)
+
+
+def available(group) -> bool:
+    """Whether this torch has symmetric memory and `group` runs on CUDA devices (NCCL)."""
+    try:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+
+
+@dataclass
+class SymmetricTree:
+    """Buffers shared by the ranks of `group` for reductions of up to `rows` rows of
+    `width` columns (module docstring). Made by `create` on every rank at once."""
+
+    rank: int
+    world: int
+    rows: int
+    width: int
+    buffers: torch.Tensor  # [2, rows, width] float32: this rank's, symmetric
+    buffer_ptrs: torch.Tensor  # [world] int64 on the device: each rank's `buffers`
+    signal_ptrs: torch.Tensor  # [world] int64: each rank's pad [MAX_PROGRAMS, world] int32
+    keep: tuple  # the symmetric allocations and handles behind the pointers
+
+    @classmethod
+    def create(cls, group, rows: int, width: int, device: torch.device) -> SymmetricTree:
+        """Allocate and exchange the buffers (a collective: every rank of `group` calls
+        it, in the same order as its other collectives)."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm
+
+        if width % 4:
+            raise ValueError(f"SymmetricTree needs a width divisible by 4, got {width}")
+        name = group.group_name
+        bufs = symm.empty((2, rows, width), dtype=torch.float32, device=device)
+        world = dist.get_world_size(group)
+        pad = symm.empty((MAX_PROGRAMS * world,), dtype=torch.int32, device=device)
+        pad.zero_()
+        torch.cuda.synchronize(device)
+        hb, hp = symm.rendezvous(bufs, name), symm.rendezvous(pad, name)
+        dist.barrier(group)  # every pad zeroed before any rank signals
+        logger.info("tree all-reduce over symmetric memory: %d ranks, %d x %d float32 x 2",
+                    world, rows, width)  # fmt: skip
+        return cls(hb.rank, hb.world_size, rows, width, bufs, _ptrs(hb.buffer_ptrs, device),
+                   _ptrs(hp.buffer_ptrs, device), (bufs, pad, hb, hp))  # fmt: skip
+
+    def buffer(self, which: int, M: int) -> torch.Tensor | None:
+        """This rank's buffer `which` (0 / 1) as [M, width] float32 for a GEMM to write
+        into; None above the row cap."""
+        if M > self.rows:
+            return None
+        return self.buffers[which, :M]
+
+    def owns(self, part: torch.Tensor) -> bool:
+        """Whether `part` is a view `buffer(which, M)`."""
+        starts = (self.buffers[0].data_ptr(), self.buffers[1].data_ptr())
+        return (part.dim() == 2 and part.shape[1] == self.width and part.shape[0] <= self.rows
+                and part.data_ptr() in starts)  # fmt: skip
+
+    def reduce(self, part: torch.Tensor, dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The reduction of `part`, a view `buffer(which, M)` every rank has written:
+        [M, width] in `dtype`, the same bits on every rank."""
+        if not self.owns(part):
+            raise ValueError("SymmetricTree.reduce takes a view from SymmetricTree.buffer")
+        M = part.shape[0]
+        which = int(part.data_ptr() != self.buffers[0].data_ptr())
+        out = torch.empty((M, self.width), dtype=dtype, device=part.device)
+        numel = M * self.width
+        if numel == 0:
+            return out
+        grid = (min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS),)
+        _tree_reduce_kernel[grid](
+            self.buffer_ptrs, self.signal_ptrs, out if bias is None else bias, out,
+            which * self.rows * self.width, numel, self.width,
+            RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, HAS_BIAS=bias is not None,
+            num_warps=4,
+        )  # fmt: skip
+        return out
+
+
+def _ptrs(ptrs, device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ptrs), dtype=torch.int64, device=device)
