@@ -76,15 +76,19 @@ class RowMM:
         self._cols = torch.arange(0)  # key indices, grown as needed
         self._pads: dict[tuple, torch.Tensor] = {}  # zero-padded rows of one call, by size
         self._batched: dict[tuple, bool] = {}  # row_linear's batched parts, as measured
+        self._keys: dict[torch.device, torch.Tensor] = {}  # `_keys_buffer`'s storage
 
-    def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
-        key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
+    def sizes(self, b: torch.Tensor, few: bool = False) -> tuple[int, ...]:
+        """The call sizes of products with b: the class with the most sizes, or with
+        `few` the class of 1-row calls (a GEMV's cost for a row alone: an operand whose
+        calls hold few rows in every kind of forward, as the LM head's logit rows)."""
+        key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads(), few)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._probe(b)
+            plan = self._plans[key] = self._probe(b, few)
         return plan
 
-    def _probe(self, b: torch.Tensor) -> tuple[int, ...]:
+    def _probe(self, b: torch.Tensor, few: bool = False) -> tuple[int, ...]:
         """Random operands of b's shape, strides and dtype (never b's values: a block of
         zero keys would agree in any order). Every size runs rows 1..s, at places
         0..s - 1; the largest also runs rows 0..top - 1, so a row's place changes too."""
@@ -97,10 +101,16 @@ class RowMM:
                 else torch.matmul(x[..., 1 : 1 + s, :], rb).transpose(0, 1).flatten(1)
                 for s in self.candidates}  # fmt: skip
         classes = _classes(outs)
-        best = max(classes, key=lambda c: (len(c), -c[0]))
-        shifted = torch.matmul(x[..., :top, :], rb)[..., 1:, :]  # rows 1..top - 1, in place
-        n = min(best[-1], top - 1)
-        if not torch.equal(shifted[..., :n, :], torch.matmul(x[..., 1 : 1 + n, :], rb)):
+        best = classes[0] if few else max(classes, key=lambda c: (len(c), -c[0]))
+        if few:  # rows 1..s - 1 one place up in a call of the class's largest size s
+            s = best[-1]
+            moved = torch.matmul(x[..., :s, :], rb)[..., 1:, :]
+            same = torch.equal(moved, torch.matmul(x[..., 1 : 1 + s, :], rb)[..., : s - 1, :])
+        else:
+            shifted = torch.matmul(x[..., :top, :], rb)[..., 1:, :]  # rows 1..top - 1
+            n = min(best[-1], top - 1)
+            same = torch.equal(shifted[..., :n, :], torch.matmul(x[..., 1 : 1 + n, :], rb))
+        if not same:
             warnings.warn(f"torch.matmul rounds a row by its place in the call (b "
                           f"{list(b.shape)} {b.dtype}): CPU rows are not batch-invariant",
                           stacklevel=3)  # fmt: skip
@@ -110,11 +120,11 @@ class RowMM:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
         return sum(_calls(M, self.sizes(b)))
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def mm(self, a: torch.Tensor, b: torch.Tensor, few: bool = False) -> torch.Tensor:
         """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
-        a row's bits independent of M and of its place in the call."""
+        a row's bits independent of M and of its place in the call (`few`: see `sizes`)."""
         M, N = a.shape[-2], b.shape[-1]
-        calls = _calls(M, self.sizes(b)) if M else []
+        calls = _calls(M, self.sizes(b, few)) if M else []
         if len(calls) == 1 and calls[0] == M:
             return torch.matmul(a, b)
         if len(calls) == 1:  # one padded call (a decode row): no copies out
@@ -146,10 +156,18 @@ class RowMM:
     # ---- the ops of `ops.ForwardOps` ----------------------------------------------------
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-               *, config=None) -> torch.Tensor:  # fmt: skip
-        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused."""
-        out = self.mm(x, w.t())
+               *, config=None, few: bool = False) -> torch.Tensor:  # fmt: skip
+        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused;
+        `few`: in 1-row-class calls (`sizes`)."""
+        out = self.mm(x, w.t(), few)
         return out if bias is None else out.add_(bias)
+
+    def head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The LM head: only logit rows reach it (a decode's rows, a verify's, a prefill
+        chunk's last), so its calls take the 1-row class: a decode row costs a GEMV, not
+        a padded product (measured: a 4-row call of SmolLM2's [49152, 576] head cost
+        3-6x a GEMV on a 2-core EPYC)."""
+        return self.linear(x, w, few=True)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor, split, bias=None, *,
                    f32: bool = False) -> torch.Tensor:  # fmt: skip
@@ -232,6 +250,18 @@ class RowMM:
                                           block).to(q.dtype)  # fmt: skip
         return out
 
+    def _keys_buffer(self, KV: int, L: int, hd: int, device) -> torch.Tensor:
+        """A contiguous [2, KV, L, hd] float32 for a group's live keys (the strides of a
+        fresh one: the products' operands never change with the buffer's history), on
+        storage kept between calls: a fresh one a layer cost ~0.2 ms in first-touch page
+        faults on a 2-core EPYC. Every element a call reads is written first."""
+        n = 2 * KV * L * hd
+        flat = self._keys.get(device)
+        if flat is None or flat.numel() < n:
+            with torch.inference_mode(False):  # written in place in and out of it
+                flat = self._keys[device] = torch.empty(n, device=device)
+        return flat[:n].view(2, KV, L, hd)
+
     def _attend_slot(self, q, kv, pos, scale, window, G, block) -> torch.Tensor:
         """q [n, H, hd] float32 of one slot's rows, kv [2, T, KV, hd] its cache row; the
         KV heads are the batch of every product ([KV, n G, hd] @ [KV, hd, block])."""
@@ -243,9 +273,9 @@ class RowMM:
         first = 0 if window is None else max(0, lo - window + 1) // block
         nb = hi // block + 1 - first
         start, L = first * block, nb * block
-        keys = torch.empty((2, KV, L, hd), dtype=torch.float32, device=q.device)
+        keys = self._keys_buffer(KV, L, hd, q.device)
         keys[:, :, : hi + 1 - start] = kv[:, start : hi + 1].transpose(1, 2)
-        keys[:, :, hi + 1 - start :] = 0  # past every row: never read stale (NaN) entries
+        keys[:, :, hi + 1 - start :].zero_()  # past every row: never read stale (NaN) entries
         kt = keys[0].transpose(1, 2)  # [KV, hd, L]
         j = torch.arange(start, start + L, device=q.device)
         live = j <= pos[:, None]  # [n, L]
@@ -300,9 +330,9 @@ class RowMM:
         hi = int(pos.max())
         nb = hi // block + 1
         L = nb * block
-        keys = torch.empty((2, KV, L, hd), dtype=torch.float32, device=q.device)
+        keys = self._keys_buffer(KV, L, hd, q.device)
         keys[:, :, : hi + 1] = kv[:, : hi + 1].transpose(1, 2)
-        keys[:, :, hi + 1 :] = 0  # past every row: never read stale (NaN) entries
+        keys[:, :, hi + 1 :].zero_()  # past every row: never read stale (NaN) entries
         M = n * G
         kt = keys[0].transpose(1, 2)  # [KV, hd, L]
         Mp = self.padded(M, kt)
