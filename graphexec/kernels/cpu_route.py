@@ -78,17 +78,14 @@ class RowMM:
         self._batched: dict[tuple, bool] = {}  # row_linear's batched parts, as measured
         self._keys: dict[torch.device, torch.Tensor] = {}  # `_keys_buffer`'s storage
 
-    def sizes(self, b: torch.Tensor, few: bool = False) -> tuple[int, ...]:
-        """The call sizes of products with b: the class with the most sizes, or with
-        `few` the class of 1-row calls (a GEMV's cost for a row alone: an operand whose
-        calls hold few rows in every kind of forward, as the LM head's logit rows)."""
-        key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads(), few)
+    def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
+        key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._probe(b, few)
+            plan = self._plans[key] = self._probe(b)
         return plan
 
-    def _probe(self, b: torch.Tensor, few: bool = False) -> tuple[int, ...]:
+    def _probe(self, b: torch.Tensor) -> tuple[int, ...]:
         """Random operands of b's shape, strides and dtype (never b's values: a block of
         zero keys would agree in any order). Every size runs rows 1..s, at places
         0..s - 1; the largest also runs rows 0..top - 1, so a row's place changes too."""
@@ -101,16 +98,10 @@ class RowMM:
                 else torch.matmul(x[..., 1 : 1 + s, :], rb).transpose(0, 1).flatten(1)
                 for s in self.candidates}  # fmt: skip
         classes = _classes(outs)
-        best = classes[0] if few else max(classes, key=lambda c: (len(c), -c[0]))
-        if few:  # rows 1..s - 1 one place up in a call of the class's largest size s
-            s = best[-1]
-            moved = torch.matmul(x[..., :s, :], rb)[..., 1:, :]
-            same = torch.equal(moved, torch.matmul(x[..., 1 : 1 + s, :], rb)[..., : s - 1, :])
-        else:
-            shifted = torch.matmul(x[..., :top, :], rb)[..., 1:, :]  # rows 1..top - 1
-            n = min(best[-1], top - 1)
-            same = torch.equal(shifted[..., :n, :], torch.matmul(x[..., 1 : 1 + n, :], rb))
-        if not same:
+        best = max(classes, key=lambda c: (len(c), -c[0]))
+        shifted = torch.matmul(x[..., :top, :], rb)[..., 1:, :]  # rows 1..top - 1, in place
+        n = min(best[-1], top - 1)
+        if not torch.equal(shifted[..., :n, :], torch.matmul(x[..., 1 : 1 + n, :], rb)):
             warnings.warn(f"torch.matmul rounds a row by its place in the call (b "
                           f"{list(b.shape)} {b.dtype}): CPU rows are not batch-invariant",
                           stacklevel=3)  # fmt: skip
@@ -120,11 +111,11 @@ class RowMM:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
         return sum(_calls(M, self.sizes(b)))
 
-    def mm(self, a: torch.Tensor, b: torch.Tensor, few: bool = False) -> torch.Tensor:
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
-        a row's bits independent of M and of its place in the call (`few`: see `sizes`)."""
+        a row's bits independent of M and of its place in the call."""
         M, N = a.shape[-2], b.shape[-1]
-        calls = _calls(M, self.sizes(b, few)) if M else []
+        calls = _calls(M, self.sizes(b)) if M else []
         if len(calls) == 1 and calls[0] == M:
             return torch.matmul(a, b)
         if len(calls) == 1:  # one padded call (a decode row): no copies out
@@ -156,18 +147,10 @@ class RowMM:
     # ---- the ops of `ops.ForwardOps` ----------------------------------------------------
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-               *, config=None, few: bool = False) -> torch.Tensor:  # fmt: skip
-        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused;
-        `few`: in 1-row-class calls (`sizes`)."""
-        out = self.mm(x, w.t(), few)
+               *, config=None) -> torch.Tensor:  # fmt: skip
+        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused."""
+        out = self.mm(x, w.t())
         return out if bias is None else out.add_(bias)
-
-    def head(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The LM head: only logit rows reach it (a decode's rows, a verify's, a prefill
-        chunk's last), so its calls take the 1-row class: a decode row costs a GEMV, not
-        a padded product (measured: a 4-row call of SmolLM2's [49152, 576] head cost
-        3-6x a GEMV on a 2-core EPYC)."""
-        return self.linear(x, w, few=True)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor, split, bias=None, *,
                    f32: bool = False) -> torch.Tensor:  # fmt: skip

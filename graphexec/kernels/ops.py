@@ -7,9 +7,6 @@ position, its slot):
 
     op              CUDA, invariant (default)   CUDA, batch_invariant=False   CPU
     linear          matmul.linear (Triton)      cuBLAS (F.linear)             cpu_route.RowMM
-    LM head         as linear                   as linear                     RowMM.head (1-row
-                                                                              calls: logit rows
-                                                                              are few)
     o, down         row_parallel.row_linear_gpu as linear                     RowMM.row_linear
                     (S >= 4 parts, tree shared
                     by tensor-parallel ranks)
@@ -109,7 +106,6 @@ class ForwardOps:
     row_split: Callable | None = None
     row_linear: Callable | None = None
     row_weight: Callable = _row_major  # an o / down weight as row_linear reads it
-    head: Callable | None = None  # head(x [M, D], w [V, D]): the LM head; None = linear
 
     @classmethod
     def select(
@@ -133,7 +129,7 @@ class ForwardOps:
         norm, rope_kv, silu_mul = (getattr(fused, op if kernels else op + "_reference")
                                    for op in names)  # fmt: skip
         weight = row_weight = _row_major
-        row_split = row_linear = head = None
+        row_split = row_linear = None
         if cuda:
             attend = attention.decode_attention
             if batch_invariant:
@@ -148,7 +144,7 @@ class ForwardOps:
                 rope_kv = cpu_route.rope_kv  # the reference's bits in fewer ops
                 norm = cpu_route.residual_rms_norm
             if batch_invariant:
-                lin, weight, head = rows.linear, _k_major, rows.head
+                lin, weight = rows.linear, _k_major
                 row_split, row_linear = row_parallel.row_split_cpu, rows.row_linear
                 row_weight = _k_major_f32
         if not batch_invariant:
@@ -158,5 +154,4 @@ class ForwardOps:
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
                    attend=attend, batch_invariant=batch_invariant,
                    token_rows=cuda or batch_invariant, weight=weight, row_split=row_split,
-                   row_linear=row_linear, row_weight=row_weight,
-                   head=head or lin)  # fmt: skip
+                   row_linear=row_linear, row_weight=row_weight)  # fmt: skip

@@ -368,7 +368,7 @@ class HFTransformer(SlotKVCache):
         elif prefill:
             return None
         h, _ = ops.norm(delta, res, self.norm, self.eps)
-        return ops.head(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head).float()
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel layer (o, down) over all ranks: with a row split, each rank's

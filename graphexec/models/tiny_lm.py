@@ -175,4 +175,4 @@ class TinyLM(SlotKVCache):
         elif prefill:
             return None
         h, _ = ops.norm(delta, res, self._ones, self._eps)
-        return ops.head(h, self.lm_head).float() * (self.logit_scale / math.sqrt(D))
+        return ops.linear(h, self.lm_head).float() * (self.logit_scale / math.sqrt(D))
