@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return models_command(args)
     if args.cmd == "determinism":  # it sets the threads itself (also as its own script)
         return determinism.check(determinism.fill_defaults(args))
-    if args.cmd == "serve":  # each engine sets its own threads where it runs (one line)
+    if args.cmd == "serve":  # serve fixes the engines' threads and logs them (one line)
         from graphexec.serve.server import serve
 
         return serve(args)

@@ -54,6 +54,13 @@ def idle_cores(read=cpu_times, sample_s: float = 0.2) -> int:
     return max(1, min(len(cpus), round(idle)))
 
 
+def engine_threads(engines: int = 1) -> int:
+    """torch threads for each of `engines` CPU engines sharing this host (serve's default):
+    the cores this process may use (`available_cores`), split evenly, at least 1. Fixed by
+    configuration, not by the load at start, so a restart serves alike."""
+    return max(1, available_cores() // max(1, engines))
+
+
 def cpu_threads(requested: int | None = None) -> int:
     """torch's intra-op thread count for a CPU run: `requested`, else the idle cores."""
     if requested is None:
@@ -63,18 +70,23 @@ def cpu_threads(requested: int | None = None) -> int:
     return requested
 
 
-def configure_threads(device: str, requested: int | None) -> int | None:
+def configure_threads(device: str, requested: int | None, why: str | None = None,
+                      quiet: bool = False) -> int | None:  # fmt: skip
     """Set torch's thread pool for a CPU run (a pool larger than the cores this process
     gets made the demo 5-13x slower on a busy 2-core machine); an explicit `requested`
-    is applied on any device. Returns the count set, None where nothing was changed."""
+    is applied on any device. `why`: where `requested` came from (logged; default
+    "--threads"); `quiet`: no log line (the caller logged it). Returns the count set,
+    None where nothing was changed."""
     import torch
 
     if requested is None and torch.device(device).type != "cpu":
         return None
     n = cpu_threads(requested)
     torch.set_num_threads(n)
-    why = "--threads" if requested is not None else f"idle cores of {available_cores()}"
-    log.info("torch intra-op threads: %d (%s)", n, why)
+    if not quiet:
+        if requested is None:
+            why = f"idle cores of {available_cores()}"
+        log.info("torch intra-op threads: %d (%s)", n, why or "--threads")
     return n
 
 
@@ -85,7 +97,9 @@ def positive_int(text: str) -> int:
     return n
 
 
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
+def add_threads_argument(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    default = ("the cores this process may use (its affinity), split among the "
+               "--data-parallel engines" if serve else "the cores this process may use "
+               "that are idle at start")  # fmt: skip
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="torch CPU threads (default on the CPU: the cores this process "
-                   "may use)")  # fmt: skip
+                   help=f"torch CPU threads (default on the CPU: {default})")  # fmt: skip

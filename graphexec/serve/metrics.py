@@ -92,7 +92,8 @@ class ServerMetrics:
              f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
              self.tokens_per_s()),
             ("counter", "steps_total", "executor steps", st.steps),
-            ("counter", "graph_replays_total", "steps replayed from a captured graph",
+            ("counter", "graph_replays_total", "steps replayed from a captured graph (on the "
+             "CPU its emulation: the recorded call)",
              st.replays),
             ("counter", "eager_steps_total", "steps run eagerly", st.eager),
             ("counter", "spec_drafted_tokens_total", "speculative drafts verified", st.drafted),

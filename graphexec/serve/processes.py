@@ -132,12 +132,8 @@ def run(engine: EngineSpec, server: ServerSpec, host: str, port: int, engines: i
         api_servers: int) -> int:  # fmt: skip
     """Start everything, serve until a signal or a process ends; the exit code."""
     gpus = gpus_for(engine.device, engines)
-    if gpus[0] is None and engines > 1:  # one host's cores and memory, shared
-        from graphexec.runtime.threads import available_cores
-
+    if gpus[0] is None and engines > 1:  # one host's memory, shared (threads: `serve`)
         engine = replace(engine, engines=engines)
-        if engine.threads is None:
-            engine = replace(engine, threads=max(1, available_cores() // engines))
     ctx = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="graphexec-serve-")
     e_addrs = [f"ipc://{folder}/engine-{i}" for i in range(engines)]

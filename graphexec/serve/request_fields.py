@@ -137,11 +137,10 @@ def parse_request(body: dict[str, Any], prompts: list[list[int]], *, chat: bool,
     grammar, source = _grammar(body)
     if not chat and (body.get("tools") is not None or body.get("tool_choice") is not None):
         raise APIError(400, "tools are for /v1/chat/completions", "tools")
-    forced = tool_choice(body, tool_format) if chat else None
+    # with tools, the request's grammar shapes the content and the tools the calls
+    # (`serve.tools`): the one grammar then holds both
+    forced = tool_choice(body, tool_format, grammar) if chat else None
     if forced is not None:
-        if grammar is not None:
-            raise APIError(400, f"a tool_choice constrains the output already: drop "
-                           f"{source}", "tool_choice")  # fmt: skip
         grammar, source = forced.grammar, "tools"
     if grammar is not None:
         kw["grammar"], fields["grammar"] = grammar, source

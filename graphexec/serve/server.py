@@ -1,5 +1,6 @@
-"""`python -m graphexec serve`: load the model, build the executor (graphs captured before
-serving on CUDA), and run the app on uvicorn."""
+"""`python -m graphexec serve`: fix the engines' torch threads, load the model, build the
+executor (graphs captured before serving; emulated on the CPU), and run the app on
+uvicorn."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-capture",
         action="store_true",
-        help="serve without capturing CUDA graphs first (steps run eagerly)",
+        help="serve without capturing graphs first (CUDA graphs; on the CPU their emulation, "
+        "the library's default too): steps run eagerly, the same tokens",
     )
     p.add_argument("--capture-keys", nargs="+", default=None, metavar="KEY",
                    help="capture only these graphs, each VARIANT or VARIANT+logprobs (no_filter, "
@@ -68,7 +70,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engines, one per GPU (cuda:0..N-1), behind the same API servers; "
                    "requests go to the least-loaded one (default 1)")  # fmt: skip
     p.add_argument("--log-level", default="info")
-    add_threads_argument(p)
+    add_threads_argument(p, serve=True)
+
+
+def resolve_threads(args: argparse.Namespace) -> str | None:
+    """Fix serve's torch thread count in `args.threads` before any engine starts, and say
+    where it came from (None: not set, a GPU engine without --threads keeps torch's):
+    --threads, else on the CPU the cores this process may use split among the
+    --data-parallel engines (`threads.engine_threads`). Each engine sets this number as it
+    is; the launcher logs it once."""
+    import torch
+
+    from graphexec.runtime.threads import available_cores, engine_threads
+
+    if args.threads is not None:
+        return "--threads"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cpu":
+        return None
+    engines = getattr(args, "data_parallel", 1) or 1
+    args.threads = engine_threads(engines)
+    per = f" / {engines} engines" if engines > 1 else ""
+    return f"the {available_cores()} cores this process may use{per}; --threads sets it"
 
 
 def engine_spec(args: argparse.Namespace):
@@ -102,6 +125,9 @@ def serve(args: argparse.Namespace) -> int:
     except (ModelChoiceError, ValueError) as e:
         print(f"graphexec serve: {e}", file=sys.stderr)
         return 2
+    why = resolve_threads(args)
+    if why is not None:
+        log.info("torch intra-op threads: %d per engine (%s)", args.threads, why)
     if args.api_servers == 0:
         return _serve_in_process(args)
     from graphexec.serve.processes import ServerSpec, gpus_for, run

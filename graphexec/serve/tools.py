@@ -17,6 +17,12 @@ into the calls the answer reports:
     none     (or no tools): plain text; the tools still reach the chat template, which
              may describe them to the model.
 
+With an output format of the request's own (`response_format`, or vLLM's guided_json /
+guided_regex / guided_grammar), as OpenAI: that format shapes the message's content, the
+tools its calls. So "none" (and "auto" without a tool-call format) answers text of that
+format; "auto" answers either text of that format or one or more calls (never both);
+"required" and a named function answer calls, which have no content to shape.
+
 Tool-call formats known (`FORMATS`): "hermes", the `<tool_call>` JSON blocks of Qwen2.5,
 Hermes and many others. Output cut by max_tokens holds no call that does not parse: it
 comes back as text, finish_reason "length", as OpenAI answers a cut.
@@ -97,16 +103,43 @@ def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return "".join(rest).strip() or None, calls
 
 
-def _hermes_grammar(fns: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
+def _hermes_grammar(fns: dict[str, dict[str, Any]], parallel: bool,
+                    text: Grammar | None = None) -> Grammar:  # fmt: skip
     """Free text; at `<tool_call>`, one call of a tool with arguments of its schema (at
-    most one whitespace character in a row: a model cannot loop on whitespace)."""
+    most one whitespace character in a row: a model cannot loop on whitespace). With
+    `text`: either text of that grammar, or calls one after another (one per line)."""
     tags = [{"type": "tag", "begin": f'{HERMES_OPEN}\n{{"name": {json.dumps(name)}, '
-             '"arguments": ', "content": {"type": "json_schema", "json_schema": schema,
-                                          "max_whitespace_cnt": 1},
+             '"arguments": ', "content": _json_format(schema),
              "end": f"}}\n{HERMES_CLOSE}"} for name, schema in fns.items()]  # fmt: skip
-    fmt = {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
-           "at_least_one": False, "stop_after_first": not parallel}  # fmt: skip
+    if text is None:
+        fmt = {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags,
+               "at_least_one": False, "stop_after_first": not parallel}  # fmt: skip
+    else:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                 "at_least_one": True, "stop_after_first": not parallel}  # fmt: skip
+        fmt = {"type": "or", "elements": [_text_format(text), calls]}
     return Grammar.structural_tag({"type": "structural_tag", "format": fmt})
+
+
+def _json_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+
+
+def _text_format(g: Grammar) -> dict[str, Any]:
+    """A request's output grammar as an element of a structural tag."""
+    if g.kind == "json":
+        return _json_format({"type": ["object", "array"]})  # what Grammar.json() allows
+    if g.kind == "json_schema":
+        try:
+            return _json_format(json.loads(g.text))
+        except ValueError:
+            raise APIError(400, "the response's JSON schema does not parse as JSON",
+                           "response_format") from None  # fmt: skip
+    if g.kind == "regex":
+        return {"type": "regex", "pattern": g.text}
+    if g.kind == "ebnf":
+        return {"type": "grammar", "grammar": g.text}
+    raise APIError(400, f"a {g.kind} grammar does not combine with tools", "tools")
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -132,10 +165,12 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def tool_choice(body: dict[str, Any], fmt: str | None = None) -> ToolChoice | None:
-    """The constrained choice of a request, or None (plain text); `fmt` the chat
-    template's tool-call format (`tool_format`). APIError(400) naming `tools` or
-    `tool_choice` for anything malformed or unsupported."""
+def tool_choice(body: dict[str, Any], fmt: str | None = None,
+                text: Grammar | None = None) -> ToolChoice | None:  # fmt: skip
+    """The constrained choice of a request, or None (its text: plain, or `text`); `fmt`
+    the chat template's tool-call format (`tool_format`); `text` the request's own output
+    grammar (module docstring: with "auto", the answer's other branch). APIError(400)
+    naming `tools` or `tool_choice` for anything malformed or unsupported."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
@@ -150,7 +185,7 @@ def tool_choice(body: dict[str, Any], fmt: str | None = None) -> ToolChoice | No
     if not isinstance(parallel, bool):
         raise APIError(400, "parallel_tool_calls must be a bool", "parallel_tool_calls")
     if choice == "auto":
-        return ToolChoice(None, _hermes_grammar(fns, parallel), auto=True)
+        return ToolChoice(None, _hermes_grammar(fns, parallel, text), auto=True)
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": name},
                                                    "parameters": schema},

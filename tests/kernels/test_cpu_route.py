@@ -135,3 +135,20 @@ def test_calls_cut_rows_into_sizes_of_one_class() -> None:
     for M in range(1, 1100, 7):
         c = _calls(M, sizes)
         assert set(c) <= set(sizes) and sum(c[:-1]) < M <= sum(c), M
+
+
+def test_attention_keeps_its_key_storage_and_its_bits() -> None:
+    """The live keys go to storage kept between calls (no fresh buffer a layer: page
+    faults), viewed contiguous at each call's length: a row's bits do not depend on what
+    ran before (a long group first, then a short one, equals a fresh RowMM)."""
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(2, 2, 700, 2, 64, generator=g)
+    q = torch.randn(3, 6, 64, generator=g)
+    pos, slots = torch.tensor([650, 651, 652]), torch.tensor([1, 1, 1])
+    used = RowMM()
+    used.attend(q, kv, slots, pos, 0.125)
+    storage = used._keys[torch.device("cpu")].data_ptr()
+    short = used.attend(q[:1], kv, torch.tensor([0]), torch.tensor([30]), 0.125)
+    assert used._keys[torch.device("cpu")].data_ptr() == storage
+    fresh = RowMM().attend(q[:1], kv, torch.tensor([0]), torch.tensor([30]), 0.125)
+    assert torch.equal(short, fresh)

@@ -198,3 +198,47 @@ def test_a_call_cut_by_max_tokens_is_text_with_finish_reason_length(kind) -> Non
     rest = 'Let me see. <tool_call>\n{"name": "note", "argu'
     assert full["message"]["content"] == rest == streamed
     assert [t["function"]["name"] for t in calls] == ["get_time"]
+
+
+SHAPE = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["hermes", None])
+def test_tools_with_response_format_shape_content_and_calls(compiler, fmt) -> None:
+    """As OpenAI: response_format shapes the content, the tools the calls. "auto" answers
+    either content of the format or calls (with no tool-call format: the content); "none"
+    the content; "required" / a named function the calls (no content to shape). Never the
+    400 that named a tool_choice the request did not give."""
+    from graphexec.serve.request_fields import parse_request
+
+    def parsed(**extra):
+        body = {"messages": [], "tools": [WEATHER, TIME], "response_format": SHAPE, **extra}
+        return parse_request(body, [[1, 2]], chat=True, max_seq_len=64, tool_format=fmt)
+
+    ok, call = '{"ok": true}', CALL.format(name="get_time", args='{"zone": "UTC"}')
+    auto = parsed()  # tools alone: "auto"
+    g = _Grammar(auto.params.grammar)
+    assert accepts(compiler, g, ok) and not accepts(compiler, g, "Plain text.")
+    if fmt is None:  # no way to call: the content, in its format
+        assert auto.tools is None and not accepts(compiler, g, call)
+    else:
+        assert accepts(compiler, g, call) and accepts(compiler, g, call + "\n" + call)
+        assert not accepts(compiler, auto.tools, ok + call)  # one or the other
+        assert auto.tools.calls(ok) == [] and auto.tools.content(ok) == ok
+        assert [c["function"]["name"] for c in auto.tools.calls(call)] == ["get_time"]
+    none = parsed(tool_choice="none")
+    assert none.tools is None and none.fields["grammar"] == "response_format"
+    assert accepts(compiler, _Grammar(none.params.grammar), ok)
+    required = parsed(tool_choice="required")
+    assert required.fields["grammar"] == "tools"
+    calls = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    assert accepts(compiler, required.tools, calls)
+    assert not accepts(compiler, required.tools, ok)
+
+
+class _Grammar:
+    """A bare grammar where `accepts` takes a choice."""
+
+    def __init__(self, grammar) -> None:
+        self.grammar = grammar
