@@ -46,23 +46,35 @@ BLOCK = 1024  # elements per program and step
 
 
 @triton.jit
-def _signal_and_wait(SIG_PTRS, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Program `pid`'s barrier with the same program of every other rank: release this
-    rank's writes to each peer (0 -> 1 on the peer's pad), then acquire each peer's
-    (1 -> 0 on ours). A slot still 1 (its receiver has not consumed the last signal yet)
-    makes the sender spin: nothing is lost and the pad is zero again after each round."""
-    mine = tl.load(SIG_PTRS + RANK).to(tl.pointer_type(tl.int32))  # [MAX_PROGRAMS, WORLD]
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            peer = tl.load(SIG_PTRS + p).to(tl.pointer_type(tl.int32))
-            slot = peer + pid * WORLD + RANK
-            while tl.atomic_cas(slot, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            slot = mine + pid * WORLD + p
-            while tl.atomic_cas(slot, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+def _store_release(ptrs, value):
+    """st.release.sys of `value` at each of `ptrs`: no reply awaited (a remote atomic
+    would wait a round trip over NVLink per peer)."""
+    return tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2; mov.b32 $0, 0;",
+                                     "=r,l,r", [ptrs, value], dtype=tl.int32, is_pure=False,
+                                     pack=1)  # fmt: skip
+
+
+@triton.jit
+def _load_acquire(ptrs):
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _signal_and_wait(SIG_PTRS, EPOCH, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Program `pid`'s barrier with the same program of every rank, by epochs: this call's
+    epoch e (one more than the program's last, kept in this rank's EPOCH) is stored with
+    release semantics into slot [pid, RANK] of every rank's pad, then the program spins
+    until every slot [pid, r] of its own pad has reached e (acquire). Slots only grow, so
+    a signal is never lost and nothing is reset (a peer already at e + 1 has passed e)."""
+    e = tl.load(EPOCH + pid) + 1
+    tl.store(EPOCH + pid, e)
+    r = tl.arange(0, WORLD)
+    pads = tl.load(SIG_PTRS + r).to(tl.pointer_type(tl.int32))  # [WORLD] each rank's pad
+    _store_release(pads + pid * WORLD + RANK, tl.full([WORLD], 0, tl.int32) + e)
+    mine = tl.load(SIG_PTRS + RANK).to(tl.pointer_type(tl.int32)) + pid * WORLD + r
+    while tl.min(_load_acquire(mine) - e, 0) < 0:  # wrap-safe: a difference, not a compare
+        pass
     tl.debug_barrier()  # every thread's loads after the acquire
 
 
@@ -70,6 +82,7 @@ def _signal_and_wait(SIG_PTRS, pid, RANK: tl.constexpr, WORLD: tl.constexpr):
 def _tree_reduce_kernel(
     BUF_PTRS,  # [WORLD] int64: each rank's buffers [2, ROWS, N] float32
     SIG_PTRS,  # [WORLD] int64: each rank's signal pad [MAX_PROGRAMS, WORLD] int32
+    EPOCH,  # [MAX_PROGRAMS] int32: this rank's last epoch per program
     BIAS,  # [N] out dtype; read only with HAS_BIAS
     OUT,  # [M, N] out dtype, contiguous
     offset,  # first element of this reduction's buffer in [2, ROWS, N]
@@ -77,7 +90,7 @@ def _tree_reduce_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    _signal_and_wait(SIG_PTRS, pid, RANK, WORLD)
+    _signal_and_wait(SIG_PTRS, EPOCH, pid, RANK, WORLD)
     dt = OUT.dtype.element_ty
     step = tl.num_programs(0) * BLOCK
     for start in range(pid * BLOCK, numel, step):
@@ -117,6 +130,7 @@ class SymmetricTree:
     buffers: torch.Tensor  # [2, rows, width] float32: this rank's, symmetric
     buffer_ptrs: torch.Tensor  # [world] int64 on the device: each rank's `buffers`
     signal_ptrs: torch.Tensor  # [world] int64: each rank's pad [MAX_PROGRAMS, world] int32
+    epochs: torch.Tensor  # [MAX_PROGRAMS] int32: this rank's last epoch per program
     keep: tuple  # the symmetric allocations and handles behind the pointers
 
     @classmethod
@@ -138,8 +152,9 @@ class SymmetricTree:
         dist.barrier(group)  # every pad zeroed before any rank signals
         logger.info("tree all-reduce over symmetric memory: %d ranks, %d x %d float32 x 2",
                     world, rows, width)  # fmt: skip
+        epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
         return cls(hb.rank, hb.world_size, rows, width, bufs, _ptrs(hb.buffer_ptrs, device),
-                   _ptrs(hp.buffer_ptrs, device), (bufs, pad, hb, hp))  # fmt: skip
+                   _ptrs(hp.buffer_ptrs, device), epochs, (bufs, pad, hb, hp))  # fmt: skip
 
     def buffer(self, which: int, M: int) -> torch.Tensor | None:
         """This rank's buffer `which` (0 / 1) as [M, width] float32 for a GEMM to write
@@ -168,7 +183,7 @@ class SymmetricTree:
             return out
         grid = (min(triton.cdiv(numel, BLOCK), MAX_PROGRAMS),)
         _tree_reduce_kernel[grid](
-            self.buffer_ptrs, self.signal_ptrs, out if bias is None else bias, out,
+            self.buffer_ptrs, self.signal_ptrs, self.epochs, out if bias is None else bias, out,
             which * self.rows * self.width, numel, self.width,
             RANK=self.rank, WORLD=self.world, BLOCK=BLOCK, HAS_BIAS=bias is not None,
             num_warps=4,

@@ -241,17 +241,19 @@ def tree_sum(parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
 
 
 def _same_bits(w: torch.Tensor, silu: bool, config: MatmulConfig, a: MatmulTile,
-               b: MatmulTile, rows: tuple[int, ...], gen: torch.Generator) -> bool:  # fmt: skip
+               b: MatmulTile, rows: tuple[int, ...], gen: torch.Generator,
+               f32: bool = False) -> bool:  # fmt: skip
     """Whether tiles `a` and `b` give the same bits on weight `w` for activations of each
-    row count in `rows` at three scales (normal, x 1e3, x 1e-3, with outliers)."""
+    row count in `rows` at three scales (normal, x 1e3, x 1e-3, with outliers); f32: of
+    the bare float32 sums (`f32_out`)."""
     K = w.shape[1]
     for m in rows:
         for scale in (1.0, 1e3, 1e-3):
             x = torch.randn(m, K, device=w.device, generator=gen)
             x[::17, ::13] *= 64.0  # outliers, as activations have
             x = (x * scale).to(w.dtype)
-            if not torch.equal(_launch(x, w, None, silu, config, tile=a),
-                               _launch(x, w, None, silu, config, tile=b)):  # fmt: skip
+            if not torch.equal(_launch(x, w, None, silu, config, tile=a, f32_out=f32),
+                               _launch(x, w, None, silu, config, tile=b, f32_out=f32)):  # fmt: skip
                 return False
     return True
 

@@ -42,11 +42,18 @@ class RowSplit:
     parts: int
     world: int
     tile: MatmulTile | None = None
+    rank_tile: MatmulTile | None = None  # world > 1: narrower columns, verified (verify_rank_tile)
 
     @property
     def local(self) -> int:
         """Parts on one rank: an aligned subtree of the S-part tree."""
         return self.parts // self.world
+
+    def local_tile(self) -> MatmulTile:
+        """The tile a rank runs its `local` parts with: `rank_tile` once verified, else
+        the whole weight's tile with the rank's split (the same K loop per part)."""
+        assert self.tile is not None
+        return self.rank_tile or dataclasses.replace(self.tile, split=self.local)
 
 
 def split_of(K: int, world: int, parts: int) -> RowSplit | None:
@@ -74,6 +81,31 @@ def row_split_gpu(N: int, K: int, world: int, *,
     return dataclasses.replace(split, tile=dataclasses.replace(t, split=split.parts))
 
 
+def verify_rank_tile(split: RowSplit | None, w: torch.Tensor,
+                     config: MatmulConfig | None = None) -> RowSplit | None:  # fmt: skip
+    """`split` with a `rank_tile` for this rank's weight w [N, K_r] (world > 1, CUDA):
+    the whole's tile with columns narrowed (down to 16) until the rank's parts make
+    `min_programs` programs at one row (at T = 4 the whole's 4 parts leave a rank one,
+    so a 64-column tile would run N / 64 programs), used where it gives the float32
+    subtree sums of the whole's tile bit for bit on this device."""
+    from graphexec.kernels.matmul import _same_bits
+    from graphexec.runtime.triton_env import interpreter_enabled
+
+    runs = w.device.type == "cuda" or interpreter_enabled()
+    if split is None or split.world == 1 or split.tile is None or not runs:
+        return split
+    cfg = config or MatmulConfig.default()
+    base = split.local_tile()
+    bn = base.block_n
+    while bn > 16 and -(-w.shape[0] // bn) * split.local < cfg.min_programs:
+        bn //= 2
+    cand = dataclasses.replace(base, block_n=bn)
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    if cand == base or not _same_bits(w, False, cfg, cand, base, (1, 7, 64), gen, f32=True):
+        return split
+    return dataclasses.replace(split, rank_tile=cand)
+
+
 def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The tree's root (float32) + bias in float32, rounded once to `dtype`."""
     if bias is not None:
@@ -97,7 +129,7 @@ def row_linear_gpu(x: torch.Tensor, w: torch.Tensor, split: RowSplit,
         raise ValueError("a rank's row-parallel product is its float32 subtree sum "
                          "(f32=True); only world 1 rounds in the kernel")  # fmt: skip
     cfg = config or MatmulConfig.default()
-    tile = dataclasses.replace(split.tile, split=split.local)
+    tile = split.local_tile()
     if split.world == 1:  # the whole weight: its verified large tile of this split, if any
         tile = cfg.tile_for(w.shape[0], w.shape[1], x.shape[0], split.parts)
     if f32:

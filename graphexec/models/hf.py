@@ -250,11 +250,12 @@ class HFTransformer(SlotKVCache):
         self.prefill_graphs = PrefillGraphs(self._forward, self.padding_slot, d) if cuda else None
 
     def _verified_matmul(self) -> MatmulConfig:
-        """The GEMM config with its large-M tiles checked on this device against the
-        decode tiles, bit for bit, on one layer's weights and the LM head (each weight
-        shape is shared by every layer); a shape that differs keeps its decode tile."""
+        """The GEMM config with its large-M tiles (and a rank's shard tiles) checked on
+        this device against the decode (whole weight's) tiles, bit for bit, on one
+        layer's weights and the LM head; a shape that differs keeps its decode tile."""
         from graphexec.kernels.matmul import verify_large_tiles, verify_shard_tiles
         from graphexec.kernels.matmul_config import MatmulConfig
+        from graphexec.kernels.row_parallel import verify_rank_tile
 
         cfg = self.matmul or MatmulConfig.default()
         first = self.layers[0]
@@ -264,6 +265,8 @@ class HFTransformer(SlotKVCache):
             cfg = verify_shard_tiles(cfg, [(whole_qkv, first.qkv, False),
                                            (self._row_k["down"], first.gate_up, True),
                                            (self.vocab_size, self.lm_head, False)])  # fmt: skip
+            self.row_splits = {n: verify_rank_tile(s, getattr(first, n), cfg)
+                               for n, s in self.row_splits.items()}  # fmt: skip
         if not cfg.large_tiles:
             return cfg
         weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]

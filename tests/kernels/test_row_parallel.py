@@ -51,9 +51,14 @@ def test_kernel_subtree_sums_finish_to_the_whole_bits(dtype, tile_split) -> None
     for T in (2, 4):
         split = rp.row_split_gpu(N, K, T, config=cfg)
         assert split.local == one.parts // T and split.tile == one.tile
-        subs = [rp.row_linear_gpu(shard(x, r, T), shard(w, r, T), split, f32=True, config=cfg)
-                for r in range(T)]  # fmt: skip
-        assert torch.equal((mm.tree_sum(subs) + b.float()).to(dtype), whole), T
+        # a rank's narrower verified tile (more programs when it holds few parts)
+        wide = dataclasses.replace(split, tile=dataclasses.replace(split.tile, block_n=32))
+        narrow = rp.verify_rank_tile(wide, shard(w, 0, T), cfg.replace(min_programs=64))
+        assert narrow.rank_tile is not None and narrow.rank_tile.block_n == 16
+        for s in (split, wide, narrow):
+            subs = [rp.row_linear_gpu(shard(x, r, T), shard(w, r, T), s, f32=True, config=cfg)
+                    for r in range(T)]  # fmt: skip
+            assert torch.equal((mm.tree_sum(subs) + b.float()).to(dtype), whole), T
     torch.testing.assert_close(whole.float(), (x.float() @ w.float().T + b.float()),
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
