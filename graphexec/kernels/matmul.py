@@ -28,6 +28,7 @@ and the reference agree to rounding (different summation orders), not bit for bi
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ from graphexec.kernels import dependent_launch, matmul_tma
 from graphexec.kernels.matmul_config import MatmulConfig, MatmulTile
 from graphexec.kernels.matmul_kernel import _linear_kernel, launch_shape
 from graphexec.runtime.triton_env import interpreter_enabled
+
+logger = logging.getLogger(__name__)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
@@ -277,6 +280,8 @@ def verify_shard_tiles(config: MatmulConfig, shards: list[tuple[int, torch.Tenso
                 gen = gen or torch.Generator(device=w.device).manual_seed(seed)
                 if not _same_bits(w, silu, config, cand, whole, (1, 7, 64), gen):
                     cand = whole
+        logger.info("column shard [%d, %d] of [%d, %d]: %s tile %s", n, K, N, K,
+                    "its own" if cand != whole else "the whole weight's", cand)  # fmt: skip
         if tiles.get((n, K), cand).split != cand.split:
             raise ValueError(f"two weights shard to [{n}, {K}] with different splits of K")
         tiles[(n, K)] = cand

@@ -23,6 +23,7 @@ order (`TPShard.reduce`), close to T = 1 but not bitwise.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from graphexec.kernels.matmul import _launch
 from graphexec.kernels.matmul_config import MatmulConfig, MatmulTile
 from graphexec.kernels.matmul_kernel import MAX_SPLIT
+
+logger = logging.getLogger(__name__)
 
 ROW_SPLIT = 4  # at least this many parts: T = 1, 2 and 4 each hold whole subtrees
 
@@ -101,9 +104,10 @@ def verify_rank_tile(split: RowSplit | None, w: torch.Tensor,
         bn //= 2
     cand = dataclasses.replace(base, block_n=bn)
     gen = torch.Generator(device=w.device).manual_seed(0)
-    if cand == base or not _same_bits(w, False, cfg, cand, base, (1, 7, 64), gen, f32=True):
-        return split
-    return dataclasses.replace(split, rank_tile=cand)
+    same = cand != base and _same_bits(w, False, cfg, cand, base, (1, 7, 64), gen, f32=True)
+    tile = f"{cand.block_n} columns a tile" if same else "the whole weight's tile"
+    logger.info("row-parallel [%d, %d] on a rank: %s", w.shape[0], w.shape[1], tile)
+    return dataclasses.replace(split, rank_tile=cand) if same else split
 
 
 def finish(acc: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
