@@ -21,9 +21,9 @@ P = gx.SamplingParams
 # the selection passes the tests of those passes look at
 # Round 2 launches late_programs programs whatever the batch (2,048 on the GPU preset): the
 # interpreter pays about 2 ms for each, even one that leaves at once (8 s a sampler call).
-# 64 still splits each of round 2's few rows over many programs (the same code path; the
+# 128 still splits each of round 2's few rows over many programs (the same code path; the
 # rows' round-1 split, min(tiles, late_programs / B), is unchanged for these tests' shapes).
-GPU_LATE = 64
+GPU_LATE = 128
 CONFIGS = {
     "interp16": SamplerConfig.interpreter().replace(
         draw_block=16, short_blocks=0, check_blocks=0
