@@ -133,24 +133,8 @@ def test_demo_smollm2_without_the_model_exits_2_with_the_one_command(
     assert not (tmp_path / "cache").exists()
 
 
-def test_demo_prints_each_request_as_it_finishes_and_a_progress_line(
-    capsys, restore_threads, monkeypatch
-) -> None:
-    from graphexec.app import demo
-
-    monkeypatch.setattr(demo, "on_terminal", lambda: True)  # bars on a terminal only
-    rc = cli.main(["demo", "--model", "tiny", "--device", "cpu", "--requests", "4",
-                   "--max-batch-size", "2", "--max-seq-len", "64", "--latency-steps", "1",
-                   "--threads", "1", "--no-speculative"])  # fmt: skip
-    cap = capsys.readouterr()
-    assert rc == 0, cap.out + cap.err
-    lines = cap.out.splitlines()
-    summary = next(i for i, line in enumerate(lines) if line.startswith("replay: 4 requests"))
-    shown = [line.split()[0] for line in lines[:summary] if re.match(r"\s+r\d+ ", line)]
-    # every request's line came out during the run, before its summary, once
-    assert sorted(shown) == ["r0", "r1", "r2", "r3"], cap.out
-    assert all(line.split()[:1] != [r] for line in lines[summary:] for r in shown)
-    assert re.search(r"replay: .*4/4", cap.err) and re.search(r"eager: .*/4", cap.err), cap.err
+# the demo's lines as requests finish, and its progress bars on a terminal: the demo run of
+# tests/app/test_without_triton.py checks them
 
 
 def test_demo_without_the_model_says_so_in_one_line_and_runs_the_draft_model(
