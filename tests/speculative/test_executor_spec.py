@@ -237,33 +237,40 @@ SCHEMA = {
 }
 
 
+def _grammar_run(spec):
+    tok = gx.Tokenizer.cl100k()
+    model = gx.models.TableModel(tok.vocab_size, seed=0, scale=6.0)
+    ex = gx.DecodeExecutor(model, max_batch_size=4, device="cpu", tokenizer=tok, seed=0,
+                           buckets=[4], speculative=spec)  # fmt: skip
+    ex.capture(progress=False)
+    P = gx.SamplingParams
+    params = [
+        P(temperature=0.7, seed=1, max_tokens=20, grammar=gx.Grammar.json_schema(SCHEMA)),
+        P(temperature=0.0, seed=2, max_tokens=16, grammar=gx.Grammar.regex("(ab)+c")),
+        P(temperature=1.0, seed=3, max_tokens=12),
+    ]
+    for i, p in enumerate(params):
+        ex.add_request(f"g{i}", tok.encode("ab ab ab ab"), p)
+    out: dict[str, list] = {}
+    while not ex.idle:
+        for o in ex.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out, ex.stats
+
+
+@pytest.fixture(scope="module")
+def grammar_base():
+    """The grammar requests without speculation (shared by both drafters' tests)."""
+    return _grammar_run(None)[0]
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_grammar_requests_under_speculation(drafter):
+def test_grammar_requests_under_speculation(drafter, grammar_base):
     tok = gx.Tokenizer.cl100k()
     vocab = tok.vocab_size
-
-    def execute(spec):
-        model = gx.models.TableModel(vocab, seed=0, scale=6.0)
-        ex = gx.DecodeExecutor(model, max_batch_size=4, device="cpu", tokenizer=tok, seed=0,
-                               buckets=[4], speculative=spec)  # fmt: skip
-        ex.capture(progress=False)
-        P = gx.SamplingParams
-        params = [
-            P(temperature=0.7, seed=1, max_tokens=20, grammar=gx.Grammar.json_schema(SCHEMA)),
-            P(temperature=0.0, seed=2, max_tokens=16, grammar=gx.Grammar.regex("(ab)+c")),
-            P(temperature=1.0, seed=3, max_tokens=12),
-        ]
-        for i, p in enumerate(params):
-            ex.add_request(f"g{i}", tok.encode("ab ab ab ab"), p)
-        out: dict[str, list] = {}
-        while not ex.idle:
-            for o in ex.step():
-                out.setdefault(o.request_id, []).append(o)
-        return out, ex.stats
-
     draft = "ngram" if drafter == "ngram" else gx.models.TableModel(vocab, seed=0, scale=6.0)
-    base, _ = execute(None)
-    spec, stats = execute(gx.SpeculativeConfig(2, drafter=draft))
+    base = grammar_base
+    spec, stats = _grammar_run(gx.SpeculativeConfig(2, drafter=draft))
     for rid in base:
         assert [o.token_id for o in spec[rid]] == [o.token_id for o in base[rid]]
     text = tok.decode([o.token_id for o in spec["g1"] if o.token_id != tok.eos_token_id])
