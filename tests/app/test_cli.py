@@ -1,7 +1,10 @@
-"""The `python -m graphexec` CLI: bench wiring, inspect --dot on the CPU, CPU threads."""
+"""The `python -m graphexec` CLI: bench wiring, inspect --dot on the CPU, CPU threads. Most
+commands run in this process (`cli.main`, what `python -m graphexec` calls); one runs as the
+installed command."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -21,33 +24,38 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def test_bench_help_lists_the_benchmarks_and_the_step_options() -> None:
-    r = run_cli("bench", "--help")
-    assert r.returncode == 0, r.stderr
+def test_bench_help_lists_the_benchmarks_and_the_step_options(capsys, restore_threads) -> None:
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
     for name in ("step", "sampler", "verify", "not performance numbers", "--batches"):
-        assert name in r.stdout
+        assert name in out
 
 
 @pytest.mark.parametrize(
     "name, options",
     [("sampler", ("--vocab", "--shapes", "--quick")), ("verify", ("--k", "--variants"))],
 )
-def test_bench_subcommand_help_is_the_scripts_own(name: str, options: tuple[str, ...]) -> None:
-    r = run_cli("bench", name, "--help")
-    assert r.returncode == 0, r.stderr
-    assert f"bench_{name}.py" in r.stdout and all(o in r.stdout for o in options)
+def test_bench_subcommand_help_is_the_scripts_own(name: str, options: tuple[str, ...], capsys,
+                                                  restore_threads) -> None:  # fmt: skip
+    assert cli.main(["bench", name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert f"bench_{name}.py" in out and all(o in out for o in options)
 
 
-def test_inspect_dot_on_the_cpu_says_there_is_none_and_prints_the_table() -> None:
+def test_inspect_dot_on_the_cpu_says_there_is_none_and_prints_the_table(
+    capsys, caplog, restore_threads
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA keeps DOTs")
-    r = run_cli("inspect", "--model", "table", "--max-batch-size", "2", "--threads", "1",
-                "--dot", "default/b2/lp", "--dot-path", os.devnull)  # fmt: skip
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "no DOT on cpu" in r.stderr and "Traceback" not in r.stderr
-    rows = [line for line in r.stdout.splitlines() if line.split()[:1] == ["default"]]
+    caplog.set_level(logging.INFO)
+    rc = cli.main(["inspect", "--model", "table", "--max-batch-size", "2", "--threads", "1",
+                   "--dot", "default/b2/lp", "--dot-path", os.devnull])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    assert "no DOT on cpu" in err and "Traceback" not in err
+    rows = [line for line in out.splitlines() if line.split()[:1] == ["default"]]
     assert len(rows) == 4  # buckets 1, 2 x logprobs off, on
-    assert "torch intra-op threads: 1 (--threads)" in r.stderr
+    assert "torch intra-op threads: 1 (--threads)" in caplog.text
 
 
 def test_cpu_threads_counts_the_idle_cores_this_process_may_use(monkeypatch) -> None:
@@ -125,24 +133,8 @@ def test_demo_smollm2_without_the_model_exits_2_with_the_one_command(
     assert not (tmp_path / "cache").exists()
 
 
-def test_demo_prints_each_request_as_it_finishes_and_a_progress_line(
-    capsys, restore_threads, monkeypatch
-) -> None:
-    from graphexec.app import demo
-
-    monkeypatch.setattr(demo, "on_terminal", lambda: True)  # bars on a terminal only
-    rc = cli.main(["demo", "--model", "tiny", "--device", "cpu", "--requests", "4",
-                   "--max-batch-size", "2", "--max-seq-len", "64", "--latency-steps", "1",
-                   "--threads", "1", "--no-speculative"])  # fmt: skip
-    cap = capsys.readouterr()
-    assert rc == 0, cap.out + cap.err
-    lines = cap.out.splitlines()
-    summary = next(i for i, line in enumerate(lines) if line.startswith("replay: 4 requests"))
-    shown = [line.split()[0] for line in lines[:summary] if re.match(r"\s+r\d+ ", line)]
-    # every request's line came out during the run, before its summary, once
-    assert sorted(shown) == ["r0", "r1", "r2", "r3"], cap.out
-    assert all(line.split()[:1] != [r] for line in lines[summary:] for r in shown)
-    assert re.search(r"replay: .*4/4", cap.err) and re.search(r"eager: .*/4", cap.err), cap.err
+# the demo's lines as requests finish, and its progress bars on a terminal: the demo run of
+# tests/app/test_without_triton.py checks them
 
 
 def test_demo_without_the_model_says_so_in_one_line_and_runs_the_draft_model(

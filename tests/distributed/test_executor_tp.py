@@ -36,15 +36,25 @@ def executor(m, spec: bool, **kw) -> gx.DecodeExecutor:
     return ex
 
 
-def _worker(rank: int, world: int, cases) -> list[dict]:
+def _worker(rank: int, world: int, worlds) -> dict[int, list[dict]]:
+    """Every T of `worlds` on a group of the first T of `world` ranks (one start of the
+    processes serves every T)."""
     import torch.distributed as dist
 
+    out = {}
+    for T, cases in worlds:
+        group = dist.group.WORLD if T == world else dist.new_group(list(range(T)))
+        if rank < T:
+            out[T] = _cases(rank, T, group, cases)
+    return out
+
+
+def _cases(rank: int, world: int, group, cases) -> list[dict]:
     out = []
     for kind, spec, method in cases:
         got = {}
         for mode in (None, "eager"):
-            ex = executor(model(kind, (rank, world)), spec, tp_group=dist.group.WORLD,
-                          tp_method=method)  # fmt: skip
+            ex = executor(model(kind, (rank, world)), spec, tp_group=group, tp_method=method)
             got[mode] = streams(ex, mode)
         out.append(got)
     return out
@@ -59,20 +69,22 @@ def same(got: dict, want: dict) -> None:
         assert [b for _, b in lps] == pytest.approx([a for a, _ in lps], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize(
-    "world, cases",
-    [(2, [("table", False, "all_to_all"), ("tiny", False, "vocab_parallel"),
-          ("tiny", True, "all_to_all")]),
-     (3, [("table", True, "vocab_parallel")])],
-)  # fmt: skip
-def test_each_rank_gets_the_one_rank_streams(world, cases) -> None:
-    """One process group per world size serves every case (spawning ranks is the cost)."""
-    wants = [streams(executor(model(kind), spec)) for kind, spec, _ in cases]
-    for per_rank in run_ranks(world, _worker, cases):
-        for got, want in zip(per_rank, wants, strict=True):
-            same(got[None], want)
-            same(got["eager"], want)
-            assert got[None] == got["eager"]  # replay == eager, logprobs bit for bit
+WORLDS = [(2, [("table", False, "all_to_all"), ("tiny", False, "vocab_parallel"),
+               ("tiny", True, "all_to_all")]),
+          (3, [("table", True, "vocab_parallel")])]  # fmt: skip
+
+
+def test_each_rank_gets_the_one_rank_streams() -> None:
+    """One start of 3 ranks serves every case: T = 2 on a group of ranks 0 and 1, then T = 3
+    (spawning ranks is the cost)."""
+    per_rank = run_ranks(3, _worker, WORLDS)
+    for T, cases in WORLDS:
+        wants = [streams(executor(model(kind), spec)) for kind, spec, _ in cases]
+        for got_rank in per_rank[:T]:
+            for got, want in zip(got_rank[T], wants, strict=True):
+                same(got[None], want)
+                same(got["eager"], want)
+                assert got[None] == got["eager"]  # replay == eager, logprobs bit for bit
 
 
 def test_tp_group_refuses_what_it_cannot_serve() -> None:

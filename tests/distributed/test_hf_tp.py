@@ -68,10 +68,8 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def load(path: str, tp: bool, **kw) -> HFTransformer:
-    import torch.distributed as dist
-
-    group = dist.group.WORLD if tp else None
+def load(path: str, group=None, **kw) -> HFTransformer:
+    """The checkpoint sharded over `group` (None: the whole model, no group)."""
     return HFTransformer.from_pretrained(path, max_seq_len=64, tp_group=group, **kw)
 
 
@@ -132,16 +130,15 @@ class _CountingSlice:
         return t
 
 
-def _loading_and_logits(rank: int, world: int, paths: dict[str, str], kinds) -> dict:
+def _loading_and_logits(rank: int, world: int, paths: dict[str, str], kinds, group) -> dict:
     import safetensors
-    import torch.distributed as dist
 
     out: dict = {}
     for kind in kinds:
         _CountingOpen.real, _CountingOpen.read, _CountingOpen.whole = safetensors.safe_open, {}, []
         safetensors.safe_open = _CountingOpen
         try:
-            m = load(paths[kind], tp=True)
+            m = load(paths[kind], group)
         finally:
             safetensors.safe_open = _CountingOpen.real
         shapes = {"qkv": tuple(m.layers[0].qkv.shape), "o": tuple(m.layers[0].o.shape),
@@ -152,21 +149,21 @@ def _loading_and_logits(rank: int, world: int, paths: dict[str, str], kinds) -> 
                "shapes": shapes, "logits": numpy(logits_script(m)),
                "invariant": rows_alone_equal_batched(m)}  # fmt: skip
         if kind == "llama":  # the CPU's padded-SDPA prefill route, sharded too
-            res["padded"] = numpy(logits_script(load(paths[kind], tp=True,
+            res["padded"] = numpy(logits_script(load(paths[kind], group,
                                                      batch_invariant=False)))  # fmt: skip
         out[kind] = res
     errors = []  # heads that do not divide by T: the constructor, the shard itself
     for bad in (dict(SMALL, num_attention_heads=5, num_key_value_heads=5, hidden_size=40),
                 dict(SMALL, num_key_value_heads=1)):  # fmt: skip
-        for fn in (lambda c: HFTransformer(c, {}, tp_group=dist.group.WORLD),
-                   lambda c: TPShard.create(dist.group.WORLD, c)):  # fmt: skip
+        for fn in (lambda c: HFTransformer(c, {}, tp_group=group),
+                   lambda c: TPShard.create(group, c)):  # fmt: skip
             try:
                 fn(dict(bad, model_type="llama"))
                 errors.append(None)
             except ValueError as e:
                 errors.append(str(e))
     out["errors"] = errors
-    out["reduce"] = reduce_is_fixed(rank, world)
+    out["reduce"] = reduce_is_fixed(rank, world, group)
     return out
 
 
@@ -178,12 +175,10 @@ def rows_alone_equal_batched(m: HFTransformer) -> bool:
     return torch.equal(batched, torch.cat(alone))
 
 
-def reduce_is_fixed(rank: int, world: int) -> bool:
+def reduce_is_fixed(rank: int, world: int, group) -> bool:
     """`sum_in_rank_order`: every rank's partials [N, D] (seeded by rank) summed in rank
     order in float32 and rounded once (float32 and bf16 partials), the same bits for a row
     alone as in the batch."""
-    import torch.distributed as dist
-
     from graphexec.distributed.comm import sum_in_rank_order
 
     ok = True
@@ -195,8 +190,8 @@ def reduce_is_fixed(rank: int, world: int) -> bool:
         for p in parts[1:]:
             want = want + p.float()
         want = want.to(dtype)
-        got = sum_in_rank_order(parts[rank], dist.group.WORLD)
-        rows = [sum_in_rank_order(parts[rank][i : i + 1], dist.group.WORLD) for i in range(5)]
+        got = sum_in_rank_order(parts[rank], group)
+        rows = [sum_in_rank_order(parts[rank][i : i + 1], group) for i in range(5)]
         ok &= got.dtype == dtype and torch.equal(got, want)
         ok &= torch.equal(torch.cat(rows), got)
     return ok
@@ -205,7 +200,7 @@ def reduce_is_fixed(rank: int, world: int) -> bool:
 def check_logits_and_loading(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
     T = len(per_rank)
     for kind in kinds:
-        want = logits_script(load(paths[kind], tp=False))
+        want = logits_script(load(paths[kind]))
         slices = gx.distributed.vocab_slices(V, T)
         for r, got in enumerate(per_rank):
             res = got[kind]
@@ -227,25 +222,6 @@ def check_logits_and_loading(per_rank: list[dict], paths: dict[str, str], kinds)
             assert reads == parts, name
             split = any(name.endswith(s) for s in SPLITS)
             assert sum(reads) == torch.Size(shape).numel() * (1 if split else T), name
-
-
-def test_two_ranks_logits_loading_and_bad_configs(ckpts) -> None:
-    kinds = ("llama", "qwen2")
-    per_rank = run_ranks(2, _loading_and_logits, ckpts, kinds)
-    check_logits_and_loading(per_rank, ckpts, kinds)
-    for got in per_rank:
-        assert got["reduce"]
-        errors = got["errors"]  # constructor, TPShard.create; for each of the two configs
-        assert all(e is not None for e in errors), errors
-        assert errors[0] == errors[1] and "num_attention_heads (5) must be divisible" in errors[0]
-        assert errors[2] == errors[3] and "num_key_value_heads (1) must be divisible" in errors[2]
-    shapes = [got["llama"]["shapes"] for got in per_rank]
-    # heads 4 -> 2 a rank (hd 8), KV 2 -> 1, I 64 -> 32, V 301 -> 151 / 150 (the LM
-    # head; the embedding is replicated)
-    assert shapes[0]["qkv"] == ((2 + 2 * 1) * 8, 32) and shapes[0]["o"] == (32, 16)
-    assert shapes[0]["gate_up"] == (64, 32) and shapes[0]["down"] == (32, 32)
-    assert [s["lm_head"][0] for s in shapes] == [151, 150]
-    assert [s["embed"][0] for s in shapes] == [301, 301]
 
 
 def test_divisibility_is_checked_before_any_group() -> None:
@@ -275,17 +251,15 @@ def executor(m, spec: bool = False, **kw) -> gx.DecodeExecutor:
     return ex
 
 
-def _executor_streams(rank: int, world: int, paths: dict[str, str], cases) -> dict:
+def _executor_streams(paths: dict[str, str], cases, group) -> dict:
     """Per case (checkpoint, tp_method): `arrangements` on this rank."""
-    import torch.distributed as dist
-
     return {kind: arrangements(functools.partial(
-                _tp_executor, paths[kind], group=dist.group.WORLD, method=method), items(), 2)
+                _tp_executor, paths[kind], group=group, method=method), items(), 2)
             for kind, method in cases}  # fmt: skip
 
 
 def _tp_executor(path: str, spec: bool, *, group, method: str) -> gx.DecodeExecutor:
-    return executor(load(path, tp=True), spec, tp_group=group, tp_method=method)
+    return executor(load(path, group), spec, tp_group=group, tp_method=method)
 
 
 def check_streams(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
@@ -296,25 +270,52 @@ def check_streams(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
             for name, s in got[kind].items():
                 same(s, ref, f"{kind}: rank {r}, {name}")
         # T ranks against one: not guaranteed (module docstring); holds on this workload
-        one = streams(wl.run(executor(load(paths[kind], tp=False)), items()))
+        one = streams(wl.run(executor(load(paths[kind])), items()))
         same(one, ref, f"{kind}: one rank", rel=1e-4)
 
 
-def test_two_ranks_executor_streams(ckpts) -> None:
-    cases = (("llama", "all_to_all"), ("qwen2", "vocab_parallel"))
-    per_rank = run_ranks(2, _executor_streams, ckpts, cases)
-    check_streams(per_rank, ckpts, [k for k, _ in cases])
+TWO_CASES = (("llama", "all_to_all"), ("qwen2", "vocab_parallel"))
+THREE_CASES = (("llama3", "auto"),)
 
 
-def _three_ranks(rank: int, world: int, paths: dict[str, str]) -> tuple[dict, dict]:
-    return (_loading_and_logits(rank, world, paths, ("llama3",)),
-            _executor_streams(rank, world, paths, (("llama3", "auto"),)))  # fmt: skip
+def _two_and_three_ranks(rank: int, world: int, paths: dict[str, str]) -> dict:
+    """On 3 ranks: T = 2 on a group of ranks 0 and 1 (rank 2 waits), then T = 3 on all (one
+    start of the processes for both)."""
+    import torch.distributed as dist
+
+    two = dist.new_group([0, 1])
+    out = {}
+    if rank < 2:
+        out[2] = (_loading_and_logits(rank, 2, paths, ("llama", "qwen2"), two),
+                  _executor_streams(paths, TWO_CASES, two))  # fmt: skip
+    out[3] = (_loading_and_logits(rank, world, paths, ("llama3",), dist.group.WORLD),
+              _executor_streams(paths, THREE_CASES, dist.group.WORLD))  # fmt: skip
+    return out
 
 
-def test_three_ranks_uneven_vocabulary(ckpts) -> None:
-    """V = 301 over 3 ranks (101, 100, 100 ids), six heads, three KV heads: logits,
-    loading and streams as at T = 2 (tp_method "auto")."""
-    per_rank = run_ranks(3, _three_ranks, ckpts)
-    assert all(a["reduce"] for a, _ in per_rank)
-    check_logits_and_loading([a for a, _ in per_rank], ckpts, ("llama3",))
-    check_streams([b for _, b in per_rank], ckpts, ("llama3",))
+def test_two_and_three_ranks_logits_loading_streams_and_bad_configs(ckpts) -> None:
+    """T = 2 (Llama split over two files, all_to_all; Qwen2 tied with biases,
+    vocab_parallel) and T = 3 (V = 301 as 101, 100, 100 ids, six heads, three KV heads,
+    tp_method "auto"): logits, loading and streams, and the configurations that do not
+    divide."""
+    per_rank = run_ranks(3, _two_and_three_ranks, ckpts)
+    two = [got[2][0] for got in per_rank[:2]]
+    check_logits_and_loading(two, ckpts, ("llama", "qwen2"))
+    for got in two:
+        assert got["reduce"]
+        errors = got["errors"]  # constructor, TPShard.create; for each of the two configs
+        assert all(e is not None for e in errors), errors
+        assert errors[0] == errors[1] and "num_attention_heads (5) must be divisible" in errors[0]
+        assert errors[2] == errors[3] and "num_key_value_heads (1) must be divisible" in errors[2]
+    shapes = [got["llama"]["shapes"] for got in two]
+    # heads 4 -> 2 a rank (hd 8), KV 2 -> 1, I 64 -> 32, V 301 -> 151 / 150 (the LM
+    # head; the embedding is replicated)
+    assert shapes[0]["qkv"] == ((2 + 2 * 1) * 8, 32) and shapes[0]["o"] == (32, 16)
+    assert shapes[0]["gate_up"] == (64, 32) and shapes[0]["down"] == (32, 32)
+    assert [s["lm_head"][0] for s in shapes] == [151, 150]
+    assert [s["embed"][0] for s in shapes] == [301, 301]
+    check_streams([got[2][1] for got in per_rank[:2]], ckpts, [k for k, _ in TWO_CASES])
+    three = [got[3] for got in per_rank]
+    assert all(a["reduce"] for a, _ in three)
+    check_logits_and_loading([a for a, _ in three], ckpts, ("llama3",))
+    check_streams([b for _, b in three], ckpts, [k for k, _ in THREE_CASES])

@@ -50,10 +50,11 @@ def factory(model):
     return make
 
 
-def workload(n: int = 16) -> list[wl.WorkItem]:
+def workload(n: int = 10) -> list[wl.WorkItem]:
     """The mixed kinds (greedy, top-k/top-p, top-p, min-p, penalties, bias, logprobs,
-    unseeded), prompts of 1..140 tokens (chunked by a 64-token budget), and repetitive
-    prompts so the n-gram drafter proposes."""
+    unseeded; n = 10 holds each of the 7 kinds and two unseeded requests, and with the
+    loops fills the largest bucket), prompts of 1..140 tokens (chunked by a 64-token
+    budget), and repetitive prompts so the n-gram drafter proposes."""
     items = wl.mixed_workload(n, V, seed=3, max_tokens=(6, 14), prompt_tokens=(1, 140))
     loops = [wl.WorkItem(f"loop{i}", tuple([7, 8, 9, 10, 11] * (4 + i)),
                          gx.SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=50 + i,

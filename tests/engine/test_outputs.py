@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import graphexec as gx
+from graphexec.app import cli
 from graphexec.engine.finish import StepOutputs
 from graphexec.request import Request
 from tests.engine.scripted import next_outputs
@@ -67,25 +68,28 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)  # fmt: skip
 
 
-def test_determinism_quick_passes_on_the_cpu() -> None:
+def test_determinism_quick_passes_on_the_cpu(capsys, restore_threads) -> None:
     # --quick: spec keys through the draft model alone (its key batches run every spec_k
     # key; the n-gram drafter finds no drafts there); one bucket and one step a key keep it
-    # short (about 12 s on a 2-core CPU)
-    r = run_tool("-m", "graphexec", "determinism", "--quick")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "0 captured keys never ran" in r.stdout and ": 0 mismatches" in r.stdout
-    assert "/k3 " in r.stdout and "0 differences from no speculation" in r.stdout
+    # short (about 12 s on a 2-core CPU). In this process (cli.main, what `python -m
+    # graphexec` runs; tests/app/test_cli.py runs the installed command): a second process
+    # paid ~5 s of imports
+    rc = cli.main(["determinism", "--quick", "--threads", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert "0 captured keys never ran" in out and ": 0 mismatches" in out
+    assert "/k3 " in out and "0 differences from no speculation" in out
     # progress: per run, counts up to a total that never changes (it jumped: [5/6], [6/10])
     counts: dict[str, list[tuple[int, int]]] = {}
-    for label, i, n in re.findall(r"\[(.*?) (\d+)/(\d+)\]", r.stderr):
+    for label, i, n in re.findall(r"\[(.*?) (\d+)/(\d+)\]", err):
         counts.setdefault(label, []).append((int(i), int(n)))
-    assert len(counts) == 2, r.stderr  # the runs without and with the draft model
+    assert len(counts) == 2, err  # the runs without and with the draft model
     for seen in counts.values():
         assert seen == [(i, seen[0][1]) for i in range(1, seen[0][1] + 1)], seen
     # the table's columns hold, whatever the key names
-    out = r.stdout.splitlines()
-    at = next(i for i, line in enumerate(out) if line.startswith("key "))
-    lines = out[at : out.index("", at)]
+    rows = out.splitlines()
+    at = next(i for i, line in enumerate(rows) if line.startswith("key "))
+    lines = rows[at : rows.index("", at)]
     assert len(lines) == 9 and len({len(line) for line in lines}) == 1, lines
 
 

@@ -31,7 +31,7 @@ from tests.sampling.test_reference_stats import (
     exact_distribution,
     merged_bins,
 )
-from tests.sampling.triton_cases import assert_same, logits_of, run_both
+from tests.sampling.triton_cases import GPU_LATE, assert_same, logits_of, run_both
 
 P = gx.SamplingParams
 
@@ -117,7 +117,7 @@ CHECKS = {
     "cut_only": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=0),
     "check_pass": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1),
     "tail": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1 << 12),
-    "gpu_preset": SamplerConfig.gpu().replace(draw_block=16),
+    "gpu_preset": SamplerConfig.gpu().replace(draw_block=16, late_programs=GPU_LATE),
 }
 EXACT = [P(top_p=0.8, temperature=0.9), P(top_k=7), P(min_p=0.15, temperature=1.2),
          P(top_p=0.95, temperature=1.5)]  # fmt: skip

@@ -1,5 +1,6 @@
 """The serve tests' checkpoint (a tiny random Llama with a trained byte-level BPE
-tokenizer and a chat template) and a server subprocess on a free port."""
+tokenizer and a chat template) and a server subprocess on a free port (`shared_server`:
+one a worker, kept up between the runs of its module's tests)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,30 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+_SHARED: dict[tuple[str, ...], Server] = {}
+
+
+def shared_server(folder: Path, *args: str) -> Server:
+    """The server of these arguments, started once: it stays up (idle, it takes no CPU)
+    until another one is asked for or the session ends. xdist's worksteal can interleave a
+    module's tests with other modules' on a worker, and a module-scoped fixture then starts
+    its server again for each run of them; this keeps one server a worker at a time."""
+    key = (str(folder), *args)
+    s = _SHARED.get(key)
+    if s is None or s.proc.poll() is not None:
+        stop_shared()
+        s = _SHARED[key] = Server(folder, *args)
+    return s
+
+
+def stop_shared() -> None:
+    while _SHARED:
+        _SHARED.popitem()[1].stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_shared_servers():
+    yield
+    stop_shared()

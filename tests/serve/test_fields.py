@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import Server
+from tests.serve.conftest import shared_server
 
 KEY = "sk-test-0123"
 
@@ -18,9 +18,8 @@ KEY = "sk-test-0123"
 @pytest.fixture(scope="module")
 def server(checkpoint):
     # the app and its engine in one process (--api-servers 0): that path is served too
-    s = Server(checkpoint, "--max-batch-size", "8", "--api-key", KEY, "--api-servers", "0")
-    yield s
-    s.stop()
+    return shared_server(checkpoint, "--max-batch-size", "8", "--api-key", KEY, "--api-servers",
+                         "0")  # fmt: skip
 
 
 def auth(key: str = KEY) -> dict[str, str]:

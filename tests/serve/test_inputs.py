@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve.conftest import Server
+from tests.serve.conftest import shared_server
 
 CONTEXT = 2048  # the served checkpoint's max_seq_len: its own (max_position_embeddings)
 
@@ -19,9 +19,8 @@ CONTEXT = 2048  # the served checkpoint's max_seq_len: its own (max_position_emb
 @pytest.fixture(scope="module")
 def server(checkpoint):
     # the app and its engine in one process: these bodies are the HTTP side's to answer
-    s = Server(checkpoint, "--max-batch-size", "8", "--max-queue", "64", "--api-servers", "0")
-    yield s
-    s.stop()
+    return shared_server(checkpoint, "--max-batch-size", "8", "--max-queue", "64",
+                         "--api-servers", "0")  # fmt: skip
 
 
 def post(server, path: str, body, raw: bool = False) -> httpx.Response:

@@ -17,7 +17,7 @@ import torch
 import graphexec as gx
 from graphexec.models.demo_model import choose_model
 from graphexec.serve.chat import ChatTemplate, read_tokenizer_config
-from tests.serve.conftest import Server
+from tests.serve.conftest import shared_server
 
 MODEL = None  # the served model id: the checkpoint folder's name
 
@@ -26,21 +26,11 @@ MODEL = None  # the served model id: the checkpoint folder's name
 def server(checkpoint):
     # as deployed with two GPUs: two engine processes behind two API server processes, so
     # every test here also checks that a request's tokens do not depend on which took it
-    s = Server(
-        checkpoint,
-        "--max-batch-size",
-        "16",
-        "--max-queue",
-        "64",
-        "--data-parallel",
-        "2",
-        "--api-servers",
-        "2",
-    )
+    s = shared_server(checkpoint, "--max-batch-size", "16", "--max-queue", "64",
+                      "--data-parallel", "2", "--api-servers", "2")  # fmt: skip
     global MODEL
     MODEL = checkpoint.name
-    yield s
-    s.stop()
+    return s
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,14 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import Server
+from tests.serve.conftest import shared_server
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "seed": 1, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    s = Server(checkpoint, "--max-batch-size", "1", "--max-queue", "1")
-    yield s
-    s.stop()
+    return shared_server(checkpoint, "--max-batch-size", "1", "--max-queue", "1")
 
 
 def test_queue_full_is_503_and_disconnects_free_the_slot(server, checkpoint) -> None:

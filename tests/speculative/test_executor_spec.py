@@ -60,7 +60,7 @@ def tokens(streams):
     return {k: [(t, p, f) for t, p, f, *_ in v] for k, v in streams.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data: worksteal interleaving rebuilt a module-scoped one
 def baseline():
     return run(None)
 
@@ -122,7 +122,7 @@ def test_logprobs_under_speculation_match_plain_decoding(baseline):
                 assert [i for i, _ in top] == [i for i, _ in top2]
 
 
-def test_rejection_mode_runs_and_respects_limits():
+def test_rejection_mode_runs_and_respects_limits(baseline):
     for drafter in ("ngram", _model(0), _model(5)):
         spec = gx.SpeculativeConfig(3, drafter=drafter, verify="rejection")
         streams, _, stats = run(spec)
@@ -131,11 +131,10 @@ def test_rejection_mode_runs_and_respects_limits():
             assert all(0 <= t < V for t, *_ in v)
             assert v[-1][2] in ("length", "stop")
         assert stats.accepted <= stats.drafted
-    # greedy rows accept exactly the argmax: the greedy streams equal plain decoding
-    base = run(None)[0]
-    streams = run(gx.SpeculativeConfig(3, drafter=_model(5), verify="rejection"))[0]
+    # greedy rows accept exactly the argmax: the greedy streams (of the last run: the other
+    # model as drafter) equal plain decoding
     for rid in ("r0", "r5"):
-        assert tokens(streams)[rid] == tokens(base)[rid]
+        assert tokens(streams)[rid] == tokens(baseline[0])[rid]
 
 
 def test_stops_inside_a_run_truncate_it():
@@ -237,33 +236,40 @@ SCHEMA = {
 }
 
 
+def _grammar_run(spec):
+    tok = gx.Tokenizer.cl100k()
+    model = gx.models.TableModel(tok.vocab_size, seed=0, scale=6.0)
+    ex = gx.DecodeExecutor(model, max_batch_size=4, device="cpu", tokenizer=tok, seed=0,
+                           buckets=[4], speculative=spec)  # fmt: skip
+    ex.capture(progress=False)
+    P = gx.SamplingParams
+    params = [
+        P(temperature=0.7, seed=1, max_tokens=20, grammar=gx.Grammar.json_schema(SCHEMA)),
+        P(temperature=0.0, seed=2, max_tokens=16, grammar=gx.Grammar.regex("(ab)+c")),
+        P(temperature=1.0, seed=3, max_tokens=12),
+    ]
+    for i, p in enumerate(params):
+        ex.add_request(f"g{i}", tok.encode("ab ab ab ab"), p)
+    out: dict[str, list] = {}
+    while not ex.idle:
+        for o in ex.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out, ex.stats
+
+
+@pytest.fixture(scope="session")
+def grammar_base():
+    """The grammar requests without speculation (shared by both drafters' tests)."""
+    return _grammar_run(None)[0]
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_grammar_requests_under_speculation(drafter):
+def test_grammar_requests_under_speculation(drafter, grammar_base):
     tok = gx.Tokenizer.cl100k()
     vocab = tok.vocab_size
-
-    def execute(spec):
-        model = gx.models.TableModel(vocab, seed=0, scale=6.0)
-        ex = gx.DecodeExecutor(model, max_batch_size=4, device="cpu", tokenizer=tok, seed=0,
-                               buckets=[4], speculative=spec)  # fmt: skip
-        ex.capture(progress=False)
-        P = gx.SamplingParams
-        params = [
-            P(temperature=0.7, seed=1, max_tokens=20, grammar=gx.Grammar.json_schema(SCHEMA)),
-            P(temperature=0.0, seed=2, max_tokens=16, grammar=gx.Grammar.regex("(ab)+c")),
-            P(temperature=1.0, seed=3, max_tokens=12),
-        ]
-        for i, p in enumerate(params):
-            ex.add_request(f"g{i}", tok.encode("ab ab ab ab"), p)
-        out: dict[str, list] = {}
-        while not ex.idle:
-            for o in ex.step():
-                out.setdefault(o.request_id, []).append(o)
-        return out, ex.stats
-
     draft = "ngram" if drafter == "ngram" else gx.models.TableModel(vocab, seed=0, scale=6.0)
-    base, _ = execute(None)
-    spec, stats = execute(gx.SpeculativeConfig(2, drafter=draft))
+    base = grammar_base
+    spec, stats = _grammar_run(gx.SpeculativeConfig(2, drafter=draft))
     for rid in base:
         assert [o.token_id for o in spec[rid]] == [o.token_id for o in base[rid]]
     text = tok.decode([o.token_id for o in spec["g1"] if o.token_id != tok.eos_token_id])
