@@ -12,8 +12,9 @@ one kernel does it all:
        (`buffer`), one of two that the layers alternate between (o: 0, down: 1);
     2. `_tree_reduce_kernel`: each program signals every peer that this rank's buffer is
        written and waits for every peer's signal (a barrier per program, over a signal
-       pad of one int32 per (program, sender) that resets itself: the sender sets 0 -> 1,
-       the receiver takes 1 -> 0), then loads the T ranks' values of its elements, adds
+       pad of one int32 per (program, sender) holding the sender's last epoch: stores
+       to every peer at once, a spin on the rank's own pad only), then loads the T
+       ranks' values of its elements, adds
        them in the tree ((r0 + r1) + (r2 + r3)) ..., adds the bias in float32 and rounds
        once: the bits of `reduce_tree`'s NCCL path, on every rank.
 
