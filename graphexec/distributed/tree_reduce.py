@@ -14,9 +14,9 @@ one kernel does it all:
        written and waits for every peer's signal (a barrier per program, over a signal
        pad of one int32 per (program, sender) holding the sender's last epoch: stores
        to every peer at once, a spin on the rank's own pad only), then loads the T
-       ranks' values of its elements, adds
-       them in the tree ((r0 + r1) + (r2 + r3)) ..., adds the bias in float32 and rounds
-       once: the bits of `reduce_tree`'s NCCL path, on every rank.
+       ranks' values of its elements, adds them in the tree ((r0 + r1) + (r2 + r3)) ...,
+       adds the bias in float32 and rounds once: the bits of `reduce_tree`'s NCCL path,
+       on every rank.
 
 Why two buffers and no exit barrier: a rank writes buffer b again only two reductions
 later, after passing the barrier of the reduction in between, which every peer enters
