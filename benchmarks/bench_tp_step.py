@@ -9,7 +9,9 @@ times `ex.step()` replayed (`bench_step.measure`: the median wall over --steps),
 the model's own reductions alone on every rank (`reduce_time`: its 2 L row-parallel
 reductions of B rows in one CUDA graph), with each rank's host time. speedup(T) =
 step(T = 1) / step(T) at the same B. --per-shard: each rank draws only its part of the
-weights (Llama-3.1-70B, which does not fit one GPU; --worlds without 1).
+weights (Llama-3.1-70B, which does not fit one GPU; --worlds without 1). --profile (CUDA):
+each rank's decode forward over B rows captured alone, its kernels summed by name under
+torch.profiler (rank 0's in the JSON and printed last): what a sharded step spends.
 
 Targets (TARGETS) on llama-3.1-8b at B = 32: 1.7x at T = 2, 2.5x at T = 4.
 
@@ -88,6 +90,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
                     failed={str(k): v for k, v in ex.stats.failed.items()},
                 )
             )
+            if args.profile and cuda:
+                rows[-1]["profile"] = profile_forward(model, B, args.prompt_len, args.steps)
         Path(f"{out}.{rank}").write_text(json.dumps(rows))
         if world > 1 and cuda:
             dist.barrier()
@@ -97,6 +101,33 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
     finally:
         if world > 1:
             dist.destroy_process_group()
+
+
+def profile_forward(model, B: int, pos: int, reps: int, top: int = 15) -> dict:
+    """This rank's decode forward over B rows (at position `pos`), captured alone: its
+    replay (median us of `reps`) and its kernels under torch.profiler summed by name,
+    largest first (`step_profile.kernel_times`). Every rank calls it at once: the
+    forward's reductions meet the other ranks'."""
+    from collections import defaultdict
+
+    from bench_distributed import capture_graph, replay_us
+    from step_profile import kernel_times
+
+    dev = model.device
+    ids = torch.ones(B, dtype=torch.long, device=dev)
+    positions = torch.full((B,), pos, dtype=torch.long, device=dev)
+    slots = torch.arange(B, device=dev)
+    if model.tp.world > 1:
+        dist.barrier()
+    g = capture_graph(lambda: model._forward(ids, positions, slots))
+    us = replay_us(g, reps)
+    by: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for name, t in kernel_times(g):
+        by[name][0] += 1
+        by[name][1] += t
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+    return dict(forward_us=us, kernels_us=sum(v[1] for v in by.values()),
+                kernels=[dict(name=n[:100], count=c, us=t) for n, (c, t) in ranked[:top]])
 
 
 def reduce_path(model, B: int) -> str:
@@ -144,6 +175,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--tp-method", default="auto")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: each rank's decode forward alone, kernel by kernel")
     ap.add_argument("--per-shard", action="store_true",
                     help="each rank draws only its part of the random weights")
     ap.add_argument(
@@ -214,6 +247,13 @@ def main(argv=None) -> dict:
             f"{max(r['host_us_per_rank']):.0f} | {max(r['reduce_us_per_rank']):.0f} | "
             f"{r['reduce_path']} | {sp} |"
         )
+    for r in rows:  # --profile: rank 0's forward, its largest kernels
+        if "profile" in r:
+            p = r["profile"]
+            print(f"\nT = {r['world']}, B = {r['batch']}: forward {p['forward_us']:.0f} us, "
+                  f"kernels {p['kernels_us']:.0f} us")
+            for k in p["kernels"][:8]:
+                print(f"  {k['us']:8.1f} us  {k['count']:4d} x  {k['name'][:70]}")
     return result
 
 
