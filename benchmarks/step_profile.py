@@ -36,29 +36,13 @@ from bench_distributed import capture_graph, replay_us
 from step_floor import floor_bytes, floor_us, read_bandwidth
 from step_floor import nbytes as _nbytes
 
+# the GEMM kernels' names (substrings): ours, cuBLAS's and CUTLASS's
+GEMM_KERNELS = ("_linear_kernel", "_linear_tma_kernel", "gemm", "gemv", "Gemm", "cutlass",
+                "splitK", "nvjet")  # fmt: skip
 # which kernel names (substrings) each op launches, in order; anything else is "other"
 OP_KERNELS = {
-    "linear": (
-        "_linear_kernel",
-        "_linear_tma_kernel",
-        "gemm",
-        "gemv",
-        "Gemm",
-        "cutlass",
-        "splitK",
-        "nvjet",
-    ),  # fmt: skip
-    "linear_silu_mul": (
-        "_linear_kernel",
-        "_linear_tma_kernel",
-        "gemm",
-        "gemv",
-        "Gemm",
-        "cutlass",
-        "nvjet",
-        "_silu_mul_kernel",
-        "splitK",
-    ),  # fmt: skip
+    "linear": GEMM_KERNELS,
+    "linear_silu_mul": GEMM_KERNELS + ("_silu_mul_kernel",),
     "norm": ("_residual_rms_norm_kernel",),
     "rope_kv": ("_rope_kv_write_kernel",),
     "attend": ("_decode_attention_kernel",),

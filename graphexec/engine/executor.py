@@ -15,10 +15,10 @@ A step is a few calls that return values:
   5. finish     step N per row, its run of tokens (`engine.finish`): masks fed, text
                 detokenised, stop checks, outputs; finished slots released
 
-The pipelined step (`overlap=True`, opt-in): the decode state lives on the
-device, so step N + 1 needs nothing from N's host work but which rows still run, and
-`step()` returns N's outputs while N + 1 runs (callers step until `idle`, not a count of
-calls). A row whose generated plus in-flight tokens reach its limit is not launched again; a row
+The pipelined step (`overlap=True`, opt-in): the decode state lives on the device, so
+step N + 1 needs nothing from N's host work but which rows still run, and `step()`
+returns N's outputs while N + 1 runs (callers step until `idle`, not a count of calls).
+A row whose generated plus in-flight tokens reach its limit is not launched again; a row
 that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
 dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
 occupant's flush is queued after N + 1 on the stream. A step whose drafts need N's tokens

@@ -243,6 +243,12 @@ def tree_sum(parts: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
+def _measurable(w: torch.Tensor) -> bool:
+    """Whether the kernel runs where `w` lives (CUDA, or the CPU under the interpreter),
+    so a tile's bits can be measured there."""
+    return w.device.type == "cuda" or interpreter_enabled()
+
+
 def _same_bits(w: torch.Tensor, silu: bool, config: MatmulConfig, a: MatmulTile,
                b: MatmulTile, rows: tuple[int, ...], gen: torch.Generator,
                f32: bool = False) -> bool:  # fmt: skip
@@ -274,7 +280,7 @@ def verify_shard_tiles(config: MatmulConfig, shards: list[tuple[int, torch.Tenso
         n, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
         whole, cand = config.tile(N, K), config.shard_tile(N, K, n)
         if cand != whole:
-            if w.device.type != "cuda" and not interpreter_enabled():
+            if not _measurable(w):
                 cand = whole  # no kernel runs here to measure it
             else:
                 gen = gen or torch.Generator(device=w.device).manual_seed(seed)

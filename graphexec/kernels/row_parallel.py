@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.kernels.matmul import _launch
+from graphexec.kernels.matmul import _launch, _measurable, _same_bits
 from graphexec.kernels.matmul_config import MatmulConfig, MatmulTile
 from graphexec.kernels.matmul_kernel import MAX_SPLIT
 
@@ -91,11 +91,7 @@ def verify_rank_tile(split: RowSplit | None, w: torch.Tensor,
     `min_programs` programs at one row (at T = 4 the whole's 4 parts leave a rank one,
     so a 64-column tile would run N / 64 programs), used where it gives the float32
     subtree sums of the whole's tile bit for bit on this device."""
-    from graphexec.kernels.matmul import _same_bits
-    from graphexec.runtime.triton_env import interpreter_enabled
-
-    runs = w.device.type == "cuda" or interpreter_enabled()
-    if split is None or split.world == 1 or split.tile is None or not runs:
+    if split is None or split.world == 1 or split.tile is None or not _measurable(w):
         return split
     cfg = config or MatmulConfig.default()
     base = split.local_tile()

@@ -169,7 +169,6 @@ class TPShard:
                         state[name] = part[:, cut[1] : cut[2]]
         return state
 
-
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x [N, D] (a row-parallel layer's partial), the same
         bits on every rank, independent of N (`comm.sum_in_rank_order`)."""

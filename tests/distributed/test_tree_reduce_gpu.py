@@ -58,10 +58,8 @@ def _compare(rank: int, world: int, group=None) -> list[str]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    # what every step must give: the NCCL path over the same sources
-    want = [_nccl_path(tp, src[i], torch.bfloat16) for i in range(steps)]
     for rep in range(3):
-        src.mul_(-1.5)
+        src.mul_(-1.5)  # new sources; each step must give the NCCL path over them
         want = [_nccl_path(tp, src[i], torch.bfloat16) for i in range(steps)]
         graph.replay()
         torch.cuda.synchronize()
