@@ -27,9 +27,10 @@ class EngineConfig:
     overlap: the pipelined step: `step()` launches step N + 1, then waits for step N by
         its event and returns N's outputs (one call late: the first call after an
         admission may return none; step until `idle` to drain), so the device never waits
-        for the host's finish. False / None (default): each step is collected in the call
-        that launched it. Opt-in: on CUDA a pipelined batch of mixed requests (grammars,
-        arrivals) gave a few streams other logprobs than each request alone.
+        for the host's finish. False: each step is collected in the call that launched
+        it. None (default): True on CUDA; False on the CPU, where the step's compute runs
+        on the calling thread, so pipelining would only hold each output back a step.
+        The same tokens, positions, logprobs and ends either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to

@@ -15,9 +15,9 @@ A step is a few calls that return values:
   5. finish     step N per row, its run of tokens (`engine.finish`): masks fed, text
                 detokenised, stop checks, outputs; finished slots released
 
-The pipelined step (`overlap=True`, opt-in): the decode state lives on the device, so
-step N + 1 needs nothing from N's host work but which rows still run, and `step()`
-returns N's outputs while N + 1 runs (callers step until `idle`, not a count of calls).
+The pipelined step (`overlap=True`, the default on CUDA): the decode state lives on the
+device, so step N + 1 needs nothing from N's host work but which rows still run, and
+`step()` returns N's outputs while N + 1 runs (callers step until `idle`, not a count of calls).
 A row whose generated plus in-flight tokens reach its limit is not launched again; a row
 that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
 dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
@@ -121,9 +121,7 @@ class DecodeExecutor:
                                  self.buckets, model.max_seq_len, self.eos_token_ids,
                                  tokenizer if self.detokenize else None, self.drafter,
                                  backend=self.backend)  # fmt: skip
-        # off unless asked: on CUDA a pipelined mixed batch gave a few streams logprobs
-        # other than each request alone (tests/models/test_hf_gpu.py)
-        self.overlap = bool(cfg.overlap)
+        self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
         self.last_step_timing = StepTiming()
         self._inflight: Launched | None = None  # the step launched and not yet collected
         self._steps = 0

@@ -215,7 +215,7 @@ class StepRunner:
             m, pad = self.step.model, self.slots.padding_slot
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
-            row = self.step.sampler.clip(m.decode(ids, ids, slot), self.slots.vocab_size)
+            row = m.decode(ids, ids, slot)  # the model's whole row: `StepFn.make_parts`
             self.split_logits = row.new_empty((self.buckets[-1], row.shape[-1]))
             self.slots.reset_padding()
         _, out = self.buffers[1].view(key)

@@ -103,16 +103,21 @@ class StepFn:
     def make_parts(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput,
                    logits: torch.Tensor) -> tuple[Callable[[], None], ...]:  # fmt: skip
         """A decode step as two functions, for steps whose token masks the host writes
-        while the model runs: (forward: steps 1-3 into `logits` [>= b, W], a static
-        buffer; draw: steps 1, 4-6 from it). Together the same values as `make`'s."""
+        while the model runs: (forward: steps 1-3 into `logits` [>= b, model width], a
+        static buffer; draw: steps 1, 4-6 from it). Together the same values as `make`'s.
+        The buffer keeps the model's full row, so the sampler sees the row stride of the
+        whole step: Triton specialises strides by alignment, and a kernel compiled for
+        another alignment may sum a row in another order (last-bit logprobs)."""
         gather, advance = self._bookkeeping()
         b = slot_ids.shape[0]
+        v = self.slots.vocab_size
 
         def forward() -> None:
-            logits[:b].copy_(self._logits(gather(self.slots, slot_ids), slot_ids))
+            logits[:b].copy_(self._raw_logits(gather(self.slots, slot_ids), slot_ids))
 
         def draw() -> None:
-            self._draw(key, slot_ids, out, gather(self.slots, slot_ids), logits[:b], advance)
+            rows = self.sampler.clip(logits[:b], v)
+            self._draw(key, slot_ids, out, gather(self.slots, slot_ids), rows, advance)
 
         return forward, draw
 
@@ -130,11 +135,13 @@ class StepFn:
 
     def _logits(self, inp, slot_ids: torch.Tensor) -> torch.Tensor:
         """Step 3 of a decode: the rows' logits [b, W] (padding columns past V dropped)."""
-        sampler = self.sampler
+        return self.sampler.clip(self._raw_logits(inp, slot_ids), self.slots.vocab_size)
+
+    def _raw_logits(self, inp, slot_ids: torch.Tensor) -> torch.Tensor:
+        """The model's decode logits [b, model width], shape checked."""
         raw = self.model.decode(inp.last, inp.model_pos, slot_ids)
         b = slot_ids.shape[0]
-        logits = check_logits(raw, (b, sampler.width(self.model)), self.model, "decode")
-        return sampler.clip(logits, self.slots.vocab_size)
+        return check_logits(raw, (b, self.sampler.width(self.model)), self.model, "decode")
 
     def _draw(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput, inp,
               logits: torch.Tensor, advance: Callable) -> None:  # fmt: skip

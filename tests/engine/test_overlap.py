@@ -150,8 +150,9 @@ def test_replayed_and_eager_pipelined_steps_agree() -> None:
     assert run(make(True), mixed()) == run(make(True), mixed(), "eager")
 
 
-def test_the_pipelined_step_is_opt_in() -> None:
-    """Off unless asked (on CUDA a pipelined mixed batch is not yet batch-invariant)."""
+def test_the_pipelined_step_is_the_default() -> None:
+    """On CUDA; the CPU computes a step on the calling thread, so it collects each step in
+    the call that launched it unless told otherwise."""
     assert gx.EngineConfig().overlap is None
     assert not gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu").overlap
     assert gx.DecodeExecutor(gx.models.TableModel(V), max_batch_size=2, device="cpu",
