@@ -106,12 +106,13 @@ def _rank(rank: int, world: int, args: argparse.Namespace, init: str, out: str) 
 def profile_forward(model, B: int, pos: int, reps: int, top: int = 15) -> dict:
     """This rank's decode forward over B rows (at position `pos`), captured alone: its
     replay (median us of `reps`) and its kernels under torch.profiler summed by name,
-    largest first (`step_profile.kernel_times`). Every rank calls it at once: the
-    forward's reductions meet the other ranks'."""
+    largest own time first (`step_profile.kernel_spans`: with dependent launches a
+    kernel's span includes its wait for the kernel before; its own time does not).
+    Every rank calls it at once: the forward's reductions meet the other ranks'."""
     from collections import defaultdict
 
     from bench_distributed import capture_graph, replay_us
-    from step_profile import kernel_times
+    from step_profile import kernel_spans
 
     dev = model.device
     ids = torch.ones(B, dtype=torch.long, device=dev)
@@ -121,13 +122,18 @@ def profile_forward(model, B: int, pos: int, reps: int, top: int = 15) -> dict:
         dist.barrier()
     g = capture_graph(lambda: model._forward(ids, positions, slots))
     us = replay_us(g, reps)
-    by: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for name, t in kernel_times(g):
+    by: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0])
+    gaps = 0.0
+    for name, t, own, gap in kernel_spans(g):
         by[name][0] += 1
         by[name][1] += t
-    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+        by[name][2] += own
+        gaps += gap
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][2])
     return dict(forward_us=us, kernels_us=sum(v[1] for v in by.values()),
-                kernels=[dict(name=n[:100], count=c, us=t) for n, (c, t) in ranked[:top]])
+                own_us=sum(v[2] for v in by.values()), gaps_us=gaps,
+                kernels=[dict(name=n[:100], count=c, us=t, own_us=o)
+                         for n, (c, t, o) in ranked[:top]])  # fmt: skip
 
 
 def reduce_path(model, B: int) -> str:
@@ -250,10 +256,11 @@ def main(argv=None) -> dict:
     for r in rows:  # --profile: rank 0's forward, its largest kernels
         if "profile" in r:
             p = r["profile"]
-            print(f"\nT = {r['world']}, B = {r['batch']}: forward {p['forward_us']:.0f} us, "
-                  f"kernels {p['kernels_us']:.0f} us")
+            print(f"\nT = {r['world']}, B = {r['batch']}: forward {p['forward_us']:.0f} us; "
+                  f"kernels' own {p['own_us']:.0f} us + gaps {p['gaps_us']:.0f} us "
+                  f"(spans {p['kernels_us']:.0f} us)\n    own us    span us")  # fmt: skip
             for k in p["kernels"][:8]:
-                print(f"  {k['us']:8.1f} us  {k['count']:4d} x  {k['name'][:70]}")
+                print(f"  {k['own_us']:8.1f} {k['us']:10.1f}  {k['count']:4d} x  {k['name'][:60]}")
     return result
 
 

@@ -149,7 +149,17 @@ def label(kernels: list[str], calls: list[OpCall]) -> list[tuple[str, int | None
 
 
 def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:
-    """(name, median us) of each kernel of one replay, in launch order."""
+    """(name, median us) of each kernel of one replay, in launch order (`kernel_spans`)."""
+    return [(name, us) for name, us, _, _ in kernel_spans(g, reps)]
+
+
+def kernel_spans(g, reps: int = 5) -> list[tuple[str, float, float, float]]:
+    """(name, us, own us, gap us) of each kernel of one replay, in launch order, each the
+    median over `reps` replays. us: start to end. With programmatic dependent launch a
+    kernel starts before the one before it ends and waits inside, so its us includes
+    that wait; own us is what it adds to the stream's timeline (end - max(start, the end
+    before)), and gap us the idle time before it (start - the end before, if positive):
+    the own times and gaps add up to the replay."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -163,8 +173,19 @@ def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:
     n = len(evs) // reps
     if n * reps != len(evs):
         raise RuntimeError(f"{len(evs)} kernels traced over {reps} replays: not a multiple")
-    return [(evs[i].name, statistics.median(evs[i + r * n].time_range.elapsed_us()
-                                            for r in range(reps))) for i in range(n)]  # fmt: skip
+    spans = []  # per replay: [(us, own, gap)] of each kernel
+    for r in range(reps):
+        one, end = [], None
+        for e in evs[r * n : (r + 1) * n]:
+            t0, t1 = e.time_range.start, e.time_range.end
+            own = t1 - (t0 if end is None else max(t0, end))
+            gap = 0 if end is None else max(0, t0 - end)
+            one.append((t1 - t0, max(own, 0), gap))
+            end = t1 if end is None else max(end, t1)
+        spans.append(one)
+    med = statistics.median
+    return [(evs[i].name, med(s[i][0] for s in spans), med(s[i][1] for s in spans),
+             med(s[i][2] for s in spans)) for i in range(n)]  # fmt: skip
 
 
 def profile_batch(model, B: int, prompt_len: int, steps: int, bandwidth: float) -> dict:
