@@ -102,6 +102,11 @@ class MatmulConfig:
         gives the bits of the decode tile with its split (the tensor cores sum each
         output over K in steps of 16 whatever the tile, but that is the hardware's
         property, so it is measured, not assumed).
+    shard_programs: a tensor-parallel rank's tiles (`shard_tile`, a row-parallel rank's
+        `row_parallel.verify_rank_tile`) take the widest columns (<= max_block_n) that
+        still give this many programs at one row: on an H200, Llama-3.1-8B's shards at
+        T = 2 and 4 ran fastest at 96-128 programs, and 16-column tiles (what
+        min_programs asked for) cost 1.2-2 x.
     pdl: programmatic dependent launch where the device has it (`dependent_launch`),
         for calls of fewer than `large_m` rows (at 128-256 rows it slowed a Llama
         forward by 4-5% on an H200: those calls are not launch-bound).
@@ -122,6 +127,7 @@ class MatmulConfig:
     large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
     large_m: int = 128
     verified: frozenset[tuple[int, int]] = frozenset()
+    shard_programs: int = 96
     pdl: bool = True
     prefetch_k: int = 512
 
@@ -130,7 +136,7 @@ class MatmulConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MatmulConfig.{name} must be a power of two >= 16, got {v}")
-        for name in ("long_k", "min_programs", "num_warps", "num_stages"):
+        for name in ("long_k", "min_programs", "shard_programs", "num_warps", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MatmulConfig.{name} must be positive")
         if self.prefetch_k < 0:
@@ -159,7 +165,7 @@ class MatmulConfig:
     def interpreter(cls) -> MatmulConfig:
         """Small tiles: the CPU interpreter pays per element and per program."""
         return cls(block_m=16, max_block_n=32, block_k=32, short_block_k=16, long_k=64,
-                   min_programs=4, num_warps=1, num_stages=1)  # fmt: skip
+                   min_programs=4, shard_programs=4, num_warps=1, num_stages=1)  # fmt: skip
 
     @classmethod
     def default(cls) -> MatmulConfig:
@@ -186,10 +192,25 @@ class MatmulConfig:
     def shard_tile(self, N: int, K: int, n: int) -> MatmulTile:
         """The candidate tile of a column shard [n, K] of a whole weight [N, K] (a
         tensor-parallel rank's rows of q/k/v, gate/up or the LM head): the whole weight's
-        split, so each output sums K in the whole's parts and order; columns and K per
-        step those of `tile(n, K)`. The model runs it only once verified bit-identical to
-        the whole's tile (`matmul.verify_shard_tiles`); otherwise the whole's tile."""
-        return dataclasses.replace(self.tile(n, K), split=self.tile(N, K).split)
+        split, so each output sums K in the whole's parts and order; K per step that of
+        `tile(n, K)`, columns `rank_columns`. The model runs it only once verified
+        bit-identical to the whole's tile (`matmul.verify_shard_tiles`); otherwise the
+        whole's tile."""
+        split = self.tile(N, K).split
+        base = self.tile(n, K)
+        if any((a, b) == (n, K) for a, b, _ in self.tiles):  # a tuned tile: its columns
+            return dataclasses.replace(base, split=split)
+        bn = self.rank_columns(n, split, self.max_block_n)
+        return dataclasses.replace(base, block_n=bn, split=split)
+
+    def rank_columns(self, n: int, parts: int, widest: int) -> int:
+        """A rank's block_n for n output columns whose K is in `parts` parts: the widest
+        power of two <= `widest` that gives `shard_programs` programs at one row (tiles
+        x parts), 16 where none does."""
+        bn = widest
+        while bn > 16 and triton.cdiv(n, bn) * parts < self.shard_programs:
+            bn //= 2
+        return bn
 
     def tile_for(self, N: int, K: int, M: int, split: int | None = None) -> MatmulTile:
         """The tile a call of M rows runs with K in `split` parts (None: that of

@@ -87,18 +87,17 @@ def row_split_gpu(N: int, K: int, world: int, *,
 def verify_rank_tile(split: RowSplit | None, w: torch.Tensor,
                      config: MatmulConfig | None = None) -> RowSplit | None:  # fmt: skip
     """`split` with a `rank_tile` for this rank's weight w [N, K_r] (world > 1, CUDA):
-    the whole's tile with columns narrowed (down to 16) until the rank's parts make
-    `min_programs` programs at one row (at T = 4 the whole's 4 parts leave a rank one,
-    so a 64-column tile would run N / 64 programs), used where it gives the float32
-    subtree sums of the whole's tile bit for bit on this device."""
+    the whole's tile with columns narrowed (`MatmulConfig.rank_columns`, down to 16)
+    until the rank's parts make `shard_programs` programs at one row (at T = 4 the
+    whole's 4 parts leave a rank one, so a 64-column tile would run N / 64 programs),
+    used where it gives the float32 subtree sums of the whole's tile bit for bit on this
+    device."""
     if split is None or split.world == 1 or split.tile is None or not _measurable(w):
         return split
     cfg = config or MatmulConfig.default()
     base = split.local_tile()
-    bn = base.block_n
-    while bn > 16 and -(-w.shape[0] // bn) * split.local < cfg.min_programs:
-        bn //= 2
-    cand = dataclasses.replace(base, block_n=bn)
+    cand = dataclasses.replace(base, block_n=cfg.rank_columns(w.shape[0], split.local,
+                                                               base.block_n))  # fmt: skip
     gen = torch.Generator(device=w.device).manual_seed(0)
     same = cand != base and _same_bits(w, False, cfg, cand, base, (1, 7, 64), gen, f32=True)
     tile = f"{cand.block_n} columns a tile" if same else "the whole weight's tile"

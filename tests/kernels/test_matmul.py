@@ -158,6 +158,26 @@ def test_tile_depends_on_the_weight_shape_only() -> None:
     assert gpu.tile(151936, 896) == mm.MatmulTile(*tuned[151936, 896])
 
 
+def test_a_ranks_columns_are_the_widest_that_keep_shard_programs() -> None:
+    """A shard's tile (and a row-parallel rank's, `rank_columns`): the whole weight's split,
+    columns as wide as keeps `shard_programs` programs at one row, never below 16."""
+    cfg = mm.MatmulConfig(max_block_n=128, shard_programs=96)
+    for n, parts in ((3072, 1), (1536, 1), (7168, 1), (4096, 2), (4096, 1), (64128, 1), (64, 1)):
+        bn = cfg.rank_columns(n, parts, 128)
+        assert 16 <= bn <= 128 and bn & (bn - 1) == 0
+        if bn > 16:
+            assert -(-n // bn) * parts >= 96  # enough programs ...
+        if bn < 128:
+            assert -(-n // (2 * bn)) * parts < 96  # ... and no wider tile keeps them
+    assert cfg.rank_columns(64, 1, 128) == 16  # none does: the narrowest
+    assert cfg.rank_columns(4096, 2, 32) == 32  # never wider than the whole's tile
+    whole = cfg.tile(6144, 4096)
+    shard = cfg.shard_tile(6144, 4096, 3072)
+    assert shard.split == whole.split and shard.block_n == cfg.rank_columns(3072, whole.split, 128)
+    with pytest.raises(ValueError, match="shard_programs"):
+        mm.MatmulConfig(shard_programs=0)
+
+
 @pytest.mark.parametrize("silu", [False, True])
 def test_column_shards_sum_k_as_the_whole_weight(silu) -> None:
     """A tensor-parallel rank's rows of a column-parallel weight (q/k/v, gate/up, the LM

@@ -53,7 +53,7 @@ def test_kernel_subtree_sums_finish_to_the_whole_bits(dtype, tile_split) -> None
         assert split.local == one.parts // T and split.tile == one.tile
         # a rank's narrower verified tile (more programs when it holds few parts)
         wide = dataclasses.replace(split, tile=dataclasses.replace(split.tile, block_n=32))
-        narrow = rp.verify_rank_tile(wide, shard(w, 0, T), cfg.replace(min_programs=64))
+        narrow = rp.verify_rank_tile(wide, shard(w, 0, T), cfg.replace(shard_programs=64))
         assert narrow.rank_tile is not None and narrow.rank_tile.block_n == 16
         for s in (split, wide, narrow):
             subs = [rp.row_linear_gpu(shard(x, r, T), shard(w, r, T), s, f32=True, config=cfg)
