@@ -48,3 +48,39 @@ def test_the_pipelined_step_never_synchronizes_the_stream(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(a))
     outs = [len(ex.step()) for _ in range(10)]
     assert calls == [] and outs == [8] * 10
+
+
+def test_split_steps_draw_the_whole_steps_bits_on_a_padded_vocabulary() -> None:
+    """Grammar rows make a pipelined step launch as forward, then draw (the split step);
+    with a model wider than the tokenizer's vocabulary (100,352 columns, cl100k's 100,277
+    ids) its logprobs equal the whole step's bit for bit. The draw must see the logits
+    with the model's row stride: Triton specialises strides by alignment, and a sampler
+    kernel compiled for an unaligned stride summed rows in another order (last-bit
+    logprobs on an H200)."""
+    tok = gx.Tokenizer.cl100k()
+
+    def ex(overlap):
+        e = gx.DecodeExecutor(gx.models.TinyLM(100_352, seed=0, max_seq_len=64),
+                              max_batch_size=8, device="cuda", seed=0, tokenizer=tok,
+                              overlap=overlap)  # fmt: skip
+        e.capture(progress=False)
+        return e
+
+    P = gx.SamplingParams
+    gram = gx.Grammar.regex("[a-z ]{4,40}")
+    params = [P(seed=i, logprobs=5, max_tokens=24, ignore_eos=True, temperature=0.9)
+              for i in range(4)] + [P(seed=9, grammar=gram, max_tokens=24, logprobs=2)]  # fmt: skip
+
+    def outs(e):
+        for i, p in enumerate(params):
+            e.add_request(f"r{i}", tok.encode(f"prompt {i}:"), p)
+        got = {}
+        while not e.idle:
+            for o in e.step():
+                got.setdefault(o.request_id, []).append((o.token_id, o.logprob, o.top_logprobs))
+        return got, e.runner.split_steps
+
+    piped, splits = outs(ex(True))
+    sync, none = outs(ex(False))
+    assert splits > 0 and none == 0  # the pipelined run took the split path
+    assert piped == sync
