@@ -29,6 +29,7 @@ executable definition of sampling on slices, which the tests check both methods 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,13 +58,17 @@ def vocab_slices(vocab_size: int, world: int) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """A process group and the vocabulary slice of this rank."""
+    """A process group and the vocabulary slice of this rank. wire: the dtype the
+    logits' values are exact in (a bf16 model's logits, upcast to float32), which the
+    all-to-all sends instead of float32 (half the bytes, the same values); None: as they
+    are."""
 
     group: object
     rank: int
     world: int
     vocab_size: int
     slices: tuple[tuple[int, int], ...]
+    wire: torch.dtype | None = None
 
     @classmethod
     def create(cls, group, vocab_size: int) -> TensorParallel:
@@ -109,6 +114,9 @@ def for_executor(group, method: str, model, vocab_size: int, speculative) -> Ten
         raise ValueError(f"tp_group needs vocab_size == the model's ({model.vocab_size}), "
                          f"got {vocab_size}")  # fmt: skip
     tp = TensorParallel.create(group, vocab_size)
+    wire = getattr(model, "logits_dtype", None)  # its float32 logits are exact in it
+    if wire in (torch.bfloat16, torch.float16):
+        tp = dataclasses.replace(tp, wire=wire)
     got = getattr(model, "vocab_slice", None)
     if got is not None and tuple(got) != tp.slice:
         raise ValueError(f"the model holds vocabulary slice {tuple(got)}; rank {tp.rank} of "

@@ -37,7 +37,10 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
     Bp = b * T
     widths = [hi - lo for lo, hi in tp.slices]
     send = _pad(shard, Bp, 0.0)
+    if tp.wire is not None:  # exact in it (`TensorParallel.wire`): half float32's bytes
+        send = send.to(tp.wire)
     recv = all_to_all(send.reshape(-1), [b * wj for wj in widths], [b * w] * T, g)
+    recv = recv.to(shard.dtype)
     parts = torch.split(recv, [b * wj for wj in widths])
     rows = torch.cat([p.view(b, wj) for p, wj in zip(parts, widths, strict=True)], dim=1)
     mine = slice(r * b, (r + 1) * b)

@@ -138,6 +138,7 @@ class HFTransformer(SlotKVCache):
         self._row_k = {"o": H * hd, "down": int(cfg["intermediate_size"])}
         self.row_splits: dict[str, Any] = {}  # "o" / "down" -> RowSplit | None, at bind
         self.vocab_slice = tp.vocab
+        self.logits_dtype = dtype  # the float32 logits are this dtype's values, upcast
         self.num_layers = int(cfg["num_hidden_layers"])
         self.vocab_size = int(cfg["vocab_size"])
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))

@@ -107,3 +107,37 @@ def test_vocab_slices_are_contiguous_and_near_even() -> None:
     assert s == ((0, 3), (3, 6), (6, 8), (8, 10))
     with pytest.raises(ValueError, match="slices"):
         gx.distributed.vocab_slices(3, 4)
+
+
+def _wire(rank: int, world: int) -> list[str]:
+    """A bf16 model's float32 logits sent as bf16 (`TensorParallel.wire`) and as float32:
+    the same outputs, bit for bit (the executor sets wire from a model's `logits_dtype`
+    only, so only logits exact in it travel that way)."""
+    import dataclasses
+
+    x, params, pos, counts, prompt, bitmask = batch("mixed", 12, 7)
+    x = x.to(torch.bfloat16).float()  # what a bf16 model's logits are
+    table = gx.SamplingTensors.from_params(params, V, "cpu", counts, prompt)
+    tp = gx.distributed.TensorParallel.create(None, V)
+    lo, hi = tp.slice
+    slots = torch.arange(12)
+    outs = []
+    for wire in (None, torch.bfloat16):
+        out = gx.SamplerOutput.allocate(12, "cpu", 5)
+        gx.distributed.sample_step(x[:, lo:hi].contiguous(), slots, pos, table, out, bitmask,
+                                   backend="torch", tp=dataclasses.replace(tp, wire=wire),
+                                   method="all_to_all")  # fmt: skip
+        outs.append(out)
+    a, b = outs
+
+    def bits(t):  # NaN (rows with nothing samplable) equals NaN
+        return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+    same = all(torch.equal(bits(getattr(a, f)), bits(getattr(b, f))) for f in
+               ("token_ids", "valid", "logprobs", "ranks", "top_logprobs", "top_token_ids"))
+    return [] if same else [f"rank {rank}: bf16 on the wire changed the outputs"]
+
+
+def test_bf16_logits_on_the_wire_give_the_float32_outputs() -> None:
+    for rank_bad in run_ranks(2, _wire):
+        assert rank_bad == []
