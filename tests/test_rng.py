@@ -75,6 +75,20 @@ def test_philox_matches_python_twin_on_random_inputs() -> None:
         assert tuple(got[i]) == exp, i
 
 
+def test_both_32_bit_products_give_pythons_words() -> None:
+    """The split product and the wrapping one (used where int64 products wrap, checked at
+    import) give the exact words of a * m, on random uint32 values and the extremes."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.cat([torch.randint(0, 2**32, (4000,), generator=g, dtype=torch.int64),
+                   torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1])])  # fmt: skip
+    for m in (rng.PHILOX_M0, rng.PHILOX_M1):
+        want = [(x * m >> 32, x * m & M32) for x in a.tolist()]
+        for f in (rng._mul32_split, rng._mul32_wrapping, rng._mul32):
+            hi, lo = f(a, m)
+            assert list(zip(hi.tolist(), lo.tolist(), strict=True)) == want, f.__name__
+    assert rng._mul32 is rng._mul32_wrapping  # what every torch build does
+
+
 @pytest.mark.parametrize("seed", [0, 1, 0xDEADBEEF, 2**32, 2**32 + 5, 2**63 - 1, 0x123456789ABCDEF])
 def test_random_bits_layout(seed: int) -> None:
     """counter = (tok >> 2, pos, stream, 0), key = (seed lo, seed hi), word = r[tok & 3]."""
