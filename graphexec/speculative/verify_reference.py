@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.params import SamplerVariant
-from graphexec.rng import Stream, gumbel, uniform
+from graphexec.rng import Stream, uniform
 from graphexec.sampling import processing
 from graphexec.sampling import reference as ref
 from graphexec.sampling.tensors import SamplingTensors
@@ -76,8 +76,9 @@ def rejection(flat, drafts, rows_slot, rows_pos, count_ids, table, bitmask, draf
         u = uniform(seed, pos, d, Stream.SPEC_ACCEPT).to(torch.float64)
         accepted = has & (u * qx < px)
         r = (pk - q).clamp(min=0)
-        ids = torch.arange(V, device=flat.device).view(1, 1, V)
-        g = gumbel(seed.unsqueeze(2), pos.unsqueeze(2), ids, Stream.SPEC_RECOVER)
+        # gumbel(seed, pos, ids 0..V-1) per draft, one Philox call per 4 ids
+        g = ref.row_gumbel_stream(seed.reshape(-1), pos.reshape(-1), V, Stream.SPEC_RECOVER)
+        g = g.view(B, K, V)
         score = torch.where(r > 0, torch.log(r) + g.to(torch.float64), -torch.inf)
         rec = ref.first_argmax(score.view(B * K, V)).view(B, K)
         rec = torch.where((r > 0).any(dim=2), rec, tok[:, :K])
