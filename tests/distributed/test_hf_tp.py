@@ -235,7 +235,8 @@ def test_divisibility_is_checked_before_any_group() -> None:
 def items() -> list[wl.WorkItem]:
     """Seeded requests of every kind, plus two greedy ones on repetitive prompts (so the
     n-gram drafter proposes)."""
-    mixed = wl.mixed_workload(8, V, seed=3, spread=3, max_tokens=(3, 8), unseeded_every=0)
+    # seven: one request of each of the workload's kinds
+    mixed = wl.mixed_workload(7, V, seed=3, spread=3, max_tokens=(3, 8), unseeded_every=0)
     loops = [wl.WorkItem(f"loop{i}", tuple([7, 8, 9, 10] * 3),
                          gx.SamplingParams(temperature=0.0, seed=i, max_tokens=8), i, "loop")
              for i in range(2)]  # fmt: skip

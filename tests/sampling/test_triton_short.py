@@ -41,13 +41,15 @@ def test_short_route_equals_the_reference_and_the_selection(shape: str) -> None:
     counts, prompt, bitmask = extras(B, V, seed=4)
     kw = dict(counts=counts, prompt=prompt, bitmask=bitmask)
     short = run_both(_params(B, V), logits, CONFIGS["interp16_short"], **kw)
-    long = run_both(_params(B, V), logits, CONFIGS["interp16"], **kw)
     assert_same(short.ref, short.tri)
-    assert_same(long.ref, long.tri)
-    # the rows the selection passes served, the tail served here
-    planned = [r for r, route in enumerate(long.routes) if route in (int(R_CUT), int(R_SELECT))]
-    served = [r for r in planned if short.routes[r] == int(R_DONE)]
     if shape == "peaked":
+        # the rows the selection passes served, the tail served here (the selection's own
+        # tokens on randn3 / mixed rows: test_triton_sampler's mixed batch on interp16)
+        long = run_both(_params(B, V), logits, CONFIGS["interp16"], **kw)
+        assert_same(long.ref, long.tri)
+        planned = [r for r, route in enumerate(long.routes)
+                   if route in (int(R_CUT), int(R_SELECT))]  # fmt: skip
+        served = [r for r in planned if short.routes[r] == int(R_DONE)]
         assert len(served) >= len(planned) // 2 > 0
 
 

@@ -15,15 +15,23 @@ from tests.serve.conftest import shared_server
 KEY = "sk-test-0123"
 
 
+def fields_server(checkpoint):
+    """The app and its engine in one process (--api-servers 0): that path is served too;
+    test_inputs.py's bodies go to the same server (one start for both modules)."""
+    return shared_server(checkpoint, "--max-batch-size", "8", "--max-queue", "64", "--api-key",
+                         KEY, "--api-servers", "0")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    # the app and its engine in one process (--api-servers 0): that path is served too
-    return shared_server(checkpoint, "--max-batch-size", "8", "--api-key", KEY, "--api-servers",
-                         "0")  # fmt: skip
+    return fields_server(checkpoint)
 
 
 def auth(key: str = KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+JSON = {"content-type": "application/json", **auth()}
 
 
 def test_the_api_key_guards_every_route_but_health_and_metrics(server, checkpoint) -> None:

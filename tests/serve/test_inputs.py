@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve.conftest import shared_server
+from tests.serve.test_fields import JSON, auth, fields_server
 
 CONTEXT = 2048  # the served checkpoint's max_seq_len: its own (max_position_embeddings)
 
@@ -19,14 +19,13 @@ CONTEXT = 2048  # the served checkpoint's max_seq_len: its own (max_position_emb
 @pytest.fixture(scope="module")
 def server(checkpoint):
     # the app and its engine in one process: these bodies are the HTTP side's to answer
-    return shared_server(checkpoint, "--max-batch-size", "8", "--max-queue", "64",
-                         "--api-servers", "0")  # fmt: skip
+    # (test_fields.py's server: one start serves both modules; every request has its key)
+    return fields_server(checkpoint)
 
 
 def post(server, path: str, body, raw: bool = False) -> httpx.Response:
     content = body if raw else json.dumps(body)
-    return httpx.post(f"{server.url}/v1/{path}", content=content, timeout=60,
-                      headers={"content-type": "application/json"})  # fmt: skip
+    return httpx.post(f"{server.url}/v1/{path}", content=content, timeout=60, headers=JSON)
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None) -> str:
@@ -46,7 +45,7 @@ def test_deeply_nested_bodies_are_a_400_not_a_500(server, depth) -> None:
         r = post(server, path, f'{{"{field}": {nested}, "max_tokens": 1}}', raw=True)
         assert "nests more than 64" in assert_error(r, 400, None)
     r = httpx.post(f"{server.url}/tokenize", content=f'{{"prompt": {nested}}}', timeout=60,
-                   headers={"content-type": "application/json"})  # fmt: skip
+                   headers=JSON)  # fmt: skip
     assert "nests more than 64" in assert_error(r, 400, None)
     ok = "[" * 3 + "1" + "]" * 3  # shallow nesting is still judged by the fields
     assert "nests" not in assert_error(post(server, "completions", f'{{"prompt": {ok}}}',
@@ -55,9 +54,9 @@ def test_deeply_nested_bodies_are_a_400_not_a_500(server, depth) -> None:
 
 
 def test_unknown_routes_and_wrong_methods_answer_error_objects(server) -> None:
-    r = httpx.get(f"{server.url}/v1/nothing-here", timeout=60)
+    r = httpx.get(f"{server.url}/v1/nothing-here", timeout=60, headers=auth())
     assert "Invalid URL (GET /v1/nothing-here)" in assert_error(r, 404, None)
-    r = httpx.get(f"{server.url}/v1/completions", timeout=60)
+    r = httpx.get(f"{server.url}/v1/completions", timeout=60, headers=auth())
     assert "Method not allowed" in assert_error(r, 405, None)
     assert "POST" in r.headers["allow"]
 
@@ -129,7 +128,8 @@ def test_each_choice_reports_the_seed_that_replays_it(server) -> None:
     again = post(server, "completions", {**base, "seed": r["choices"][0]["seed"]}).json()
     assert again["choices"][0]["text"] == r["choices"][0]["text"]
     # a chat stream's first chunk (the role) carries the seed already
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, headers=auth(),
+                      json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
         "seed": 9, "n": 2}) as s:  # fmt: skip
         chunks = [json.loads(line[6:]) for line in s.iter_lines()
@@ -173,7 +173,7 @@ def test_random_bodies_get_an_answer_or_an_error_object_never_a_500(server, body
     except (TypeError, ValueError):
         return
     r = httpx.post(f"{server.url}/v1/{path}", content=content.encode("utf-8", "surrogatepass"),
-                   headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
+                   headers=JSON, timeout=60)  # fmt: skip
     assert r.status_code in (200, 400, 404, 503), (r.status_code, r.text, body)
     if r.status_code != 200:
         err = r.json()["error"]

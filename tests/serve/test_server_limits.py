@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import openai
@@ -18,7 +19,19 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "seed": 1, "ignore_eos
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    return shared_server(checkpoint, "--max-batch-size", "1", "--max-queue", "1")
+    # at info: its start-up log is checked here too (a server of its own cost ~10 s)
+    return shared_server(checkpoint, "--max-batch-size", "1", "--max-queue", "1",
+                         "--log-level", "info")  # fmt: skip
+
+
+def test_serve_logs_one_thread_count_and_its_context(server) -> None:
+    """What `serve` says as it starts (an API server and an engine process): one thread
+    count, the engine's, and the context it serves with and why."""
+    server.log.flush()
+    fd = server.log.fileno()
+    log = os.pread(fd, os.fstat(fd).st_size, 0).decode()  # the server's offset stays put
+    assert log.count("torch intra-op threads") == 1, log
+    assert log.count("max_seq_len 2048, the model's own") == 1, log
 
 
 def test_queue_full_is_503_and_disconnects_free_the_slot(server, checkpoint) -> None:
