@@ -1,5 +1,6 @@
-"""Helpers the kernel benchmarks share (bench_sampler.py, bench_verify.py): the copy
-bandwidth, versions, the device, and the results JSON (--append / --resume)."""
+"""Helpers the kernel benchmarks share (bench_sampler.py, bench_verify.py, bench_matmul.py,
+bench_tp_tiles.py): the copy bandwidth, versions, the device, and the results JSON
+(--append / --resume)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def versions() -> dict:
 
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def write_json(out: str, name: str, result: dict) -> str:
+    """`result` as <out>/<name>-<device>-<date>.json (its "device" and "date"); the path."""
+    path = os.path.join(out, f"{name}-{slug(result['device'])}-{result['date']}.json")
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
 
 
 def ints(s: str) -> list[int]:

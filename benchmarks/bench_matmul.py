@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from bench_common import write_json
 from bench_distributed import time_graph
 
 from graphexec.kernels import fused
@@ -347,11 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
         return
     result.update(run(args))
-    os.makedirs(args.out, exist_ok=True)
-    dev = result["device"].lower().replace(" ", "-")
-    path = os.path.join(args.out, f"matmul-{dev}-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(args.out, "matmul", result)
     print(f"wrote {path}\n\n{markdown(result)}")
     if args.sweep:
         print("\nGPU_TILES (best swept):")

@@ -12,7 +12,7 @@ choice, not a bit). Each candidate is
 checked bit for bit against the base tile of that split (the whole weight's tile with
 S), as `verify_shard_tiles` does at bind. Times are CUDA-graph replays of calls cycling
 through weight copies (more bytes than L2 holds), per call; floor = the rank's weight
-bytes at the read bandwidth measured in the same run.
+bytes at the read bandwidth measured in the same run (`step_floor.read_bandwidth`).
 
     python benchmarks/bench_tp_tiles.py [--model llama-3.1-8b] [--worlds 1 2 4] [--splits 1 2 4 8]
 
@@ -26,39 +26,35 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import json
 import math
-import os
 
 import torch
 import triton
+from bench_common import write_json
 from bench_distributed import time_graph
 from bench_matmul import L2_BYTES, shapes
+from step_floor import floor_us, read_bandwidth
 
 from graphexec.kernels import matmul as mm
 from graphexec.kernels.row_parallel import ROW_SPLIT
 
-
-def read_bandwidth() -> float:
-    """Bytes per second of a 2 GiB bf16 sum (warm, median of 5)."""
-    big = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    us = time_graph(lambda: big.sum(), 5)
-    return big.numel() * 2 / (us * 1e-6)
+ROW_PARALLEL = ("o", "down")  # the other layers are column-parallel
 
 
 def rank_operand(s: dict, T: int) -> tuple[int, int, bool]:
     """(rows of the rank's weight, its K, row-parallel) for layer `s` at T ranks."""
-    if s["layer"] in ("o", "down"):
+    if s["layer"] in ROW_PARALLEL:
         return s["N"], s["K"] // T, True
     n = s["N"] // T
     return (2 * n if s["silu"] else n), s["K"], False
 
 
-def tiles_for(s: dict, S: int, T: int, base: mm.MatmulTile, args) -> list[mm.MatmulTile]:
-    """Candidates of the rank's product: the base tile's K per step (the K loop is part of
-    the bits), with the rank's parts (S / T for a row-parallel rank)."""
-    rows, K, row = rank_operand(s, T)
-    parts = S // T if row else S
+def tiles_for(s: dict, T: int, base: mm.MatmulTile, args) -> list[mm.MatmulTile]:
+    """Candidates of the rank's product: `base` is the rank's tile of the split (its
+    parts: S, or S / T for a row-parallel rank), whose K per step every candidate keeps
+    (the K loop is part of the bits)."""
+    rows = rank_operand(s, T)[0]
+    parts = base.split
     n = rows // 2 if s["silu"] else rows
     progs = sorted({0, 1, parts} | {p for p in args.programs if p <= parts and not parts % p})
     out = []
@@ -94,17 +90,17 @@ def time_tile(s: dict, t: mm.MatmulTile, base: mm.MatmulTile, weights: list, row
 def sweep_layer(s: dict, args, bw: float) -> dict:
     gpu = mm.MatmulConfig.gpu()
     whole = gpu.tile(s["N"], s["K"])
+    row = s["layer"] in ROW_PARALLEL
     res = dict(layer=s["layer"], N=s["N"], K=s["K"], whole_tile=vars(whole), by_split={})
+    sums = {}  # S -> the sum over T of its best worst-M times, where every T ran
     for S in args.splits:
-        row = s["layer"] in ("o", "down")
         if s["K"] % S or (row and S < ROW_SPLIT) or s["K"] // S < 64:
             continue
         bk = whole.block_k if s["K"] // S >= whole.block_k else 64
         base = dataclasses.replace(whole, block_k=bk, split=S, programs=0)
+        worlds = [T for T in args.worlds if not (row and S % T)]
         per_t = {}
-        for T in args.worlds:
-            if row and S % T:
-                continue
+        for T in worlds:
             rows, K, _ = rank_operand(s, T)
             wbytes = rows * K * 2
             copies = max(2, min(32, math.ceil(L2_BYTES / wbytes)))
@@ -112,20 +108,19 @@ def sweep_layer(s: dict, args, bw: float) -> dict:
                        for _ in range(copies)]  # fmt: skip
             rank_base = dataclasses.replace(base, split=S // T if row else S)
             best = None
-            for t in tiles_for(s, S, T, rank_base, args):
+            for t in tiles_for(s, T, rank_base, args):
                 times = time_tile(s, t, rank_base, weights, row, args)
                 if times is not None and (best is None or max(times.values()) < best["worst_us"]):
                     best = dict(tile=vars(t), us=times, worst_us=max(times.values()))
             del weights
             torch.cuda.empty_cache()
             if best is not None:
-                best["floor_us"] = wbytes / bw * 1e6
+                best["floor_us"] = floor_us(wbytes, bw)
                 per_t[T] = best
         if per_t:
             res["by_split"][S] = per_t
-    sums = {S: sum(v["worst_us"] for v in per_t.values()) for S, per_t in res["by_split"].items()
-            if len(per_t) == len([T for T in args.worlds if not (s["layer"] in ("o", "down")
-                                                                 and S % T)])}  # fmt: skip
+        if len(per_t) == len(worlds):
+            sums[S] = sum(v["worst_us"] for v in per_t.values())
     res["best_split"] = min(sums, key=sums.get) if sums else None
     return res
 
@@ -165,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_tp_tiles.py times CUDA kernels: it needs a GPU")
-    bw = read_bandwidth()
+    bw = read_bandwidth("cuda")
     print(f"read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=triton.__version__, model=args.model,
@@ -176,12 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         r = sweep_layer(s, args, bw)
         result["layers"].append(r)
         print(table(r, args.worlds), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    dev = result["device"].lower().replace(" ", "-")
-    path = os.path.join(args.out, f"tp-tiles-{args.model}-{dev}-{result['date']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {write_json(args.out, f'tp-tiles-{args.model}', result)}")
     return result
 
 

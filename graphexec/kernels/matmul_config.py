@@ -174,11 +174,15 @@ class MatmulConfig:
     def replace(self, **kw) -> MatmulConfig:
         return dataclasses.replace(self, **kw)
 
+    def tuned(self, N: int, K: int) -> MatmulTile | None:
+        """The tuned tile of weight [N, K] (`tiles`), or None."""
+        return next((t for n, k, t in self.tiles if (n, k) == (N, K)), None)
+
     def tile(self, N: int, K: int) -> MatmulTile:
         """The tile of every call with a [N, K] weight (shapes only: never M)."""
-        for n, k, tile in self.tiles:
-            if (n, k) == (N, K):
-                return tile
+        tuned = self.tuned(N, K)
+        if tuned is not None:
+            return tuned
         bn = 16
         while bn < self.max_block_n and triton.cdiv(N, 2 * bn) >= self.min_programs:
             bn *= 2
@@ -197,11 +201,11 @@ class MatmulConfig:
         bit-identical to the whole's tile (`matmul.verify_shard_tiles`); otherwise the
         whole's tile."""
         split = self.tile(N, K).split
-        base = self.tile(n, K)
-        if any((a, b) == (n, K) for a, b, _ in self.tiles):  # a tuned tile: its columns
-            return dataclasses.replace(base, split=split)
+        tuned = self.tuned(n, K)
+        if tuned is not None:  # its own columns
+            return dataclasses.replace(tuned, split=split)
         bn = self.rank_columns(n, split, self.max_block_n)
-        return dataclasses.replace(base, block_n=bn, split=split)
+        return dataclasses.replace(self.tile(n, K), block_n=bn, split=split)
 
     def rank_columns(self, n: int, parts: int, widest: int) -> int:
         """A rank's block_n for n output columns whose K is in `parts` parts: the widest

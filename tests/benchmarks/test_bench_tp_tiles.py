@@ -24,7 +24,7 @@ def test_a_ranks_operand_and_tiles_keep_the_whole_weights_split(T) -> None:
         row = layer == "down"
         base = gpu.tile(s["N"], s["K"])
         rank_base = base.__class__(**{**vars(base), "split": S // T if row else S})
-        tiles = bt.tiles_for(s, S, T, rank_base, ARGS)
+        tiles = bt.tiles_for(s, T, rank_base, ARGS)
         parts = S // T if row else S
         assert tiles and all(t.split == parts and t.block_k == base.block_k for t in tiles)
         progs = {t.programs for t in tiles}
