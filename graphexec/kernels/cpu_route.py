@@ -4,20 +4,23 @@ torch's CPU GEMM (MKL, oneDNN for bf16) picks its kernel and its thread split by
 shape, M included. Measured on a 2-core Xeon (AVX512, MKL 2024.2, SmolLM2's weights):
 a row of ``x @ w.T`` has one set of bits at M = 1 (a GEMV), another at every M in 2..512
 with one thread; with two threads the [576, 1536] weight also rounds differently at M in
-17..192 (K split across the threads), and with w in nn.Linear's [N, K] layout M = 2, 3
-differ from M >= 4 for K = 576. So nothing here assumes a class of sizes: `RowMM`
-measures, per operand (b's shape, strides and dtype, torch's thread count), which call
-sizes among 1, 2, 4, ..., 512 give each row the same bits (random rows, at shifted
-places), once per process, and cuts every product into calls of one such class only
-(`_calls`: the largest that fits, until one call holds the rest, padded with zero
-rows). A row's bits are then those of any other call, and a decode of one row costs a
-2-row product, not a padded 8- or 16-row one.
+17..192 (K split across the threads); on a 2-core EPYC (AVX2) M = 1..3 each differ from
+M >= 4. So nothing here assumes a class of sizes: `RowMM` measures, per operand (b's
+shape, strides and dtype, torch's thread count), once per process, which plan gives
+each row the same bits (random rows, at shifted places):
 
-`RowMM.attend` is decode attention over a slot-indexed cache with the rows grouped by
-slot and key block: a prefill chunk's rows of one block share one copy of their live
-keys, and the scores and p @ V are `RowMM` products over fixed key blocks (so a row's
-sums have one order whatever rows share its slot, its call or its block), combined in
-ascending block order.
+- rows alone (`ALONE`), preferred: every row its own GEMV, all of them in one
+  `torch.bmm` over the weight expanded along the rows (no copy). A decode row costs a
+  GEMV, the weight read once; M rows read it M times, from cache: a weight larger than
+  `CHUNK_BYTES` runs in column chunks of that size, each chunk's rows back to back.
+  Measured on the EPYC (2 threads, SmolLM2's LM head): 5.5 ms for one row against
+  35 ms for the 4-row GEMM call a row took before; prefill pays: 300 rows of a
+  [576, 3072] weight in 31 ms against 9 ms as one GEMM.
+- else call sizes among 1, 2, 4, ..., 512 that agree, every product cut into calls of
+  one such class only (`_calls`: the largest that fits, until one call holds the rest,
+  padded with zero rows).
+
+`RowMM.attend` is decode attention over its products (`cpu_attention.KeyBlockAttention`).
 """
 
 from __future__ import annotations
@@ -27,8 +30,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from graphexec.kernels.cpu_attention import KeyBlockAttention
+
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # candidate rows per torch.mm call
-KEY_BLOCK = 256  # keys per block of `RowMM.attend` (a multiple of 32: see `attend`)
+ALONE = (0,)  # the plan "every row alone, one batched call" (`RowMM.sizes`)
+ALONE_ROWS = (1, 2, 3, 5, 16, 64, 257)  # row counts whose rows alone `_alone_ok` compares
+CHUNK_BYTES = 8 << 20  # a weight's column chunk when rows run alone: it stays in cache
 
 
 def _classes(outs: dict[int, torch.Tensor]) -> list[list[int]]:
@@ -44,6 +51,19 @@ def _classes(outs: dict[int, torch.Tensor]) -> list[list[int]]:
         else:
             classes.append([s])
     return classes
+
+
+def _alone(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N], each row its own GEMV: b expanded along the rows (a view)."""
+    return torch.bmm(a.unsqueeze(1), b.expand(a.shape[0], *b.shape)).squeeze(1)
+
+
+def chunk_columns(b: torch.Tensor) -> int:
+    """Columns of b [K, N] per product: all of them, or as many multiples of 256 as fit in
+    `CHUNK_BYTES` (a function of the shape, so every call chunks alike)."""
+    K, N = b.shape
+    fit = CHUNK_BYTES // (K * b.element_size()) // 256 * 256
+    return N if N <= fit else max(fit, 256)
 
 
 def _calls(M: int, sizes: tuple[int, ...]) -> list[int]:
@@ -62,12 +82,12 @@ def _calls(M: int, sizes: tuple[int, ...]) -> list[int]:
     return calls
 
 
-class RowMM:
-    """``a @ b`` in calls whose sizes are measured to give every row the same bits.
+class RowMM(KeyBlockAttention):
+    """``a @ b`` by a plan measured to give every row the same bits (module docstring).
 
-    `sizes(b)` probes once per operand key; `mm(a, b)` cuts a's rows into calls of those
-    sizes. The choice among classes: the one with the most sizes, then the smallest
-    (so the cheap small calls of decode and the big calls of prefill agree).
+    `sizes(b)` probes once per operand key: `ALONE`, or call sizes that `mm(a, b)` cuts
+    a's rows into. The choice among classes of sizes: the one with the most sizes, then
+    the smallest (so the cheap small calls of decode and the big calls of prefill agree).
     """
 
     def __init__(self, candidates: tuple[int, ...] = SIZES) -> None:
@@ -86,9 +106,12 @@ class RowMM:
         return plan
 
     def _probe(self, b: torch.Tensor) -> tuple[int, ...]:
-        """Random operands of b's shape, strides and dtype (never b's values: a block of
-        zero keys would agree in any order). Every size runs rows 1..s, at places
-        0..s - 1; the largest also runs rows 0..top - 1, so a row's place changes too."""
+        """`ALONE` where `_alone_ok`, else the call sizes of one class. Random operands of
+        b's shape, strides and dtype (never b's values: a block of zero keys would agree
+        in any order). Every size runs rows 1..s, at places 0..s - 1; the largest also
+        runs rows 0..top - 1, so a row's place changes too."""
+        if self._alone_ok(b):
+            return ALONE
         g = torch.Generator().manual_seed(0)
         top = self.candidates[-1]
         x = torch.randn(*b.shape[:-2], top + 1, b.shape[-2], generator=g).to(b.dtype)
@@ -107,15 +130,48 @@ class RowMM:
                           stacklevel=3)  # fmt: skip
         return tuple(best)
 
+    @staticmethod
+    def _alone_ok(b: torch.Tensor) -> bool:
+        """Whether rows alone (`_alone`) give a row one set of bits at every row count of
+        `ALONE_ROWS` and place (random operands of b's strides). A batched b [Z, K, N] runs
+        entry by entry, a single row in one torch.bmm over the entries: that too must
+        give each entry's bits."""
+        g = torch.Generator().manual_seed(0)
+        rb = torch.empty_strided(b.shape, b.stride(), dtype=b.dtype)
+        rb.copy_(torch.randn(b.shape, generator=g))
+        if b.dim() == 3:
+            x = torch.randn(b.shape[0], 1, b.shape[1], generator=g).to(b.dtype)
+            one = torch.stack([_alone(x[z], rb[z]) for z in range(b.shape[0])])
+            if not torch.equal(torch.bmm(x, rb), one):
+                return False
+            rb = rb[0]
+        top = ALONE_ROWS[-1]
+        x = torch.randn(top + 1, rb.shape[0], generator=g).to(b.dtype)
+        ref = _alone(x[1:], rb)
+        if not torch.equal(_alone(x[:top], rb)[1:], ref[: top - 1]):
+            return False
+        return all(torch.equal(_alone(x[1 : 1 + s], rb), ref[:s]) for s in ALONE_ROWS[:-1])
+
     def padded(self, M: int, b: torch.Tensor) -> int:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
-        return sum(_calls(M, self.sizes(b)))
+        sizes = self.sizes(b)
+        return M if sizes == ALONE else sum(_calls(M, sizes))
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [M, K] @ b [K, N] -> [M, N], or batched: a [Z, M, K] @ b [Z, K, N] (torch.bmm);
-        a row's bits independent of M and of its place in the call."""
+        a row's bits independent of M and of its place in the call. A large b runs in
+        column chunks (`chunk_columns`), each with its own plan."""
         M, N = a.shape[-2], b.shape[-1]
-        calls = _calls(M, self.sizes(b)) if M else []
+        if b.dim() == 2 and (c := chunk_columns(b)) < N:
+            return torch.cat([self.mm(a, b[:, j : j + c]) for j in range(0, N, c)], dim=-1)
+        sizes = self.sizes(b)
+        if sizes == ALONE:
+            if b.dim() == 2:
+                return _alone(a, b)
+            if M == 1:  # one GEMV per entry already (a decode row's parts of K)
+                return torch.bmm(a, b)
+            return torch.stack([_alone(a[z], b[z]) for z in range(b.shape[0])])
+        calls = _calls(M, sizes) if M else []
         if len(calls) == 1 and calls[0] == M:
             return torch.matmul(a, b)
         if len(calls) == 1:  # one padded call (a decode row): no copies out
@@ -190,157 +246,6 @@ class RowMM:
                           for j in range(parts))  # fmt: skip
             self._batched[key] = ok
         return ok
-
-    def attend(self, q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
-               positions: torch.Tensor, scale: float, window: int | None = None, *,
-               config=None, block: int = KEY_BLOCK) -> torch.Tensor:  # fmt: skip
-        """Attention of one query token per row over its slot's live keys (the signature
-        of `attention.decode_attention`; `config` unused), math in float32.
-
-        Rows are grouped by slot and by the 256-key block of their position (one host
-        read: the CPU only), so a row computes only blocks up to its own: a prefill chunk
-        skips the causally dead half. For a group, its live keys (blocks up to its
-        furthest position, from the first block of its nearest window) are copied once,
-        zero past the furthest position. Per KV head: scores of the group's rows (all G
-        query heads of a row: GEMM rows) as `mm`, masked by position and window; a row's
-        max; exp; per block the sum of p and p @ V (`mm`), added into the row's sums in
-        ascending block order, only over the blocks that hold its live keys. So every sum
-        a row takes has the same operands in the same order in any call. The exp runs over
-        whole blocks (numel a multiple of 32), so every element takes torch's vectorised
-        path."""
-        B, H, hd = q.shape
-        T, KV = kv.shape[2], kv.shape[3]
-        G = H // KV
-        out = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
-        if B == 0:
-            return out
-        pos = positions.clamp(0, T - 1)
-        qf = q.float()
-        if B == 1:  # a decode row: its own group
-            return self._attend_slot(qf, kv[:, int(slot_ids[0])], pos, scale, window, G,
-                                     block).to(q.dtype)  # fmt: skip
-        # groups of (slot, block of the row's position): a row pays only for its own
-        # blocks, so a prefill chunk skips the causally dead half (one host read)
-        key = slot_ids.long() * (T // block + 1) + pos // block
-        groups, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
-        if len(groups) == 1:
-            slot = int(slot_ids[0])
-            return self._attend_slot(qf, kv[:, slot], pos, scale, window, G, block).to(q.dtype)
-        order = torch.argsort(inverse, stable=True)
-        for g, rows in zip(groups.tolist(), order.split(counts.tolist()), strict=True):
-            slot = g // (T // block + 1)
-            out[rows] = self._attend_slot(qf[rows], kv[:, slot], pos[rows], scale, window, G,
-                                          block).to(q.dtype)  # fmt: skip
-        return out
-
-    def _keys_buffer(self, KV: int, L: int, hd: int, device) -> torch.Tensor:
-        """A contiguous [2, KV, L, hd] float32 for a group's live keys (the strides of a
-        fresh one: the products' operands never change with the buffer's history), on
-        storage kept between calls: a fresh one a layer cost ~0.2 ms in first-touch page
-        faults on a 2-core EPYC. Every element a call reads is written first."""
-        n = 2 * KV * L * hd
-        flat = self._keys.get(device)
-        if flat is None or flat.numel() < n:
-            with torch.inference_mode(False):  # written in place in and out of it
-                flat = self._keys[device] = torch.empty(n, device=device)
-        return flat[:n].view(2, KV, L, hd)
-
-    def _attend_slot(self, q, kv, pos, scale, window, G, block) -> torch.Tensor:
-        """q [n, H, hd] float32 of one slot's rows, kv [2, T, KV, hd] its cache row; the
-        KV heads are the batch of every product ([KV, n G, hd] @ [KV, hd, block])."""
-        if window is None:
-            return self._attend_causal(q, kv, pos, scale, G, block)
-        n, H, hd = q.shape
-        KV = kv.shape[2]
-        lo, hi = (int(v) for v in torch.aminmax(pos))
-        first = 0 if window is None else max(0, lo - window + 1) // block
-        nb = hi // block + 1 - first
-        start, L = first * block, nb * block
-        keys = self._keys_buffer(KV, L, hd, q.device)
-        keys[:, :, : hi + 1 - start] = kv[:, start : hi + 1].transpose(1, 2)
-        keys[:, :, hi + 1 - start :].zero_()  # past every row: never read stale (NaN) entries
-        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
-        j = torch.arange(start, start + L, device=q.device)
-        live = j <= pos[:, None]  # [n, L]
-        if window is not None:
-            live &= j > pos[:, None] - window
-        blive = live.view(n, nb, block).any(-1)  # [n, nb]: blocks holding live keys
-        # GEMM rows padded once (zero queries, all keys live: finite, then dropped) to a
-        # call size of the score product, not once per block
-        M = n * G
-        Mp = self.padded(M, kt[:, :, :block])
-        qh = q.new_zeros((KV, Mp, hd))
-        qh[:, :M] = q.view(n, KV, G, hd).transpose(0, 1).reshape(KV, M, hd)
-        if Mp > M:
-            live = torch.cat([live, live.new_ones((Mp - M + G - 1) // G, L)])
-            blive = torch.cat([blive, blive.new_ones(live.shape[0] - n, nb)])
-            n = live.shape[0]
-        s = torch.full((KV, Mp, L), float("-inf"), device=q.device)
-        picks = []  # per block: its GEMM rows (None: every row)
-        for b in range(nb):
-            cols = slice(b * block, (b + 1) * block)
-            r = blive[:, b]
-            gr = None if bool(r.all()) else r.repeat_interleave(G)[:Mp].nonzero().flatten()
-            picks.append(gr)
-            if gr is None:
-                s[:, :, cols] = self.mm(qh, kt[:, :, cols])
-            elif len(gr):
-                s[:, gr, cols] = self.mm(qh[:, gr], kt[:, :, cols])
-        s.mul_(scale).masked_fill_(~live.repeat_interleave(G, 0)[:Mp], float("-inf"))
-        p = torch.exp(s - s.amax(-1, keepdim=True))  # finite: a row's own key is live
-        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
-        den = torch.zeros((KV, Mp), device=q.device)
-        acc = torch.zeros((KV, Mp, hd), device=q.device)
-        for b, gr in enumerate(picks):  # ascending: one order of the sums for every call
-            cols = slice(b * block, (b + 1) * block)
-            if gr is None:
-                acc += self.mm(p[:, :, cols], keys[1, :, cols])
-                den += sums[:, :, b]
-            elif len(gr):
-                acc[:, gr] += self.mm(p[:, gr, cols], keys[1, :, cols])
-                den[:, gr] += sums[:, gr, b]
-        out = acc[:, :M] / den[:, :M, None]  # [KV, n G, hd]
-        return out.view(KV, M // G, G, hd).transpose(0, 1).reshape(M // G, H, hd)
-
-    def _attend_causal(self, q, kv, pos, scale, G, block) -> torch.Tensor:
-        """`_attend_slot` without a window, for rows whose positions share one block (as
-        `attend` groups them): every block up to theirs holds live keys of every row, so
-        the sums need no row picks. The scores are one product over all the blocks (a
-        score column is one hd-long dot product: its bits do not depend on the number of
-        columns, tested), p @ V one product per block, added in ascending order."""
-        n, H, hd = q.shape
-        KV = kv.shape[2]
-        hi = int(pos.max())
-        nb = hi // block + 1
-        L = nb * block
-        keys = self._keys_buffer(KV, L, hd, q.device)
-        keys[:, :, : hi + 1] = kv[:, : hi + 1].transpose(1, 2)
-        keys[:, :, hi + 1 :].zero_()  # past every row: never read stale (NaN) entries
-        M = n * G
-        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
-        Mp = self.padded(M, kt)
-        qh = q.new_zeros((KV, Mp, hd)) if Mp > M else q.new_empty((KV, M, hd))
-        # the scale on the queries (fewer multiplies than on the scores; one place for all)
-        torch.mul(q.view(n, KV, G, hd).transpose(0, 1), scale, out=qh[:, :M].view(KV, n, G, hd))
-        s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
-        if len(self._cols) < L or self._cols.device != q.device:
-            self._cols = torch.arange(2 * L, device=q.device)
-        # only the last block holds keys past a row (the group shares it): mask it alone
-        last = L - block
-        dead = self._cols[last:L] > pos[:, None]  # [n, block]
-        s[:, :M, last:].view(KV, n, G, block).masked_fill_(dead[None, :, None], float("-inf"))
-        # whole blocks: numel a multiple of 32, so every element takes the vector path
-        p = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
-        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0]
-        if nb > 1:
-            den = den.clone()
-        for b in range(1, nb):  # ascending: one order of the sums for every call
-            cols = slice(b * block, (b + 1) * block)
-            acc += self.mm(p[:, :, cols], keys[1, :, cols])
-            den += sums[:, :, b]
-        out = acc[:, :M].div_(den[:, :M, None])  # [KV, n G, hd]
-        return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
 
 
 def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,

@@ -19,10 +19,16 @@ SMALL = dict(SMOL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=300)  # fmt: skip
 
 
+@pytest.mark.parametrize("plan", ["measured", "calls"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (97, 48)])
-def test_linear_rows_do_not_depend_on_the_call(shape, threads, restore_threads) -> None:
-    """Rows alone, 16 at shuffled places, and 600 (a full call of 512 and a padded rest)."""
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (97, 48), (4352, 576)])
+def test_linear_rows_do_not_depend_on_the_call(shape, threads, plan, restore_threads,
+                                               monkeypatch) -> None:  # fmt: skip
+    """Rows alone, 16 at shuffled places, and 600 (a full call of 512 and a padded rest),
+    with the plan `RowMM` measures (rows alone on the CPUs seen) and with call sizes (the
+    plan where rows cannot run alone). [4352, 576] is past `CHUNK_BYTES`: column chunks."""
+    if plan == "calls":
+        monkeypatch.setattr(RowMM, "_alone_ok", staticmethod(lambda b: False))
     torch.set_num_threads(threads)
     N, K = shape
     g = torch.Generator().manual_seed(N)

@@ -1,0 +1,170 @@
+"""Decode attention on the CPU over a slot-indexed cache, in `RowMM` products.
+
+Rows are grouped by slot and key block: a prefill chunk's rows of one block share one
+copy of their live keys, and the scores and p @ V are products (`mm`, whose rows never
+depend on the call) over fixed blocks of `KEY_BLOCK` keys, so a row's sums have one
+order whatever rows share its slot, its call or its block, combined in ascending block
+order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KEY_BLOCK = 256  # keys per block (a multiple of 32: see `KeyBlockAttention.attend`)
+
+
+class KeyBlockAttention:
+    """`attend` for a class with `mm(a, b)` and `padded(M, b)` (`cpu_route.RowMM`); it
+    keeps `_keys` (a device -> storage dict) and `_cols` (key indices)."""
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
+               positions: torch.Tensor, scale: float, window: int | None = None, *,
+               config=None, block: int = KEY_BLOCK) -> torch.Tensor:  # fmt: skip
+        """Attention of one query token per row over its slot's live keys (the signature
+        of `attention.decode_attention`; `config` unused), math in float32.
+
+        Rows are grouped by slot and by the 256-key block of their position (one host
+        read: the CPU only), so a row computes only blocks up to its own: a prefill chunk
+        skips the causally dead half. For a group, its live keys (blocks up to its
+        furthest position, from the first block of its nearest window) are copied once,
+        zero past the furthest position. Per KV head: scores of the group's rows (all G
+        query heads of a row: GEMM rows) as `mm`, masked by position and window; a row's
+        max; exp; per block the sum of p and p @ V (`mm`), added into the row's sums in
+        ascending block order, only over the blocks that hold its live keys. So every sum
+        a row takes has the same operands in the same order in any call. The exp runs over
+        whole blocks (numel a multiple of 32), so every element takes torch's vectorised
+        path."""
+        B, H, hd = q.shape
+        T, KV = kv.shape[2], kv.shape[3]
+        G = H // KV
+        out = torch.empty((B, H, hd), dtype=q.dtype, device=q.device)
+        if B == 0:
+            return out
+        pos = positions.clamp(0, T - 1)
+        qf = q.float()
+        if B == 1:  # a decode row: its own group
+            return self._attend_slot(qf, kv[:, int(slot_ids[0])], pos, scale, window, G,
+                                     block).to(q.dtype)  # fmt: skip
+        # groups of (slot, block of the row's position): a row pays only for its own
+        # blocks, so a prefill chunk skips the causally dead half (one host read)
+        key = slot_ids.long() * (T // block + 1) + pos // block
+        groups, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+        if len(groups) == 1:
+            slot = int(slot_ids[0])
+            return self._attend_slot(qf, kv[:, slot], pos, scale, window, G, block).to(q.dtype)
+        order = torch.argsort(inverse, stable=True)
+        for g, rows in zip(groups.tolist(), order.split(counts.tolist()), strict=True):
+            slot = g // (T // block + 1)
+            out[rows] = self._attend_slot(qf[rows], kv[:, slot], pos[rows], scale, window, G,
+                                          block).to(q.dtype)  # fmt: skip
+        return out
+
+    def _keys_buffer(self, KV: int, L: int, hd: int, device) -> torch.Tensor:
+        """A contiguous [2, KV, L, hd] float32 for a group's live keys (the strides of a
+        fresh one: the products' operands never change with the buffer's history), on
+        storage kept between calls: a fresh one a layer cost ~0.2 ms in first-touch page
+        faults on a 2-core EPYC. Every element a call reads is written first."""
+        n = 2 * KV * L * hd
+        flat = self._keys.get(device)
+        if flat is None or flat.numel() < n:
+            with torch.inference_mode(False):  # written in place in and out of it
+                flat = self._keys[device] = torch.empty(n, device=device)
+        return flat[:n].view(2, KV, L, hd)
+
+    def _attend_slot(self, q, kv, pos, scale, window, G, block) -> torch.Tensor:
+        """q [n, H, hd] float32 of one slot's rows, kv [2, T, KV, hd] its cache row; the
+        KV heads are the batch of every product ([KV, n G, hd] @ [KV, hd, block])."""
+        if window is None:
+            return self._attend_causal(q, kv, pos, scale, G, block)
+        n, H, hd = q.shape
+        KV = kv.shape[2]
+        lo, hi = (int(v) for v in torch.aminmax(pos))
+        first = 0 if window is None else max(0, lo - window + 1) // block
+        nb = hi // block + 1 - first
+        start, L = first * block, nb * block
+        keys = self._keys_buffer(KV, L, hd, q.device)
+        keys[:, :, : hi + 1 - start] = kv[:, start : hi + 1].transpose(1, 2)
+        keys[:, :, hi + 1 - start :].zero_()  # past every row: never read stale (NaN) entries
+        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
+        j = torch.arange(start, start + L, device=q.device)
+        live = j <= pos[:, None]  # [n, L]
+        if window is not None:
+            live &= j > pos[:, None] - window
+        blive = live.view(n, nb, block).any(-1)  # [n, nb]: blocks holding live keys
+        # GEMM rows padded once (zero queries, all keys live: finite, then dropped) to a
+        # call size of the score product, not once per block
+        M = n * G
+        Mp = self.padded(M, kt[:, :, :block])
+        qh = q.new_zeros((KV, Mp, hd))
+        qh[:, :M] = q.view(n, KV, G, hd).transpose(0, 1).reshape(KV, M, hd)
+        if Mp > M:
+            live = torch.cat([live, live.new_ones((Mp - M + G - 1) // G, L)])
+            blive = torch.cat([blive, blive.new_ones(live.shape[0] - n, nb)])
+            n = live.shape[0]
+        s = torch.full((KV, Mp, L), float("-inf"), device=q.device)
+        picks = []  # per block: its GEMM rows (None: every row)
+        for b in range(nb):
+            cols = slice(b * block, (b + 1) * block)
+            r = blive[:, b]
+            gr = None if bool(r.all()) else r.repeat_interleave(G)[:Mp].nonzero().flatten()
+            picks.append(gr)
+            if gr is None:
+                s[:, :, cols] = self.mm(qh, kt[:, :, cols])
+            elif len(gr):
+                s[:, gr, cols] = self.mm(qh[:, gr], kt[:, :, cols])
+        s.mul_(scale).masked_fill_(~live.repeat_interleave(G, 0)[:Mp], float("-inf"))
+        p = torch.exp(s - s.amax(-1, keepdim=True))  # finite: a row's own key is live
+        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
+        den = torch.zeros((KV, Mp), device=q.device)
+        acc = torch.zeros((KV, Mp, hd), device=q.device)
+        for b, gr in enumerate(picks):  # ascending: one order of the sums for every call
+            cols = slice(b * block, (b + 1) * block)
+            if gr is None:
+                acc += self.mm(p[:, :, cols], keys[1, :, cols])
+                den += sums[:, :, b]
+            elif len(gr):
+                acc[:, gr] += self.mm(p[:, gr, cols], keys[1, :, cols])
+                den[:, gr] += sums[:, gr, b]
+        out = acc[:, :M] / den[:, :M, None]  # [KV, n G, hd]
+        return out.view(KV, M // G, G, hd).transpose(0, 1).reshape(M // G, H, hd)
+
+    def _attend_causal(self, q, kv, pos, scale, G, block) -> torch.Tensor:
+        """`_attend_slot` without a window, for rows whose positions share one block (as
+        `attend` groups them): every block up to theirs holds live keys of every row, so
+        the sums need no row picks. The scores are one product over all the blocks (a
+        score column is one hd-long dot product: its bits do not depend on the number of
+        columns, tested), p @ V one product per block, added in ascending order."""
+        n, H, hd = q.shape
+        KV = kv.shape[2]
+        hi = int(pos.max())
+        nb = hi // block + 1
+        L = nb * block
+        keys = self._keys_buffer(KV, L, hd, q.device)
+        keys[:, :, : hi + 1] = kv[:, : hi + 1].transpose(1, 2)
+        keys[:, :, hi + 1 :].zero_()  # past every row: never read stale (NaN) entries
+        M = n * G
+        kt = keys[0].transpose(1, 2)  # [KV, hd, L]
+        Mp = self.padded(M, kt)
+        qh = q.new_zeros((KV, Mp, hd)) if Mp > M else q.new_empty((KV, M, hd))
+        # the scale on the queries (fewer multiplies than on the scores; one place for all)
+        torch.mul(q.view(n, KV, G, hd).transpose(0, 1), scale, out=qh[:, :M].view(KV, n, G, hd))
+        s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
+        if len(self._cols) < L or self._cols.device != q.device:
+            self._cols = torch.arange(2 * L, device=q.device)
+        # only the last block holds keys past a row (the group shares it): mask it alone
+        last = L - block
+        dead = self._cols[last:L] > pos[:, None]  # [n, block]
+        s[:, :M, last:].view(KV, n, G, block).masked_fill_(dead[None, :, None], float("-inf"))
+        # whole blocks: numel a multiple of 32, so every element takes the vector path
+        p = s.sub_(s.amax(-1, keepdim=True)).exp_()
+        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
+        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0]
+        if nb > 1:
+            den = den.clone()
+        for b in range(1, nb):  # ascending: one order of the sums for every call
+            cols = slice(b * block, (b + 1) * block)
+            acc += self.mm(p[:, :, cols], keys[1, :, cols])
+            den += sums[:, :, b]
+        out = acc[:, :M].div_(den[:, :M, None])  # [KV, n G, hd]
+        return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
