@@ -159,6 +159,7 @@ def run(args) -> dict:
         date=datetime.date.today().isoformat(), commit=git_commit(), torch=torch.__version__,
         transformers=transformers.__version__, graphexec=gx.__version__,
         model=args.label or spec.name, dtype="float32", decode_tokens=args.decode_tokens,
+        products=ours.model.ops.linear.__self__.plan_counts(),  # RowMM: rows alone or calls
         decode_prompt=len(short),
         prefill_len=args.prefill_len, concurrent=dict(prompts=16, prompt_len=20),
         reps=args.reps, runs=got, median=med,
@@ -180,7 +181,7 @@ def markdown(r: dict) -> str:
     g, t = r["median"]["graphexec"], r["median"]["transformers"]
     return "\n".join([
         f"{r['model']} float32 on {r['cpu']}, {r['threads']} torch threads "
-        f"(medians of {r['reps']})",
+        f"(medians of {r['reps']}); products: {r.get('products')}",
         "",
         "| measure | graphexec | transformers | ratio | target |",
         "|---|---|---|---|---|",

@@ -6,7 +6,8 @@ only its live keys: a split-KV ("flash-decoding") kernel whose programs cover fi
 ranges, each loading only the part of its range that is live, the last of a row's splits
 to finish merging the partial softmaxes. `decode_attention_reference` is the same
 computation in torch (SDPA with a mask over the whole row), the tests' definition. The
-CPU route of the models is `cpu_attention.KeyBlockAttention.attend` (torch over the live key blocks only).
+CPU route of the models is `cpu_attention.KeyBlockAttention.attend` (torch over the live
+key blocks only).
 
 Kernels (grids are fixed by shapes alone):
 
@@ -289,8 +290,8 @@ def decode_attention(
 
     Route: this Triton kernel runs on CUDA (and on the CPU under ``TRITON_INTERPRET=1``,
     for tests). `HFTransformer` and `TinyLM` call it on CUDA and
-    `cpu_attention.KeyBlockAttention.attend` (torch over the live key blocks, the same signature) on
-    the CPU; both agree with `decode_attention_reference` to rounding. A row's output
+    `cpu_attention.KeyBlockAttention.attend` (torch over the live key blocks, the same
+    signature) on the CPU; both agree with `decode_attention_reference` to rounding. A row's output
     is bitwise the same in any batch: no program's work depends on the other rows or B.
     """
     _check(q, kv, slot_ids, positions, window)

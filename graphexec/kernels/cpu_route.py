@@ -26,6 +26,7 @@ each row the same bits (random rows, at shifted places):
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,13 @@ class RowMM(KeyBlockAttention):
         if not torch.equal(_alone(x[:top], rb)[1:], ref[: top - 1]):
             return False
         return all(torch.equal(_alone(x[1 : 1 + s], rb), ref[:s]) for s in ALONE_ROWS[:-1])
+
+    def plan_counts(self) -> dict[str, int]:
+        """Operands measured so far per plan: "alone", or "calls 4,8,...,512" (benchmarks
+        record it: the plan decides a CPU's speed)."""
+        names = ("alone" if p == ALONE else "calls " + ",".join(map(str, p))
+                 for p in self._plans.values())  # fmt: skip
+        return dict(Counter(names))
 
     def padded(self, M: int, b: torch.Tensor) -> int:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""

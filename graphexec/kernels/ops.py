@@ -32,8 +32,8 @@ Why a row's result is the same in any call (invariant routes):
 - Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
   whose size depends on the cache length T alone, combined in one fixed order. On the
-  CPU (`cpu_attention.KeyBlockAttention.attend`), rows grouped by slot over fixed blocks of 256 keys up
-  to the slot's furthest position (a step's cost follows the live tokens, not T); a
+  CPU (`cpu_attention.KeyBlockAttention.attend`), rows grouped by slot over fixed blocks
+  of 256 keys up to the slot's furthest position (a step's cost follows the live tokens, not T); a
   block past a row's position leaves its sums untouched.
 - Decode, verify and prefill are the same forward over token rows. A decode row is one
   token per request; verify is B x (K + 1) rows in one call (row t of a request at

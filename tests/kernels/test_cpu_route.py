@@ -158,3 +158,20 @@ def test_attention_keeps_its_key_storage_and_its_bits() -> None:
     assert used._keys[torch.device("cpu")].data_ptr() == storage
     fresh = RowMM().attend(q[:1], kv, torch.tensor([0]), torch.tensor([30]), 0.125)
     assert torch.equal(short, fresh)
+
+
+def test_plan_counts_name_each_operands_plan(monkeypatch) -> None:
+    """One entry per plan measured: "alone" where rows alone agree, else the call sizes."""
+    w = torch.randn(64, 48).t().contiguous().t()
+    x = torch.randn(3, 48)
+    rows = RowMM()
+    rows.linear(x, w)
+    alone = rows.plan_counts()
+    monkeypatch.setattr(RowMM, "_alone_ok", staticmethod(lambda b: False))
+    calls = RowMM()
+    calls.linear(x, w)
+    got = calls.plan_counts()
+    assert sum(alone.values()) == 1 and sum(got.values()) == 1
+    (name,) = got
+    assert name.startswith("calls ") and "alone" not in got
+    assert list(alone) in (["alone"], [name])  # "alone" unless this CPU's rows disagree
