@@ -13,9 +13,9 @@ each row the same bits (random rows, at shifted places):
   `torch.bmm` over the weight expanded along the rows (no copy). A decode row costs a
   GEMV, the weight read once; M rows read it M times, from cache: a weight larger than
   `CHUNK_BYTES` runs in column chunks of that size, each chunk's rows back to back.
-  Measured on the EPYC (2 threads, SmolLM2's LM head): 5.5 ms for one row against
-  35 ms for the 4-row GEMM call a row took before; prefill pays: 300 rows of a
-  [576, 3072] weight in 31 ms against 9 ms as one GEMM.
+  Measured on the EPYC (2 threads, SmolLM2's LM head): 5.5 ms for one row, against
+  35 ms for the 4-row GEMM call the call-size plan runs it in; prefill pays: 300 rows
+  of a [576, 3072] weight in 31 ms against 9 ms as one GEMM.
 - else call sizes among 1, 2, 4, ..., 512 that agree, every product cut into calls of
   one such class only (`_calls`: the largest that fits, until one call holds the rest,
   padded with zero rows).
