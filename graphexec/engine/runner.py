@@ -132,7 +132,8 @@ class StepRunner:
         # a real capture warms each key up, which checks the model's outputs; emulation
         # checks them once, on one padding row
         bad = None if self.graphs.cuda else self.probe_model()
-        gc.collect()  # garbage from earlier executors goes now, not between captures
+        if self.graphs.cuda:  # earlier executors' graphs and pools go now, not mid-capture
+            gc.collect()
         for key in tqdm(keys, desc="capture", unit="graph", disable=not progress):
             if key.bucket > self.buckets[-1]:
                 raise ValueError(f"key {key} has a bucket larger than the largest bucket")
