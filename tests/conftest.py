@@ -3,6 +3,7 @@ tests marked `multigpu` where fewer than 2 GPUs are."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -46,6 +47,20 @@ SLOW_FIRST = ("tests/distributed/test_hf_tp.py", "tests/engine/test_outputs.py",
               "tests/distributed/test_executor_tp.py", "tests/app/test_cli.py",
               "tests/app/test_without_triton.py", "tests/sampling/test_reference_stats.py",
               "tests/checkpoints/test_smollm2.py", "tests/speculative/test_executor_spec.py")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module is imported now: its objects (torch, transformers, Triton's
+    interpreter, scipy: millions) move to the collector's permanent generation, so a full
+    collection scans only what the tests make. The executor's capture collects once, and
+    a collection scanning them all cost ~0.2 s: 31 s of 190 s of tests/engine and
+    tests/speculative (pytest -n 2) went to 160 collections."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    gc.unfreeze()  # collectable again at exit (nanobind reported its objects leaked)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -197,10 +197,12 @@ def reduce_is_fixed(rank: int, world: int, group) -> bool:
     return ok
 
 
-def check_logits_and_loading(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
+def check_logits_and_loading(per_rank: list[dict], paths: dict[str, str], kinds,
+                             wants: dict) -> None:  # fmt: skip
+    """wants: per kind, `logits_script` on the whole model (`_one_rank`)."""
     T = len(per_rank)
     for kind in kinds:
-        want = logits_script(load(paths[kind]))
+        want = {k: torch.from_numpy(v) for k, v in wants[kind]["logits"].items()}
         slices = gx.distributed.vocab_slices(V, T)
         for r, got in enumerate(per_rank):
             res = got[kind]
@@ -263,7 +265,7 @@ def _tp_executor(path: str, spec: bool, *, group, method: str) -> gx.DecodeExecu
     return executor(load(path, group), spec, tp_group=group, tp_method=method)
 
 
-def check_streams(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
+def check_streams(per_rank: list[dict], kinds, wants: dict) -> None:
     for kind in kinds:
         ref = per_rank[0][kind]["one batch"]
         assert sum(len(v) for v in ref.values()) > 40
@@ -271,8 +273,15 @@ def check_streams(per_rank: list[dict], paths: dict[str, str], kinds) -> None:
             for name, s in got[kind].items():
                 same(s, ref, f"{kind}: rank {r}, {name}")
         # T ranks against one: not guaranteed (module docstring); holds on this workload
-        one = streams(wl.run(executor(load(paths[kind])), items()))
-        same(one, ref, f"{kind}: one rank", rel=1e-4)
+        same(wants[kind]["streams"], ref, f"{kind}: one rank", rel=1e-4)
+
+
+def _one_rank(paths: dict[str, str]) -> dict:
+    """Per checkpoint, the whole model's (no group) logits and streams: what the ranks'
+    are compared with."""
+    return {kind: {"logits": numpy(logits_script(load(path))),
+                   "streams": streams(wl.run(executor(load(path)), items()))}
+            for kind, path in paths.items()}  # fmt: skip
 
 
 TWO_CASES = (("llama", "all_to_all"), ("qwen2", "vocab_parallel"))
@@ -280,17 +289,23 @@ THREE_CASES = (("llama3", "auto"),)
 
 
 def _two_and_three_ranks(rank: int, world: int, paths: dict[str, str]) -> dict:
-    """On 3 ranks: T = 2 on a group of ranks 0 and 1 (rank 2 waits), then T = 3 on all (one
-    start of the processes for both)."""
+    """On 4 ranks (one start of the processes for every T; gloo's waits leave the cores
+    idle, so two groups run side by side): T = 2 with Llama on ranks 0 and 1 while T = 2
+    with Qwen2 runs on ranks 2 and 3, then T = 3 on ranks 0, 1 and 2 while rank 3 runs the
+    whole models, the reference."""
     import torch.distributed as dist
 
-    two = dist.new_group([0, 1])
-    out = {}
-    if rank < 2:
-        out[2] = (_loading_and_logits(rank, 2, paths, ("llama", "qwen2"), two),
-                  _executor_streams(paths, TWO_CASES, two))  # fmt: skip
-    out[3] = (_loading_and_logits(rank, world, paths, ("llama3",), dist.group.WORLD),
-              _executor_streams(paths, THREE_CASES, dist.group.WORLD))  # fmt: skip
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    three = dist.new_group([0, 1, 2])
+    pair, r = pairs[rank // 2], rank % 2
+    case = TWO_CASES[rank // 2]
+    out = {2: (_loading_and_logits(r, 2, paths, case[:1], pair),
+               _executor_streams(paths, (case,), pair))}  # fmt: skip
+    if rank < 3:
+        out[3] = (_loading_and_logits(rank, 3, paths, ("llama3",), three),
+                  _executor_streams(paths, THREE_CASES, three))  # fmt: skip
+    else:
+        out["one"] = _one_rank(paths)
     return out
 
 
@@ -299,10 +314,13 @@ def test_two_and_three_ranks_logits_loading_streams_and_bad_configs(ckpts) -> No
     vocab_parallel) and T = 3 (V = 301 as 101, 100, 100 ids, six heads, three KV heads,
     tp_method "auto"): logits, loading and streams, and the configurations that do not
     divide."""
-    per_rank = run_ranks(3, _two_and_three_ranks, ckpts)
-    two = [got[2][0] for got in per_rank[:2]]
-    check_logits_and_loading(two, ckpts, ("llama", "qwen2"))
-    for got in two:
+    per_rank = run_ranks(4, _two_and_three_ranks, ckpts)
+    wants = per_rank[3]["one"]
+    # ranks 0 and 1: Llama; ranks 2 and 3: Qwen2 (each pair's ranks 0 and 1)
+    two = [{**per_rank[r][2][0], **per_rank[r + 2][2][0]} for r in range(2)]
+    two_streams = [{**per_rank[r][2][1], **per_rank[r + 2][2][1]} for r in range(2)]
+    check_logits_and_loading(two, ckpts, ("llama", "qwen2"), wants)
+    for got in [per_rank[r][2][0] for r in range(4)]:
         assert got["reduce"]
         errors = got["errors"]  # constructor, TPShard.create; for each of the two configs
         assert all(e is not None for e in errors), errors
@@ -315,8 +333,8 @@ def test_two_and_three_ranks_logits_loading_streams_and_bad_configs(ckpts) -> No
     assert shapes[0]["gate_up"] == (64, 32) and shapes[0]["down"] == (32, 32)
     assert [s["lm_head"][0] for s in shapes] == [151, 150]
     assert [s["embed"][0] for s in shapes] == [301, 301]
-    check_streams([got[2][1] for got in per_rank[:2]], ckpts, [k for k, _ in TWO_CASES])
-    three = [got[3] for got in per_rank]
+    check_streams(two_streams, [k for k, _ in TWO_CASES], wants)
+    three = [got[3] for got in per_rank[:3]]
     assert all(a["reduce"] for a, _ in three)
-    check_logits_and_loading([a for a, _ in three], ckpts, ("llama3",))
-    check_streams([b for _, b in three], ckpts, [k for k, _ in THREE_CASES])
+    check_logits_and_loading([a for a, _ in three], ckpts, ("llama3",), wants)
+    check_streams([b for _, b in three], [k for k, _ in THREE_CASES], wants)

@@ -66,17 +66,17 @@ def _compare(want, got, tag: str) -> list[str]:
     return bad
 
 
-def _worker(rank: int, world: int, worlds) -> list[str]:
+def _worker(rank: int, world: int, worlds) -> dict[str, list[str]]:
     """Every T of `worlds` on the first T of `world` ranks (one group each: one start of
-    the processes serves every T)."""
+    the processes serves every T), then `_wire` on the group of T = 2."""
     import torch.distributed as dist
 
-    bad = []
+    bad, groups = [], {}
     for T, cases in worlds:
-        group = dist.group.WORLD if T == world else dist.new_group(list(range(T)))
+        group = groups[T] = dist.group.WORLD if T == world else dist.new_group(list(range(T)))
         if rank < T:
             bad += _sample(rank, T, group, cases)
-    return bad
+    return {"sample": bad, "wire": _wire(rank, groups[2]) if rank < 2 else []}
 
 
 def _sample(rank: int, world: int, group, cases) -> list[str]:
@@ -94,12 +94,18 @@ def _sample(rank: int, world: int, group, cases) -> list[str]:
     return bad
 
 
-def test_every_rank_gets_the_full_row_tokens() -> None:
-    """T = 2, 3 and 4 (groups of the first T of 4 ranks)."""
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict[str, list[str]]]:
+    """One start of 4 ranks for both tests that need ranks (a start of 2 more cost ~5 s)."""
     worlds = [(T, [("mixed", 16, T), ("plain", 9, 10 + T), ("mixed", T - 1, 20 + T)])
               for T in (2, 3, 4)]  # fmt: skip
-    for rank_bad in run_ranks(4, _worker, worlds):
-        assert rank_bad == []
+    return run_ranks(4, _worker, worlds)
+
+
+def test_every_rank_gets_the_full_row_tokens(per_rank) -> None:
+    """T = 2, 3 and 4 (groups of the first T of 4 ranks)."""
+    for got in per_rank:
+        assert got["sample"] == []
 
 
 def test_vocab_slices_are_contiguous_and_near_even() -> None:
@@ -109,7 +115,7 @@ def test_vocab_slices_are_contiguous_and_near_even() -> None:
         gx.distributed.vocab_slices(3, 4)
 
 
-def _wire(rank: int, world: int) -> list[str]:
+def _wire(rank: int, group) -> list[str]:
     """A bf16 model's float32 logits sent as bf16 (`TensorParallel.wire`) and as float32:
     the same outputs, bit for bit (the executor sets wire from a model's `logits_dtype`
     only, so only logits exact in it travel that way)."""
@@ -118,7 +124,7 @@ def _wire(rank: int, world: int) -> list[str]:
     x, params, pos, counts, prompt, bitmask = batch("mixed", 12, 7)
     x = x.to(torch.bfloat16).float()  # what a bf16 model's logits are
     table = gx.SamplingTensors.from_params(params, V, "cpu", counts, prompt)
-    tp = gx.distributed.TensorParallel.create(None, V)
+    tp = gx.distributed.TensorParallel.create(group, V)
     lo, hi = tp.slice
     slots = torch.arange(12)
     outs = []
@@ -138,6 +144,7 @@ def _wire(rank: int, world: int) -> list[str]:
     return [] if same else [f"rank {rank}: bf16 on the wire changed the outputs"]
 
 
-def test_bf16_logits_on_the_wire_give_the_float32_outputs() -> None:
-    for rank_bad in run_ranks(2, _wire):
-        assert rank_bad == []
+def test_bf16_logits_on_the_wire_give_the_float32_outputs(per_rank) -> None:
+    """On the group of ranks 0 and 1 of the fixture's 4."""
+    for got in per_rank:
+        assert got["wire"] == []
