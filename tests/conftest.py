@@ -46,15 +46,16 @@ def one_thread(restore_threads):
 SLOW_FIRST = ("tests/distributed/test_hf_tp.py", "tests/engine/test_outputs.py",
               "tests/distributed/test_executor_tp.py", "tests/app/test_cli.py",
               "tests/app/test_without_triton.py", "tests/sampling/test_reference_stats.py",
-              "tests/checkpoints/test_smollm2.py", "tests/speculative/test_executor_spec.py")
+              "tests/checkpoints/test_smollm2.py", "tests/speculative/test_executor_spec.py",
+              "tests/distributed/test_sample_logits.py", "tests/benchmarks/test_bench_tp_step.py")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Every test module is imported now: its objects (torch, transformers, Triton's
     interpreter, scipy: millions) move to the collector's permanent generation, so a full
-    collection scans only what the tests make. The executor's capture collects once, and
-    a collection scanning them all cost ~0.2 s: 31 s of 190 s of tests/engine and
-    tests/speculative (pytest -n 2) went to 160 collections."""
+    collection scans only what the tests make. A collection scanning them all cost
+    ~0.2 s (the executor's capture collected once per executor on the CPU then: 31 s of
+    190 s of tests/engine and tests/speculative with pytest -n 2)."""
     gc.collect()
     gc.freeze()
 
