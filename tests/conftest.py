@@ -53,9 +53,8 @@ SLOW_FIRST = ("tests/distributed/test_hf_tp.py", "tests/engine/test_outputs.py",
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Every test module is imported now: its objects (torch, transformers, Triton's
     interpreter, scipy: millions) move to the collector's permanent generation, so a full
-    collection scans only what the tests make. A collection scanning them all cost
-    ~0.2 s (the executor's capture collected once per executor on the CPU then: 31 s of
-    190 s of tests/engine and tests/speculative with pytest -n 2)."""
+    collection scans only what the tests make (one scanning them all costs ~0.2 s on a
+    2-core CPU)."""
     gc.collect()
     gc.freeze()
 

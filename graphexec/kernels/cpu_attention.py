@@ -80,7 +80,7 @@ class KeyBlockAttention:
         n, H, hd = q.shape
         KV = kv.shape[2]
         lo, hi = (int(v) for v in torch.aminmax(pos))
-        first = 0 if window is None else max(0, lo - window + 1) // block
+        first = max(0, lo - window + 1) // block
         nb = hi // block + 1 - first
         start, L = first * block, nb * block
         keys = self._keys_buffer(KV, L, hd, q.device)
@@ -88,9 +88,7 @@ class KeyBlockAttention:
         keys[:, :, hi + 1 - start :].zero_()  # past every row: never read stale (NaN) entries
         kt = keys[0].transpose(1, 2)  # [KV, hd, L]
         j = torch.arange(start, start + L, device=q.device)
-        live = j <= pos[:, None]  # [n, L]
-        if window is not None:
-            live &= j > pos[:, None] - window
+        live = (j <= pos[:, None]) & (j > pos[:, None] - window)  # [n, L]
         blive = live.view(n, nb, block).any(-1)  # [n, nb]: blocks holding live keys
         # GEMM rows padded once (zero queries, all keys live: finite, then dropped) to a
         # call size of the score product, not once per block

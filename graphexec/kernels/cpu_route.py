@@ -59,6 +59,11 @@ def _alone(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.expand(a.shape[0], *b.shape)).squeeze(1)
 
 
+def _alone_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [Z, M, K] @ b [Z, K, N], `_alone` entry by entry."""
+    return torch.stack([_alone(a[z], b[z]) for z in range(b.shape[0])])
+
+
 def chunk_columns(b: torch.Tensor) -> int:
     """Columns of b [K, N] per product: all of them, or as many multiples of 256 as fit in
     `CHUNK_BYTES` (a function of the shape, so every call chunks alike)."""
@@ -142,8 +147,7 @@ class RowMM(KeyBlockAttention):
         rb.copy_(torch.randn(b.shape, generator=g))
         if b.dim() == 3:
             x = torch.randn(b.shape[0], 1, b.shape[1], generator=g).to(b.dtype)
-            one = torch.stack([_alone(x[z], rb[z]) for z in range(b.shape[0])])
-            if not torch.equal(torch.bmm(x, rb), one):
+            if not torch.equal(torch.bmm(x, rb), _alone_batched(x, rb)):
                 return False
             rb = rb[0]
         top = ALONE_ROWS[-1]
@@ -178,7 +182,7 @@ class RowMM(KeyBlockAttention):
                 return _alone(a, b)
             if M == 1:  # one GEMV per entry already (a decode row's parts of K)
                 return torch.bmm(a, b)
-            return torch.stack([_alone(a[z], b[z]) for z in range(b.shape[0])])
+            return _alone_batched(a, b)
         calls = _calls(M, sizes) if M else []
         if len(calls) == 1 and calls[0] == M:
             return torch.matmul(a, b)

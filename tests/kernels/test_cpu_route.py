@@ -25,7 +25,7 @@ SMALL = dict(SMOL, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
 def test_linear_rows_do_not_depend_on_the_call(shape, threads, plan, restore_threads,
                                                monkeypatch) -> None:  # fmt: skip
     """Rows alone, 16 at shuffled places, and 600 (a full call of 512 and a padded rest),
-    with the plan `RowMM` measures (rows alone on the CPUs seen) and with call sizes (the
+    with the plan `RowMM` measures (rows alone where they agree) and with call sizes (the
     plan where rows cannot run alone). [4352, 576] is past `CHUNK_BYTES`: column chunks."""
     if plan == "calls":
         monkeypatch.setattr(RowMM, "_alone_ok", staticmethod(lambda b: False))
