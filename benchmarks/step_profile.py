@@ -71,10 +71,31 @@ def recording_ops(model, calls: list[OpCall]):
         calls.append(OpCall(op, layer, _nbytes(x, w, bias, out), OP_KERNELS["linear"]))
         return out
 
-    def linear_silu_mul(x, w, **kw):
+    def own_norm(fn, x, norm) -> None:
+        """The norm given to a GEMM (`norm=`) as its own call where it runs in a kernel of
+        its own: past the GEMM config's `norm_rows`, or on a route without one."""
+        cfg = getattr(fn, "keywords", {}).get("config")
+        if norm is not None and (cfg is None or x.shape[0] > cfg.norm_rows):
+            res, w, _ = norm
+            moved = _nbytes(x, res, w, x) + (_nbytes(x) if res is not None else 0)
+            calls.append(OpCall("norm", None, moved, OP_KERNELS["norm"]))
+
+    def linear_silu_mul(x, w, norm=None, **kw):
         op, layer = names.get(id(w), ("gate_up", None))
-        out = ops.linear_silu_mul(x, w, **kw)
-        calls.append(OpCall(op, layer, _nbytes(x, w, out), OP_KERNELS["linear_silu_mul"]))
+        own_norm(ops.linear_silu_mul, x, norm)
+        out = ops.linear_silu_mul(x, w, norm=norm, **kw)
+        moved = _nbytes(x, w, out[0] if norm else out)
+        calls.append(OpCall(op, layer, moved, OP_KERNELS["linear_silu_mul"]))
+        return out
+
+    def qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H, norm=None):
+        op, layer = names.get(id(w), ("qkv", None))
+        own_norm(ops.qkv_rope, x, norm)
+        out = ops.qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H, norm=norm)
+        M, KV, hd = x.shape[0], kv.shape[-2], kv.shape[-1]
+        moved = _nbytes(x, w, bias, out[0] if norm else out) + M * 2 * KV * hd * kv.element_size()
+        # the rotary kernel of its own only after a TMA tile (`matmul.linear_rope`)
+        calls.append(OpCall(op, layer, moved, OP_KERNELS["linear"] + OP_KERNELS["rope_kv"]))
         return out
 
     def row_linear(x, w, split, bias=None, **kw):  # o / down (`row_parallel`): one GEMM
@@ -105,7 +126,7 @@ def recording_ops(model, calls: list[OpCall]):
         return out
 
     return dataclasses.replace(ops, linear=linear, linear_silu_mul=linear_silu_mul, norm=norm,
-                               rope_kv=rope_kv, attend=attend,
+                               rope_kv=rope_kv, qkv_rope=qkv_rope, attend=attend,
                                row_linear=row_linear if ops.row_linear else None)  # fmt: skip
 
 

@@ -277,7 +277,7 @@ def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor,
 
 def residual_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float, *, config=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`fused.residual_rms_norm_reference` in plain ops, float32 math: torch's fused CPU
+    """`rms_norm.residual_rms_norm_reference` in plain ops, float32 math: torch's fused CPU
     rms_norm costs ~40 us a call on a decode row (61 calls a token). Every op is per row
     (the mean a reduction over one row's D values, the same for any row count: tested)."""
     new = x if residual is None else residual + x

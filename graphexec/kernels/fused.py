@@ -2,23 +2,22 @@
 
 A decode step at small batch is bound by kernel launches, not by bytes: the torch path
 launches ~35 small kernels a layer for its norms, rotary embeddings, cache writes,
-residual adds and SwiGLU. Three Triton kernels replace them:
+residual adds and SwiGLU. Triton kernels replace them (the residual add + RMS norm in
+`rms_norm`):
 
-    _residual_rms_norm_kernel  grid (N,): new_residual = x + residual (rounded to the
-        dtype), then weight * rms_norm(new_residual) -- the residual add of the previous
-        sublayer fused into the next norm.
     _rope_kv_write_kernel      grid (B,): the fused q/k/v projection of one row: rotates
         q and k, writes q to an output buffer and k, v into the cache at (slot, pos).
+        (The same rotation runs in the q/k/v GEMM's epilogue: `matmul.linear_rope`.)
     _silu_mul_kernel           grid (N, I / block): silu(gate) * up.
 
 Each has a torch reference with the same signature (`*_reference`): the computation the
 torch path does, op for op, and the CPU route. The kernels round as those torch ops do:
 low-precision inputs are widened to float32, and each op's result is rounded to the
 dtype where torch rounds it (torch computes a bf16 / fp16 elementwise op in float32 and
-rounds its result). So the residual add, the rotary embedding and the cache write are
-bitwise the reference's; the norm's 1 / rms and silu's exp are float32 functions whose
-last bit may differ from torch's, so those two may differ by one unit in the last place
-of the dtype where the float32 value lies near a rounding boundary.
+rounds its result). So the rotary embedding and the cache write are bitwise the
+reference's; silu's exp is a float32 function whose last bit may differ from torch's,
+so it may differ by one unit in the last place of the dtype where the float32 value
+lies near a rounding boundary.
 
 Every launch has a grid and outputs fixed by shapes alone, no host sync and no branch on
 tensor values: capturable in a CUDA graph. A row's result depends on that row only.
@@ -84,86 +83,6 @@ def _rounded(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _residual_rms_norm_kernel(
-    X,  # [N, D] dtype (row stride sx, last dim contiguous)
-    RES,  # [N, D] dtype (row stride sr); read only with HAS_RES
-    W,  # [D] dtype
-    OUT,  # [N, D] dtype contiguous: the normed rows
-    RES_OUT,  # [N, D] dtype contiguous: x + residual; written only with HAS_RES
-    sx, sr, D, eps,
-    BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    dependent_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    mask = d < D
-    dt = OUT.dtype.element_ty
-    x = tl.load(X + row * sx + d, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:  # the add in float32, rounded to the dtype (torch's x + residual)
-        r = tl.load(RES + row * sr + d, mask=mask, other=0.0).to(tl.float32)
-        x = _rounded(r + x, dt)
-        tl.store(RES_OUT + row * D + d, x.to(dt), mask=mask)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    n = _rounded(x * rstd, dt)  # normalised in float32, cast back, then * weight
-    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * D + d, _rounded(w * n, dt).to(dt), mask=mask)
-
-
-def _norm_args(x, residual, weight) -> None:
-    if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(f"residual_rms_norm takes x [N, D] and weight [D], got "
-                         f"{list(x.shape)} and {list(weight.shape)}")  # fmt: skip
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual {list(residual.shape)} must match x {list(x.shape)}")
-    if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
-        raise ValueError("x, residual and weight must have one dtype")
-
-
-def residual_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    config: FusedConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual): new_residual = residual + x in x's dtype (x itself when
-    residual is None), normed = weight * rms_norm(new_residual.float()).to(dtype), each
-    [N, D]. One program per row, float32 sum of squares (Triton)."""
-    _norm_args(x, residual, weight)
-    cfg = config or DEFAULT
-    N, D = x.shape
-    out = torch.empty((N, D), dtype=x.dtype, device=x.device)
-    new = x if residual is None else torch.empty_like(out)
-    if N == 0:
-        return out, new
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("residual_rms_norm needs x and residual contiguous in their last dim")
-    res = x if residual is None else residual
-    _residual_rms_norm_kernel[(N,)](
-        x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
-        BLOCK_D=triton.next_power_of_2(D), HAS_RES=residual is not None,
-        num_warps=cfg.norm_warps, **_pdl(cfg, x),
-    )  # fmt: skip
-    return out, new
-
-
-def residual_rms_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    config: FusedConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`residual_rms_norm` in torch, as transformers computes it (`config` unused)."""
-    _norm_args(x, residual, weight)
-    new = x if residual is None else residual + x
-    normed = F.rms_norm(new.float(), (x.shape[1],), eps=eps).to(x.dtype)
-    return weight * normed, new
-
-
-@triton.jit
 def _rope_kv_write_kernel(
     QKV,  # [B, (H + 2 KV) * HD] dtype (row stride s_qkv, last dim contiguous): q | k | v
     POS,  # [B] int: positions, clamped into [0, T - 1] here
@@ -175,6 +94,7 @@ def _rope_kv_write_kernel(
     s_qkv, s_kv, s_s, s_t, s_h, T,
     H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,
     NH_PAD: tl.constexpr, HD_PAD: tl.constexpr, PDL: tl.constexpr,
+    PAIRED: tl.constexpr,  # q and k heads in `pair_rotary_rows`' column order
 ):  # fmt: skip
     dependent_start(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -185,10 +105,15 @@ def _rope_kv_write_kernel(
     dmask = d < HD
     mask = (j < H + 2 * KV_HEADS) & dmask
     row = QKV + b * s_qkv + j * HD
-    x = tl.load(row + d, mask=mask, other=0.0).to(tl.float32)
     lower = d < HD // 2
     partner = tl.where(lower, d + HD // 2, d - HD // 2)  # rotate_half: [-x2, x1]
-    xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+    col, pcol = d, partner
+    if PAIRED:  # dim i at column 2 i, dim i + HD / 2 at 2 i + 1 (v as it is)
+        rotated = j < H + KV_HEADS
+        col = tl.where(rotated, tl.where(lower, 2 * d, 2 * d - HD + 1), d)
+        pcol = tl.where(rotated, tl.where(lower, 2 * d + 1, 2 * d - HD), partner)
+    x = tl.load(row + col, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + pcol, mask=mask, other=0.0).to(tl.float32)
     rot = tl.where(lower, -xp, xp)
     c = tl.load(COS + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
     s = tl.load(SIN + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
@@ -229,6 +154,7 @@ def rope_kv_write(
     heads: int,
     *,
     config: FusedConfig | None = None,
+    paired: bool = False,
 ) -> torch.Tensor:
     """Rotary embeddings and the cache write of one decode token per row (Triton).
 
@@ -236,7 +162,8 @@ def rope_kv_write(
     int (positions clamped into [0, T - 1]); cos, sin [T, hd] tables in the dtype; kv
     [2, S, T, KV, hd] one layer's cache. Writes rotated k to kv[0, slot, pos] and v to
     kv[1, slot, pos]; returns rotated q [B, H, hd]. Rows sharing a slot must differ in
-    position (two writes to one cache entry race, as with torch's index_put)."""
+    position (two writes to one cache entry race, as with torch's index_put).
+    paired: qkv's q and k heads are in `pair_rotary_rows`' column order."""
     _rope_args(qkv, positions, slot_ids, cos, sin, kv, heads)
     cfg = config or DEFAULT
     B, (T, KVH, hd) = qkv.shape[0], kv.shape[2:]
@@ -250,9 +177,33 @@ def rope_kv_write(
         qkv, positions, slot_ids, cos, sin, kv, q,
         qkv.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), T,
         H=heads, KV_HEADS=KVH, HD=hd, NH_PAD=triton.next_power_of_2(heads + 2 * KVH),
-        HD_PAD=triton.next_power_of_2(hd), num_warps=cfg.rope_warps, **_pdl(cfg, qkv),
+        HD_PAD=triton.next_power_of_2(hd), PAIRED=paired, num_warps=cfg.rope_warps,
+        **_pdl(cfg, qkv),
     )  # fmt: skip
     return q
+
+
+def pair_rotary_rows(w: torch.Tensor, heads: int, kv_heads: int,
+                     inverse: bool = False) -> torch.Tensor:  # fmt: skip
+    """The fused q/k/v weight [(H + 2 KV) * hd, K] (or its bias [(H + 2 KV) * hd]) with
+    each q and k head's rows reordered so the two dims that rotary embeddings rotate
+    together are neighbours: dim i at row 2 i, dim i + hd / 2 at row 2 i + 1; v as it is
+    (`inverse`: back to the checkpoint's order). A GEMM tile of an even number of columns
+    then holds whole pairs, so the rotation can run in its epilogue
+    (`matmul.linear_rope`); every output is the same dot product."""
+    n = w.shape[0]
+    hd = n // (heads + 2 * kv_heads)
+    if hd * (heads + 2 * kv_heads) != n or hd % 2:
+        raise ValueError(f"q/k/v rows {n} are not {heads} + 2 x {kv_heads} heads of an even "
+                         "head_dim")  # fmt: skip
+    rot = (heads + kv_heads) * hd
+    half = torch.arange(hd // 2)
+    within = torch.stack([half, half + hd // 2], dim=1).reshape(-1)  # 0, h, 1, h + 1, ...
+    order = (torch.arange(heads + kv_heads)[:, None] * hd + within).reshape(-1)
+    order = torch.cat([order, torch.arange(rot, n)])
+    if inverse:
+        order = torch.argsort(order)
+    return w.index_select(0, order.to(w.device)).contiguous()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from graphexec.kernels.dependent_launch import dependent_start, prefetch_rows
 from graphexec.kernels.fused import _rounded
+from graphexec.kernels.rms_norm import _normed_rows
 from graphexec.runtime.triton_import import tl, triton
 
 MAX_SPLIT = 16  # parts of K at most: the tree's pending sums s0..s3 hold 16 leaves
@@ -92,20 +93,80 @@ def _epilogue(acc, acc_up, BIAS, OUT, rm, rn, mmask, nmask, N,
     tl.store(OUT + rm[:, None] * N + rn[None, :], y.to(dt), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _rope_epilogue(acc, BIAS, Q, rm, rn, mmask, N, HAS_BIAS: tl.constexpr, POS, SLOT, COS,
+                   SIN, KVC, s_kv, s_s, s_t, s_h, T, H: tl.constexpr,
+                   KV_HEADS: tl.constexpr, HD: tl.constexpr):  # fmt: skip
+    """The q/k/v tile (columns in `fused.pair_rotary_rows`' order) rounded, rotated and
+    stored as `fused.rope_kv_write` does it: q to Q [M, H, HD], k and v into the cache."""
+    dt = Q.dtype.element_ty
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    x0, x1 = tl.split(tl.reshape(_rounded(acc, dt), [BM, BN // 2, 2]))  # a pair's dims
+    c0, _ = tl.split(tl.reshape(rn, [BN // 2, 2]))  # the pair's first column
+    j = c0 // HD  # head of the fused projection: q, then k, then v
+    e = c0 % HD
+    rotated = (j < H + KV_HEADS)[None, :]
+    d0 = tl.where(j < H + KV_HEADS, e // 2, e)[None, :]
+    d1 = tl.where(j < H + KV_HEADS, e // 2 + HD // 2, e + 1)[None, :]
+    pos = tl.minimum(tl.maximum(tl.load(POS + rm, mask=mmask, other=0).to(tl.int64), 0), T - 1)
+    slot = tl.load(SLOT + rm, mask=mmask, other=0).to(tl.int64)
+    trig = pos[:, None] * HD
+    cos0 = tl.load(COS + trig + d0).to(tl.float32)
+    sin0 = tl.load(SIN + trig + d0).to(tl.float32)
+    cos1 = tl.load(COS + trig + d1).to(tl.float32)
+    sin1 = tl.load(SIN + trig + d1).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them
+    y0 = _rounded(_rounded(x0 * cos0, dt) + _rounded(-x1 * sin0, dt), dt)
+    y1 = _rounded(_rounded(x1 * cos1, dt) + _rounded(x0 * sin1, dt), dt)
+    y0, y1 = tl.where(rotated, y0, x0), tl.where(rotated, y1, x1)  # v as it is
+    is_v = (j >= H + KV_HEADS)[None, :]
+    head = tl.where(is_v, j[None, :] - H - KV_HEADS, j[None, :] - H).to(tl.int64)
+    kv_row = KVC + is_v.to(tl.int64) * s_kv + slot[:, None] * s_s + pos[:, None] * s_t + head * s_h
+    q_row = Q + (rm[:, None] * H + j[None, :]) * HD
+    is_q = (j < H)[None, :]
+    mask = mmask[:, None] & (c0 < N)[None, :]
+    tl.store(tl.where(is_q, q_row + d0, kv_row + d0), y0.to(dt), mask=mask)
+    tl.store(tl.where(is_q, q_row + d1, kv_row + d1), y1.to(dt), mask=mask)
+
+
+@triton.jit
+def _finish(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS: tl.constexpr,
+            SILU_MUL: tl.constexpr, ROPE: tl.constexpr, POS, SLOT, COS, SIN, KVC, s_kv, s_s,
+            s_t, s_h, T, H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr):  # fmt: skip
+    if ROPE:
+        _rope_epilogue(acc, BIAS, OUT, rm, rn, mmask, N, HAS_BIAS, POS, SLOT, COS, SIN, KVC,
+                       s_kv, s_s, s_t, s_h, T, H, KV_HEADS, HD)  # fmt: skip
+    else:
+        _epilogue(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     X,  # [M, K] dtype (row stride sx, last dim contiguous)
     W,  # [N_W, K] dtype (row stride sw, last dim contiguous); SILU_MUL: gate rows, then up
     BIAS,  # [N_W] dtype; read only with HAS_BIAS
-    OUT,  # [M, N] dtype contiguous (N = N_W, or N_W / 2 with SILU_MUL)
+    OUT,  # [M, N] dtype contiguous (N = N_W, or N_W / 2 with SILU_MUL); ROPE: q [M, H, HD]
     PARTIAL,  # [P, 1 + SILU_MUL, M, N] float32 subtree sums; used only with P > 1
     COUNTER,  # [>= tiles] int32, zero between calls; used only with P > 1
-    M, N, K, sx, sw,
+    POS, SLOT,  # ROPE: [M] int positions (clamped into [0, T - 1]) and cache slots
+    COS, SIN,  # ROPE: [T, HD] dtype contiguous
+    KVC,  # ROPE: [2, S, T, KV_HEADS, HD] dtype (strides s_kv, s_s, s_t, s_h, 1)
+    RES, LNW,  # NORM: [M, K] dtype residual (row stride sr), [K] dtype norm weight
+    RES_OUT,  # NORM + HAS_RES: [M, K] dtype contiguous, x + residual
+    SCRATCH,  # NORM: [programs, hr, K] dtype, each program's normalised rows
+    M, N, K, sx, sw, s_kv, s_s, s_t, s_h, T, sr, hr, eps,
     part_k,  # K / S: columns of one part
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTS: tl.constexpr,  # parts per program (S / P)
     P: tl.constexpr,  # programs per tile
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    ROPE: tl.constexpr,  # W is q/k/v in pair_rotary_rows' order: rotary + cache write
+    H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,  # ROPE's heads
+    NORM: tl.constexpr,  # X is the stream before its residual add + RMS norm (rms_norm)
+    HAS_RES: tl.constexpr, NB: tl.constexpr,  # NORM: a residual to add; columns per step
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,  # dependent launch (dependent_launch.py)
     LINE: tl.constexpr,  # weight elements per 128-byte line
@@ -130,6 +191,14 @@ def _linear_kernel(
             if SILU_MUL:
                 prefetch_rows(W, rn + N, nmask, sw, k_lo, part_k, LINE, LINES)
     dependent_start(PDL)
+    if NORM:  # this program's rows normalised over its parts' columns, then its K loop
+        m0 = pid_m * BLOCK_M
+        h = SCRATCH + (pid * P + q).to(tl.int64) * hr * K
+        _normed_rows(X, RES, LNW, RES_OUT, h, tl.minimum(BLOCK_M, M - m0), m0, K, sx, sr, eps,
+                     q * PARTS * part_k, tl.minimum((q + 1) * PARTS * part_k, K),
+                     (pid_n == 0) & (q == 0), HAS_RES, NB, X.dtype.element_ty)  # fmt: skip
+        tl.debug_barrier()  # the scratch rows are written before any thread reads them
+        x_ptr = h + (rm[:, None] - m0) * K + rk[None, :]
     z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, s0, s1, s2, s3 = z, z, z, z, z
     up, u0, u1, u2, u3 = z, z, z, z, z
@@ -143,17 +212,21 @@ def _linear_kernel(
                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, INTERPRETED)  # fmt: skip
             up, u0, u1, u2, u3 = _tree_push(j, up, u0, u1, u2, u3)
     _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, mmask, nmask, M, N,
-                P, HAS_BIAS, SILU_MUL)  # fmt: skip
+                P, HAS_BIAS, SILU_MUL, ROPE, POS, SLOT, COS, SIN, KVC, s_kv, s_s, s_t, s_h,
+                T, H, KV_HEADS, HD)  # fmt: skip
 
 
 @triton.jit
 def _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, mmask, nmask, M, N,
-                P: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr):  # fmt: skip
+                P: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                ROPE: tl.constexpr, POS, SLOT, COS, SIN, KVC, s_kv, s_s, s_t, s_h, T,
+                H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr):  # fmt: skip
     """Program q's subtree sum (acc; up with SILU_MUL) of tile `pid`: the epilogue if it is
     the tile's only program, else stored to PARTIAL, and the tile's last program to
     arrive adds the P subtree sums in the tree and runs the epilogue."""
     if P == 1:
-        _epilogue(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL)
+        _finish(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL, ROPE, POS,
+                SLOT, COS, SIN, KVC, s_kv, s_s, s_t, s_h, T, H, KV_HEADS, HD)  # fmt: skip
     else:
         G: tl.constexpr = 2 if SILU_MUL else 1
         tile_mask = mmask[:, None] & nmask[None, :]
@@ -175,7 +248,8 @@ def _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, mmask, nma
                     t = tl.load(PARTIAL + (j * G + 1) * slab + offs, mask=tile_mask, other=0.0,
                                 cache_modifier=".cg")  # fmt: skip
                     up, u0, u1, u2, u3 = _tree_push(j, t, u0, u1, u2, u3)
-            _epilogue(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL)
+            _finish(acc, up, BIAS, OUT, rm, rn, mmask, nmask, N, HAS_BIAS, SILU_MUL, ROPE, POS,
+                    SLOT, COS, SIN, KVC, s_kv, s_s, s_t, s_h, T, H, KV_HEADS, HD)  # fmt: skip
             tl.store(COUNTER + pid, 0)
 
 

@@ -66,7 +66,8 @@ def _linear_tma_kernel(
         if SILU_MUL:
             up, u0, u1, u2, u3 = _tree_push(j, part_up, u0, u1, u2, u3)
     _store_tile(acc, up, BIAS, OUT, PARTIAL, COUNTER, pid, q, rm, rn, rm < M, rn < N, M, N,
-                P, HAS_BIAS, SILU_MUL)  # fmt: skip
+                P, HAS_BIAS, SILU_MUL, False, OUT, OUT, OUT, OUT, OUT, 0, 0, 0, 0, 1, 1, 1,
+                2)  # fmt: skip  (no rotary epilogue: `matmul.linear_rope` rotates after)
 
 
 def usable(x, w, block_m: int, block_n: int, block_k: int, split: int) -> bool:

@@ -12,10 +12,11 @@ position, its slot):
                     by tensor-parallel ranks)
     gate/up + SwiGLU matmul.linear_silu_mul     cuBLAS, fused.silu_mul        the two
                                                                               references
-    norm (+ add)    fused.residual_rms_norm     same                          cpu_route.residual_
+    norm (+ add)    rms_norm.residual_rms_norm  same                          cpu_route.residual_
                                                                               rms_norm
-    rotary + cache  fused.rope_kv_write         same                          cpu_route.rope_kv
-                                                                              (its reference's
+    q/k/v + rotary  matmul.linear_rope (the     linear, then                  linear, then
+    + cache write   GEMM's epilogue rotates;    fused.rope_kv_write           cpu_route.rope_kv
+                    rows paired at bind)                                      (its reference's
                                                                               bits)
     attention       attention.decode_attention  same                          RowMM.attend
     prefill         token rows                  token rows                    token rows
@@ -29,7 +30,8 @@ Why a row's result is the same in any call (invariant routes):
   bind (`matmul.verify_large_tiles`); on the CPU every row its own GEMV (one batched
   call), or else torch.mm in calls of sizes measured to round every row alike
   (`cpu_route.RowMM`), weights stored K-major.
-- Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time.
+- Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time (in a
+  GEMM's epilogue or a kernel of their own: the same rounding, so the same bits).
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
   whose size depends on the cache length T alone, combined in one fixed order. On the
   CPU (`cpu_attention.KeyBlockAttention.attend`), rows grouped by slot over fixed blocks
@@ -56,12 +58,32 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from graphexec.kernels import attention, cpu_route, fused, matmul, row_parallel
+from graphexec.kernels import attention, cpu_route, fused, matmul, rms_norm, row_parallel
 
 
 def _linear_then_silu_mul(x: torch.Tensor, w: torch.Tensor, linear: Callable,
                           silu_mul: Callable) -> torch.Tensor:  # fmt: skip
     return silu_mul(linear(x, w))
+
+
+def _linear_then_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                      positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, kv: torch.Tensor, heads: int, *, linear: Callable,
+                      rope_kv: Callable) -> torch.Tensor:  # fmt: skip
+    return rope_kv(linear(x, w, bias), positions, slots, cos, sin, kv, heads)
+
+
+def _norm_first(op: Callable, norm_fn: Callable) -> Callable:
+    """op taking `norm=(residual, weight, eps)`: x normed (norm_fn) first, (out, x +
+    residual) returned; without it, op as it is."""
+
+    def run(x, *args, norm=None, **kw):
+        if norm is None:
+            return op(x, *args, **kw)
+        h, new = norm_fn(x, *norm)
+        return op(h, *args, **kw), new
+
+    return run
 
 
 def _k_major(w: torch.Tensor) -> torch.Tensor:
@@ -87,9 +109,14 @@ class ForwardOps:
     """The functions of one forward route (module docstring). Signatures:
 
     linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]
-    linear_silu_mul(x [M, K], w_gate_up [2 I, K]) -> silu(gate) * up [M, I]
+    linear_silu_mul(x [M, K], w_gate_up [2 I, K], norm=None) -> silu(gate) * up [M, I]
     norm(x [M, D], residual [M, D] | None, weight [D], eps) -> (normed, x + residual)
     rope_kv(qkv [M, (H + 2 KV) hd], positions [M], slots [M], cos, sin, kv, H) -> q
+    qkv_rope(x [M, D], w_qkv, bias, positions, slots, cos, sin, kv, H, norm=None) -> q
+        [M, H, hd]: linear then rope_kv (one launch on CUDA, `matmul.linear_rope`, where
+        w_qkv and its bias are in `fused.pair_rotary_rows`' order: `paired_qkv`)
+    norm=(residual, weight, eps) on those two: x is the stream before the norm, which
+    runs first (inside the GEMM on CUDA for a few rows); (out, x + residual) returned
     attend(q [M, H, hd], kv, slots [M], positions [M], scale, window, config=) -> [M, H, hd]
     row_split(N, K, world) -> row_parallel.RowSplit | None: a row-parallel layer's split
         of K by its whole weight's shape (None on the routes that are not invariant)
@@ -101,9 +128,11 @@ class ForwardOps:
     linear_silu_mul: Callable
     norm: Callable
     rope_kv: Callable
+    qkv_rope: Callable
     attend: Callable
     batch_invariant: bool
     token_rows: bool  # prefill as token rows of the decode forward (else a padded SDPA)
+    paired_qkv: bool = False  # qkv_rope takes q/k/v in pair_rotary_rows' order
     weight: Callable = _row_major  # a [N, K] weight as this route's linear reads it fastest
     row_split: Callable | None = None
     row_linear: Callable | None = None
@@ -127,9 +156,10 @@ class ForwardOps:
                 "batch_invariant=True on CUDA needs the fused kernels (fused=None "
                 "or True): torch's CUDA norm picks its launch by the batch"
             )
-        names = ("residual_rms_norm", "rope_kv_write", "silu_mul")
-        norm, rope_kv, silu_mul = (getattr(fused, op if kernels else op + "_reference")
-                                   for op in names)  # fmt: skip
+        ref = "" if kernels else "_reference"
+        norm = getattr(rms_norm, "residual_rms_norm" + ref)
+        rope_kv = getattr(fused, "rope_kv_write" + ref)
+        silu_mul = getattr(fused, "silu_mul" + ref)
         weight = row_weight = _row_major
         row_split = row_linear = None
         if cuda:
@@ -151,9 +181,16 @@ class ForwardOps:
                 row_weight = _k_major_f32
         if not batch_invariant:
             lin = F.linear
-        if not (cuda and batch_invariant):
-            lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
+        paired = cuda and batch_invariant
+        if paired:
+            qkv_rope = partial(matmul.linear_rope, config=matmul_config)
+        else:
+            lin_silu = _norm_first(partial(_linear_then_silu_mul, linear=lin,
+                                           silu_mul=silu_mul), norm)  # fmt: skip
+            qkv_rope = _norm_first(partial(_linear_then_rope, linear=lin, rope_kv=rope_kv),
+                                   norm)  # fmt: skip
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
-                   attend=attend, batch_invariant=batch_invariant,
-                   token_rows=cuda or batch_invariant, weight=weight, row_split=row_split,
-                   row_linear=row_linear, row_weight=row_weight)  # fmt: skip
+                   qkv_rope=qkv_rope, paired_qkv=paired, attend=attend,
+                   batch_invariant=batch_invariant, token_rows=cuda or batch_invariant,
+                   weight=weight, row_split=row_split, row_linear=row_linear,
+                   row_weight=row_weight)  # fmt: skip

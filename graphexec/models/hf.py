@@ -59,6 +59,15 @@ class DecoderLayer:
     ln1: torch.Tensor  # [D] input_layernorm
     ln2: torch.Tensor  # [D] post_attention_layernorm
 
+    def paired(self, heads: int, kv_heads: int, inverse: bool = False) -> DecoderLayer:
+        """q/k/v (and its bias) in `fused.pair_rotary_rows`' order (inverse: back)."""
+        from graphexec.kernels.fused import pair_rotary_rows  # (triton: at bind only)
+
+        def pair(t):
+            return None if t is None else pair_rotary_rows(t, heads, kv_heads, inverse)
+
+        return dataclasses.replace(self, qkv=pair(self.qkv), qkv_bias=pair(self.qkv_bias))
+
 
 class HFTransformer(SlotKVCache):
     """A Llama-family decoder with a static KV cache [layers, 2, slots, T, kv_heads, hd].
@@ -179,6 +188,7 @@ class HFTransformer(SlotKVCache):
                 ln2=w[p + "post_attention_layernorm.weight"],
             ))  # fmt: skip
         self.device = dev
+        self._paired_qkv = False  # q/k/v rows in pair_rotary_rows' order (bind)
         self.kv_cache: torch.Tensor | None = None
         self.ops: ForwardOps | None = None
 
@@ -228,6 +238,10 @@ class HFTransformer(SlotKVCache):
                                            gate_up=w(layer.gate_up),
                                            down=dw(layer.down.to(self.dtype)))
                        for layer in (tensors_to(x, d) for x in self.layers)]  # fmt: skip
+        if self.ops.paired_qkv != self._paired_qkv:  # rotary pairs as neighbours, or back
+            self.layers = [layer.paired(self.heads, self.kv_heads, self._paired_qkv)
+                           for layer in self.layers]  # fmt: skip
+            self._paired_qkv = self.ops.paired_qkv
         if d.type == "cuda" and self.batch_invariant:
             self.ops = ForwardOps.select(d, True, self.fused, self._verified_matmul())
         shape = (self.num_layers, 2, num_slots, self.max_seq_len, self.kv_heads, self.head_dim)
@@ -308,10 +322,10 @@ class HFTransformer(SlotKVCache):
         # prefill keeps making new (Lmax, C): the other backends have no per-shape setup
         with sdpa_kernel(PREFILL_SDPA):
             for i, layer in enumerate(self.layers):
-                h, res = ops.norm(delta, res, layer.ln1, self.eps)
                 kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-                qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
-                q = ops.rope_kv(qkv, pos, slots, self._cos, self._sin, kv_i, H)  # [N, H, hd]
+                q, res = ops.qkv_rope(delta, layer.qkv, layer.qkv_bias, pos, slots, self._cos,
+                                      self._sin, kv_i, H,
+                                      norm=(res, layer.ln1, self.eps))  # fmt: skip
                 if i == self.num_layers - 1 and rows is None:
                     return None  # the last layer's K/V is all that is kept
                 q = q.index_select(0, qrows).view(R, Lmax, H, hd).transpose(1, 2)
@@ -321,8 +335,9 @@ class HFTransformer(SlotKVCache):
                 a = F.scaled_dot_product_attention(q, keys, vals,
                                                    attn_mask=masks[self.windows[i]])  # fmt: skip
                 a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
-                h, res = ops.norm(self._row(a, layer.o, "o"), res, layer.ln2, self.eps)
-                delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
+                act, res = ops.linear_silu_mul(self._row(a, layer.o, "o"), layer.gate_up,
+                                               norm=(res, layer.ln2, self.eps))  # fmt: skip
+                delta = self._row(act, layer.down, "down")
         if rows is None:
             return None
         h, _ = ops.norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
@@ -337,8 +352,9 @@ class HFTransformer(SlotKVCache):
 
         A layer is: norm (with the previous sublayer's residual add) -> q/k/v GEMM ->
         rotary + cache write -> attention -> o GEMM -> norm (+ residual add) -> gate/up
-        GEMM + SwiGLU -> down GEMM; the last residual add goes into the final norm
-        (`ops` route map: which kernel runs each)."""
+        GEMM + SwiGLU -> down GEMM; the last residual add goes into the final norm. On
+        CUDA the q/k/v GEMM rotates and writes the cache in its epilogue (7 kernels;
+        `ops` route map: which kernel runs each)."""
         self._check_bound("decode")
         return self._forward(input_ids, positions, slot_ids)
 
@@ -364,18 +380,17 @@ class HFTransformer(SlotKVCache):
         pos = positions.clamp(0, self.max_seq_len - 1)
         # [N, D]: res = x, delta its next update; row-parallel partials are summed (_row)
         delta, res = self.embed[input_ids], None
-        for i, layer in enumerate(self.layers):
-            h, res = ops.norm(delta, res, layer.ln1, self.eps)
+        for i, layer in enumerate(self.layers):  # (each norm runs in the GEMM after it)
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
-            q = ops.rope_kv(qkv, pos, slot_ids, self._cos, self._sin, kv_i, H)
+            q, res = ops.qkv_rope(delta, layer.qkv, layer.qkv_bias, pos, slot_ids, self._cos,
+                                  self._sin, kv_i, H, norm=(res, layer.ln1, self.eps))  # fmt: skip
             if prefill and rows is None and i == self.num_layers - 1:
                 return None  # the last layer's K/V is all that is kept
             a = ops.attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                            config=self.attention)  # fmt: skip
-            h, res = ops.norm(self._row(a.reshape(N, H * hd), layer.o, "o"), res, layer.ln2,
-                              self.eps)  # fmt: skip
-            delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
+            o = self._row(a.reshape(N, H * hd), layer.o, "o")
+            act, res = ops.linear_silu_mul(o, layer.gate_up, norm=(res, layer.ln2, self.eps))
+            delta = self._row(act, layer.down, "down")
         if rows is not None:
             delta, res = delta.index_select(0, rows), res.index_select(0, rows)
         elif prefill:

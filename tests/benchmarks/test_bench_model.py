@@ -292,19 +292,19 @@ def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
     model._forward(torch.tensor([5, 7]), torch.tensor([3, 9]), torch.arange(B))
     model.ops = ops
     step_profile.assign_layers(calls)
-    layer_ops = ["norm", "qkv", "rope_kv", "attention", "o", "norm", "gate_up", "down"]
+    # rotary in the q/k/v GEMM (its epilogue on the CUDA route)
+    layer_ops = ["norm", "qkv", "attention", "o", "norm", "gate_up", "down"]
     assert [c.op for c in calls] == layer_ops * 2 + ["norm", "lm_head"]
-    assert [c.layer for c in calls] == [0] * 8 + [1] * 8 + [None, None]
+    assert [c.layer for c in calls] == [0] * 7 + [1] * 7 + [None, None]
     D, inter, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    assert calls[6].bytes == (2 * inter * D + B * D + B * inter) * 4  # gate_up: w, x, out
+    assert calls[5].bytes == (2 * inter * D + B * D + B * inter) * 4  # gate_up: w, x, out
     assert calls[-1].bytes == (V * D + B * D + B * V) * 4
     kv = model.kv_cache.shape
-    assert calls[3].bytes == ((3 + 1) + (9 + 1)) * 2 * kv[-2] * kv[-1] * 4 + 2 * (
+    assert calls[2].bytes == ((3 + 1) + (9 + 1)) * 2 * kv[-2] * kv[-1] * 4 + 2 * (
         B * model.heads * model.head_dim * 4
     )  # keys and values of live positions, q, out
     names = {"norm": "_residual_rms_norm_kernel", "qkv": "_linear_kernel",
-             "rope_kv": "_rope_kv_write_kernel", "o": "_linear_kernel",
-             "gate_up": "_linear_kernel", "down": "_linear_kernel",
+             "o": "_linear_kernel", "gate_up": "_linear_kernel", "down": "_linear_kernel",
              "lm_head": "_linear_kernel"}  # fmt: skip
     kernels = ["indexSelectSmallIndex"]
     for c in calls:
@@ -313,7 +313,7 @@ def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
     labels = step_profile.label(kernels, calls)
     assert labels[0] == ("other", None, 0) and labels[-1] == ("other", None, 0)
     assert [(op, layer) for op, layer, b in labels[1:-1] if b] == [(c.op, c.layer) for c in calls]
-    assert labels[4] == ("attention", 0, calls[3].bytes)
+    assert labels[3] == ("attention", 0, calls[2].bytes)
 
 
 def test_measure_waits_until_every_request_decodes() -> None:

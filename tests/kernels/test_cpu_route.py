@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import graphexec as gx
+from graphexec.kernels import rms_norm
 from graphexec.kernels.cpu_route import RowMM
 from graphexec.models import PrefillBatch
 from graphexec.models.hf_random import random_state_dict
@@ -113,14 +114,14 @@ def test_norm_rows_do_not_depend_on_the_call(threads, restore_threads) -> None:
     """cpu_route.residual_rms_norm: a row alone has its bits among 1000 rows (the mean is
     one row's reduction); and the padded-call buffer serves calls in and out of
     inference_mode."""
-    from graphexec.kernels import cpu_route, fused
+    from graphexec.kernels import cpu_route
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(5)
     x, r = torch.randn(1000, 576, generator=g), torch.randn(1000, 576, generator=g)
     w = torch.randn(576, generator=g)
     full, new = cpu_route.residual_rms_norm(x, r, w, 1e-5)
-    ref, _ = fused.residual_rms_norm_reference(x, r, w, 1e-5)
+    ref, _ = rms_norm.residual_rms_norm_reference(x, r, w, 1e-5)
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     for i in (0, 1, 517, 999):
         alone = cpu_route.residual_rms_norm(x[i : i + 1], r[i : i + 1], w, 1e-5)

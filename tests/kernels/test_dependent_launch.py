@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from graphexec.kernels import dependent_launch, fused
+from graphexec.kernels import dependent_launch, fused, rms_norm
 from graphexec.kernels import matmul as mm
 from graphexec.kernels.attention import AttentionConfig, decode_attention
 from graphexec.kernels.row_parallel import row_linear_gpu, row_split_gpu
@@ -71,12 +71,12 @@ def test_cuda_pdl_chain_gives_the_bits_of_plain_launches(B) -> None:
     def chain(pdl: bool, kv: torch.Tensor):
         cfg = mm.MatmulConfig.gpu().replace(pdl=pdl)
         fc = fused.FusedConfig(pdl=pdl)
-        h, res = fused.residual_rms_norm(x, None, w["ln"], 1e-5, config=fc)
+        h, res = rms_norm.residual_rms_norm(x, None, w["ln"], 1e-5, config=fc)
         qkv = mm.linear(h, w["qkv"], config=cfg)
         q = fused.rope_kv_write(qkv, pos, slots, cos, sin, kv, 32, config=fc)
         a = decode_attention(q, kv, slots, pos, 0.125, config=AttentionConfig(pdl=pdl))
         o = row_linear_gpu(a.reshape(B, -1), w["o"], split, config=cfg)
-        return fused.residual_rms_norm(o, res, w["ln"], 1e-5, config=fc)[0]
+        return rms_norm.residual_rms_norm(o, res, w["ln"], 1e-5, config=fc)[0]
 
     want = chain(False, kv.clone())
     kv_pdl = kv.clone()

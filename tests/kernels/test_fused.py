@@ -18,13 +18,12 @@ import torch
 
 from graphexec.kernels.fused import (
     FusedConfig,
-    residual_rms_norm,
-    residual_rms_norm_reference,
     rope_kv_write,
     rope_kv_write_reference,
     silu_mul,
     silu_mul_reference,
 )  # fmt: skip
+from graphexec.kernels.rms_norm import residual_rms_norm, residual_rms_norm_reference
 from graphexec.models import HFTransformer
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
