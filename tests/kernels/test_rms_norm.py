@@ -67,9 +67,10 @@ def test_bad_rows_stay_in_their_row() -> None:
     assert out[2].isnan().all() and out[1, 5].isnan()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("programs", [1, 2])
-@pytest.mark.parametrize("M", [1, 3, 6])  # 6: past norm_rows (4), the norm's own kernel
+# M = 6: past norm_rows (4), the norm's own kernel
+@pytest.mark.parametrize("M,programs,dtype", [
+    (1, 2, torch.bfloat16), (3, 1, torch.float32), (4, 2, torch.float32),
+    (6, 1, torch.bfloat16)])  # fmt: skip
 def test_a_norm_inside_the_gemm_is_the_norms_kernel_then_the_gemm(M, programs, dtype) -> None:
     """linear_silu_mul and linear_rope with norm= (residual or none) equal
     residual_rms_norm, then the GEMM: outputs, the new residual and the cache bitwise."""
