@@ -57,6 +57,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul
 
 
 MAX_TILES = 4096  # counters per device: a call spreads parts over programs up to this
+NORM_WHOLE_ROW = 8192  # a norm inside a GEMM reads rows this long at once (else in passes)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -157,7 +158,8 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
         PARTS=t.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         ROPE=rope is not None, H=heads, KV_HEADS=kv_heads, HD=hd, NORM=norm is not None,
         HAS_RES=norm is not None and norm[0] is not None,
-        NB=min(1024, triton.next_power_of_2(K)),
+        NB=triton.next_power_of_2(K) if K <= NORM_WHOLE_ROW else min(1024, NORM_WHOLE_ROW),
+        WHOLE=K <= NORM_WHOLE_ROW,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
         PDL=pdl, LINE=line, LINES=lines, num_warps=t.num_warps, num_stages=t.num_stages,
         **dependent_launch.launch_options(pdl),

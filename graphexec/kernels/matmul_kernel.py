@@ -167,6 +167,7 @@ def _linear_kernel(
     H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,  # ROPE's heads
     NORM: tl.constexpr,  # X is the stream before its residual add + RMS norm (rms_norm)
     HAS_RES: tl.constexpr, NB: tl.constexpr,  # NORM: a residual to add; columns per step
+    WHOLE: tl.constexpr,  # NORM: NB >= K, a row read at once
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,  # dependent launch (dependent_launch.py)
     LINE: tl.constexpr,  # weight elements per 128-byte line
@@ -196,7 +197,7 @@ def _linear_kernel(
         h = SCRATCH + (pid * P + q).to(tl.int64) * hr * K
         _normed_rows(X, RES, LNW, RES_OUT, h, tl.minimum(BLOCK_M, M - m0), m0, K, sx, sr, eps,
                      q * PARTS * part_k, tl.minimum((q + 1) * PARTS * part_k, K),
-                     (pid_n == 0) & (q == 0), HAS_RES, NB, X.dtype.element_ty)  # fmt: skip
+                     (pid_n == 0) & (q == 0), HAS_RES, NB, WHOLE, X.dtype.element_ty)  # fmt: skip
         tl.debug_barrier()  # the scratch rows are written before any thread reads them
         x_ptr = h + (rm[:, None] - m0) * K + rk[None, :]
     z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -100,32 +100,63 @@ def _residual_rms_norm_kernel(
 
 @triton.jit
 def _normed_rows(X, RES, LNW, RES_OUT, H, rows, m0, K, sx, sr, eps, k_from, k_to, write_res,
-                 HAS_RES: tl.constexpr, NB: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+                 HAS_RES: tl.constexpr, NB: tl.constexpr, WHOLE: tl.constexpr,
+                 dt: tl.constexpr):  # fmt: skip
     """Rows m0 .. m0 + rows - 1 of x (+ residual) normalised as the kernel above does
     them, columns k_from .. k_to written to H [rows, K] (a program's own scratch); with
-    `write_res` (one program per rows) x + residual written to RES_OUT [M, K]."""
+    `write_res` (one program per rows) x + residual written to RES_OUT [M, K]. WHOLE (NB >=
+    K): a row is read once, its loads all in flight together (its passes in registers);
+    else in three passes of NB columns."""
     for r in range(rows):
         m = (m0 + r).to(tl.int64)
-        top = tl.full([], 0, tl.int32)
-        for k0 in range(0, K, NB):  # the row's largest square
-            d = k0 + tl.arange(0, NB)
-            top = tl.maximum(top, tl.max(_square_bits(_added(X, RES, m, d, d < K, sx, sr,
-                                                              HAS_RES, dt)), 0))  # fmt: skip
-        E = tl.maximum(top >> 23, 1)
-        total = tl.full([], 0, tl.int64)
-        for k0 in range(0, K, NB):  # the exact sum of squares
-            d = k0 + tl.arange(0, NB)
-            v = _added(X, RES, m, d, d < K, sx, sr, HAS_RES, dt)
-            total += tl.sum(_fixed_squares(_square_bits(v), E), 0)
-            if HAS_RES:
-                if write_res:
-                    tl.store(RES_OUT + m * K + d, v.to(dt), mask=d < K)
-        rstd = _rstd(total, top, K, eps)
-        for k0 in range(k_from, k_to, NB):
-            d = k0 + tl.arange(0, NB)
-            v = _added(X, RES, m, d, d < k_to, sx, sr, HAS_RES, dt)
-            g = tl.load(LNW + d, mask=d < k_to, other=0.0).to(tl.float32)
-            tl.store(H + r * K + d, _rounded(g * _rounded(v * rstd, dt), dt).to(dt), mask=d < k_to)
+        if WHOLE:
+            _normed_row(X, RES, LNW, RES_OUT, H + r * K, m, K, sx, sr, eps, write_res,
+                        HAS_RES, NB, dt)  # fmt: skip
+        else:
+            _normed_row_chunks(X, RES, LNW, RES_OUT, H + r * K, m, K, sx, sr, eps, k_from,
+                               k_to, write_res, HAS_RES, NB, dt)  # fmt: skip
+
+
+@triton.jit
+def _normed_row(X, RES, LNW, RES_OUT, H, m, K, sx, sr, eps, write_res, HAS_RES: tl.constexpr,
+                NB: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """`_normed_rows`' row m in one block of NB >= K columns (all of them written to H)."""
+    d = tl.arange(0, NB)
+    v = _added(X, RES, m, d, d < K, sx, sr, HAS_RES, dt)
+    g = tl.load(LNW + d, mask=d < K, other=0.0).to(tl.float32)
+    if HAS_RES:
+        if write_res:
+            tl.store(RES_OUT + m * K + d, v.to(dt), mask=d < K)
+    b = _square_bits(v)
+    top = tl.max(b, 0)
+    rstd = _rstd(tl.sum(_fixed_squares(b, tl.maximum(top >> 23, 1)), 0), top, K, eps)
+    tl.store(H + d, _rounded(g * _rounded(v * rstd, dt), dt).to(dt), mask=d < K)
+
+
+@triton.jit
+def _normed_row_chunks(X, RES, LNW, RES_OUT, H, m, K, sx, sr, eps, k_from, k_to, write_res,
+                       HAS_RES: tl.constexpr, NB: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """`_normed_rows`' row m in blocks of NB < K columns: three passes."""
+    top = tl.full([], 0, tl.int32)
+    for k0 in range(0, K, NB):  # the row's largest square
+        d = k0 + tl.arange(0, NB)
+        top = tl.maximum(top, tl.max(_square_bits(_added(X, RES, m, d, d < K, sx, sr,
+                                                          HAS_RES, dt)), 0))  # fmt: skip
+    E = tl.maximum(top >> 23, 1)
+    total = tl.full([], 0, tl.int64)
+    for k0 in range(0, K, NB):  # the exact sum of squares
+        d = k0 + tl.arange(0, NB)
+        v = _added(X, RES, m, d, d < K, sx, sr, HAS_RES, dt)
+        total += tl.sum(_fixed_squares(_square_bits(v), E), 0)
+        if HAS_RES:
+            if write_res:
+                tl.store(RES_OUT + m * K + d, v.to(dt), mask=d < K)
+    rstd = _rstd(total, top, K, eps)
+    for k0 in range(k_from, k_to, NB):
+        d = k0 + tl.arange(0, NB)
+        v = _added(X, RES, m, d, d < k_to, sx, sr, HAS_RES, dt)
+        g = tl.load(LNW + d, mask=d < k_to, other=0.0).to(tl.float32)
+        tl.store(H + d, _rounded(g * _rounded(v * rstd, dt), dt).to(dt), mask=d < k_to)
 
 
 def _norm_args(x, residual, weight) -> None:

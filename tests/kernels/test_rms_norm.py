@@ -67,13 +67,17 @@ def test_bad_rows_stay_in_their_row() -> None:
     assert out[2].isnan().all() and out[1, 5].isnan()
 
 
-# M = 6: past norm_rows (4), the norm's own kernel
-@pytest.mark.parametrize("M,programs,dtype", [
-    (1, 2, torch.bfloat16), (3, 1, torch.float32), (4, 2, torch.float32),
-    (6, 1, torch.bfloat16)])  # fmt: skip
-def test_a_norm_inside_the_gemm_is_the_norms_kernel_then_the_gemm(M, programs, dtype) -> None:
+# M = 6: past norm_rows (4), the norm's own kernel; whole: a row read at once, else in
+# blocks of 32 columns (rows longer than NORM_WHOLE_ROW)
+@pytest.mark.parametrize("M,programs,dtype,whole", [
+    (1, 2, torch.bfloat16, True), (3, 1, torch.float32, True), (4, 2, torch.float32, False),
+    (2, 1, torch.bfloat16, False), (6, 1, torch.bfloat16, True)])  # fmt: skip
+def test_a_norm_inside_the_gemm_is_the_norms_kernel_then_the_gemm(M, programs, dtype, whole,
+                                                                  monkeypatch) -> None:  # fmt: skip
     """linear_silu_mul and linear_rope with norm= (residual or none) equal
     residual_rms_norm, then the GEMM: outputs, the new residual and the cache bitwise."""
+    if not whole:
+        monkeypatch.setattr(mm, "NORM_WHOLE_ROW", 32)
     H, KV, hd, K = 2, 1, 8, 96
     x, r, lnw = rows(M, K, dtype, seed=M)
     g = torch.Generator().manual_seed(1)
