@@ -116,7 +116,8 @@ class ForwardOps:
         [M, H, hd]: linear then rope_kv (one launch on CUDA, `matmul.linear_rope`, where
         w_qkv and its bias are in `fused.pair_rotary_rows`' order: `paired_qkv`)
     norm=(residual, weight, eps) on those two: x is the stream before the norm, which
-    runs first (inside the GEMM on CUDA for a few rows); (out, x + residual) returned
+    runs first (its own kernel; inside the GEMM on CUDA up to MatmulConfig.norm_rows
+    rows, 0 by default); (out, x + residual) returned
     attend(q [M, H, hd], kv, slots [M], positions [M], scale, window, config=) -> [M, H, hd]
     row_split(N, K, world) -> row_parallel.RowSplit | None: a row-parallel layer's split
         of K by its whole weight's shape (None on the routes that are not invariant)

@@ -358,7 +358,7 @@ class HFTransformer(SlotKVCache):
         pos = positions.clamp(0, self.max_seq_len - 1)
         # [N, D]: res = x, delta its next update; row-parallel partials are summed (_row)
         delta, res = self.embed[input_ids], None
-        for i, layer in enumerate(self.layers):  # (each norm runs in the GEMM after it)
+        for i, layer in enumerate(self.layers):  # (each norm handed to the GEMM after it)
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
             q, res = ops.qkv_rope(delta, layer.qkv, layer.qkv_bias, pos, slot_ids, self._cos,
                                   self._sin, kv_i, H, norm=(res, layer.ln1, self.eps))  # fmt: skip
