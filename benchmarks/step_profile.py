@@ -71,29 +71,17 @@ def recording_ops(model, calls: list[OpCall]):
         calls.append(OpCall(op, layer, _nbytes(x, w, bias, out), OP_KERNELS["linear"]))
         return out
 
-    def own_norm(fn, x, norm) -> None:
-        """The norm given to a GEMM (`norm=`) as its own call where it runs in a kernel of
-        its own: past the GEMM config's `norm_rows`, or on a route without one."""
-        cfg = getattr(fn, "keywords", {}).get("config")
-        if norm is not None and (cfg is None or x.shape[0] > cfg.norm_rows):
-            res, w, _ = norm
-            moved = _nbytes(x, res, w, x) + (_nbytes(x) if res is not None else 0)
-            calls.append(OpCall("norm", None, moved, OP_KERNELS["norm"]))
-
-    def linear_silu_mul(x, w, norm=None, **kw):
+    def linear_silu_mul(x, w, **kw):
         op, layer = names.get(id(w), ("gate_up", None))
-        own_norm(ops.linear_silu_mul, x, norm)
-        out = ops.linear_silu_mul(x, w, norm=norm, **kw)
-        moved = _nbytes(x, w, out[0] if norm else out)
-        calls.append(OpCall(op, layer, moved, OP_KERNELS["linear_silu_mul"]))
+        out = ops.linear_silu_mul(x, w, **kw)
+        calls.append(OpCall(op, layer, _nbytes(x, w, out), OP_KERNELS["linear_silu_mul"]))
         return out
 
-    def qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H, norm=None):
+    def qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H):
         op, layer = names.get(id(w), ("qkv", None))
-        own_norm(ops.qkv_rope, x, norm)
-        out = ops.qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H, norm=norm)
+        out = ops.qkv_rope(x, w, bias, pos, slots, cos, sin, kv, H)
         M, KV, hd = x.shape[0], kv.shape[-2], kv.shape[-1]
-        moved = _nbytes(x, w, bias, out[0] if norm else out) + M * 2 * KV * hd * kv.element_size()
+        moved = _nbytes(x, w, bias, out) + M * 2 * KV * hd * kv.element_size()
         # the rotary kernel of its own only after a TMA tile (`matmul.linear_rope`)
         calls.append(OpCall(op, layer, moved, OP_KERNELS["linear"] + OP_KERNELS["rope_kv"]))
         return out

@@ -33,11 +33,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from graphexec.kernels import dependent_launch, fused, matmul_tma, rms_norm
+from graphexec.kernels import dependent_launch, fused, matmul_tma
 from graphexec.kernels.matmul_config import MatmulConfig, MatmulTile
 from graphexec.kernels.matmul_kernel import _linear_kernel, launch_shape
 from graphexec.runtime.triton_env import interpreter_enabled
-from graphexec.runtime.triton_import import triton
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul
 
 
 MAX_TILES = 4096  # counters per device: a call spreads parts over programs up to this
-NORM_WHOLE_ROW = 8192  # a norm inside a GEMM reads rows this long at once (else in passes)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -75,17 +73,13 @@ _COUNTER_BUFFERS: dict[tuple[str, int | None], torch.Tensor] = {}
 def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
             programs_per_tile: int | None = None, *, tile: MatmulTile | None = None,
             f32_out: bool = False, out: torch.Tensor | None = None,
-            rope: tuple | None = None, norm: tuple | None = None):  # fmt: skip
+            rope: tuple | None = None):  # fmt: skip
     """One launch; `tile` overrides the config's (row_parallel: a rank's parts of the
     whole weight's tile); `f32_out`: the tree's float32 root, no bias, no rounding (the
     epilogue's rounding to float32 is the identity), into `out` [M, N] (contiguous
     float32, e.g. a symmetric buffer) if given; `rope`: `linear_rope`'s (positions,
-    slot_ids, cos, sin, kv, heads), the q [M, H, hd] returned; `norm`: (residual or
-    None, weight, eps) of the residual add + RMS norm that x gets first, (output,
-    x + residual) returned (`rms_norm`: inside this launch up to `norm_rows` rows)."""
+    slot_ids, cos, sin, kv, heads), the q [M, H, hd] returned."""
     _check(x, w, bias, silu_mul)
-    if norm is not None:
-        rms_norm._norm_args(x, norm[0], norm[1])
     if rope is not None:  # (a meta tensor: shapes only)
         fused._rope_args(torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device="meta"),
                          *rope)  # fmt: skip
@@ -125,9 +119,6 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     else:
         partial = counter = out  # not read
     tma = t.tma and matmul_tma.usable(x, w, t.block_m, t.block_n, t.block_k, t.split)
-    if norm is not None and (tma or M > cfg.norm_rows):  # the norm's own kernel first
-        h, new = rms_norm.residual_rms_norm(x, *norm)
-        return _launch(h, w, bias, silu_mul, config, programs_per_tile, tile=tile, rope=rope), new
     if tma:
         matmul_tma.launch(x, w, bias, out, partial, counter, tiles, P, K // t.split, t,
                           silu_mul, pdl, dependent_launch.launch_options(pdl))  # fmt: skip
@@ -144,29 +135,17 @@ def _launch(x, w, bias, silu_mul: bool, config: MatmulConfig | None,
     else:
         heads = kv_heads = hd = 1
         trig = (out, out, out, out, out, 0, 0, 0, 0, 1)
-    res = new = lnw = scratch = x  # (not read without norm)
-    sr, eps = 0, 0.0
-    if norm is not None:  # each program's rows normalised into its own scratch rows
-        res, lnw, eps = norm
-        new = x if res is None else torch.empty_like(x)
-        sr = 0 if res is None else res.stride(0)
-        res = x if res is None else res
-        scratch = torch.empty((tiles * P, min(M, t.block_m), K), dtype=x.dtype, device=x.device)
     _linear_kernel[(tiles, P)](
-        x, w, x if bias is None else bias, out, partial, counter, *trig[:5], res, lnw, new,
-        scratch, M, N, K, x.stride(0), w.stride(0), *trig[5:], sr, scratch.shape[1],
-        float(eps), K // t.split,
+        x, w, x if bias is None else bias, out, partial, counter, *trig[:5], M, N, K,
+        x.stride(0), w.stride(0), *trig[5:], K // t.split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         PARTS=t.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        ROPE=rope is not None, H=heads, KV_HEADS=kv_heads, HD=hd, NORM=norm is not None,
-        HAS_RES=norm is not None and norm[0] is not None,
-        NB=triton.next_power_of_2(K) if K <= NORM_WHOLE_ROW else min(1024, NORM_WHOLE_ROW),
-        WHOLE=K <= NORM_WHOLE_ROW,
+        ROPE=rope is not None, H=heads, KV_HEADS=kv_heads, HD=hd,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", INTERPRETED=interpreted,
         PDL=pdl, LINE=line, LINES=lines, num_warps=t.num_warps, num_stages=t.num_stages,
         **dependent_launch.launch_options(pdl),
     )  # fmt: skip
-    return out if norm is None else (out, new)
+    return out
 
 
 def linear(
@@ -226,8 +205,7 @@ def linear_rope(
     heads: int,
     *,
     config: MatmulConfig | None = None,
-    norm: tuple | None = None,
-):
+) -> torch.Tensor:
     """The q/k/v projection, rotary embeddings and the cache write in one launch:
     `fused.rope_kv_write(linear(x, w, bias), ...)` for a weight (and bias) in
     `fused.pair_rotary_rows`' order, so a tile holds whole rotated pairs and rotates them
@@ -236,15 +214,9 @@ def linear_rope(
     dot products, rounded once, then rotated and rounded as the rotary kernel does
     (a call that takes the TMA tile runs those two kernels).
 
-    norm: (residual [M, K] or None, weight [K], eps): x is the stream before the layer's
-    residual add + RMS norm (`rms_norm.residual_rms_norm`), which runs first, inside
-    this launch for calls of at most `MatmulConfig.norm_rows` rows; then (q, x +
-    residual) is returned. The same bits as the norm's own kernel, then this.
-
-    CUDA graphs: one launch (two with a TMA tile or a long call's norm), shapes fixed,
-    no host sync."""
+    CUDA graphs: one launch (two with a TMA tile), shapes fixed, no host sync."""
     return _launch(x, w_qkv, bias, False, config, rope=(positions, slot_ids, cos, sin, kv,
-                                                        heads), norm=norm)  # fmt: skip
+                                                        heads))  # fmt: skip
 
 
 def linear_silu_mul(
@@ -252,13 +224,11 @@ def linear_silu_mul(
     w_gate_up: torch.Tensor,
     *,
     config: MatmulConfig | None = None,
-    norm: tuple | None = None,
-):
+) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``w_gate_up`` = [gate; up] ``[2 I, K]``:
     `linear` and `fused.silu_mul` in one launch, [M, I] in x's dtype, each product
-    rounded to the dtype before the SwiGLU (so the bits are those of the two steps).
-    norm: as `linear_rope`'s ((output, x + residual) returned)."""
-    return _launch(x, w_gate_up, None, True, config, norm=norm)
+    rounded to the dtype before the SwiGLU (so the bits are those of the two steps)."""
+    return _launch(x, w_gate_up, None, True, config)
 
 
 REFERENCE_ROWS = 8  # rows per torch.mm call of linear_reference

@@ -112,13 +112,6 @@ class MatmulConfig:
         forward by 4-5% on an H200: those calls are not launch-bound).
     prefetch_k: with pdl, each program asks L2 for the first prefetch_k columns of each
         of its parts' weight rows before it waits for the kernel before it (0: none).
-    norm_rows: a residual add + RMS norm before a GEMM (`linear_rope` / `linear_silu_mul`
-        with norm=) runs inside the GEMM for calls of at most this many rows (each
-        program normalises its rows first), else in a kernel of its own; the same bits
-        either way. 0 by default: on an H200 the norm inside each GEMM made the Llama
-        forwards slower (Llama-3.1-8B at one row 4,706 against 4,613 us, at four rows
-        5,316 against 4,652; Llama-3.2-1B at one row 1,047 against 962, with each row
-        read once): every program waits for its rows' norm before its first product.
     """
 
     block_m: int = 64
@@ -137,7 +130,6 @@ class MatmulConfig:
     shard_programs: int = 96
     pdl: bool = True
     prefetch_k: int = 512
-    norm_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "max_block_n", "block_k", "short_block_k"):
@@ -147,8 +139,6 @@ class MatmulConfig:
         for name in ("long_k", "min_programs", "shard_programs", "num_warps", "num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MatmulConfig.{name} must be positive")
-        if self.norm_rows < 0:
-            raise ValueError(f"MatmulConfig.norm_rows must be >= 0, got {self.norm_rows}")
         if self.prefetch_k < 0:
             raise ValueError(f"MatmulConfig.prefetch_k must be >= 0, got {self.prefetch_k}")
         for split in [self.max_split] + [t.split for _, _, t in self.tiles]:

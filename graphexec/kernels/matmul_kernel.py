@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from graphexec.kernels.dependent_launch import dependent_start, prefetch_rows
 from graphexec.kernels.fused import _rounded
-from graphexec.kernels.rms_norm import _normed_rows
 from graphexec.runtime.triton_import import tl, triton
 
 MAX_SPLIT = 16  # parts of K at most: the tree's pending sums s0..s3 hold 16 leaves
@@ -154,10 +153,7 @@ def _linear_kernel(
     POS, SLOT,  # ROPE: [M] int positions (clamped into [0, T - 1]) and cache slots
     COS, SIN,  # ROPE: [T, HD] dtype contiguous
     KVC,  # ROPE: [2, S, T, KV_HEADS, HD] dtype (strides s_kv, s_s, s_t, s_h, 1)
-    RES, LNW,  # NORM: [M, K] dtype residual (row stride sr), [K] dtype norm weight
-    RES_OUT,  # NORM + HAS_RES: [M, K] dtype contiguous, x + residual
-    SCRATCH,  # NORM: [programs, hr, K] dtype, each program's normalised rows
-    M, N, K, sx, sw, s_kv, s_s, s_t, s_h, T, sr, hr, eps,
+    M, N, K, sx, sw, s_kv, s_s, s_t, s_h, T,
     part_k,  # K / S: columns of one part
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PARTS: tl.constexpr,  # parts per program (S / P)
@@ -165,9 +161,6 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     ROPE: tl.constexpr,  # W is q/k/v in pair_rotary_rows' order: rotary + cache write
     H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,  # ROPE's heads
-    NORM: tl.constexpr,  # X is the stream before its residual add + RMS norm (rms_norm)
-    HAS_RES: tl.constexpr, NB: tl.constexpr,  # NORM: a residual to add; columns per step
-    WHOLE: tl.constexpr,  # NORM: NB >= K, a row read at once
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     PDL: tl.constexpr,  # dependent launch (dependent_launch.py)
     LINE: tl.constexpr,  # weight elements per 128-byte line
@@ -192,14 +185,6 @@ def _linear_kernel(
             if SILU_MUL:
                 prefetch_rows(W, rn + N, nmask, sw, k_lo, part_k, LINE, LINES)
     dependent_start(PDL)
-    if NORM:  # this program's rows normalised over its parts' columns, then its K loop
-        m0 = pid_m * BLOCK_M
-        h = SCRATCH + (pid * P + q).to(tl.int64) * hr * K
-        _normed_rows(X, RES, LNW, RES_OUT, h, tl.minimum(BLOCK_M, M - m0), m0, K, sx, sr, eps,
-                     q * PARTS * part_k, tl.minimum((q + 1) * PARTS * part_k, K),
-                     (pid_n == 0) & (q == 0), HAS_RES, NB, WHOLE, X.dtype.element_ty)  # fmt: skip
-        tl.debug_barrier()  # the scratch rows are written before any thread reads them
-        x_ptr = h + (rm[:, None] - m0) * K + rk[None, :]
     z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, s0, s1, s2, s3 = z, z, z, z, z
     up, u0, u1, u2, u3 = z, z, z, z, z

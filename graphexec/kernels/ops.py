@@ -31,7 +31,8 @@ Why a row's result is the same in any call (invariant routes):
   call), or else torch.mm in calls of sizes measured to round every row alike
   (`cpu_route.RowMM`), weights stored K-major.
 - Norms, rotary embeddings, cache writes and SwiGLU work on one row at a time (in a
-  GEMM's epilogue or a kernel of their own: the same rounding, so the same bits).
+  GEMM's epilogue or a kernel of their own: the same rounding, so the same bits; a
+  norm's mean square is exact, so its bits do not depend on its launch either).
 - Attention: a row reads keys 0..pos of its own slot (within its window) in splits
   whose size depends on the cache length T alone, combined in one fixed order. On the
   CPU (`cpu_attention.KeyBlockAttention.attend`), rows grouped by slot over fixed blocks
@@ -73,19 +74,6 @@ def _linear_then_rope(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     return rope_kv(linear(x, w, bias), positions, slots, cos, sin, kv, heads)
 
 
-def _norm_first(op: Callable, norm_fn: Callable) -> Callable:
-    """op taking `norm=(residual, weight, eps)`: x normed (norm_fn) first, (out, x +
-    residual) returned; without it, op as it is."""
-
-    def run(x, *args, norm=None, **kw):
-        if norm is None:
-            return op(x, *args, **kw)
-        h, new = norm_fn(x, *norm)
-        return op(h, *args, **kw), new
-
-    return run
-
-
 def _k_major(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] stored K-major (w.t() contiguous): a row's GEMV x @ w.t() then reads the
     weight row by row (SmolLM2's LM head on a 2-core EPYC: 5.5 ms, 9.6 ms from [N, K]),
@@ -109,15 +97,12 @@ class ForwardOps:
     """The functions of one forward route (module docstring). Signatures:
 
     linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]
-    linear_silu_mul(x [M, K], w_gate_up [2 I, K], norm=None) -> silu(gate) * up [M, I]
+    linear_silu_mul(x [M, K], w_gate_up [2 I, K]) -> silu(gate) * up [M, I]
     norm(x [M, D], residual [M, D] | None, weight [D], eps) -> (normed, x + residual)
     rope_kv(qkv [M, (H + 2 KV) hd], positions [M], slots [M], cos, sin, kv, H) -> q
-    qkv_rope(x [M, D], w_qkv, bias, positions, slots, cos, sin, kv, H, norm=None) -> q
-        [M, H, hd]: linear then rope_kv (one launch on CUDA, `matmul.linear_rope`, where
-        w_qkv and its bias are in `fused.pair_rotary_rows`' order: `paired_qkv`)
-    norm=(residual, weight, eps) on those two: x is the stream before the norm, which
-    runs first (its own kernel; inside the GEMM on CUDA up to MatmulConfig.norm_rows
-    rows, 0 by default); (out, x + residual) returned
+    qkv_rope(x [M, D], w_qkv, bias, positions, slots, cos, sin, kv, H) -> q [M, H, hd]:
+        linear then rope_kv (one launch on CUDA, `matmul.linear_rope`, where w_qkv and
+        its bias are in `fused.pair_rotary_rows`' order: `paired_qkv`)
     attend(q [M, H, hd], kv, slots [M], positions [M], scale, window, config=) -> [M, H, hd]
     row_split(N, K, world) -> row_parallel.RowSplit | None: a row-parallel layer's split
         of K by its whole weight's shape (None on the routes that are not invariant)
@@ -186,10 +171,8 @@ class ForwardOps:
         if paired:
             qkv_rope = partial(matmul.linear_rope, config=matmul_config)
         else:
-            lin_silu = _norm_first(partial(_linear_then_silu_mul, linear=lin,
-                                           silu_mul=silu_mul), norm)  # fmt: skip
-            qkv_rope = _norm_first(partial(_linear_then_rope, linear=lin, rope_kv=rope_kv),
-                                   norm)  # fmt: skip
+            lin_silu = partial(_linear_then_silu_mul, linear=lin, silu_mul=silu_mul)
+            qkv_rope = partial(_linear_then_rope, linear=lin, rope_kv=rope_kv)
         return cls(linear=lin, linear_silu_mul=lin_silu, norm=norm, rope_kv=rope_kv,
                    qkv_rope=qkv_rope, paired_qkv=paired, attend=attend,
                    batch_invariant=batch_invariant, token_rows=cuda or batch_invariant,

@@ -1,21 +1,20 @@
 """The residual add + RMS norm of a decoder layer, with a mean square exact in any order.
 
     _residual_rms_norm_kernel  grid (N,): new_residual = x + residual (rounded to the
-        dtype), then weight * rms_norm(new_residual): a kernel of its own.
-    _normed_rows               the same rows inside a GEMM (`matmul.linear(..., norm=)`):
-        each program normalises the rows of its tile before its K loop, so a small
-        call's norm costs no launch of its own.
+        dtype), then weight * rms_norm(new_residual): one program per row.
 
-Both must give the same bits, whichever kernel, tile, warp count or layout runs them,
-and a float sum of squares does not: its order follows the layout of the threads that
-hold the row. So the sum of squares is exact: every square v_i^2 (float32) becomes an
-integer multiple of 2^(E - 173), E the largest exponent among the row's squares (its
-24-bit significand shifted left 23, then right by its exponent's distance below E: a
-truncation that depends on v_i and E alone), and the int64 sum of those is the same in
-any order. mean = float32(float64(sum) * 2^(E - 173) / D) and 1 / rms = rsqrt(mean +
-eps) in float32; a row with an inf or NaN square gets that value as its mean. The sum
-keeps 47 bits below the largest square, so it is closer to the true sum than a float32
-sum; `mean_square_reference` is the same computation in torch, bit for bit.
+A row's bits must not depend on the warp count or the layout of the threads that hold
+it (a config's choice), and a float sum of squares does: its order follows that layout.
+So the sum of squares is exact: every square v_i^2 (float32) becomes an integer multiple
+of 2^(E - 173), E the largest exponent among the row's squares (its 24-bit significand
+shifted left 23, then right by its exponent's distance below E: a truncation that
+depends on v_i and E alone), and the int64 sum of those is the same in any order. mean =
+float32(float64(sum) * 2^(E - 173) / D) and 1 / rms = rsqrt(mean + eps) in float32; a
+row with an inf or NaN square gets that value as its mean. The sum keeps 47 bits below
+the largest square, so it is closer to the true sum than a float32 sum;
+`mean_square_reference` is the same computation in torch, bit for bit. (A norm inside
+the GEMM before or after it, sharing these bits, measured slower on an H200 than this
+kernel under dependent launch: the next GEMM prefetches its weights while it runs.)
 
 Rounding as torch's ops do (`fused`): the add rounded to the dtype, v * rstd rounded,
 then weight * that rounded. rsqrt is the device's float32 function: the result may
@@ -96,67 +95,6 @@ def _residual_rms_norm_kernel(
     n = _rounded(v * rstd, dt)  # normalised in float32, cast back, then * weight
     w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * D + d, _rounded(w * n, dt).to(dt), mask=mask)
-
-
-@triton.jit
-def _normed_rows(X, RES, LNW, RES_OUT, H, rows, m0, K, sx, sr, eps, k_from, k_to, write_res,
-                 HAS_RES: tl.constexpr, NB: tl.constexpr, WHOLE: tl.constexpr,
-                 dt: tl.constexpr):  # fmt: skip
-    """Rows m0 .. m0 + rows - 1 of x (+ residual) normalised as the kernel above does
-    them, columns k_from .. k_to written to H [rows, K] (a program's own scratch); with
-    `write_res` (one program per rows) x + residual written to RES_OUT [M, K]. WHOLE (NB >=
-    K): a row is read once, its loads all in flight together (its passes in registers);
-    else in three passes of NB columns."""
-    for r in range(rows):
-        m = (m0 + r).to(tl.int64)
-        if WHOLE:
-            _normed_row(X, RES, LNW, RES_OUT, H + r * K, m, K, sx, sr, eps, write_res,
-                        HAS_RES, NB, dt)  # fmt: skip
-        else:
-            _normed_row_chunks(X, RES, LNW, RES_OUT, H + r * K, m, K, sx, sr, eps, k_from,
-                               k_to, write_res, HAS_RES, NB, dt)  # fmt: skip
-
-
-@triton.jit
-def _normed_row(X, RES, LNW, RES_OUT, H, m, K, sx, sr, eps, write_res, HAS_RES: tl.constexpr,
-                NB: tl.constexpr, dt: tl.constexpr):  # fmt: skip
-    """`_normed_rows`' row m in one block of NB >= K columns (all of them written to H)."""
-    d = tl.arange(0, NB)
-    v = _added(X, RES, m, d, d < K, sx, sr, HAS_RES, dt)
-    g = tl.load(LNW + d, mask=d < K, other=0.0).to(tl.float32)
-    if HAS_RES:
-        if write_res:
-            tl.store(RES_OUT + m * K + d, v.to(dt), mask=d < K)
-    b = _square_bits(v)
-    top = tl.max(b, 0)
-    rstd = _rstd(tl.sum(_fixed_squares(b, tl.maximum(top >> 23, 1)), 0), top, K, eps)
-    tl.store(H + d, _rounded(g * _rounded(v * rstd, dt), dt).to(dt), mask=d < K)
-
-
-@triton.jit
-def _normed_row_chunks(X, RES, LNW, RES_OUT, H, m, K, sx, sr, eps, k_from, k_to, write_res,
-                       HAS_RES: tl.constexpr, NB: tl.constexpr, dt: tl.constexpr):  # fmt: skip
-    """`_normed_rows`' row m in blocks of NB < K columns: three passes."""
-    top = tl.full([], 0, tl.int32)
-    for k0 in range(0, K, NB):  # the row's largest square
-        d = k0 + tl.arange(0, NB)
-        top = tl.maximum(top, tl.max(_square_bits(_added(X, RES, m, d, d < K, sx, sr,
-                                                          HAS_RES, dt)), 0))  # fmt: skip
-    E = tl.maximum(top >> 23, 1)
-    total = tl.full([], 0, tl.int64)
-    for k0 in range(0, K, NB):  # the exact sum of squares
-        d = k0 + tl.arange(0, NB)
-        v = _added(X, RES, m, d, d < K, sx, sr, HAS_RES, dt)
-        total += tl.sum(_fixed_squares(_square_bits(v), E), 0)
-        if HAS_RES:
-            if write_res:
-                tl.store(RES_OUT + m * K + d, v.to(dt), mask=d < K)
-    rstd = _rstd(total, top, K, eps)
-    for k0 in range(k_from, k_to, NB):
-        d = k0 + tl.arange(0, NB)
-        v = _added(X, RES, m, d, d < k_to, sx, sr, HAS_RES, dt)
-        g = tl.load(LNW + d, mask=d < k_to, other=0.0).to(tl.float32)
-        tl.store(H + d, _rounded(g * _rounded(v * rstd, dt), dt).to(dt), mask=d < k_to)
 
 
 def _norm_args(x, residual, weight) -> None:

@@ -301,9 +301,9 @@ class HFTransformer(SlotKVCache):
         with sdpa_kernel(PREFILL_SDPA):
             for i, layer in enumerate(self.layers):
                 kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-                q, res = ops.qkv_rope(delta, layer.qkv, layer.qkv_bias, pos, slots, self._cos,
-                                      self._sin, kv_i, H,
-                                      norm=(res, layer.ln1, self.eps))  # fmt: skip
+                h, res = ops.norm(delta, res, layer.ln1, self.eps)
+                q = ops.qkv_rope(h, layer.qkv, layer.qkv_bias, pos, slots, self._cos, self._sin,
+                                 kv_i, H)  # fmt: skip
                 if i == self.num_layers - 1 and rows is None:
                     return None  # the last layer's K/V is all that is kept
                 q = q.index_select(0, qrows).view(R, Lmax, H, hd).transpose(1, 2)
@@ -313,9 +313,8 @@ class HFTransformer(SlotKVCache):
                 a = F.scaled_dot_product_attention(q, keys, vals,
                                                    attn_mask=masks[self.windows[i]])  # fmt: skip
                 a = a.transpose(1, 2).reshape(R * Lmax, H * hd).index_select(0, batch.padded_index)
-                act, res = ops.linear_silu_mul(self._row(a, layer.o, "o"), layer.gate_up,
-                                               norm=(res, layer.ln2, self.eps))  # fmt: skip
-                delta = self._row(act, layer.down, "down")
+                h, res = ops.norm(self._row(a, layer.o, "o"), res, layer.ln2, self.eps)
+                delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
         if rows is None:
             return None
         h, _ = ops.norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
@@ -358,17 +357,18 @@ class HFTransformer(SlotKVCache):
         pos = positions.clamp(0, self.max_seq_len - 1)
         # [N, D]: res = x, delta its next update; row-parallel partials are summed (_row)
         delta, res = self.embed[input_ids], None
-        for i, layer in enumerate(self.layers):  # (each norm handed to the GEMM after it)
+        for i, layer in enumerate(self.layers):
             kv_i = self.kv_cache[i]  # [2, S, T, KV, hd]
-            q, res = ops.qkv_rope(delta, layer.qkv, layer.qkv_bias, pos, slot_ids, self._cos,
-                                  self._sin, kv_i, H, norm=(res, layer.ln1, self.eps))  # fmt: skip
+            h, res = ops.norm(delta, res, layer.ln1, self.eps)
+            q = ops.qkv_rope(h, layer.qkv, layer.qkv_bias, pos, slot_ids, self._cos, self._sin,
+                             kv_i, H)  # fmt: skip
             if prefill and rows is None and i == self.num_layers - 1:
                 return None  # the last layer's K/V is all that is kept
             a = ops.attend(q, kv_i, slot_ids, pos, self.scale, self.windows[i],
                            config=self.attention)  # fmt: skip
-            o = self._row(a.reshape(N, H * hd), layer.o, "o")
-            act, res = ops.linear_silu_mul(o, layer.gate_up, norm=(res, layer.ln2, self.eps))
-            delta = self._row(act, layer.down, "down")
+            h, res = ops.norm(self._row(a.reshape(N, H * hd), layer.o, "o"), res, layer.ln2,
+                              self.eps)  # fmt: skip
+            delta = self._row(ops.linear_silu_mul(h, layer.gate_up), layer.down, "down")
         if rows is not None:
             delta, res = delta.index_select(0, rows), res.index_select(0, rows)
         elif prefill:
