@@ -105,27 +105,52 @@ def _rope_kv_write_kernel(
     dmask = d < HD
     mask = (j < H + 2 * KV_HEADS) & dmask
     row = QKV + b * s_qkv + j * HD
-    lower = d < HD // 2
-    partner = tl.where(lower, d + HD // 2, d - HD // 2)  # rotate_half: [-x2, x1]
-    col, pcol = d, partner
-    if PAIRED:  # dim i at column 2 i, dim i + HD / 2 at 2 i + 1 (v as it is)
-        rotated = j < H + KV_HEADS
-        col = tl.where(rotated, tl.where(lower, 2 * d, 2 * d - HD + 1), d)
-        pcol = tl.where(rotated, tl.where(lower, 2 * d + 1, 2 * d - HD), partner)
-    x = tl.load(row + col, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row + pcol, mask=mask, other=0.0).to(tl.float32)
-    rot = tl.where(lower, -xp, xp)
-    c = tl.load(COS + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
     dt = Q.dtype.element_ty
-    # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch rounds them
-    y = _rounded(_rounded(x * c, dt) + _rounded(rot * s, dt), dt).to(dt)
-    is_v = j >= H + KV_HEADS
-    y = tl.where(is_v, x.to(dt), y)  # v is written as it is
-    tl.store(Q + (b * H + j) * HD + d, y, mask=mask & (j < H))
-    head = tl.where(is_v, j - H - KV_HEADS, j - H).to(tl.int64)
-    dst = KV + is_v.to(tl.int64) * s_kv + slot * s_s + pos * s_t + head * s_h + d
-    tl.store(dst, y, mask=mask & (j >= H))
+    if PAIRED:
+        _rope_paired(row, COS, SIN, KV, Q, b, pos, slot, j, d, mask, s_kv, s_s, s_t, s_h, H,
+                     KV_HEADS, HD, NH_PAD, HD_PAD, dt)  # fmt: skip
+    else:
+        lower = d < HD // 2
+        partner = tl.where(lower, d + HD // 2, d - HD // 2)  # rotate_half: [-x2, x1]
+        x = tl.load(row + d, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+        rot = tl.where(lower, -xp, xp)
+        c = tl.load(COS + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
+        s = tl.load(SIN + pos * HD + d, mask=dmask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded as torch does
+        y = _rounded(_rounded(x * c, dt) + _rounded(rot * s, dt), dt).to(dt)
+        is_v = j >= H + KV_HEADS
+        y = tl.where(is_v, x.to(dt), y)  # v is written as it is
+        tl.store(Q + (b * H + j) * HD + d, y, mask=mask & (j < H))
+        head = tl.where(is_v, j - H - KV_HEADS, j - H).to(tl.int64)
+        dst = KV + is_v.to(tl.int64) * s_kv + slot * s_s + pos * s_t + head * s_h + d
+        tl.store(dst, y, mask=mask & (j >= H))
+
+
+@triton.jit
+def _rope_paired(row, COS, SIN, KV, Q, b, pos, slot, j, d, mask, s_kv, s_s, s_t, s_h,
+                 H: tl.constexpr, KV_HEADS: tl.constexpr, HD: tl.constexpr,
+                 NH_PAD: tl.constexpr, HD_PAD: tl.constexpr, dt: tl.constexpr):  # fmt: skip
+    """The kernel's row with q and k in `pair_rotary_rows`' order (dim i at column 2 i,
+    i + HD / 2 at 2 i + 1): read whole, split into the pairs' halves, rotated as above
+    (the same roundings), each half stored contiguously; v stored as read."""
+    xr = tl.load(row + d, mask=mask, other=0.0)
+    x0, x1 = tl.split(tl.reshape(xr.to(tl.float32), [NH_PAD, HD_PAD // 2, 2]))
+    i = tl.arange(0, HD_PAD // 2)[None, :]
+    imask = i < HD // 2
+    c0 = tl.load(COS + pos * HD + i, mask=imask, other=0.0).to(tl.float32)
+    s0 = tl.load(SIN + pos * HD + i, mask=imask, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + pos * HD + i + HD // 2, mask=imask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + pos * HD + i + HD // 2, mask=imask, other=0.0).to(tl.float32)
+    y0 = _rounded(_rounded(x0 * c0, dt) + _rounded(-x1 * s0, dt), dt).to(dt)
+    y1 = _rounded(_rounded(x1 * c1, dt) + _rounded(x0 * s1, dt), dt).to(dt)
+    qk = imask & (j < H + KV_HEADS)
+    kdst = KV + slot * s_s + pos * s_t + (j - H).to(tl.int64) * s_h
+    dst = tl.where(j < H, Q + (b * H + j) * HD, kdst)  # q rows, then k rows
+    tl.store(dst + i, y0, mask=qk)
+    tl.store(dst + i + HD // 2, y1, mask=qk)
+    vdst = KV + s_kv + slot * s_s + pos * s_t + (j - H - KV_HEADS).to(tl.int64) * s_h + d
+    tl.store(vdst, xr, mask=mask & (j >= H + KV_HEADS))
 
 
 def _rope_args(qkv, positions, slot_ids, cos, sin, kv, heads) -> None:

@@ -72,10 +72,32 @@ def test_linear_rope_is_the_gemm_then_the_rotary_kernel(shape, programs, dtype) 
         assert torch.equal(got, two) and torch.equal(got, ref)
         assert torch.equal(kv_got, kv_two) and torch.equal(kv_got, kv_ref)
         assert not torch.equal(kv_got, kv)  # it wrote
+        kv_paired = kv.clone()
         paired = rope_kv_write(mm.linear(x, pair_rotary_rows(w, H, KV), None if bias is None
                                          else pair_rotary_rows(bias, H, KV), config=cfg),
-                               pos, slots, cos, sin, kv.clone(), H, paired=True)  # fmt: skip
-        assert torch.equal(paired, got)  # the large-M route: GEMM, then the paired kernel
+                               pos, slots, cos, sin, kv_paired, H, paired=True)  # fmt: skip
+        # the large-M route: GEMM, then the paired kernel
+        assert torch.equal(paired, got) and torch.equal(kv_paired, kv_got)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 1, 12), torch.bfloat16), ((2, 2, 6), torch.float32),
+                                         ((4, 2, 16), torch.float16)])  # fmt: skip
+def test_the_paired_rotary_kernel_is_the_rotary_kernel_on_paired_columns(shape, dtype) -> None:
+    """rope_kv_write(paired=True) on columns in pair_rotary_rows' order gives the plain
+    kernel's q and cache bit for bit (head dims that are not powers of two included)."""
+    H, KV, hd = shape
+    M, T = 5, 8
+    g = torch.Generator().manual_seed(hd)
+    qkv = (torch.randn(M, (H + 2 * KV) * hd, generator=g) * 4).to(dtype)
+    cos, sin = torch.rand(T, hd, generator=g).to(dtype), torch.rand(T, hd, generator=g).to(dtype)
+    pos, slots = torch.tensor([0, 3, 7, 2, 5]), torch.tensor([1, 0, 1, 2, 0])
+    kv = torch.randn(2, 3, T, KV, hd, generator=g).to(dtype)
+    kv_plain, kv_paired = kv.clone(), kv.clone()
+    plain = rope_kv_write(qkv, pos, slots, cos, sin, kv_plain, H)
+    cols = pair_rotary_rows(qkv.t(), H, KV).t().contiguous()
+    paired = rope_kv_write(cols, pos, slots, cos, sin, kv_paired, H, paired=True)
+    assert torch.equal(paired, plain) and torch.equal(kv_paired, kv_plain)
+    assert not torch.equal(kv_plain, kv)
 
 
 def test_linear_rope_names_bad_operands() -> None:
