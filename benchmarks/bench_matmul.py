@@ -206,10 +206,12 @@ def large_candidates(split: int, tma: bool, K: int = 0) -> list[mm.MatmulTile]:
     shapes whose K step divides a part (K / split), each with every programs-per-tile
     count (0: the launcher's rule by M)."""
     if tma:
-        shapes_ = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-                   (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4),
-                   (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
-                   (128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (128, 128, 32, 8, 4))  # fmt: skip
+        shapes_ = ((64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (128, 64, 64, 4, 6),
+                   (64, 128, 64, 4, 6), (128, 128, 64, 8, 5), (64, 64, 64, 4, 4),
+                   (128, 64, 64, 4, 4), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
+                   (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+                   (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 32, 4, 4),
+                   (64, 64, 32, 4, 4), (128, 128, 32, 8, 4))  # fmt: skip
         part = K // split if K else 0
         ps = [0] + [p for p in (1, 2, 4) if p <= split and split > 1]
         return [mm.MatmulTile(*t, split, tma=True, programs=p) for t in shapes_ for p in ps
