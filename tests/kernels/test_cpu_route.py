@@ -161,6 +161,26 @@ def test_attention_keeps_its_key_storage_and_its_bits() -> None:
     assert torch.equal(short, fresh)
 
 
+def test_keys_a_longer_call_left_in_storage_are_never_read() -> None:
+    """Rows an earlier call of the same length wrote (NaN keys among them) past a later
+    call's live keys are zeroed before it reads them: its bits are a fresh RowMM's,
+    after a short call, a long one, and the same again (storage written once a shape)."""
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, 2, 300, 2, 16, generator=g)
+    kv[:, 1, 100:200] = float("nan")  # slot 1's live keys past row 100
+    q = torch.randn(1, 6, 16, generator=g)
+    used = RowMM()
+
+    def short():
+        return used.attend(q, kv, torch.tensor([0]), torch.tensor([20]), 0.25, block=256)
+
+    fresh = RowMM().attend(q, kv, torch.tensor([0]), torch.tensor([20]), 0.25, block=256)
+    assert torch.equal(short(), fresh) and fresh.isfinite().all()
+    long = used.attend(q, kv, torch.tensor([1]), torch.tensor([199]), 0.25, block=256)
+    assert long.isnan().all()  # the NaN keys are live there
+    assert torch.equal(short(), fresh) and torch.equal(short(), fresh)
+
+
 def test_plan_counts_name_each_operands_plan(monkeypatch) -> None:
     """One entry per plan measured: "alone" where rows alone agree, else the call sizes."""
     w = torch.randn(64, 48).t().contiguous().t()
