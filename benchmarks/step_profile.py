@@ -12,9 +12,11 @@ Each kernel is named by the op that launched it: one eager forward with every
 (weights and activations read, outputs written; attention the keys and values of each
 row's live positions); kernels are matched to ops in order by name (`OP_KERNELS`), and
 the torch glue between them (embedding lookup, clamp, the logits' cast) is "other".
-Per kernel: name, op, layer, time, bytes, achieved GB/s; per op: count, time, bytes;
-kernels per layer; the gap (replay time minus the kernels' sum: launch latency and
-bubbles between nodes).
+Per kernel: name, op, layer, time (start to end), own time (what it adds to the
+replay's timeline: with dependent launches a kernel starts early and waits inside, so
+its span overlaps the one before), gap, bytes, achieved GB/s; per op: count, time, own
+time, bytes; kernels per layer; the gap (replay time minus the kernels' sum: launch
+latency and bubbles between nodes).
 
 The floor is the bytes the step must read (every weight it multiplies by, the LM head,
 the live keys and values it attends to) at the read bandwidth measured in the same run
@@ -157,11 +159,6 @@ def label(kernels: list[str], calls: list[OpCall]) -> list[tuple[str, int | None
     return out
 
 
-def kernel_times(g, reps: int = 5) -> list[tuple[str, float]]:
-    """(name, median us) of each kernel of one replay, in launch order (`kernel_spans`)."""
-    return [(name, us) for name, us, _, _ in kernel_spans(g, reps)]
-
-
 def kernel_spans(g, reps: int = 5) -> list[tuple[str, float, float, float]]:
     """(name, us, own us, gap us) of each kernel of one replay, in launch order, each the
     median over `reps` replays. us: start to end. With programmatic dependent launch a
@@ -214,16 +211,17 @@ def profile_batch(model, B: int, prompt_len: int, steps: int, bandwidth: float) 
     g = capture_graph(lambda: model._forward(ids, pos, slots))
     g.replay()
     step = replay_us(g, steps)
-    ks = kernel_times(g)
-    labels = label([n for n, _ in ks], calls)
-    kernels = [dict(name=n, op=op, layer=layer, us=us, bytes=b,
+    ks = kernel_spans(g)
+    labels = label([n for n, *_ in ks], calls)
+    kernels = [dict(name=n, op=op, layer=layer, us=us, own_us=own, gap_us=gap, bytes=b,
                     gb_s=b / us / 1e3 if b and us else None)
-               for (n, us), (op, layer, b) in zip(ks, labels, strict=True)]  # fmt: skip
-    by_op: dict[str, dict] = defaultdict(lambda: dict(kernels=0, us=0.0, bytes=0))
+               for (n, us, own, gap), (op, layer, b) in zip(ks, labels, strict=True)]  # fmt: skip
+    by_op: dict[str, dict] = defaultdict(lambda: dict(kernels=0, us=0.0, own_us=0.0, bytes=0))
     for k in kernels:
         d = by_op[k["op"]]
         d["kernels"] += 1
         d["us"] += k["us"]
+        d["own_us"] += k["own_us"]
         d["bytes"] += k["bytes"]
     for d in by_op.values():
         d["gb_s"] = d["bytes"] / d["us"] / 1e3 if d["us"] and d["bytes"] else None
@@ -248,12 +246,14 @@ def markdown(result: dict) -> str:
                   f"{r['gap_us']:.0f} us, floor {r['floor_us']:.0f} us "
                   f"({r['floor_bytes'] / 1e9:.2f} GB at {result['read_gb_s']:.0f} GB/s): "
                   f"{r['step_over_floor']:.2f}x; {r['kernels_per_layer']:.1f} kernels a layer",
-                  "", "| op | kernels | us | share | GB | GB/s |",
-                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "", "| op | kernels | us | own us | share (own) | GB | GB/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for op, d in sorted(r["by_op"].items(), key=lambda kv: -kv[1]["us"]):
             gbs = f"{d['gb_s']:.0f}" if d["gb_s"] else "-"
-            share = d["us"] / r["step_us"]
-            lines.append(f"| {op} | {d['kernels']} | {d['us']:.0f} | {share:.0%} | "
+            own = d.get("own_us")
+            share = f"{own / r['step_us']:.0%}" if own is not None else "-"
+            own = f"{own:.0f}" if own is not None else "-"
+            lines.append(f"| {op} | {d['kernels']} | {d['us']:.0f} | {own} | {share} | "
                          f"{d['bytes'] / 1e9:.3f} | {gbs} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)

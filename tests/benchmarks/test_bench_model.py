@@ -316,6 +316,21 @@ def test_profile_names_every_kernel_by_its_op_and_layer(one_thread):
     assert labels[3] == ("attention", 0, calls[2].bytes)
 
 
+def test_profile_table_gives_each_ops_own_time() -> None:
+    """With dependent launches kernel spans overlap: the table gives each op's own time
+    (what it adds to the replay) and its share of the step beside the span sum."""
+    import step_profile
+
+    row = dict(batch=1, step_us=100.0, kernels_sum_us=130.0, gap_us=-30.0, floor_us=50.0,
+               floor_bytes=1e9, step_over_floor=2.0, kernels_per_layer=7.0,
+               by_op={"o": dict(kernels=2, us=60.0, own_us=30.0, bytes=2e8, gb_s=3333.0),
+                      "norm": dict(kernels=3, us=70.0, own_us=5.0, bytes=0, gb_s=None)})
+    table = step_profile.markdown(dict(model="m", route="invariant", read_gb_s=3800.0,
+                                       rows=[row])).splitlines()  # fmt: skip
+    assert "| norm | 3 | 70 | 5 | 5% | 0.000 | - |" in table
+    assert "| o | 2 | 60 | 30 | 30% | 0.200 | 3333 |" in table
+
+
 def test_measure_waits_until_every_request_decodes() -> None:
     """B prompts longer than a few steps' prefill budget: the timed steps start only once
     all B requests decode (it asserted len(outs) == B after 3 warm steps, and failed at
