@@ -103,6 +103,8 @@ class RowMM(KeyBlockAttention):
         self._pads: dict[tuple, torch.Tensor] = {}  # zero-padded rows of one call, by size
         self._batched: dict[tuple, bool] = {}  # row_linear's batched parts, as measured
         self._keys: dict[torch.device, torch.Tensor] = {}  # `_keys_buffer`'s storage
+        self._heads: dict[torch.device, tuple] = {}  # `_attend_row`'s, and rows written
+        self._row_ok: dict[tuple, bool] = {}  # `_row_products_ok`, by layout
 
     def sizes(self, b: torch.Tensor) -> tuple[int, ...]:
         key = (tuple(b.shape), b.stride(), b.dtype, b.device, torch.get_num_threads())
@@ -163,6 +165,10 @@ class RowMM(KeyBlockAttention):
         names = ("alone" if p == ALONE else "calls " + ",".join(map(str, p))
                  for p in self._plans.values())  # fmt: skip
         return dict(Counter(names))
+
+    def alone(self, b: torch.Tensor) -> bool:
+        """Whether `mm` with b runs every row alone (`ALONE`)."""
+        return self.sizes(b) == ALONE
 
     def padded(self, M: int, b: torch.Tensor) -> int:
         """M rows rounded up to what `mm` with b computes (M itself when a call size)."""
