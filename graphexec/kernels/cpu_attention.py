@@ -151,24 +151,37 @@ class KeyBlockAttention:
         # the scale on the queries (fewer multiplies than on the scores; one place for all)
         torch.mul(q.view(n, KV, G, hd).transpose(0, 1), scale, out=qh[:, :M].view(KV, n, G, hd))
         s = self.mm(qh, kt)  # [KV, Mp, L]; padding rows: all live
-        if len(self._cols) < L or self._cols.device != q.device:
-            self._cols = torch.arange(2 * L, device=q.device)
-        # only the last block holds keys past a row (the group shares it): mask it alone
-        last = L - block
-        dead = self._cols[last:L] > pos[:, None]  # [n, block]
-        s[:, :M, last:].view(KV, n, G, block).masked_fill_(dead[None, :, None], float("-inf"))
-        # whole blocks: numel a multiple of 32, so every element takes the vector path
+        dead = self._past_keys(pos, L, block)  # [n, block]
+        s[:, :M, L - block :].view(KV, n, G, block).masked_fill_(dead[None, :, None],
+                                                                 float("-inf"))  # fmt: skip
+        out = self._weighted_values(s, keys[1], block)[:, :M]  # [KV, n G, hd]
+        return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
+
+    def _past_keys(self, pos: torch.Tensor, L: int, block: int) -> torch.Tensor:
+        """[n, block] bool: the keys of the last of L // block blocks past each row's
+        position. Only the last block holds such keys (a group's rows share it), so it
+        alone is masked."""
+        if len(self._cols) < L or self._cols.device != pos.device:
+            self._cols = torch.arange(2 * L, device=pos.device)
+        return self._cols[L - block : L] > pos[:, None]
+
+    def _weighted_values(self, s: torch.Tensor, values: torch.Tensor, block: int) -> torch.Tensor:
+        """softmax(s) @ values for scores s [Z, R, L] (dead keys at -inf) and values
+        [Z, L, hd]: exp over whole blocks (numel a multiple of 32, so every element takes
+        the vector path), then per block its p @ V (`mm`) and its sum of p, added in
+        ascending block order: one order of the sums for every call. [Z, R, hd]."""
+        Z, R, L = s.shape
+        nb = L // block
         p = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        sums = p.view(KV, Mp, nb, block).sum(-1)  # [KV, Mp, nb]
-        acc, den = self.mm(p[:, :, :block], keys[1, :, :block]), sums[:, :, 0]
+        sums = p.view(Z, R, nb, block).sum(-1)  # [Z, R, nb]
+        acc, den = self.mm(p[:, :, :block], values[:, :block]), sums[:, :, 0]
         if nb > 1:
             den = den.clone()
-        for b in range(1, nb):  # ascending: one order of the sums for every call
+        for b in range(1, nb):
             cols = slice(b * block, (b + 1) * block)
-            acc += self.mm(p[:, :, cols], keys[1, :, cols])
+            acc += self.mm(p[:, :, cols], values[:, cols])
             den += sums[:, :, b]
-        out = acc[:, :M].div_(den[:, :M, None])  # [KV, n G, hd]
-        return out.view(KV, n, G, hd).transpose(0, 1).reshape(n, H, hd)
+        return acc.div_(den[:, :, None])
 
     def _row_products_ok(self, KV: int, G: int, L: int, hd: int, block: int) -> bool:
         """Whether `_attend_row`'s products give `_attend_causal`'s bits: both layouts'
@@ -188,7 +201,7 @@ class KeyBlockAttention:
     def _attend_row(self, q, kv, pos, scale, G, block, hi, L) -> torch.Tensor:
         """`_attend_causal` for one row (a decode) with `_attend_causal`'s bits: each KV
         head's live keys and values written once per query head of its group, so each
-        product is one torch.bmm over the H query heads instead of one per KV head (a
+        product is one `mm` (a torch.bmm) over the H query heads, not one per KV head (a
         SmolLM2 decode token: ~10 ms less of ~65 on a 2-core EPYC). The storage is kept;
         rows past the live ones are zero (only rows a longer call wrote are zeroed again)."""
         _, H, hd = q.shape
@@ -203,18 +216,6 @@ class KeyBlockAttention:
         heads[:, :, :, : hi + 1] = kv[:, : hi + 1].permute(0, 2, 1, 3).unsqueeze(2)
         self._heads[q.device] = (heads, hi + 1)
         rows = heads.view(2, H, L, hd)
-        s = torch.bmm(torch.mul(q.view(H, 1, hd), scale), rows[0].transpose(1, 2))  # [H, 1, L]
-        if len(self._cols) < L or self._cols.device != q.device:
-            self._cols = torch.arange(2 * L, device=q.device)
-        last = L - block
-        s[:, :, last:].masked_fill_(self._cols[last:L] > pos[0], float("-inf"))
-        p = s.sub_(s.amax(-1, keepdim=True)).exp_()
-        sums = p.view(H, L // block, block).sum(-1)  # [H, nb]
-        acc, den = torch.bmm(p[:, :, :block], rows[1, :, :block]), sums[:, :1]
-        if L > block:
-            den = den.clone()
-        for b in range(1, L // block):  # ascending, as `_attend_causal` adds them
-            cols = slice(b * block, (b + 1) * block)
-            acc += torch.bmm(p[:, :, cols], rows[1, :, cols])
-            den += sums[:, b : b + 1]
-        return acc.div_(den[:, :, None]).view(1, H, hd)
+        s = self.mm(torch.mul(q.view(H, 1, hd), scale), rows[0].transpose(1, 2))  # [H, 1, L]
+        s[:, :, L - block :].masked_fill_(self._past_keys(pos, L, block), float("-inf"))
+        return self._weighted_values(s, rows[1], block).view(1, H, hd)
