@@ -63,15 +63,6 @@ def _rstd(total, top, D, eps):
 
 
 @triton.jit
-def _added(X, RES, row, d, mask, sx, sr, HAS_RES: tl.constexpr, dt: tl.constexpr):
-    """Columns d of row `row`: x + residual in float32, rounded to dt (torch's add)."""
-    x = tl.load(X + row * sx + d, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = _rounded(tl.load(RES + row * sr + d, mask=mask, other=0.0).to(tl.float32) + x, dt)
-    return x
-
-
-@triton.jit
 def _residual_rms_norm_kernel(
     X,  # [N, D] dtype (row stride sx, last dim contiguous)
     RES,  # [N, D] dtype (row stride sr); read only with HAS_RES
@@ -86,8 +77,9 @@ def _residual_rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     dt = OUT.dtype.element_ty
-    v = _added(X, RES, row, d, mask, sx, sr, HAS_RES, dt)
-    if HAS_RES:
+    v = tl.load(X + row * sx + d, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # the add in float32, rounded to the dtype (torch's x + residual)
+        v = _rounded(tl.load(RES + row * sr + d, mask=mask, other=0.0).to(tl.float32) + v, dt)
         tl.store(RES_OUT + row * D + d, v.to(dt), mask=mask)
     b = _square_bits(v)
     top = tl.max(b, 0)
