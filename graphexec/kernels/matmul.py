@@ -341,22 +341,30 @@ def verify_shard_tiles(config: MatmulConfig, shards: list[tuple[int, torch.Tenso
 
 def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, bool]],
                        rows: int = 256, seed: int = 0) -> MatmulConfig:  # fmt: skip
-    """`config` with `verified` = the weight shapes whose large tile gives, on this
-    device, the bits of the decode tile with the same split: for each (w [N, K] or
-    [2 I, K], silu_mul), three activations of `rows` rows (normal, scaled by 1e3 and
-    1e-3, with outliers) through both tiles, compared bit for bit. A shape that differs
-    anywhere keeps its decode tile at every M. Shapes without a large tile are skipped;
-    nothing runs on the CPU."""
-    ok = set()
+    """`config` with `verified` (`verified_long`) = the weight shapes whose large (long)
+    tile gives, on this device, the bits of the decode tile with the same split: for
+    each (w [N, K] or [2 I, K], silu_mul), three activations of `rows` rows (normal,
+    scaled by 1e3 and 1e-3, with outliers) through both tiles, compared bit for bit. A
+    shape that differs anywhere keeps its decode tile at those M. Shapes without such a
+    tile are skipped; nothing runs on the CPU."""
+    found = {"verified": set(), "verified_long": set()}
     gen = None
     for w, silu in weights:
         N, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
-        large = [t for n, k, t in config.large_tiles if (n, k) == (N, K)]
-        if w.device.type != "cuda" or not large:
-            continue
-        if gen is None:
-            gen = torch.Generator(device=w.device).manual_seed(seed)
-        decode = dataclasses.replace(config.tile(N, K), split=large[0].split)
-        if _same_bits(w, silu, config, large[0], decode, (max(rows, config.large_m),), gen):
-            ok.add((N, K))
-    return config.replace(verified=frozenset(ok))
+        for name, tiles in (("verified", config.large_tiles),
+                            ("verified_long", config.long_tiles)):  # fmt: skip
+            large = [t for n, k, t in tiles if (n, k) == (N, K)]
+            if w.device.type != "cuda" or not large:
+                continue
+            if gen is None:
+                gen = torch.Generator(device=w.device).manual_seed(seed)
+            decode = dataclasses.replace(config.tile(N, K), split=large[0].split)
+            try:
+                same = _same_bits(w, silu, config, large[0], decode,
+                                  (max(rows, config.large_m),), gen)  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (e.g. a tile this device cannot hold)
+                logger.warning("%s tile of [%d, %d] not usable here: %s", name, N, K, e)
+                same = False
+            if same:
+                found[name].add((N, K))
+    return config.replace(**{k: frozenset(v) for k, v in found.items()})

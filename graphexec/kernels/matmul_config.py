@@ -57,11 +57,11 @@ GPU_TILES = (
 )
 
 # Tiles for calls of at least `large_m` rows (last fields: TMA loads, programs per tile),
-# each with the
-# split the model runs the shape with (o and down: row-parallel, 4 parts), so the same
-# reduction order: used only once `verified` on the device (`verify_large_tiles`).
-# (bench_matmul.py --large-sweep --tma on an H200, every candidate bit-identical there;
-# Qwen2.5-0.5B keeps tiles that are faster at 4,096 rows, its prefill budget)
+# each with the split the model runs the shape with (o and down: row-parallel, 4 parts),
+# so the same reduction order: used only once `verified` on the device
+# (`verify_large_tiles`). (bench_matmul.py --large-sweep --tma on an H200, every
+# candidate bit-identical there: the least worst ratio to cuBLAS at 128 and 256 rows;
+# Qwen2.5-0.5B keeps tiles that were faster at 4,096 rows)
 GPU_LARGE_TILES = (
     (1152, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
     (896, 896, (64, 64, 32, 4, 4, 4, True, 2)),  # o (row-parallel: 4 parts)
@@ -78,6 +78,23 @@ GPU_LARGE_TILES = (
     (14336, 4096, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
     (4096, 14336, (128, 128, 64, 8, 5, 4, True, 2)),  # down
     (128256, 4096, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
+)
+
+# Tiles for calls of at least `long_m` rows (prefill chunks), where the same sweep's
+# fastest at 4,096 rows differs from the large tile; verified the same way.
+GPU_LONG_TILES = (
+    (1152, 896, (64, 128, 64, 4, 4, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 64, 32, 4, 4, 4, True, 1)),  # o
+    (4864, 896, (128, 128, 64, 8, 3, 1, True, 0)),  # gate/up + SwiGLU
+    (896, 4864, (128, 128, 64, 8, 5, 4, True, 2)),  # down
+    (3072, 2048, (128, 128, 64, 8, 3, 1, True, 0)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 64, 4, 4, 4, True, 0)),  # o
+    (8192, 2048, (128, 128, 64, 8, 3, 1, True, 0)),  # gate/up + SwiGLU
+    (2048, 8192, (128, 128, 64, 8, 5, 4, True, 2)),  # down
+    (6144, 4096, (128, 128, 64, 8, 3, 1, True, 0)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (128, 128, 64, 8, 5, 4, True, 2)),  # o
+    (4096, 14336, (128, 256, 64, 8, 3, 4, True, 4)),  # down
+    (128256, 4096, (128, 128, 64, 8, 5, 1, True, 0)),  # LM head
 )
 
 
@@ -103,6 +120,9 @@ class MatmulConfig:
         gives the bits of the decode tile with its split (the tensor cores sum each
         output over K in steps of 16 whatever the tile, but that is the hardware's
         property, so it is measured, not assumed).
+    long_tiles, long_m, verified_long: the same for calls of at least `long_m` rows
+        (prefill chunks), where they take the place of the large tile: the fastest
+        tile at 128 rows is not the fastest at 4,096.
     shard_programs: a tensor-parallel rank's tiles (`shard_tile`, a row-parallel rank's
         `row_parallel.verify_rank_tile`) take the widest columns (<= max_block_n) that
         still give this many programs at one row: on an H200, Llama-3.1-8B's shards at
@@ -128,6 +148,9 @@ class MatmulConfig:
     large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
     large_m: int = 128
     verified: frozenset[tuple[int, int]] = frozenset()
+    long_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    long_m: int = 1024
+    verified_long: frozenset[tuple[int, int]] = frozenset()
     shard_programs: int = 96
     pdl: bool = True
     prefetch_k: int = 512
@@ -146,11 +169,13 @@ class MatmulConfig:
             if not 1 <= split <= MAX_SPLIT or split & (split - 1):
                 raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
                                  f"{MAX_SPLIT}, got {split}")  # fmt: skip
-        for n, k, t in self.large_tiles:
+        for n, k, t in self.large_tiles + self.long_tiles:
             if not 1 <= t.split <= MAX_SPLIT or t.split & (t.split - 1):
-                raise ValueError(f"MatmulConfig.large_tiles: the tile of [{n}, {k}] splits "
-                                 f"K into {t.split} parts, not a power of two in "
-                                 f"1..{MAX_SPLIT}")  # fmt: skip
+                raise ValueError(f"MatmulConfig: the large tile of [{n}, {k}] splits K into "
+                                 f"{t.split} parts, not a power of two in 1..{MAX_SPLIT}")
+        if self.long_m < self.large_m:
+            raise ValueError(f"MatmulConfig.long_m ({self.long_m}) must be >= large_m "
+                             f"({self.large_m})")  # fmt: skip
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
@@ -160,6 +185,7 @@ class MatmulConfig:
         return cls(
             tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES),
             large_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LARGE_TILES),
+            long_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LONG_TILES),
         )
 
     @classmethod
@@ -219,11 +245,14 @@ class MatmulConfig:
 
     def tile_for(self, N: int, K: int, M: int, split: int | None = None) -> MatmulTile:
         """The tile a call of M rows runs with K in `split` parts (None: that of
-        `tile(N, K)`): its verified large tile of that split, else `tile(N, K)` with it."""
+        `tile(N, K)`): its verified long tile of that split (M >= long_m), else its
+        verified large tile (M >= large_m), else `tile(N, K)` with it."""
         base = self.tile(N, K)
         split = split or base.split
-        if M >= self.large_m and (N, K) in self.verified:
-            for n, k, tile in self.large_tiles:
-                if (n, k) == (N, K) and tile.split == split:
-                    return tile
+        for least, tiles, verified in ((self.long_m, self.long_tiles, self.verified_long),
+                                       (self.large_m, self.large_tiles, self.verified)):
+            if M >= least and (N, K) in verified:
+                for n, k, tile in tiles:
+                    if (n, k) == (N, K) and tile.split == split:
+                        return tile
         return base if base.split == split else dataclasses.replace(base, split=split)

@@ -260,16 +260,17 @@ class HFTransformer(SlotKVCache):
                                            (self.vocab_size, self.lm_head, False)])  # fmt: skip
             self.row_splits = {n: verify_rank_tile(s, getattr(first, n), cfg)
                                for n, s in self.row_splits.items()}  # fmt: skip
-        if not cfg.large_tiles:
+        if not cfg.large_tiles and not cfg.long_tiles:
             return cfg
         weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]
         # o / down: the whole weight on one rank (a rank's shard keeps its decode tile)
         weights += [(getattr(first, n), False) for n, s in self.row_splits.items()
                     if s is None or s.world == 1]  # fmt: skip
         cfg = verify_large_tiles(cfg, weights)
-        shapes = {(n, k) for n, k, _ in cfg.large_tiles}
+        large, long = ({(n, k) for n, k, _ in t} for t in (cfg.large_tiles, cfg.long_tiles))
         logger.info("large-M GEMM tiles: %d of this model's shapes verified bit-identical "
-                    "to the decode tiles", len(shapes & cfg.verified))  # fmt: skip
+                    "to the decode tiles (and %d prefill-sized ones)",
+                    len(large & cfg.verified), len(long & cfg.verified_long))  # fmt: skip
         return cfg
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:

@@ -42,6 +42,26 @@ def test_tile_for_takes_a_large_tile_only_of_the_calls_split() -> None:
     assert unverified.tile_for(896, 896, 256, 4).tma is False
 
 
+def test_tile_for_takes_a_long_tile_from_long_m_rows_only_where_verified() -> None:
+    """Calls of at least long_m rows take the shape's verified long tile of their split;
+    below it, or unverified, the large tile (or the decode tile) as before."""
+    t_large = mm.MatmulTile(64, 64, 64, 4, 4, 4, tma=True, programs=2)
+    t_long = mm.MatmulTile(128, 128, 64, 8, 5, 4, tma=True, programs=2)
+    cfg = mm.MatmulConfig.gpu().replace(
+        large_tiles=((896, 896, t_large),), long_tiles=((896, 896, t_long),),
+        verified=frozenset({(896, 896)}), verified_long=frozenset({(896, 896)}))  # fmt: skip
+    assert cfg.tile_for(896, 896, cfg.long_m - 1, 4) == t_large
+    assert cfg.tile_for(896, 896, cfg.long_m, 4) == t_long
+    assert cfg.tile_for(896, 896, 4096, 1) == cfg.tile(896, 896)  # another split
+    assert cfg.replace(verified_long=frozenset()).tile_for(896, 896, 4096, 4) == t_large
+    assert cfg.replace(verified=frozenset()).tile_for(896, 896, 4096, 4) == t_long
+    assert cfg.replace(verified=frozenset()).tile_for(896, 896, 256, 4).tma is False
+    with pytest.raises(ValueError, match="long_m"):
+        mm.MatmulConfig(long_m=64)
+    with pytest.raises(ValueError, match="power of two"):
+        mm.MatmulConfig(long_tiles=((896, 896, mm.MatmulTile(64, 64, 64, 4, 4, 3)),))
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 
