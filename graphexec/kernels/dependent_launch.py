@@ -6,8 +6,9 @@ scheduled before its predecessor on the stream has finished; it must then wait
 (`griddepcontrol.wait`) before it touches anything the predecessor writes or reads.
 Every forward kernel here does, in this order:
 
-    1. (GEMMs only) prefetch the first columns of its weight slab into L2: weights are
-       never written by a step, so this may overlap the kernel before it;
+    1. (GEMMs and the norm) prefetch the first columns of its weight slab into L2, or
+       load the norm's weight: weights are never written by a step, so this may overlap
+       the kernel before it;
     2. `gdc_wait()`: the predecessor has completed and its writes are visible;
     3. `gdc_launch_dependents()`: the next kernel may now be scheduled and run its own
        step 1 while this one works (after the wait, so at most one kernel runs ahead).

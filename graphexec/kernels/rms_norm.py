@@ -72,11 +72,12 @@ def _residual_rms_norm_kernel(
     sx, sr, D, eps,
     BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    dependent_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = d < D
     dt = OUT.dtype.element_ty
+    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)  # never written by a step
+    dependent_start(PDL)
     v = tl.load(X + row * sx + d, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:  # the add in float32, rounded to the dtype (torch's x + residual)
         v = _rounded(tl.load(RES + row * sr + d, mask=mask, other=0.0).to(tl.float32) + v, dt)
@@ -85,7 +86,6 @@ def _residual_rms_norm_kernel(
     top = tl.max(b, 0)
     rstd = _rstd(tl.sum(_fixed_squares(b, tl.maximum(top >> 23, 1)), 0), top, D, eps)
     n = _rounded(v * rstd, dt)  # normalised in float32, cast back, then * weight
-    w = tl.load(W + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + row * D + d, _rounded(w * n, dt).to(dt), mask=mask)
 
 
@@ -123,10 +123,11 @@ def residual_rms_norm(
     if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("residual_rms_norm needs x and residual contiguous in their last dim")
     res = x if residual is None else residual
+    block = triton.next_power_of_2(D)
     _residual_rms_norm_kernel[(N,)](
         x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
-        BLOCK_D=triton.next_power_of_2(D), HAS_RES=residual is not None,
-        num_warps=cfg.norm_warps, **_pdl(cfg, x),
+        BLOCK_D=block, HAS_RES=residual is not None,
+        num_warps=cfg.norm_warps or min(16, max(4, block // 256)), **_pdl(cfg, x),
     )  # fmt: skip
     return out, new
 

@@ -62,3 +62,21 @@ def test_bad_rows_stay_in_their_row() -> None:
     good, _ = residual_rms_norm(x[[0, 3]], r[[0, 3]], w, 1e-6)
     assert torch.equal(out[[0, 3]], good)
     assert out[2].isnan().all() and out[1, 5].isnan()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [896, 2048, 4096])
+def test_cuda_norm_bits_do_not_depend_on_the_warp_count(D) -> None:
+    """Every warp count (each a different layout of the row's threads and reduction
+    tree) gives the bits of the default launch, with and without a residual; and the
+    rows the torch reference computes, within a unit of the last place."""
+    from graphexec.kernels.fused import FusedConfig
+
+    x, r, w = (t.cuda() for t in rows(33, D, torch.bfloat16, seed=D))
+    for res in (None, r):
+        want, new = residual_rms_norm(x, res, w, 1e-5)
+        for warps in (1, 2, 4, 8, 16, 32):
+            got, got_new = residual_rms_norm(x, res, w, 1e-5, config=FusedConfig(norm_warps=warps))
+            assert torch.equal(got, want) and torch.equal(got_new, new), warps
+        ref, _ = residual_rms_norm_reference(x, res, w, 1e-5)
+        assert ((want.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + 1e-6).all()
