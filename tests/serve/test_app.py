@@ -66,3 +66,39 @@ def test_a_text_too_long_in_bytes_for_the_context_is_refused_untokenized(monkeyp
             reader.prompts(body, chat)
         assert e.value.status == 400 and e.value.param == field
         assert "maximum context length is 64 tokens" in e.value.message
+
+
+def test_small_bodies_are_read_on_the_loop_and_large_ones_in_a_thread(executor,
+                                                                     monkeypatch) -> None:  # fmt: skip
+    """A thread's result waits for the GIL behind a busy event loop (milliseconds to
+    seconds), so a request body up to INLINE_BODY_BYTES is parsed and tokenized on the
+    loop; a larger one (a long text to tokenize) in a thread. Both give the same answer."""
+    from graphexec.serve import app as app_module
+
+    threaded = []
+    real = asyncio.to_thread
+
+    async def counting(fn, *args):
+        if fn.__qualname__.startswith(("Server.", "PromptReader.")):  # not the engine's
+            threaded.append(fn.__qualname__)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(app_module.asyncio, "to_thread", counting)
+    app = build_app(executor, model_name="m")
+    small = {"prompt": "Once upon a time", "max_tokens": 3, "seed": 5}
+    raw = httpx.Request("POST", "http://app", json=small).content
+    big = raw[:-1] + b" " * app_module.INLINE_BODY_BYTES + b"}"  # the same request, padded
+    json_type = {"content-type": "application/json"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            a = await c.post("/v1/completions", content=raw, headers=json_type, timeout=60)
+            seen = list(threaded)
+            b = await c.post("/v1/completions", content=big, headers=json_type, timeout=60)
+            return a, seen, b
+
+    r_small, seen, r_big = asyncio.run(main())
+    assert r_small.status_code == 200 and seen == []
+    assert r_big.status_code == 200 and threaded == ["Server._read"]
+    assert r_big.json()["choices"][0]["text"] == r_small.json()["choices"][0]["text"]
