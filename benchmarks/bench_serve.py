@@ -200,8 +200,11 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
                                          (srv.url, MODEL_NAME, wl, len(range(k, n, w)), k, w,
                                           t1))
                     for k in range(w)]  # fmt: skip
-            recs = [Record(**d) for part in await asyncio.gather(*jobs) for d in part]
-            out[n] = summarize(recs, t0, t1)
+            parts = await asyncio.gather(*jobs)
+            out[n] = summarize([Record(**d) for p in parts for d in p["records"]], t0, t1)
+            lags = [x for p in parts for x in p["lags"]]
+            out[n].update(client_lag_p99_us=_pct(lags, 99),
+                          client_lag_max_us=max(lags) * 1e6 if lags else None)  # fmt: skip
             print(f"server ({engines} engine(s)) N={n}: {out[n]['tokens_per_s']:.0f} tok/s",
                   flush=True)  # fmt: skip
     finally:

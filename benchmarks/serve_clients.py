@@ -78,24 +78,36 @@ async def _http_client(client, url: str, wl: Workload, model: str, first: int, s
         i += step
 
 
-def run_http_worker(args: tuple) -> list[dict]:
+async def _loop_lag(deadline: float, lags: list[float], tick: float = 0.01) -> None:
+    """How late this loop wakes from `tick`-second sleeps: a client loop that lags by
+    seconds delays its own sends and reads, which the records would charge to the server."""
+    while time.monotonic() < deadline:
+        t = time.monotonic()
+        await asyncio.sleep(tick)
+        lags.append(time.monotonic() - t - tick)
+
+
+def run_http_worker(args: tuple) -> dict:
     """A worker process: `clients` HTTP clients (numbers first, first + step, ...) against
-    `base_url` until `deadline` (monotonic); the records as dicts."""
+    `base_url` until `deadline` (monotonic): {"records": the records as dicts, "lags": the
+    loop's wake-up delays in seconds}."""
     base_url, model, wl, clients, first, step, deadline = args
     import httpx
 
-    async def main() -> list[Record]:
+    async def main() -> tuple[list[Record], list[float]]:
         out: list[Record] = []
+        lags: list[float] = []
         limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients)
         async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits) as client:
-            await asyncio.gather(*(
+            await asyncio.gather(_loop_lag(deadline, lags), *(
                 _http_client(client, "/v1/completions", wl, model, first + k * step,
                              step * clients, deadline, out)
                 for k in range(clients)
             ))  # fmt: skip
-        return out
+        return out, lags
 
-    return [dataclasses.asdict(r) for r in asyncio.run(main())]
+    recs, lags = asyncio.run(main())
+    return {"records": [dataclasses.asdict(r) for r in recs], "lags": lags}
 
 
 async def run_direct(aex, wl: Workload, clients: int, deadline: float,

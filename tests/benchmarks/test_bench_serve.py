@@ -44,3 +44,24 @@ def test_workload_requests_are_seeded_and_exact_length() -> None:
     assert len(wl.prompt(3)) == 16 and max(wl.prompt(3)) < 1000
     b = wl.body(3, "m")
     assert b["ignore_eos"] and b["seed"] == 3 and b["max_tokens"] == 9 and b["stream"]
+
+
+def test_the_client_loop_lag_shows_a_blocked_worker() -> None:
+    """A worker loop blocked for 0.2 s (as one that cannot keep up with its streams)
+    wakes that late from its ticks; an idle one wakes on time."""
+    import asyncio
+    import time
+
+    from serve_clients import _loop_lag
+
+    async def run(block: bool) -> list[float]:
+        lags: list[float] = []
+        task = asyncio.create_task(_loop_lag(time.monotonic() + 0.5, lags))
+        await asyncio.sleep(0.05)
+        if block:
+            time.sleep(0.2)  # the loop does nothing else meanwhile
+        await task
+        return lags
+
+    assert max(asyncio.run(run(True))) >= 0.15
+    assert max(asyncio.run(run(False))) < 0.1

@@ -68,8 +68,9 @@ def test_a_text_too_long_in_bytes_for_the_context_is_refused_untokenized(monkeyp
         assert "maximum context length is 64 tokens" in e.value.message
 
 
-def test_small_bodies_are_read_on_the_loop_and_large_ones_in_a_thread(executor,
-                                                                     monkeypatch) -> None:  # fmt: skip
+def test_small_bodies_are_read_on_the_loop_and_large_ones_in_a_thread(
+    executor, monkeypatch
+) -> None:
     """A thread's result waits for the GIL behind a busy event loop (milliseconds to
     seconds), so a request body up to INLINE_BODY_BYTES is parsed and tokenized on the
     loop; a larger one (a long text to tokenize) in a thread. Both give the same answer."""
