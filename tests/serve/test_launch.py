@@ -53,3 +53,44 @@ def test_cpu_server_replays_its_emulated_graphs(restore_threads) -> None:
             ex.step()
         st = EngineStats.of(ex, 0)
         assert (st.replays, st.eager) == ((0, st.steps) if no_capture else (st.steps, 0)), st
+
+
+def test_api_servers_listen_on_one_port_and_share_connections_evenly() -> None:
+    """On Linux each API server gets its own SO_REUSEPORT socket on the one port, and the
+    kernel spreads connections opened at once over them (hashed: 256 connections over 4
+    sockets are binomial, mean 64, sd 7; each must take at least 32). One server, or
+    another system: one socket."""
+    import os
+    import socket
+
+    from graphexec.serve.processes import listen_sockets
+
+    one = listen_sockets("127.0.0.1", 0, 1)
+    assert len(one) == 1
+    one[0].close()
+    socks = listen_sockets("127.0.0.1", 0, 4)
+    try:
+        if os.uname().sysname != "Linux":
+            assert len(socks) == 1
+            return
+        port = socks[0].getsockname()[1]
+        assert len(socks) == 4 and {s.getsockname()[1] for s in socks} == {port}
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(256)]
+        counts = []
+        for s in socks:
+            s.setblocking(False)
+            n = 0
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                n += 1
+            counts.append(n)
+        for c in clients:
+            c.close()
+        assert sum(counts) == 256 and min(counts) >= 32, counts
+    finally:
+        for s in socks:
+            s.close()
