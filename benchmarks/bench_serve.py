@@ -56,6 +56,7 @@ from graphexec.params import SamplerVariant as SV
 from graphexec.request import GraphKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_metrics  # noqa: E402
 from serve_clients import Record, Workload, run_direct, run_http_worker  # noqa: E402
 
 TARGETS = dict(
@@ -195,6 +196,8 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
     try:
         for n in clients:
             w = min(args.workers, n)
+            m = max(args.api_servers, 1)
+            before = serve_metrics.scrape(srv.url, m)  # before the point's clock starts
             _, t0, t1 = window(args)
             jobs = [loop.run_in_executor(pool, run_http_worker,
                                          (srv.url, MODEL_NAME, wl, len(range(k, n, w)), k, w,
@@ -203,8 +206,10 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
             parts = await asyncio.gather(*jobs)
             out[n] = summarize([Record(**d) for p in parts for d in p["records"]], t0, t1)
             lags = [x for p in parts for x in p["lags"]]
+            after = serve_metrics.scrape(srv.url, m)
             out[n].update(client_lag_p99_us=_pct(lags, 99),
-                          client_lag_max_us=max(lags) * 1e6 if lags else None)  # fmt: skip
+                          client_lag_max_us=max(lags) * 1e6 if lags else None,
+                          server_side=serve_metrics.delta(before, after))  # fmt: skip
             print(f"server ({engines} engine(s)) N={n}: {out[n]['tokens_per_s']:.0f} tok/s",
                   flush=True)  # fmt: skip
     finally:

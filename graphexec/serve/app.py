@@ -301,7 +301,9 @@ def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None =
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        probe = asyncio.get_running_loop().create_task(server.metrics.probe_loop_lag())
         yield
+        probe.cancel()
         await engine.close()
 
     routes = [

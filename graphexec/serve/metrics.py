@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RATE_WINDOW_S = 10.0  # tokens per second: over the last this many seconds
+LAG_TICK_S = 0.01  # the event-loop lag probe's sleep
 
 
 @dataclass
@@ -51,6 +53,10 @@ class ServerMetrics:
     queue: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    # how late this process's event loop wakes from LAG_TICK_S sleeps: a loop that falls
+    # behind delays every stream and every new request it holds
+    loop_lag: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    api_server: int | None = None  # this API server's number under `serve --api-servers`
     # tokens per whole second, the last RATE_WINDOW_S + 1 of them (a fixed ring: bounded
     # whether or not anyone reads /metrics)
     _per_s: list[int] = field(default_factory=lambda: [0] * (int(RATE_WINDOW_S) + 1))
@@ -74,6 +80,13 @@ class ServerMetrics:
         sec = int(time.monotonic())
         ring = self._roll(sec)
         return (sum(ring) - ring[sec % len(ring)]) / RATE_WINDOW_S
+
+    async def probe_loop_lag(self) -> None:
+        """Observe the event loop's lag every LAG_TICK_S, until cancelled."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(LAG_TICK_S)
+            self.loop_lag.observe(max(0.0, time.monotonic() - t - LAG_TICK_S))
 
     def render(self, st) -> str:
         """The Prometheus exposition text (version 0.0.4); `st`: the engines' `EngineStats`."""
@@ -100,10 +113,14 @@ class ServerMetrics:
             ("counter", "spec_accepted_tokens_total", "speculative drafts accepted",
              st.accepted),
         ]  # fmt: skip
+        if self.api_server is not None:  # which of the port's processes answered
+            rows.append(("gauge", "api_server", "this API server's number (always 1: the "
+                         "label says which)", 1))  # fmt: skip
         out = []
         for kind, name, help_, value in rows:
+            label = f'{{index="{self.api_server}"}}' if name == "api_server" else ""
             out += [f"# HELP graphexec_{name} {help_}", f"# TYPE graphexec_{name} {kind}",
-                    f"graphexec_{name} {value}"]  # fmt: skip
+                    f"graphexec_{name}{label} {value}"]  # fmt: skip
         out += ["# HELP graphexec_request_finish_total choices ended, by finish reason",
                 "# TYPE graphexec_request_finish_total counter"]  # fmt: skip
         out += [f'graphexec_request_finish_total{{reason="{r}"}} {n}'
@@ -113,6 +130,8 @@ class ServerMetrics:
             ("request_e2e_seconds", self.e2e, "arrival to the last token"),
             ("time_to_first_token_seconds", self.ttft, "time to first token"),
             ("inter_token_latency_seconds", self.itl, "time between tokens"),
+            ("event_loop_lag_seconds", self.loop_lag,
+             f"how late the event loop wakes from {LAG_TICK_S:g} s sleeps"),
         ):
             out += [f"# HELP graphexec_{name} {help_}", f"# TYPE graphexec_{name} histogram"]
             out += h.lines(f"graphexec_{name}")

@@ -104,7 +104,7 @@ def server_main(spec: ServerSpec, index: int, sock: socket.socket, addr: str,
     from graphexec.serve.served import front_model
 
     model = front_model(spec.model, spec.served_model_name, infos[0][2], name)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(api_server=index)
     engines = RemoteEngines(index, addr, engine_addrs, [EngineInfo(*i) for i in infos],
                             on_admitted=metrics.queue.observe)  # fmt: skip
     app = app_over(engines, model, metrics, spec.api_key, spec.max_body_bytes)

@@ -65,3 +65,30 @@ def test_the_client_loop_lag_shows_a_blocked_worker() -> None:
 
     assert max(asyncio.run(run(True))) >= 0.15
     assert max(asyncio.run(run(False))) < 0.1
+
+
+def test_server_side_view_reads_each_api_servers_metrics_and_their_difference() -> None:
+    """parse / delta over the text the servers render: requests per server, and the
+    histograms' p50 / p99 bucket bounds over what happened between two scrapes only."""
+    import serve_metrics
+
+    from graphexec.serve.engines import EngineStats
+    from graphexec.serve.metrics import ServerMetrics
+
+    ms = [ServerMetrics(api_server=i) for i in range(2)]
+    ms[0].ttft.observe(30.0)  # before the point: must not count
+    before = {i: serve_metrics.parse(m.render(EngineStats()))[1] for i, m in enumerate(ms)}
+    assert serve_metrics.parse(ms[1].render(EngineStats()))[0] == 1
+    for v in [0.02] * 60 + [0.2] * 38 + [4.0] * 2:
+        ms[0].requests += 1
+        ms[0].ttft.observe(v)
+    ms[1].requests += 3
+    ms[1].loop_lag.observe(0.003)
+    after = {i: serve_metrics.parse(m.render(EngineStats()))[1] for i, m in enumerate(ms)}
+    d = serve_metrics.delta(before, after)
+    assert d["requests_per_server"] == [100, 3]
+    t = d["time_to_first_token_seconds"]
+    assert (t["p50_s"], t["p99_s"], t["count"]) == (0.025, 5.0, 100)
+    assert d["event_loop_lag_seconds"]["p99_s"] == 0.005
+    assert d["request_queue_seconds"]["p50_s"] is None
+    assert serve_metrics.delta(before, {0: after[0]})["requests_per_server"] == [100]

@@ -77,6 +77,17 @@ def test_models_health_metrics(server, client) -> None:
                  "inter_token_latency_seconds_count", "graph_replays_total",
                  "spec_drafted_tokens_total", "spec_accepted_tokens_total"):  # fmt: skip
         assert f"graphexec_{name}" in text, name
+    # each of the 2 API servers answers on the port (new connections spread over them),
+    # says which it is, and probes its event loop's lag
+    seen = set()
+    for _ in range(60):
+        text = httpx.get(f"{server.url}/metrics").text
+        seen |= set(re.findall(r'graphexec_api_server\{index="(\d+)"\} 1', text))
+        lag = re.search(r"graphexec_event_loop_lag_seconds_count (\d+)", text)
+        assert lag is not None and int(lag.group(1)) > 0
+        if len(seen) == 2:
+            break
+    assert seen == {"0", "1"}
 
 
 def test_completions_equal_the_library(client, direct) -> None:
