@@ -14,8 +14,9 @@ what the GPU runs and how long it waits for the host.
   launch used (`ex.graphs.steps[key].graph`) alone, and the model's forward alone
   (`model.decode` on that step's inputs, captured in a graph of its own), each by
   `queued_replay`; and the model positions that forward reads, for the floor
-  (step_floor.py). Replaying the step graph advances the rows' positions on the device
-  (by 2 * reps + 1); the requests are aborted after.
+  (step_floor.py), and the step's kernels split into forward, sampler and the rest
+  (`step_parts`). Replaying the step graph advances the rows' positions on the device
+  (by 2 * reps + 6); the requests are aborted after.
 - `busy_processes`: N busy Python processes beside the run (a loaded serving host).
 
 Everything that touches CUDA runs inside functions: the module imports on a CPU.
@@ -34,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from step_floor import floor_bytes, floor_us
+from step_parts import step_parts
 
 from graphexec.runtime.capture import GraphCapture
 
@@ -252,11 +254,15 @@ def device_times(ex, model, B: int, make, prompts, reps: int) -> dict:
         ids, pos, slot_ids = step_inputs(ex, key.bucket)
         fwd, _ = GraphCapture(ids.device)(lambda: model.decode(ids, pos, slot_ids))
         forward = queued_replay(fwd.replay, reps)
+        try:  # a diagnosis: its failure leaves the timings
+            parts = step_parts(captured.graph, fwd)
+        except Exception as e:  # noqa: BLE001
+            parts = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         positions = pos.clamp(min=0).tolist()
         del fwd
     finally:
         end_batch(ex, B, ("d",))
-    return dict(key=str(key), graph=graph, forward=forward, positions=positions)
+    return dict(key=str(key), graph=graph, forward=forward, positions=positions, parts=parts)
 
 
 @contextlib.contextmanager
@@ -314,7 +320,7 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
             end_batch(ex, B, ("b", "d"))
         return
     rp.update(graph_us=t["graph"]["us"], forward_us=t["forward"]["us"], graph=t["graph"],
-              forward=t["forward"], key=t["key"], idle=idle,
+              forward=t["forward"], key=t["key"], idle=idle, parts=t["parts"],
               idle_us={k: v["idle_us"] for k, v in idle.items()})  # fmt: skip
     fb = floor_bytes(model, t["positions"])
     r["floor"] = dict(fb, read_gb_s=bandwidth / 1e9, rows=len(t["positions"]),
@@ -350,8 +356,16 @@ def summary(r: dict) -> str:
         return f"failed: {r['device_error']}"
     rp, f = r["replay"], r["floor"]
     idle = ", ".join(f"{k} {v:.1f}" for k, v in rp["idle_us"].items())
+    parts = rp.get("parts", {})
+    if "other" in parts:
+        o, sm = parts["other"], parts["sampler"]
+        top = ", ".join(f"{k} {v:.1f}" for k, v in list(o["by_name"].items())[:4])
+        split = (f"; sampler {sm['own_us']:.1f} us; other {o['own_us']:.1f} us + gaps "
+                 f"{o['gap_us']:.1f} in {o['kernels']} kernels ({top})")  # fmt: skip
+    else:
+        split = f"; parts: {parts.get('error', 'not measured')}"
     return (
         f"graph {rp['graph_us']:9.1f} us, forward {rp['forward_us']:9.1f} us, floor "
         f"{r['floor_us']:9.1f} us ({f['floor_bytes'] / 1e9:.2f} GB) x"
-        f"{r['forward_over_floor']:.2f}; idle us: {idle}"
+        f"{r['forward_over_floor']:.2f}; idle us: {idle}{split}"
     )

@@ -176,7 +176,11 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
         return dict(events=dict(idle_us=idle, idle_p90_us=idle + 1), wall_us=idle * 10,
                     wall_p90_us=idle * 11)  # fmt: skip
 
-    times = dict(key="k", graph=dict(us=1500.0), forward=dict(us=1400.0), positions=[16, 20])
+    parts = dict(forward=dict(own_us=1390.0, gap_us=0.0, kernels=9),
+                 sampler=dict(own_us=80.0, gap_us=0.0, kernels=2),
+                 other=dict(own_us=25.0, gap_us=5.0, kernels=3, by_name={"_advance": 20.0}))
+    times = dict(key="k", graph=dict(us=1500.0), forward=dict(us=1400.0), positions=[16, 20],
+                 parts=parts)  # fmt: skip
     monkeypatch.setattr(step_replay, "device_times", lambda *a: dict(times))
     monkeypatch.setattr(step_replay, "busy_processes", lambda n: contextlib.nullcontext())
     r = dict(batch=2, replay=dict(measure(ex, 2, None, 5, None)))
@@ -197,3 +201,27 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     assert r["floor_us"] == pytest.approx(fb["floor_bytes"] / 2e12 * 1e6)
     assert r["forward_over_floor"] == pytest.approx(1400.0 / r["floor_us"])
     assert "x" in step_replay.summary(r) and step_replay.cells(r)[0] == "100 / 100"
+    assert rp["parts"] == parts
+    assert "other 25.0 us + gaps 5.0 in 3 kernels" in step_replay.summary(r)
+
+
+def test_step_parts_find_the_forward_and_split_the_sampler_from_the_rest() -> None:
+    """The forward is the run of the forward graph's kernel names inside the step (a
+    same-named kernel outside it is not the forward's); the sampler's Triton kernels by
+    name; the rest (bookkeeping, copies) with their own and gap times."""
+    import pytest
+    from step_parts import split_step
+
+    fwd = ["gemm", "norm", "gemm"]
+    spans = [("_gather_kernel", 2, 2.0, 0.0), ("gemm", 5, 1.0, 1.5),  # not the forward
+             ("gemm", 9, 9.0, 0.5), ("norm", 3, 3.0, 0.0), ("gemm", 9, 8.0, 0.0),
+             ("_stats_kernel_0d1d", 4, 4.0, 2.0), ("_tail_kernel", 2, 2.0, 0.0),
+             ("_advance_kernel", 1, 1.0, 3.0)]  # fmt: skip
+    p = split_step(spans, fwd)
+    assert p["forward"] == {"own_us": 20.0, "gap_us": 0.5, "kernels": 3}
+    assert p["sampler"] == {"own_us": 6.0, "gap_us": 2.0, "kernels": 2}
+    assert (p["other"]["own_us"], p["other"]["gap_us"], p["other"]["kernels"]) == (4.0, 4.5, 3)
+    assert list(p["other"]["by_name"].items()) == [("_gather_kernel", 2.0), ("gemm", 1.0),
+                                                  ("_advance_kernel", 1.0)]  # fmt: skip
+    with pytest.raises(ValueError, match="not one run"):
+        split_step(spans, ["norm", "norm"])
