@@ -179,6 +179,12 @@ class ServeProcess:
             time.sleep(0.2)
         self.ready_s = time.perf_counter() - t
 
+    def log_since(self, offset: int) -> tuple[list[str], int]:
+        """The server's log lines (warnings and errors: it runs at --log-level warning)
+        written after byte `offset`, and the offset of the end."""
+        data = self.log.read_bytes()
+        return data[offset:].decode(errors="replace").splitlines(), len(data)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -198,6 +204,7 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
             w = min(args.workers, n)
             m = max(args.api_servers, 1)
             before = serve_metrics.scrape(srv.url, m)  # before the point's clock starts
+            _, log_at = srv.log_since(0)
             _, t0, t1 = window(args)
             jobs = [loop.run_in_executor(pool, run_http_worker,
                                          (srv.url, MODEL_NAME, wl, len(range(k, n, w)), k, w,
@@ -207,9 +214,11 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
             out[n] = summarize([Record(**d) for p in parts for d in p["records"]], t0, t1)
             lags = [x for p in parts for x in p["lags"]]
             after = serve_metrics.scrape(srv.url, m)
+            logged, _ = srv.log_since(log_at)
             out[n].update(client_lag_p99_us=_pct(lags, 99),
                           client_lag_max_us=max(lags) * 1e6 if lags else None,
-                          server_side=serve_metrics.delta(before, after))  # fmt: skip
+                          server_side=serve_metrics.delta(before, after),
+                          server_log=dict(lines=len(logged), first=logged[:20]))  # fmt: skip
             print(f"server ({engines} engine(s)) N={n}: {out[n]['tokens_per_s']:.0f} tok/s",
                   flush=True)  # fmt: skip
     finally:

@@ -92,3 +92,15 @@ def test_server_side_view_reads_each_api_servers_metrics_and_their_difference() 
     assert d["event_loop_lag_seconds"]["p99_s"] == 0.005
     assert d["request_queue_seconds"]["p50_s"] is None
     assert serve_metrics.delta(before, {0: after[0]})["requests_per_server"] == [100]
+
+
+def test_a_points_server_log_is_what_the_server_wrote_meanwhile(tmp_path) -> None:
+    srv = object.__new__(bench_serve.ServeProcess)  # its log only: no server started
+    srv.log = tmp_path / "serve.log"
+    srv.log.write_text("ready\n")
+    _, at = srv.log_since(0)
+    with open(srv.log, "a") as f:
+        f.write("WARNING engine 0: API server 3 is not reading; a message dropped\nERROR x\n")
+    lines, end = srv.log_since(at)
+    assert lines == ["WARNING engine 0: API server 3 is not reading; a message dropped", "ERROR x"]
+    assert srv.log_since(end) == ([], end)
