@@ -35,7 +35,9 @@ greedy), so the drafter proposes at every step (one draft: in a constant history
 latest earlier match has one successor, which is accepted) and every timed step replays
 the spec_k = 3 key: one forward over K + 1 = 4 tokens a row, then verification (the
 rows' pads cost what drafts cost). spec_vs_plain = that step's replayed wall / the plain
-step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key.
+step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key;
+on CUDA `events` (as `replay.idle`): the GPU's idle time between launches, what the
+speculative step's not overlapping with the host costs.
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -219,11 +221,16 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
             ex.step()
         before = sum(n for key, n in ex.stats.replays.items() if key.spec_k == k)
         walls, emitted = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            outs = ex.step()
-            walls.append(time.perf_counter() - t0)
-            emitted.append(len(outs))
+        # on CUDA the device's idle time between the launches too: a speculative step
+        # collects the step before it (its drafts need its tokens), so it does not overlap
+        stamps = (step_replay.StepEvents(ex, steps) if args.device == "cuda"
+                  else contextlib.nullcontext())  # fmt: skip
+        with stamps:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                outs = ex.step()
+                walls.append(time.perf_counter() - t0)
+                emitted.append(len(outs))
         for i in range(B):
             ex.abort(f"s{i}")
         ex.step()
@@ -232,10 +239,14 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
         r = dict(batch=B, k=k, wall_us=wall, tokens_per_step=statistics.median(emitted),
                  tokens_per_s=statistics.median(emitted) / wall * 1e6, steps=steps,
                  spec_key_steps=spec_steps)  # fmt: skip
+        if isinstance(stamps, step_replay.StepEvents):
+            with contextlib.suppress(ValueError):  # fewer than 2 launches stamped
+                r["events"] = stamps.stats()
         rows.append(r)
+        idle = f"; GPU idle {r['events']['idle_us']:.0f} us a launch" if "events" in r else ""
         print(f"spec   B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
               f"step, {(k + 1) * B} rows verified; {spec_steps}/{steps} steps on the spec_k={k} "
-              "key", flush=True)  # fmt: skip
+              f"key{idle}", flush=True)  # fmt: skip
     info = dict(drafted=ex.stats.drafted, accepted=ex.stats.accepted)
     print(f"spec drafts accepted: {info['accepted']}/{info['drafted']}", flush=True)
     return rows
