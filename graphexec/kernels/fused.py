@@ -57,8 +57,13 @@ class FusedConfig:
             raise ValueError(f"FusedConfig.silu_block must be a power of two >= 16, got "
                              f"{self.silu_block}")  # fmt: skip
         for name in ("norm_warps", "rope_warps", "silu_warps"):
-            if (getattr(self, name) or 1) < 1:
+            v = getattr(self, name)
+            if v is not None and v < 1:
                 raise ValueError(f"FusedConfig.{name} must be positive")
+
+    def norm_warps_for(self, block: int) -> int:
+        """The norm's warps for rows padded to `block` values (`norm_warps`)."""
+        return self.norm_warps if self.norm_warps is not None else min(16, max(4, block // 256))
 
 
 DEFAULT = FusedConfig()

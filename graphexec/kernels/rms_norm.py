@@ -127,7 +127,7 @@ def residual_rms_norm(
     _residual_rms_norm_kernel[(N,)](
         x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
         BLOCK_D=block, HAS_RES=residual is not None,
-        num_warps=cfg.norm_warps or min(16, max(4, block // 256)), **_pdl(cfg, x),
+        num_warps=cfg.norm_warps_for(block), **_pdl(cfg, x),
     )  # fmt: skip
     return out, new
 

@@ -120,6 +120,16 @@ def test_silu_mul(dtype, inter) -> None:
         FusedConfig(silu_block=24)
 
 
+def test_warp_counts_must_be_positive_and_the_norms_default_follows_the_row() -> None:
+    for name in ("norm_warps", "rope_warps", "silu_warps"):
+        for bad in (0, -2):
+            with pytest.raises(ValueError, match=name):
+                FusedConfig(**{name: bad})
+    assert [FusedConfig().norm_warps_for(b) for b in (256, 1024, 2048, 4096, 8192)] == [
+        4, 4, 8, 16, 16]  # fmt: skip
+    assert FusedConfig(norm_warps=2).norm_warps_for(4096) == 2
+
+
 transformers = pytest.importorskip("transformers")
 BASE = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=97, intermediate_size=72, max_position_embeddings=64)  # fmt: skip
