@@ -78,15 +78,6 @@ async def _http_client(client, url: str, wl: Workload, model: str, first: int, s
         i += step
 
 
-async def _loop_lag(deadline: float, lags: list[float], tick: float = 0.01) -> None:
-    """How late this loop wakes from `tick`-second sleeps: a client loop that lags by
-    seconds delays its own sends and reads, which the records would charge to the server."""
-    while time.monotonic() < deadline:
-        t = time.monotonic()
-        await asyncio.sleep(tick)
-        lags.append(time.monotonic() - t - tick)
-
-
 def run_http_worker(args: tuple) -> dict:
     """A worker process: `clients` HTTP clients (numbers first, first + step, ...) against
     `base_url` until `deadline` (monotonic): {"records": the records as dicts, "lags": the
@@ -94,12 +85,15 @@ def run_http_worker(args: tuple) -> dict:
     base_url, model, wl, clients, first, step, deadline = args
     import httpx
 
+    # a client loop that lags delays its own sends and reads, charged to the server
+    from graphexec.serve.metrics import watch_loop_lag
+
     async def main() -> tuple[list[Record], list[float]]:
         out: list[Record] = []
         lags: list[float] = []
         limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients)
         async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits) as client:
-            await asyncio.gather(_loop_lag(deadline, lags), *(
+            await asyncio.gather(watch_loop_lag(lags.append, until=deadline), *(
                 _http_client(client, "/v1/completions", wl, model, first + k * step,
                              step * clients, deadline, out)
                 for k in range(clients)

@@ -31,7 +31,7 @@ from graphexec.params import MAX_SEED
 from graphexec.serve.auth import ApiKey
 from graphexec.serve.engines import Engine, LocalEngine
 from graphexec.serve.errors import APIError, http_error, internal_error
-from graphexec.serve.metrics import ServerMetrics
+from graphexec.serve.metrics import ServerMetrics, watch_loop_lag
 from graphexec.serve.outputs import Disconnected, Outputs, or_disconnect
 from graphexec.serve.prompts import MAX_BODY_BYTES, PromptReader, ServedModel, read_body
 from graphexec.serve.request_fields import Parsed, param_of, parse_request
@@ -301,7 +301,7 @@ def app_over(engine: Engine, model: ServedModel, metrics: ServerMetrics | None =
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        probe = asyncio.get_running_loop().create_task(server.metrics.probe_loop_lag())
+        probe = asyncio.ensure_future(watch_loop_lag(server.metrics.loop_lag.observe))
         yield
         probe.cancel()
         await engine.close()

@@ -16,6 +16,16 @@ RATE_WINDOW_S = 10.0  # tokens per second: over the last this many seconds
 LAG_TICK_S = 0.01  # the event-loop lag probe's sleep
 
 
+async def watch_loop_lag(observe, tick: float = LAG_TICK_S, until: float = float("inf")) -> None:
+    """observe(how late this event loop woke from each `tick`-second sleep, seconds) until
+    the monotonic time `until` or a cancel: a loop that falls behind delays every stream
+    and every new request it holds."""
+    while time.monotonic() < until:
+        t = time.monotonic()
+        await asyncio.sleep(tick)
+        observe(max(0.0, time.monotonic() - t - tick))
+
+
 @dataclass
 class Histogram:
     bounds: tuple[float, ...]
@@ -53,9 +63,7 @@ class ServerMetrics:
     queue: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    # how late this process's event loop wakes from LAG_TICK_S sleeps: a loop that falls
-    # behind delays every stream and every new request it holds
-    loop_lag: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    loop_lag: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))  # watch_loop_lag
     api_server: int | None = None  # this API server's number under `serve --api-servers`
     # tokens per whole second, the last RATE_WINDOW_S + 1 of them (a fixed ring: bounded
     # whether or not anyone reads /metrics)
@@ -80,13 +88,6 @@ class ServerMetrics:
         sec = int(time.monotonic())
         ring = self._roll(sec)
         return (sum(ring) - ring[sec % len(ring)]) / RATE_WINDOW_S
-
-    async def probe_loop_lag(self) -> None:
-        """Observe the event loop's lag every LAG_TICK_S, until cancelled."""
-        while True:
-            t = time.monotonic()
-            await asyncio.sleep(LAG_TICK_S)
-            self.loop_lag.observe(max(0.0, time.monotonic() - t - LAG_TICK_S))
 
     def render(self, st) -> str:
         """The Prometheus exposition text (version 0.0.4); `st`: the engines' `EngineStats`."""

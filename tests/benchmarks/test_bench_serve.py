@@ -52,11 +52,11 @@ def test_the_client_loop_lag_shows_a_blocked_worker() -> None:
     import asyncio
     import time
 
-    from serve_clients import _loop_lag
+    from graphexec.serve.metrics import watch_loop_lag
 
     async def run(block: bool) -> list[float]:
         lags: list[float] = []
-        task = asyncio.create_task(_loop_lag(time.monotonic() + 0.5, lags))
+        task = asyncio.create_task(watch_loop_lag(lags.append, until=time.monotonic() + 0.5))
         await asyncio.sleep(0.05)
         if block:
             time.sleep(0.2)  # the loop does nothing else meanwhile
