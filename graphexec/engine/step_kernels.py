@@ -54,17 +54,24 @@ def _inputs_kernel(
     tl.store(POS_OUT + r, pos)
     tl.store(MODEL_POS_OUT + r, tl.load(PROMPT_LENS + slot) + pos - 1)
     tl.store(LAST_OUT + r, tl.load(LAST_TOKEN + slot))
-    m = tl.arange(0, M_PAD)
-    active = pos < tl.load(MIN_TOKENS + slot)
-    words = tl.load(MIN_WORDS + slot * M + m, mask=m < M, other=-1)
-    bits = tl.load(MIN_BITS + slot * M + m, mask=m < M, other=0)
-    bits = tl.where(active, bits, 0)
     for w0 in range(0, W, BLOCK):
         c = w0 + tl.arange(0, BLOCK)
-        row = tl.load(BITMASK + slot * s_bm + c, mask=c < W, other=0)
-        # a word may repeat (the row format pads with the first entry): OR, not a sum
-        clear = tl.reduce(tl.where(c[:, None] == words[None, :], bits[None, :], 0), 1, _or)
-        tl.store(MASK_OUT + r * W + c, row & ~clear, mask=c < W)
+        row = tl.load(BITMASK + slot * s_bm + c, mask=c < W)
+        tl.store(MASK_OUT + r * W + c, row, mask=c < W)
+    # then only the M held-back words are rewritten: comparing each word with the M entries
+    # inside the copy loop made W x M compares a row (~25 us a step on an H200)
+    m = tl.arange(0, M_PAD)
+    # the held-back entries while pos < min_tokens (pos as a vector: the interpreter
+    # refuses a scalar in a vector mask)
+    live = (m < M) & (m * 0 + pos < tl.load(MIN_TOKENS + slot))
+    words = tl.load(MIN_WORDS + slot * M + m, mask=live, other=-1)
+    bits = tl.load(MIN_BITS + slot * M + m, mask=live, other=0)
+    # a word may repeat (the row format pads with the first entry): each entry clears the
+    # OR of its word's bits, so repeats store the same value
+    clear = tl.reduce(tl.where(words[:, None] == words[None, :], bits[None, :], 0), 1, _or)
+    held = tl.load(BITMASK + slot * s_bm + words, mask=live, other=0)
+    tl.debug_barrier()  # the copy's stores of these words land first
+    tl.store(MASK_OUT + r * W + words, held & ~clear, mask=live)
 
 
 @triton.jit
