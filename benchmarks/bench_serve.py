@@ -109,7 +109,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 def summarize(records: list[Record], t0: float, t1: float) -> dict:
     """The measures of one point over the window [t0, t1] (monotonic seconds)."""
     tokens, gaps, ttft = 0, [], []
-    lost = dup = usage_bad = 0
+    parts: dict[str, list[float]] = {"send": [], "headers": [], "first_chunk": []}
+    lost = dup = usage_bad = connects = 0
     errors = [r.error for r in records if r.error]
     for r in records:
         a = r.arrivals
@@ -117,6 +118,11 @@ def summarize(records: list[Record], t0: float, t1: float) -> dict:
         gaps += [b - c for c, b in zip(a, a[1:], strict=False) if t0 <= b <= t1]
         if a and t0 <= r.sent <= t1:
             ttft.append(a[0] - r.sent)
+            connects += r.connected
+            if r.wrote is not None and r.headers is not None:
+                parts["send"].append(r.wrote - r.sent)
+                parts["headers"].append(r.headers - r.wrote)
+                parts["first_chunk"].append(a[0] - r.headers)
         if r.error is None:
             lost += len(a) < r.expected
             dup += len(a) > r.expected
@@ -126,7 +132,19 @@ def summarize(records: list[Record], t0: float, t1: float) -> dict:
                 ttft_p99_us=_pct(ttft, 99), gap_p99_us=_pct(gaps, 99),
                 gap_mean_us=statistics.fmean(gaps) * 1e6 if gaps else None,
                 lost=lost, duplicated=dup, usage_mismatch=usage_bad, errors=len(errors),
-                first_errors=errors[:3])  # fmt: skip
+                first_errors=errors[:3], ttft_parts=_ttft_parts(parts, connects))  # fmt: skip
+
+
+def _ttft_parts(parts: dict[str, list[float]], connects: int) -> dict | None:
+    """Where an HTTP request's first token waited (mean / p99 us of each part): send, from
+    the call to the request written (the client's pool, a new connection, the write);
+    headers, to the response's headers (the server reads it, admits it, sends its first
+    token); first_chunk, to the first token parsed. Plus the connections opened."""
+    if not parts["send"]:
+        return None
+    out = {f"{k}_{q}_us": (statistics.fmean(v) * 1e6 if q == "mean" else _pct(v, 99))
+           for k, v in parts.items() for q in ("mean", "p99")}  # fmt: skip
+    return dict(out, connections_opened=connects)
 
 
 def window(args) -> tuple[float, float, float]:

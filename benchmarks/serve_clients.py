@@ -50,6 +50,26 @@ class Record:
     expected: int
     usage: int | None = None  # usage.completion_tokens (HTTP only)
     error: str | None = None
+    # HTTP only, from httpx's trace: the request written, the response's headers read
+    # (the server sends them with its first token), and whether it opened a connection
+    wrote: float | None = None
+    headers: float | None = None
+    connected: bool = False
+
+
+def _tracer(rec: Record):
+    """httpx's trace callback (the `trace` extension) filling rec's wrote / headers /
+    connected."""
+
+    async def trace(event: str, info: dict) -> None:
+        if event == "connection.connect_tcp.started":
+            rec.connected = True
+        elif event == "http11.send_request_body.complete":
+            rec.wrote = time.monotonic()
+        elif event == "http11.receive_response_headers.complete":
+            rec.headers = time.monotonic()
+
+    return trace
 
 
 async def _http_client(client, url: str, wl: Workload, model: str, first: int, step: int,
@@ -58,7 +78,8 @@ async def _http_client(client, url: str, wl: Workload, model: str, first: int, s
     while time.monotonic() < deadline:
         rec = Record(time.monotonic(), [], wl.max_tokens)
         try:
-            async with client.stream("POST", url, json=wl.body(i, model)) as resp:
+            async with client.stream("POST", url, json=wl.body(i, model),
+                                     extensions={"trace": _tracer(rec)}) as resp:  # fmt: skip
                 if resp.status_code != 200:
                     rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 else:

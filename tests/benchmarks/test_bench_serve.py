@@ -104,3 +104,50 @@ def test_a_points_server_log_is_what_the_server_wrote_meanwhile(tmp_path) -> Non
     lines, end = srv.log_since(at)
     assert lines == ["WARNING engine 0: API server 3 is not reading; a message dropped", "ERROR x"]
     assert srv.log_since(end) == ([], end)
+
+
+def test_ttft_parts_split_the_first_token_wait_from_the_trace() -> None:
+    """A request's wait split at the request written and the response's headers, over the
+    window's requests that have both; connections opened are counted."""
+    a = Record(2.0, [2.5], 1, wrote=2.1, headers=2.4, connected=True)
+    b = Record(2.2, [2.4], 1, wrote=2.2, headers=2.3)
+    old = Record(1.0, [1.5], 1, wrote=1.4, headers=1.45, connected=True)  # before the window
+    p = bench_serve.summarize([a, b, old], 2.0, 3.0)["ttft_parts"]
+    assert p["send_mean_us"] == pytest.approx(0.05e6)
+    assert p["headers_mean_us"] == pytest.approx(0.2e6)
+    assert p["first_chunk_mean_us"] == pytest.approx(0.1e6)
+    assert p["connections_opened"] == 1
+    assert bench_serve.summarize([Record(2.0, [2.5], 1)], 2.0, 3.0)["ttft_parts"] is None
+
+
+def test_the_tracer_sees_httpx_write_and_read_a_request() -> None:
+    """httpx's trace events, as the HTTP clients use them, against a bare HTTP server:
+    the first request opens a connection, the second reuses it; written before headers."""
+    import asyncio
+
+    import httpx
+    from serve_clients import _tracer
+
+    async def serve(reader, writer) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except asyncio.IncompleteReadError:  # the client closed
+            writer.close()
+
+    async def main() -> list[Record]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        recs = [Record(0.0, [], 1), Record(0.0, [], 1)]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for rec in recs:
+                async with client.stream("GET", "/", extensions={"trace": _tracer(rec)}) as r:
+                    await r.aread()
+        server.close()
+        return recs
+
+    first, second = asyncio.run(main())
+    assert first.connected and not second.connected
+    for r in (first, second):
+        assert r.wrote is not None and r.headers is not None and r.wrote <= r.headers
