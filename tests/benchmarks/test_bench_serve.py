@@ -128,13 +128,16 @@ def test_the_tracer_sees_httpx_write_and_read_a_request() -> None:
     import httpx
     from serve_clients import _tracer
 
+    writers = []
+
     async def serve(reader, writer) -> None:
+        writers.append(writer)
         try:
             while await reader.readuntil(b"\r\n\r\n"):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                 await writer.drain()
         except asyncio.IncompleteReadError:  # the client closed
-            writer.close()
+            pass
 
     async def main() -> list[Record]:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -145,6 +148,10 @@ def test_the_tracer_sees_httpx_write_and_read_a_request() -> None:
                 async with client.stream("GET", "/", extensions={"trace": _tracer(rec)}) as r:
                     await r.aread()
         server.close()
+        for w in writers:
+            w.close()
+            await w.wait_closed()
+        await server.wait_closed()
         return recs
 
     first, second = asyncio.run(main())
