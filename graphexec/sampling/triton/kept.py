@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
@@ -322,9 +323,11 @@ def _kept_kernel(
     S,  # programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
     (`select.refine_share`)."""
+    dependent_start(PDL)
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
@@ -347,9 +350,11 @@ def _finish_kernel(
     NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
     ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
     round 1, the rows the kept pass summed; round 2, entry i of the refine list."""
+    dependent_start(PDL)
     if ROUND2:
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)

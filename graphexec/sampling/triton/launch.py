@@ -10,6 +10,7 @@ import math
 import torch
 import triton
 
+from graphexec.kernels import dependent_launch
 from graphexec.params import SamplerVariant
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
@@ -50,7 +51,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     # every launch's constants: the passes' (common) and the row kernels' (rows)
-    base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False)
+    pdl = dependent_launch.enabled(cfg.pdl, logits.device)
+    base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False, PDL=pdl,
+                **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=r,
@@ -70,7 +73,10 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                       SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                       ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
                       num_warps=cfg.tail_warps)  # fmt: skip
-        G = cfg.late_programs  # round 2's programs, shared by its few rows
+        # round 2's programs, shared by its few rows: late_programs, or round 1's grid if
+        # smaller (a small batch: no row of it gets fewer programs than in round 1, and
+        # the launches of a batch that needs no round 2 stay as small as round 1's)
+        G = min(cfg.late_programs, B * S2)
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
             _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
                                     **common)  # fmt: skip
@@ -91,5 +97,5 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
             CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
         )  # fmt: skip
-        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done)
+        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=pdl)
     return out

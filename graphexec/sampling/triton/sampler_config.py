@@ -58,7 +58,8 @@ class SamplerConfig:
     programs: stats-pass programs to aim for over the batch (rows x slices).
     late_programs: the same for the check, select and kept passes, which walk a row's
         block list (dependent loads: a flat row needs many programs; rows with few listed
-        blocks pay a few us for the programs that leave at once); round 2's in all.
+        blocks pay a few us for the programs that leave at once); round 2's in all (at
+        most round 1's B x S).
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
@@ -75,6 +76,10 @@ class SamplerConfig:
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
         vectors span a row's blocks and gathered tokens.
+    pdl: launch with programmatic dependent launch where the device has it
+        (`kernels.dependent_launch`): each launch is scheduled while the one before it
+        ends and waits inside before it reads anything, so a launch whose rows all leave
+        at once costs little more than its wait.
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
     short_tokens, logprobs_cap, and short_blocks unless 0.
     """
@@ -93,6 +98,7 @@ class SamplerConfig:
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",

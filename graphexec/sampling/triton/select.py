@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
@@ -268,10 +269,12 @@ def _select_kernel(
     B, S,  # rows, programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
     the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the
     refine list (`refine_share`)."""
+    dependent_start(PDL)
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):

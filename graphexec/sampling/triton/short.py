@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
@@ -70,9 +71,11 @@ def _short_kernel(
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
     SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
     INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Grid (B,): program b draws row b (and marks it R_DONE, so that the selection passes
     skip it) when its plan (R_SELECT or R_CUT) fits SB blocks and ST candidates."""
+    dependent_start(PDL)
     row = tl.program_id(0)
     ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide, decide_in_tail
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
@@ -201,9 +202,11 @@ def _stats_kernel(
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
     NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
     DB: tl.constexpr, FL: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
     [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
+    dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)
@@ -228,10 +231,12 @@ def _tail_kernel(
     NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
     CB: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
     next passes (module docstring). Program 0 empties round 2's row list, which the finish
     of round 1 fills."""
+    dependent_start(PDL)
     row = tl.program_id(0)
     if FILTERS:
         if row == 0:
@@ -308,11 +313,13 @@ def _check_kernel(
     S,  # programs per row
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, FL: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
     (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
     is the token; else `plan_row`, the candidate marked out (-1) or left to the cut."""
+    dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     ri = W.rowi + row * cf.NUM_I
