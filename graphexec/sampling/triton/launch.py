@@ -64,10 +64,11 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
                                      **common)  # fmt: skip
-        if cfg.short_blocks:
-            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=min(r, cfg.short_blocks),
-                                SB=cfg.short_blocks, ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                                INTERP=interpreter_enabled(), **rows)  # fmt: skip
+        if cfg.short_blocks or cfg.check_blocks:  # the short route; the check's plans
+            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
+                                R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
+                                ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                                INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
         bits = int(math.log2(cfg.search_ways))
         finish = dict(common, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=cfg.search_ways,
                       SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,

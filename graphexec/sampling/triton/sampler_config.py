@@ -26,6 +26,7 @@ R_EXACT = tl.constexpr(3)  # neither bracket resolved: the serial exact search s
 R_REFINE = tl.constexpr(4)  # round 1's bracket is past the gather cap: go to round 2
 R_ROUND2 = tl.constexpr(5)  # round 1 did not resolve: round 2's narrower bracket served it
 R_CHECK = tl.constexpr(6)  # the candidate's membership needs the check pass (many blocks)
+R_REPLAN = tl.constexpr(7)  # the check pass did not keep the candidate: `_short_kernel` plans
 
 # Columns of Workspace.rowf (f32): the row max, 1/T, the bins' low and top ends (y), their
 # scale, the lowest y whose block K_b the draw reads, the candidate's y

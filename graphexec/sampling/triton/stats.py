@@ -318,7 +318,8 @@ def _check_kernel(
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
     (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
-    is the token; else `plan_row`, the candidate marked out (-1) or left to the cut."""
+    is the token; else R_REPLAN (`_short_kernel` runs `plan_row`), the candidate marked out
+    (-1) or left to the cut."""
     dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
@@ -355,8 +356,8 @@ def _check_kernel(
                 tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
                 tl.store(tok_ptr + row, tok)
                 tl.store(valid_ptr + row, tok >= 0)
-            else:
+            else:  # planned by the next launch (`_short_kernel`): the plan's row-wide
+                # vectors would hold this streaming kernel's registers high
                 if state == OUT:
                     tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
-                plan_row(W, row, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
-                         NBINS)  # fmt: skip
+                tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_REPLAN, tl.int64))
