@@ -68,8 +68,8 @@ masses are known to a bin's width: randn3 rows at temperature 1 missed by a few 
 sends the row to round 2, the same passes over the bins that surely hold every cut, binned
 anew (hundreds of times finer) with the mass above them counted exactly; round 2's rows
 share `late_programs` programs (or round 1's B x S if fewer), so one such row costs the
-batch two parallel passes over that row, not a serial search. Only a row whose second bracket fails too
-(more than gather_cap tokens of one value at the cut) takes the exact search (`exact`:
-16-way searches over the 64-bit order keys by one program, bounded at 31 passes but
-serial, so milliseconds for such a row). No estimate changes a token.
+batch two parallel passes over that row, not a serial search. Only a row whose second
+bracket fails too (more than gather_cap tokens of one value at the cut) takes the exact
+search (`exact`: 16-way searches over the 64-bit order keys by one program, bounded at 31
+passes but serial, so milliseconds for such a row). No estimate changes a token.
 """

@@ -322,8 +322,7 @@ def _kept_kernel(
     P, W,
     S,  # programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
     (`select.refine_share`)."""
@@ -350,7 +349,7 @@ def _finish_kernel(
     NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
     ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
     round 1, the rows the kept pass summed; round 2, entry i of the refine list."""

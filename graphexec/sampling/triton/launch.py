@@ -75,8 +75,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                       ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
                       num_warps=cfg.tail_warps)  # fmt: skip
         # round 2's programs, shared by its few rows: late_programs, or round 1's grid if
-        # smaller (a small batch: no row of it gets fewer programs than in round 1, and
-        # the launches of a batch that needs no round 2 stay as small as round 1's)
+        # smaller (no row gets fewer programs than in round 1; small batches launch few)
         G = min(cfg.late_programs, B * S2)
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
             _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,

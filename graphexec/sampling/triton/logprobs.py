@@ -80,8 +80,7 @@ def _logprobs_kernel(  # one program per row
     top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
     done_ptr,  # [B] i32: rows already written (`_raw_logprobs_kernel`) are skipped
     V, BF16_BITS: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, CAP: tl.constexpr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     dependent_start(PDL)
     row = tl.program_id(0)
@@ -223,8 +222,7 @@ def _raw_logprobs_kernel(  # one program per row
     NBLK,
     N: tl.constexpr, N_POW2: tl.constexpr, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr,
     GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr, YB: tl.constexpr,
-    INTERP: tl.constexpr, FL: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    INTERP: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     dependent_start(PDL)
     row = tl.program_id(0)

@@ -77,10 +77,8 @@ class SamplerConfig:
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
         vectors span a row's blocks and gathered tokens.
-    pdl: launch with programmatic dependent launch where the device has it
-        (`kernels.dependent_launch`): each launch is scheduled while the one before it
-        ends and waits inside before it reads anything, so a launch whose rows all leave
-        at once costs little more than its wait.
+    pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
+        a launch whose rows all leave at once then costs little more than its wait.
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
     short_tokens, logprobs_cap, and short_blocks unless 0.
     """

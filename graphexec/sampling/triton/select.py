@@ -268,8 +268,7 @@ def _select_kernel(
     P, W,
     B, S,  # rows, programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
     the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the

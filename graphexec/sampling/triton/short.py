@@ -71,8 +71,7 @@ def _short_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows served here
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
     SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
-    INTERP: tl.constexpr, NBINS: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    INTERP: tl.constexpr, NBINS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,): program b plans row b when the check pass left it R_REPLAN (`plan_row`);
     then draws it (and marks it R_DONE, so that the selection passes skip it) when its

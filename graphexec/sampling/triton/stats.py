@@ -201,8 +201,7 @@ def _stats_kernel(
     P, W,
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
     NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
-    DB: tl.constexpr, FL: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
     [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
@@ -230,8 +229,7 @@ def _tail_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    CB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
     next passes (module docstring). Program 0 empties round 2's row list, which the finish
@@ -312,8 +310,7 @@ def _check_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows whose candidate is kept
     S,  # programs per row
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    NBINS: tl.constexpr, FL: tl.constexpr,
-    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
+    NBINS: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
@@ -356,8 +353,7 @@ def _check_kernel(
                 tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
                 tl.store(tok_ptr + row, tok)
                 tl.store(valid_ptr + row, tok >= 0)
-            else:  # planned by the next launch (`_short_kernel`): the plan's row-wide
-                # vectors would hold this streaming kernel's registers high
+            else:  # planned by `_short_kernel`: its vectors would raise these registers
                 if state == OUT:
                     tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
                 tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_REPLAN, tl.int64))
