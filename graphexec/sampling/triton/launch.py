@@ -80,7 +80,8 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
             _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
                                     **common)  # fmt: skip
-            _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2, **common)
+            _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
+                                  **dict(common, R=max(1, r // 2)))  # SamplerConfig.tile_blocks
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
         # the raw-mode writer from the stats pass's raw block stats; the rows it cannot serve

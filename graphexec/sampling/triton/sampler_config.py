@@ -55,7 +55,8 @@ class SamplerConfig:
     TRITON_INTERPRET=1.
 
     draw_block: tokens per block of the two-level draw (part of the definition).
-    tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
+    tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load); the kept
+        pass takes half (its ten per-token accumulators: 244 -> 103 registers on sm_90).
     programs: stats-pass programs to aim for over the batch (rows x slices).
     late_programs: the same for the check, select and kept passes, which walk a row's
         block list (dependent loads: a flat row needs many programs; rows with few listed
