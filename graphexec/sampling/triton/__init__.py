@@ -63,13 +63,12 @@ around each cut; the kept pass sums the exact integer masses outside the bracket
 gathers the bracket's tokens (at most gather_cap), and the finish resolves the cut among
 them by counting: pairwise up to 64 gathered tokens, else by 16-way searches over their
 keys. Every decision is checked against exact counts and masses. A bracket that does not
-hold the cut (top-p's crossing is estimated from bin edges, so the few largest tokens'
-masses are known to a bin's width: randn3 rows at temperature 1 missed by a few bins)
-sends the row to round 2, the same passes over the bins that surely hold every cut, binned
-anew (hundreds of times finer) with the mass above them counted exactly; round 2's rows
-share `late_programs` programs (or round 1's B x S if fewer), so one such row costs the
-batch two parallel passes over that row, not a serial search. Only a row whose second
-bracket fails too (more than gather_cap tokens of one value at the cut) takes the exact
-search (`exact`: 16-way searches over the 64-bit order keys by one program, bounded at 31
-passes but serial, so milliseconds for such a row). No estimate changes a token.
+hold the cut (top-p's crossing is estimated from bin edges: the largest tokens' masses are
+known to a bin's width) sends the row to round 2, the same passes over the bins that surely
+hold every cut, binned anew (hundreds of times finer) with the mass above them counted
+exactly; round 2's rows share `late_programs` programs (or round 1's B x S if fewer), so one
+such row costs the batch two parallel passes over that row, not a serial search. Only a row
+whose second bracket fails too (more than gather_cap tokens of one value at the cut) takes
+the exact search (`exact`: 16-way searches over the 64-bit order keys by one program,
+bounded at 31 passes but serial, so milliseconds for such a row). No estimate changes a token.
 """

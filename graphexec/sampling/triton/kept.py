@@ -2,10 +2,9 @@
 
 `_kept_kernel`: programs (row, slice) read the row's listed blocks again and sort each
 live token with y >= lo into its region by bin (`draw` module docstring). Per block they
-store the kept mass (relative to the block max) of the above and of the middle tokens
-with y >= log_min_p; per row they add up exact counts and masses (q = trunc(exp(y)
-2**32), int64) of the regions; bracket tokens are appended to the row's gather buffer
-through an atomic counter. Min-p alone (`R_CUT`) only sums its cut blocks (`short.cut_tiles`).
+store the kept mass (relative to the block max) of the above and the middle tokens with
+y >= log_min_p; per row, the regions' exact counts and int64 masses; bracket tokens go to
+the row's gather buffer by an atomic counter. Min-p alone sums its cut blocks (`short.cut_tiles`).
 
 `_finish_kernel` resolves the cut among the gathered tokens by counting (`_resolve`), adds
 the kept bracket tokens' masses to their blocks and draws the row (`draw.fallback_draw`),

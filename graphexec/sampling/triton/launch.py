@@ -69,23 +69,19 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                                 R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
                                 ST=cfg.short_tokens, WCAP=cfg.gather_cap,
                                 INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
+        late = dict(common, WCAP=cfg.gather_cap)
+        kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
         bits = int(math.log2(cfg.search_ways))
-        finish = dict(common, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=cfg.search_ways,
-                      SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
-                      ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
+        finish = dict(late, NBLK_P2=nblk_p2, WAYS=cfg.search_ways, SB=cfg.search_blocks,
+                      ITA=-(-32 // bits) + 1, ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
                       num_warps=cfg.tail_warps)  # fmt: skip
-        # round 2's programs, shared by its few rows: late_programs, or round 1's grid if
-        # smaller (no row gets fewer programs than in round 1; small batches launch few)
-        G = min(cfg.late_programs, B * S2)
+        G = min(cfg.late_programs, B * S2)  # round 2's programs, shared by its rows
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
-            _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
-                                    **common)  # fmt: skip
-            _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
-                                  **dict(common, R=max(1, r // 2)))  # SamplerConfig.tile_blocks
+            _select_kernel[(grid,)](P, W, B, spr, nblk, ROUND2=round2, **late)
+            _kept_kernel[(grid,)](P, W, spr, nblk, ROUND2=round2, **kept)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
-        # the raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
-        # (and processed-mode rows, over their y written by it) go to the general writer
+        # the raw-mode writer, then the general one for the rows it leaves (`logprobs`)
         n = out.num_top or 0
         cap = cfg.logprobs_cap
         interp = interpreter_enabled()

@@ -58,8 +58,7 @@ def _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS: tl.constexpr
         v = tl.load(x_row + offs, mask=mask, other=float("-inf"))
     else:
         if BF16_BITS:
-            # bf16 held as i16 bits: the exact widening (the interpreter's cast flushes
-            # subnormals)
+            # bf16 held as i16 bits, widened exactly (the interpreter's cast flushes subnormals)
             bits = tl.load(raw_row + offs, mask=mask, other=-128).to(tl.int32) << 16
             v = bits.to(tl.float32, bitcast=True)
         else:
@@ -96,9 +95,7 @@ def _logprobs_kernel(  # one program per row
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = tl.maximum(
-            m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), axis=0)
-        )
+        m = tl.maximum(m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), 0))
     has_inf = m == float("inf")
     m = tl.where(has_inf, 0.0, m)
 

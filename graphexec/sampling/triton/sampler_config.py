@@ -55,13 +55,10 @@ class SamplerConfig:
     TRITON_INTERPRET=1.
 
     draw_block: tokens per block of the two-level draw (part of the definition).
-    tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load); the kept
-        pass takes half (its ten per-token accumulators: 244 -> 103 registers on sm_90).
+    tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
     programs: stats-pass programs to aim for over the batch (rows x slices).
-    late_programs: the same for the check, select and kept passes, which walk a row's
-        block list (dependent loads: a flat row needs many programs; rows with few listed
-        blocks pay a few us for the programs that leave at once); round 2's in all (at
-        most round 1's B x S).
+    late_programs: the same for the passes that walk a row's block list (check, select, kept:
+        dependent loads, so a flat row needs many); round 2's in all (at most round 1's B x S).
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
@@ -72,8 +69,7 @@ class SamplerConfig:
     check_blocks: most blocks the row tail reads to decide a candidate (more: the check
         pass). 0 decides no candidate early: every filtered row takes the cut's passes and
         its candidate is tested against the cut (for tests of them).
-    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general
-        writer).
+    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
@@ -110,10 +106,8 @@ class SamplerConfig:
         if sb < 0 or sb & (sb - 1):
             raise ValueError(f"SamplerConfig.short_blocks must be 0 or a power of two, got {sb}")
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
-            raise ValueError(
-                "SamplerConfig.short_tokens must be between 16 and gather_cap "
-                f"({self.gather_cap}), got {self.short_tokens}"
-            )
+            raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
+                             f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
         if self.check_blocks < 0:
             raise ValueError(f"SamplerConfig.check_blocks must be >= 0, got {self.check_blocks}")
         if self.draw_block < 4:

@@ -62,15 +62,17 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
 
 
 @triton.jit
-def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
+def _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total, NBLK,
           NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
     """The next passes' plan of a filtered row (module docstring): route, lo, bins, the
     list of blocks with ym_b >= lo; zeroes what those passes sum into."""
+    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
     b = tl.arange(0, NBLK_P2)
     live_b = ym > float("-inf")
     route = tl.where((top_k == 0) & (top_p >= 1.0), cf.R_CUT, cf.R_SELECT).to(tl.int32)
     lo = lnmp
     inv_w = tl.zeros([], dtype=tl.float32)
+    lomin = tl.zeros([], dtype=tl.int64)
     if route == cf.R_SELECT:
         # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
         # above it); top-p's point where a lower bound of the mass above it passes p; min-p
@@ -84,11 +86,9 @@ def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
             lo = tl.maximum(-grid_delta(ym, mb, t_p, DB * 1.0, 1), lnmp)
         ymin = tl.min(tl.where(live_b, yn, float("inf")), axis=0)
         lo = tl.maximum(tl.maximum(lo, ymin), -FLT_MAX)
+        lomin = (lo <= ymin).to(tl.int64)
         inv_w = tl.where(lo < 0.0, NBINS / -lo, 0.0)
         tl.store(W.hist + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
-    lomin = tl.zeros([], dtype=tl.int64)
-    if route == cf.R_SELECT:
-        lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
     sel = live_b & (ym >= lo) & (b < NBLK)
     if route == cf.R_CUT:
         # min-p alone reads again only the blocks it cuts: one whose every live token has
@@ -130,8 +130,7 @@ def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.con
     q = tl.load(W.q + row * NBLK + b, mask=bm, other=0, cache_modifier=".cg")
     q = tl.where(ym > float("-inf"), q, 0)
     xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-    return _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
+    return _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
                  NBLK_P2, DB, NBINS)  # fmt: skip
 
 
@@ -292,8 +291,7 @@ def _tail_kernel(
                             tl.store(fr + cf.F_S, s)
                             route = tl.full([], cf.R_CHECK, tl.int32)
                         else:
-                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                            route = _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total,
+                            route = _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total,
                                           NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             else:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
@@ -314,9 +312,7 @@ def _check_kernel(
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
-    (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
-    is the token; else R_REPLAN (`_short_kernel` runs `plan_row`), the candidate marked out
-    (-1) or left to the cut."""
+    (int64 atomics: exact in any order); the row's last program decides."""
     dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
