@@ -14,8 +14,9 @@ compares and scatters on each side, each its own kernel in the captured graph. H
         its token count + 1.
 
 Each has a torch reference (`step_state.*_reference`, the CPU route and the tests'
-definition);
-both are integer work, so the two give the same values, bit for bit. A row touches
+definition); both are integer work, so the two give the same values, bit for bit. Both
+launch with programmatic dependent launch where the device has it (each waits for the
+kernel before it before touching anything). A row touches
 only its own slot (real rows hold distinct slots; padding rows write nothing).
 """
 
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from graphexec.engine.step_state import StepInputs
+from graphexec.kernels import dependent_launch
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.runtime.triton_import import tl, triton
 from graphexec.sampling.flags import INF_TOKEN
 
@@ -47,7 +50,9 @@ def _inputs_kernel(
     MASK_OUT,  # [b, W] i32 contiguous
     s_bm, W, M,
     BLOCK: tl.constexpr, M_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
+    dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + r)
     pos = tl.load(POSITIONS + slot)
@@ -84,7 +89,9 @@ def _advance_kernel(
     COUNTS,  # [S, V] i32; written only with HAS_COUNTS
     s_tok, s_val, s_lg, V, padding_slot,
     FLAG_INF: tl.constexpr, HAS_COUNTS: tl.constexpr, INF: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + r)
     tok = tl.load(TOKEN + r * s_tok)
@@ -102,6 +109,12 @@ def _advance_kernel(
             tl.store(COUNTS + slot * V + tok, tl.load(COUNTS + slot * V + tok) + 1)
 
 
+def _pdl(device: torch.device) -> dict:
+    """Programmatic dependent launch wherever the device has it (it changes no value)."""
+    on = dependent_launch.enabled(True, device)
+    return {"PDL": on, **dependent_launch.launch_options(on)}
+
+
 def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
     """`_inputs_kernel` over `slots` (a SlotTable) for rows `slot_ids` [b] (Triton)."""
     b, bm = slot_ids.shape[0], slots.bitmask
@@ -114,7 +127,7 @@ def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
             slot_ids, slots.positions, slots.prompt_lens, slots.last_token, bm,
             slots.min_tokens, slots.min_words, slots.min_bits, pos, model_pos, last, masks,
             bm.stride(0), W, M, BLOCK=min(1024, triton.next_power_of_2(W)),
-            M_PAD=triton.next_power_of_2(M), num_warps=4,
+            M_PAD=triton.next_power_of_2(M), num_warps=4, **_pdl(dev),
         )  # fmt: skip
     return StepInputs(pos, model_pos, last, masks)
 
@@ -133,5 +146,5 @@ def advance_decode(slots, slot_ids: torch.Tensor, logits: torch.Tensor, token_id
         counts if counts is not None else slot_ids,
         token_ids.stride(0), valid.stride(0), logits.stride(0), slots.vocab_size,
         slots.padding_slot, FLAG_INF=flag, HAS_COUNTS=counts is not None, INF=INF_TOKEN,
-        num_warps=1,
+        num_warps=1, **_pdl(slot_ids.device),
     )  # fmt: skip

@@ -157,9 +157,8 @@ def check_logits(logits, dims: int, shape: str, name: str = "logits") -> None:
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if not 0 < logits.shape[-1] <= MAX_VOCAB:
-        raise ValueError(
-            f"{name} vocabulary size must be in [1, {MAX_VOCAB}], got {logits.shape[-1]}"
-        )
+        raise ValueError(f"{name} vocabulary size must be in [1, {MAX_VOCAB}], "
+                         f"got {logits.shape[-1]}")  # fmt: skip
 
 
 def check_batch(B: int, V: int, dev: torch.device, params, positions, token_counts,
@@ -207,8 +206,6 @@ def check_batch(B: int, V: int, dev: torch.device, params, positions, token_coun
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend in ("triton", "flashinfer") and dev.type != "cuda":
         if backend == "flashinfer" or not interpreter_enabled():
-            raise ValueError(
-                f"backend {backend!r} needs CUDA tensors (triton runs on the CPU only under "
-                "TRITON_INTERPRET=1)"
-            )
+            raise ValueError(f"backend {backend!r} needs CUDA tensors (triton runs on the CPU "
+                             "only under TRITON_INTERPRET=1)")  # fmt: skip
     return params, pos, token_counts, variant, backend

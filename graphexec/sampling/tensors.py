@@ -101,10 +101,8 @@ class SamplingTensors:
         float64 log (`host_row`'s math.log gives the same float32 bits; tests check both)."""
         for i, p in enumerate(params):
             if p.seed is None:
-                raise ValueError(
-                    f"params[{i}].seed must be set for sampling "
-                    "(the executor draws one at admission)"
-                )
+                raise ValueError(f"params[{i}].seed must be set for sampling "
+                                 "(the executor draws one at admission)")  # fmt: skip
             p.check_vocab(vocab_size)
         rows = [SamplingTensors.host_row(p, vocab_size) for p in params]
         cols = {name: torch.tensor([r[j] for r in rows], dtype=HOST_DTYPES.get(name, torch.float32))
@@ -147,9 +145,8 @@ class SamplingTensors:
         for b, p in enumerate(params):
             bias = sorted((p.logit_bias or {}).items())
             if len(bias) > nb:
-                raise ValueError(
-                    f"logit_bias has {len(bias)} entries; the table holds at most {nb}"
-                )
+                raise ValueError(f"logit_bias has {len(bias)} entries; "
+                                 f"the table holds at most {nb}")  # fmt: skip
             if bias:
                 ids[b, : len(bias)] = torch.tensor([t for t, _ in bias], dtype=torch.int32)
                 vals[b, : len(bias)] = torch.tensor([v for _, v in bias], dtype=torch.float32)
@@ -201,10 +198,8 @@ class SamplerOutput:
     def allocate(cls, batch: int, device: torch.device | str, num_top: int | None) -> SamplerOutput:
         """Static output buffers; num_top None = logprobs off, else the top-N width."""
         d = torch.device(device)
-        out = cls(
-            token_ids=torch.full((batch,), -1, dtype=torch.int64, device=d),
-            valid=torch.zeros(batch, dtype=torch.bool, device=d),
-        )
+        out = cls(token_ids=torch.full((batch,), -1, dtype=torch.int64, device=d),
+                  valid=torch.zeros(batch, dtype=torch.bool, device=d))  # fmt: skip
         if num_top is not None:
             out.logprobs = torch.zeros(batch, dtype=torch.float32, device=d)
             out.ranks = torch.zeros(batch, dtype=torch.int64, device=d)

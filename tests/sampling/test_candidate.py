@@ -112,10 +112,14 @@ def test_each_route_and_their_mixture_are_exact(row: torch.Tensor, case: Case) -
 
 
 # check_blocks: 0 = every candidate decided by the cut; 1 = the check pass for almost
-# every row; the presets' (the row tail for few blocks, the check pass past them)
+# every row (with the short route, or without: the short kernel then only plans the rows
+# the check pass did not keep); the presets' (the row tail for few blocks, the check pass
+# past them)
 CHECKS = {
     "cut_only": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=0),
     "check_pass": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1),
+    "check_no_short": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1,
+                                                          short_blocks=0),  # fmt: skip
     "tail": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1 << 12),
     "gpu_preset": SamplerConfig.gpu().replace(draw_block=16, late_programs=GPU_LATE),
 }

@@ -19,8 +19,8 @@ P = gx.SamplingParams
 # and the GPU preset as it runs on a GPU but for round 2's programs (GPU_LATE); the first two
 # with the short route and the candidate's early decision off, so that filtered rows reach
 # the selection passes the tests of those passes look at
-# Round 2 launches late_programs programs whatever the batch (2,048 on the GPU preset): the
-# interpreter pays about 2 ms for each, even one that leaves at once (8 s a sampler call).
+# Round 2 launches late_programs programs (2,048 on the GPU preset) unless round 1's grid is
+# smaller: the interpreter pays about 2 ms for each, even one that leaves at once.
 # 128 still splits each of round 2's few rows over many programs (the same code path; the
 # rows' round-1 split, min(tiles, late_programs / B), is unchanged for these tests' shapes).
 GPU_LATE = 128

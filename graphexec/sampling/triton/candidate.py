@@ -60,9 +60,8 @@ def count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s, NBLK, R: tl.co
                 DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """(count, exact int64 mass) of the tokens ranked above the candidate (packs above
     pk_c) in list entries e0 .. e1 - 1; per-token accumulators, reduced once."""
-    n = tl.zeros([R, DB], dtype=tl.int32)
-    hi = tl.zeros([R, DB], dtype=tl.int32)
-    lo = tl.zeros([R, DB], dtype=tl.int32)
+    zero = tl.zeros([R, DB], dtype=tl.int32)
+    n, hi, lo = zero, zero, zero
     for e in range(e0, e1, R):
         x, offs, bid_unused = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s

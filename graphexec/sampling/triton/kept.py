@@ -2,10 +2,9 @@
 
 `_kept_kernel`: programs (row, slice) read the row's listed blocks again and sort each
 live token with y >= lo into its region by bin (`draw` module docstring). Per block they
-store the kept mass (relative to the block max) of the above and of the middle tokens
-with y >= log_min_p; per row they add up exact counts and masses (q = trunc(exp(y)
-2**32), int64) of the regions; bracket tokens are appended to the row's gather buffer
-through an atomic counter. Min-p alone (`R_CUT`) only sums its cut blocks (`short.cut_tiles`).
+store the kept mass (relative to the block max) of the above and the middle tokens with
+y >= log_min_p; per row, the regions' exact counts and int64 masses; bracket tokens go to
+the row's gather buffer by an atomic counter. Min-p alone sums its cut blocks (`short.cut_tiles`).
 
 `_finish_kernel` resolves the cut among the gathered tokens by counting (`_resolve`), adds
 the kept bracket tokens' masses to their blocks and draws the row (`draw.fallback_draw`),
@@ -17,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, FLT_MAX, bin_of, block_y, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
@@ -321,10 +321,11 @@ def _kept_kernel(
     P, W,
     S,  # programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
     (`select.refine_share`)."""
+    dependent_start(PDL)
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
@@ -347,9 +348,11 @@ def _finish_kernel(
     NBLK, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
     ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
     round 1, the rows the kept pass summed; round 2, entry i of the refine list."""
+    dependent_start(PDL)
     if ROUND2:
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)

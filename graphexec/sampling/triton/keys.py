@@ -90,15 +90,13 @@ def sum_mass(sel, z, axis: tl.constexpr):
 
 @triton.jit
 def sum_halves(hi, lo, axis: tl.constexpr):
-    """Exact int64 sum of masses given as `mass_hi_lo` halves, along axis (at most 2**15
-    terms)."""
+    """Exact int64 sum of `mass_hi_lo` halves along axis (at most 2**15 terms)."""
     return tl.sum(hi, axis=axis).to(tl.int64) * 65536 + tl.sum(lo, axis=axis).to(tl.int64)
 
 
 @triton.jit
 def tile_total(acc):
-    """The int64 sum of a pass's [R, DB] per-token accumulator (int32 per token, summed
-    in int64 once, after the loop)."""
+    """The int64 sum of a pass's [R, DB] per-token int32 accumulator, once after the loop."""
     return tl.sum(tl.sum(acc.to(tl.int64), axis=1), axis=0)
 
 

@@ -10,6 +10,7 @@ import math
 import torch
 import triton
 
+from graphexec.kernels import dependent_launch
 from graphexec.params import SamplerVariant
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
@@ -50,7 +51,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     # every launch's constants: the passes' (common) and the row kernels' (rows)
-    base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False)
+    pdl = dependent_launch.enabled(cfg.pdl, logits.device)
+    base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False, PDL=pdl,
+                **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=r,
@@ -61,24 +64,24 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
                                      **common)  # fmt: skip
-        if cfg.short_blocks:
-            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=min(r, cfg.short_blocks),
-                                SB=cfg.short_blocks, ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                                INTERP=interpreter_enabled(), **rows)  # fmt: skip
+        if cfg.short_blocks or cfg.check_blocks:  # the short route; the check's plans
+            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
+                                R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
+                                ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                                INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
+        late = dict(common, WCAP=cfg.gather_cap)
+        kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
         bits = int(math.log2(cfg.search_ways))
-        finish = dict(common, NBLK_P2=nblk_p2, WCAP=cfg.gather_cap, WAYS=cfg.search_ways,
-                      SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
-                      ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
+        finish = dict(late, NBLK_P2=nblk_p2, WAYS=cfg.search_ways, SB=cfg.search_blocks,
+                      ITA=-(-32 // bits) + 1, ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
                       num_warps=cfg.tail_warps)  # fmt: skip
-        G = cfg.late_programs  # round 2's programs, shared by its few rows
+        G = min(cfg.late_programs, B * S2)  # round 2's programs, shared by its rows
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
-            _select_kernel[(grid,)](P, W, B, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2,
-                                    **common)  # fmt: skip
-            _kept_kernel[(grid,)](P, W, spr, nblk, WCAP=cfg.gather_cap, ROUND2=round2, **common)
+            _select_kernel[(grid,)](P, W, B, spr, nblk, ROUND2=round2, **late)
+            _kept_kernel[(grid,)](P, W, spr, nblk, ROUND2=round2, **kept)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
-        # the raw-mode writer from the stats pass's raw block stats; the rows it cannot serve
-        # (and processed-mode rows, over their y written by it) go to the general writer
+        # the raw-mode writer, then the general one for the rows it leaves (`logprobs`)
         n = out.num_top or 0
         cap = cfg.logprobs_cap
         interp = interpreter_enabled()
@@ -91,5 +94,5 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
             CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
         )  # fmt: skip
-        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done)
+        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=pdl)
     return out

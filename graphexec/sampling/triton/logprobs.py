@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start, launch_options
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton.keys import collapse_inf, okey, pack, sort_desc, unpack
@@ -57,8 +58,7 @@ def _load_v(raw_row, x_row, offs, V, processed, has_inf, BF16_BITS: tl.constexpr
         v = tl.load(x_row + offs, mask=mask, other=float("-inf"))
     else:
         if BF16_BITS:
-            # bf16 held as i16 bits: the exact widening (the interpreter's cast flushes
-            # subnormals)
+            # bf16 held as i16 bits, widened exactly (the interpreter's cast flushes subnormals)
             bits = tl.load(raw_row + offs, mask=mask, other=-128).to(tl.int32) << 16
             v = bits.to(tl.float32, bitcast=True)
         else:
@@ -79,8 +79,9 @@ def _logprobs_kernel(  # one program per row
     top_lp_ptr, top_id_ptr,  # [B, N] f32 / i64 out
     done_ptr,  # [B] i32: rows already written (`_raw_logprobs_kernel`) are skipped
     V, BF16_BITS: tl.constexpr, N: tl.constexpr, N_POW2: tl.constexpr, CAP: tl.constexpr,
-    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK: tl.constexpr, ROUNDS: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(PDL)
     row = tl.program_id(0)
     if tl.load(done_ptr + row) != 0:
         return
@@ -94,9 +95,7 @@ def _logprobs_kernel(  # one program per row
     m = tl.full([], float("-inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        m = tl.maximum(
-            m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), axis=0)
-        )
+        m = tl.maximum(m, tl.max(_load_v(raw_row, x_row, offs, V, processed, no, BF16_BITS), 0))
     has_inf = m == float("inf")
     m = tl.where(has_inf, 0.0, m)
 
@@ -184,9 +183,10 @@ def _logprobs_kernel(  # one program per row
 
 def write_logprobs(logits: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor,
                    table: SamplingTensors, out: SamplerOutput, *, cap: int,
-                   done: torch.Tensor) -> None:  # fmt: skip
+                   done: torch.Tensor, pdl: bool = False) -> None:  # fmt: skip
     """Fill out.logprobs / ranks / top_logprobs / top_token_ids for sampled out.token_ids,
-    but for the rows the raw writer served (done [B] int32, nonzero there)."""
+    but for the rows the raw writer served (done [B] int32, nonzero there); `pdl`: launch
+    with programmatic dependent launch (already checked enabled on this device)."""
     B, V = y.shape
     n = out.num_top or 0
     if cap < n:
@@ -203,7 +203,7 @@ def write_logprobs(logits: torch.Tensor, y: torch.Tensor, slot_ids: torch.Tensor
         out.token_ids, cand, out.logprobs, out.ranks, top_lp, top_id,
         done, V, BF16_BITS=bf16, N=n, N_POW2=max(1, triton.next_power_of_2(n)), CAP=cap,
         BLOCK=blk, ROUNDS=16, INTERP=interpreter_enabled(),
-        num_warps=8 if not interpreter_enabled() else 4,
+        num_warps=8 if not interpreter_enabled() else 4, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
 
 
@@ -219,8 +219,9 @@ def _raw_logprobs_kernel(  # one program per row
     NBLK,
     N: tl.constexpr, N_POW2: tl.constexpr, NBLK_P2: tl.constexpr, NB_P2: tl.constexpr,
     GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr, YB: tl.constexpr,
-    INTERP: tl.constexpr, FL: tl.constexpr,
+    INTERP: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    dependent_start(PDL)
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
     slot, greedy, inv_t, seed_unused, pos_unused = row_params(P, row)

@@ -41,11 +41,8 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 @triton.jit
 def block_bits(seed, pos, start, BLOCK: tl.constexpr, STREAM: tl.constexpr):
-    """[BLOCK] uint32 words of tokens start .. start+BLOCK-1 for one row.
-
-    seed, pos: int64 scalars; start: a multiple of 4. One Philox call per 4 tokens, keyed
-    on the low and high 32 bits of the seed.
-    """
+    """[BLOCK] uint32 words of tokens start .. start+BLOCK-1 of one row (seed, pos: int64
+    scalars; start: a multiple of 4), keyed on the seed's low and high 32 bits."""
     G: tl.constexpr = BLOCK // 4
     tl.static_assert(BLOCK % 4 == 0, "BLOCK must be a multiple of 4")
     seed = seed.to(tl.int64)

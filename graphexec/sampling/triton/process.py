@@ -11,11 +11,10 @@ to `processing.process_logits`:
 - `tile_x` processes a tile of token ids of one row. A slot's bias ids are sorted
   (`SamplingTensors`): the entries inside the tile's id range are found with two counts.
 
-Every kernel takes the batch's inputs as one named tuple P (`Inputs`, built by
-`proc_args`) and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3 |
-HAS_EXTRA << 4 (per-row ids counted once more each, on top of the slot's counts):
-absent inputs cost nothing in the tile loops (a masked-off load still costs its address
-arithmetic per token: twice the stats pass's time on an H100).
+Every kernel takes the batch's inputs as one named tuple P (`Inputs`, built by `proc_args`)
+and a constexpr FL = BF16 | HAS_BITMASK << 1 | HAS_COUNTS << 2 | HAS_PROMPT << 3 |
+HAS_EXTRA << 4 (per-row ids counted once more each, on top of the slot's counts): absent
+inputs cost nothing in the tile loops (a masked-off load still costs address arithmetic per token).
 """
 
 from __future__ import annotations
@@ -203,14 +202,9 @@ def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.co
     return tile_x(P, row, slot, ids, offs, lo, hi, FL, BIAS), offs, bid
 
 
-def proc_args(
-    logits: torch.Tensor,
-    slot_ids: torch.Tensor,
-    positions: torch.Tensor,
-    table: SamplingTensors,
-    bitmask: torch.Tensor | None,
-    count_ids: torch.Tensor | None = None,
-) -> tuple[Inputs, int]:
+def proc_args(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+              table: SamplingTensors, bitmask: torch.Tensor | None,
+              count_ids: torch.Tensor | None = None) -> tuple[Inputs, int]:  # fmt: skip
     """(P, FL) for `logits` [B, V]: the tuple every kernel takes, and its flags. count_ids
     [B, NE] counts for the penalties only where the table has token counts."""
     mask = table.top_k if bitmask is None else bitmask

@@ -26,6 +26,7 @@ R_EXACT = tl.constexpr(3)  # neither bracket resolved: the serial exact search s
 R_REFINE = tl.constexpr(4)  # round 1's bracket is past the gather cap: go to round 2
 R_ROUND2 = tl.constexpr(5)  # round 1 did not resolve: round 2's narrower bracket served it
 R_CHECK = tl.constexpr(6)  # the candidate's membership needs the check pass (many blocks)
+R_REPLAN = tl.constexpr(7)  # the check pass did not keep the candidate: `_short_kernel` plans
 
 # Columns of Workspace.rowf (f32): the row max, 1/T, the bins' low and top ends (y), their
 # scale, the lowest y whose block K_b the draw reads, the candidate's y
@@ -54,11 +55,10 @@ class SamplerConfig:
     TRITON_INTERPRET=1.
 
     draw_block: tokens per block of the two-level draw (part of the definition).
-    tile_blocks: blocks per tile of a pass (one [tile_blocks, draw_block] load).
+    tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
     programs: stats-pass programs to aim for over the batch (rows x slices).
-    late_programs: the same for the check, select and kept passes, which walk a row's
-        block list (dependent loads: a flat row needs many programs; rows with few listed
-        blocks pay a few us for the programs that leave at once); round 2's in all.
+    late_programs: the same for the passes that walk a row's block list (check, select, kept:
+        dependent loads, so a flat row needs many); round 2's in all (at most round 1's B x S).
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
@@ -69,12 +69,13 @@ class SamplerConfig:
     check_blocks: most blocks the row tail reads to decide a candidate (more: the check
         pass). 0 decides no candidate early: every filtered row takes the cut's passes and
         its candidate is tested against the cut (for tests of them).
-    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general
-        writer).
+    logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
         vectors span a row's blocks and gathered tokens.
+    pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
+        a launch whose rows all leave at once then costs little more than its wait.
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
     short_tokens, logprobs_cap, and short_blocks unless 0.
     """
@@ -93,6 +94,7 @@ class SamplerConfig:
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",
@@ -104,10 +106,8 @@ class SamplerConfig:
         if sb < 0 or sb & (sb - 1):
             raise ValueError(f"SamplerConfig.short_blocks must be 0 or a power of two, got {sb}")
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
-            raise ValueError(
-                "SamplerConfig.short_tokens must be between 16 and gather_cap "
-                f"({self.gather_cap}), got {self.short_tokens}"
-            )
+            raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
+                             f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
         if self.check_blocks < 0:
             raise ValueError(f"SamplerConfig.check_blocks must be >= 0, got {self.check_blocks}")
         if self.draw_block < 4:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
@@ -111,8 +112,7 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: t
         t_mid = tl.where(on_k, _top_k_mass(mass, cnt, e_mid, j, jk, k, n_top, m_top), t_row)
         t_lo = tl.where(on_k, _top_k_mass(m_lo, cnt, e_lo, j, jk, k, n_top, m_top), t_row)
         t_hi = tl.where(on_k, _top_k_mass(m_hi, cnt, e_hi, j, jk, k, n_top, m_top), t_row)
-        # the crossing lies between the bins where the highest and the lowest masses reach
-        # p * total
+        # the crossing lies between the bins where the highest and lowest masses reach p * total
         ja = tl.minimum(_first_reaching(m_hi, top_p * t_lo, j, NBINS), last)
         jb = tl.minimum(_first_reaching(m_lo, top_p * t_hi, j, NBINS), last)
         span = _at(cnt, j, jb) - _upto(cnt, j, ja - 1, n_top)
@@ -130,15 +130,13 @@ def _bracket(P, W, row, slot, WCAP: tl.constexpr, NBINS: tl.constexpr, ROUND2: t
             wider = tl.minimum(2 * d, FINE * NBINS)
             if _in_fine(h, j, tl.maximum(at - wider, FINE * ja), at + wider) <= WCAP // 2:
                 d = wider
-        # the span holds the crossing for sure: taken whenever it fits the cap beside
-        # top-k's bin
+        # the span surely holds the crossing: taken whenever it fits the cap beside top-k's bin
         narrow = span + tl.where(on_k, _at(h, j, jk), 0) <= WCAP
         jhi = tl.where(narrow, FINE * ja, tl.maximum(at - d, FINE * ja))
         j1 = tl.where(narrow, FINE * jb + FINE - 1, tl.minimum(at + d, FINE * jb + FINE - 1))
         if top_k == 0:
             jk = j1 // FINE
-    # bracket 2 is bin jk when it does not touch bracket 1; else one bracket (top-k off:
-    # bracket 1 alone)
+    # bracket 2 is bin jk when apart from bracket 1; else one bracket (top-k off: bracket 1)
     apart = FINE * jk > j1 + 1
     j1 = tl.where(apart | (top_k == 0), j1, tl.maximum(j1, FINE * jk + FINE - 1))
     j2 = tl.where(apart, FINE * jk, j1 + 1)
@@ -211,10 +209,8 @@ def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB:
     also the count and exact mass (hi, lo halves) of the tokens above top."""
     m, s, lo, top, inv_w, jhi_unused, j1_unused, j2_unused, jlo_unused = load_plan(W, row)
     h = tl.zeros([NBINS], dtype=tl.int32)
-    dropped = tl.zeros([R, DB], dtype=tl.int32)
-    n_ab = tl.zeros([R, DB], dtype=tl.int32)
-    hi_ab = tl.zeros([R, DB], dtype=tl.int32)
-    lo_ab = tl.zeros([R, DB], dtype=tl.int32)
+    zero = tl.zeros([R, DB], dtype=tl.int32)
+    dropped, n_ab, hi_ab, lo_ab = zero, zero, zero, zero
     for e in range(e0, e1, R):
         x, offs, bid = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
@@ -238,8 +234,7 @@ def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB:
 def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
                 DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 ROUND2: tl.constexpr):  # fmt: skip
-    """Slice sp of S of the row's listed blocks; the last program to finish places the
-    bracket."""
+    """Slice sp of S of the row's listed blocks."""
     slot = tl.load(P.slots + row).to(tl.int64)
     ids = bias_ids(P, slot, NB_P2)
     ri = W.rowi + row * cf.NUM_I
@@ -267,11 +262,12 @@ def _select_kernel(
     P, W,
     B, S,  # rows, programs per row (round 2: programs in all)
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr,
+    WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
     the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the
     refine list (`refine_share`)."""
+    dependent_start(PDL)
     if ROUND2:
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):

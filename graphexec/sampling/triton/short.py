@@ -17,10 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
 from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
+from graphexec.sampling.triton.stats import plan_row
 
 
 @triton.jit
@@ -69,14 +71,22 @@ def _short_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows served here
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
     SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, NBINS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B,): program b draws row b (and marks it R_DONE, so that the selection passes
-    skip it) when its plan (R_SELECT or R_CUT) fits SB blocks and ST candidates."""
+    """Grid (B,): program b plans row b when the check pass left it R_REPLAN (`plan_row`);
+    then draws it (and marks it R_DONE, so that the selection passes skip it) when its
+    plan (R_SELECT or R_CUT) fits SB blocks and ST candidates (SB = 0: plans only)."""
+    dependent_start(PDL)
     row = tl.program_id(0)
     ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
-    if ((route == cf.R_SELECT) | (route == cf.R_CUT)) & (tl.load(ri + cf.I_NLIST) <= SB):
+    if route == cf.R_REPLAN:
+        slot = tl.load(P.slots + row).to(tl.int64)
+        route = plan_row(W, row, tl.load(P.top_k + slot), tl.load(P.top_p + slot),
+                         tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+        tl.debug_barrier()  # the plan's stores, read back below
+    if (SB > 0) & ((route == cf.R_SELECT) | (route == cf.R_CUT)) & (
+            tl.load(ri + cf.I_NLIST) <= SB):  # fmt: skip
         slot, greedy_unused, s_unused, seed, pos = row_params(P, row)
         ids = bias_ids(P, slot, NB_P2)
         m = tl.load(W.rowf + row * 8 + cf.F_M)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide, decide_in_tail
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
@@ -61,15 +62,17 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
 
 
 @triton.jit
-def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
+def _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total, NBLK,
           NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr):  # fmt: skip
     """The next passes' plan of a filtered row (module docstring): route, lo, bins, the
     list of blocks with ym_b >= lo; zeroes what those passes sum into."""
+    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
     b = tl.arange(0, NBLK_P2)
     live_b = ym > float("-inf")
     route = tl.where((top_k == 0) & (top_p >= 1.0), cf.R_CUT, cf.R_SELECT).to(tl.int32)
     lo = lnmp
     inv_w = tl.zeros([], dtype=tl.float32)
+    lomin = tl.zeros([], dtype=tl.int64)
     if route == cf.R_SELECT:
         # a lower bound of the cut: top-k's k-th largest block max (k tokens lie at or
         # above it); top-p's point where a lower bound of the mass above it passes p; min-p
@@ -83,11 +86,9 @@ def _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total, NBLK,
             lo = tl.maximum(-grid_delta(ym, mb, t_p, DB * 1.0, 1), lnmp)
         ymin = tl.min(tl.where(live_b, yn, float("inf")), axis=0)
         lo = tl.maximum(tl.maximum(lo, ymin), -FLT_MAX)
+        lomin = (lo <= ymin).to(tl.int64)
         inv_w = tl.where(lo < 0.0, NBINS / -lo, 0.0)
         tl.store(W.hist + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
-    lomin = tl.zeros([], dtype=tl.int64)
-    if route == cf.R_SELECT:
-        lomin = (lo <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)).to(tl.int64)
     sel = live_b & (ym >= lo) & (b < NBLK)
     if route == cf.R_CUT:
         # min-p alone reads again only the blocks it cuts: one whose every live token has
@@ -129,8 +130,7 @@ def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.con
     q = tl.load(W.q + row * NBLK + b, mask=bm, other=0, cache_modifier=".cg")
     q = tl.where(ym > float("-inf"), q, 0)
     xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-    return _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
+    return _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
                  NBLK_P2, DB, NBINS)  # fmt: skip
 
 
@@ -200,10 +200,11 @@ def _stats_kernel(
     P, W,
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
     NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
-    DB: tl.constexpr, FL: tl.constexpr,
+    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
     [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
+    dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)
@@ -227,11 +228,12 @@ def _tail_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr,
+    CB: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
     next passes (module docstring). Program 0 empties round 2's row list, which the finish
     of round 1 fills."""
+    dependent_start(PDL)
     row = tl.program_id(0)
     if FILTERS:
         if row == 0:
@@ -289,8 +291,7 @@ def _tail_kernel(
                             tl.store(fr + cf.F_S, s)
                             route = tl.full([], cf.R_CHECK, tl.int32)
                         else:
-                            yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
-                            route = _plan(W, row, ym, yn, q, top_k, top_p, lnmp, m, s, total,
+                            route = _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total,
                                           NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             else:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
@@ -307,12 +308,12 @@ def _check_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: the rows whose candidate is kept
     S,  # programs per row
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-    NBINS: tl.constexpr, FL: tl.constexpr,
+    NBINS: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
-    (int64 atomics: exact in any order); the row's last program decides: kept, the candidate
-    is the token; else `plan_row`, the candidate marked out (-1) or left to the cut."""
+    (int64 atomics: exact in any order); the row's last program decides."""
+    dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     ri = W.rowi + row * cf.NUM_I
@@ -348,8 +349,7 @@ def _check_kernel(
                 tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
                 tl.store(tok_ptr + row, tok)
                 tl.store(valid_ptr + row, tok >= 0)
-            else:
+            else:  # planned by `_short_kernel`: its vectors would raise these registers
                 if state == OUT:
                     tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
-                plan_row(W, row, top_k, top_p, tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB,
-                         NBINS)  # fmt: skip
+                tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_REPLAN, tl.int64))
