@@ -93,7 +93,7 @@ WORKLOADS = {
 def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None,
             prompts: list[list[int]] | None = None) -> dict:  # fmt: skip
     """B requests in the steady state, `steps` timed steps of `ex.step(mode)`, then 20
-    steps whose outputs are read. Per step (medians; us):
+    steps whose outputs are read. Per step (medians, host_us a mean; us):
 
     wall_us (wall_p90_us): `ex.step()` from the call to its return.
     host_us (host_p90_us): on CUDA, the host time the device waits for: the device's idle

@@ -47,8 +47,9 @@ def p90(xs: Sequence[float]) -> float:
 
 def idle_stats(starts: Sequence[float], ends: Sequence[float]) -> dict:
     """Per-step device times (us) from each step's start and end stamps (us, one clock, in
-    launch order): busy = end - start, idle = start(N+1) - end(N); medians, the idle p90
-    and max, and the cycle (start to start, mean)."""
+    launch order): busy = end - start, idle = start(N+1) - end(N). idle_us is the mean (the
+    device time lost per step: a few long stalls under load hide below a median), then the
+    idle median, p90 and max, busy's median and the cycle (start to start, mean)."""
     n = len(starts)
     if n != len(ends) or n < 2:
         raise ValueError(f"need matching start and end stamps of >= 2 steps, got {n} and "
@@ -58,9 +59,9 @@ def idle_stats(starts: Sequence[float], ends: Sequence[float]) -> dict:
     if min(busy) < 0 or min(idle) < 0:
         raise ValueError("stamps out of order: a step ends before it starts or starts "
                          "before the previous one ended")  # fmt: skip
-    return dict(idle_us=statistics.median(idle), idle_p90_us=p90(idle), idle_max_us=max(idle),
-                busy_us=statistics.median(busy), cycle_us=(starts[-1] - starts[0]) / (n - 1),
-                steps=n)  # fmt: skip
+    return dict(idle_us=statistics.fmean(idle), idle_median_us=statistics.median(idle),
+                idle_p90_us=p90(idle), idle_max_us=max(idle), busy_us=statistics.median(busy),
+                cycle_us=(starts[-1] - starts[0]) / (n - 1), steps=n)  # fmt: skip
 
 
 class StepEvents:
@@ -297,7 +298,7 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
     """Add the device measures to row `r` (its `replay` measured with the executor's own
     overlap setting, quiet): replay.graph_us / forward_us (alone), replay.idle (overlap
     on / off, quiet / beside `args.cpu_load` busy processes) and replay.idle_us (their
-    medians), and the floor: floor_us, forward_over_floor. A failure is the row's
+    means), and the floor: floor_us, forward_over_floor. A failure is the row's
     `device_error`; its other results stay."""
     B, rp = r["batch"], r["replay"]
     try:
@@ -355,7 +356,7 @@ def summary(r: dict) -> str:
     if "device_error" in r:
         return f"failed: {r['device_error']}"
     rp, f = r["replay"], r["floor"]
-    idle = ", ".join(f"{k} {v:.1f}" for k, v in rp["idle_us"].items())
+    idle = ", ".join(f"{k} {v:.1f}" for k, v in rp["idle_us"].items())  # means
     parts = rp.get("parts", {})
     if "other" in parts:
         o, sm = parts["other"], parts["sampler"]

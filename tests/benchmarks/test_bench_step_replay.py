@@ -30,7 +30,7 @@ def test_idle_is_the_gap_from_one_steps_end_to_the_next_ones_start():
     ends = [100.0, 200.0, 300.0, 400.0, 560.0]
     s = step_replay.idle_stats(starts, ends)
     # gaps 10, 30, 30, 80; busy 100, 90, 70, 70, 80
-    assert s["idle_us"] == 30.0 and s["idle_max_us"] == 80.0
+    assert s["idle_us"] == 37.5 and s["idle_median_us"] == 30.0 and s["idle_max_us"] == 80.0
     assert s["idle_p90_us"] == pytest.approx(65.0)  # within the data: 30 + 0.7 * (80 - 30)
     assert s["busy_us"] == 80.0 and s["cycle_us"] == 120.0 and s["steps"] == 5
     assert step_replay.p90([7.0]) == 7.0
