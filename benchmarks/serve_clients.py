@@ -20,6 +20,8 @@ import json
 import random
 import time
 
+from serve_http import Connection
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -50,61 +52,46 @@ class Record:
     expected: int
     usage: int | None = None  # usage.completion_tokens (HTTP only)
     error: str | None = None
-    # HTTP only, from httpx's trace: the request written, the response's headers read
-    # (the server sends them with its first token), and whether it opened a connection
+    # HTTP only: the request written, the response's headers read (the server sends them
+    # with its first token), and whether it opened a connection
     wrote: float | None = None
     headers: float | None = None
     connected: bool = False
 
 
-def _tracer(rec: Record):
-    """httpx's trace callback (the `trace` extension) filling rec's wrote / headers /
-    connected."""
-
-    async def trace(event: str, info: dict) -> None:
-        if event == "connection.connect_tcp.started":
-            rec.connected = True
-        elif event == "http11.send_request_body.complete":
-            rec.wrote = time.monotonic()
-        elif event == "http11.receive_response_headers.complete":
-            rec.headers = time.monotonic()
-
-    return trace
-
-
-async def _http_client(client, url: str, wl: Workload, model: str, first: int, step: int,
-                       deadline: float, out: list[Record]) -> None:  # fmt: skip
+async def _http_client(base_url: str, url: str, wl: Workload, model: str, first: int,
+                       step: int, deadline: float, out: list[Record]) -> None:  # fmt: skip
+    conn = Connection(base_url)
     i = first
     while time.monotonic() < deadline:
         rec = Record(time.monotonic(), [], wl.max_tokens)
+        stamps: dict = {}
         try:
-            async with client.stream("POST", url, json=wl.body(i, model),
-                                     extensions={"trace": _tracer(rec)}) as resp:  # fmt: skip
-                if resp.status_code != 200:
-                    rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                else:
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        now = time.monotonic()
-                        chunk = json.loads(line[6:])
-                        choices = chunk.get("choices")
-                        if choices and choices[0].get("finish_reason") is None:  # a token
-                            rec.arrivals.append(now)
-                        if chunk.get("usage"):
-                            rec.usage = chunk["usage"]["completion_tokens"]
+            body = json.dumps(wl.body(i, model)).encode()
+            async for data in conn.post_events(url, body, stamps):
+                if data == "[DONE]":
+                    continue
+                now = time.monotonic()
+                chunk = json.loads(data)
+                choices = chunk.get("choices")
+                if choices and choices[0].get("finish_reason") is None:  # a token
+                    rec.arrivals.append(now)
+                if chunk.get("usage"):
+                    rec.usage = chunk["usage"]["completion_tokens"]
         except Exception as e:  # a broken stream is a result, not a crash of the run
             rec.error = f"{type(e).__name__}: {e}"
+        rec.wrote, rec.headers = stamps.get("wrote"), stamps.get("headers")
+        rec.connected = stamps.get("connected", False)
         out.append(rec)
         i += step
+    await conn.close()
 
 
 def run_http_worker(args: tuple) -> dict:
     """A worker process: `clients` HTTP clients (numbers first, first + step, ...) against
-    `base_url` until `deadline` (monotonic): {"records": the records as dicts, "lags": the
-    loop's wake-up delays in seconds}."""
+    `base_url` until `deadline` (monotonic), one connection each (serve_http.py): {"records":
+    the records as dicts, "lags": the loop's wake-up delays in seconds}."""
     base_url, model, wl, clients, first, step, deadline = args
-    import httpx
 
     # a client loop that lags delays its own sends and reads, charged to the server
     from graphexec.serve.metrics import watch_loop_lag
@@ -112,13 +99,11 @@ def run_http_worker(args: tuple) -> dict:
     async def main() -> tuple[list[Record], list[float]]:
         out: list[Record] = []
         lags: list[float] = []
-        limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(base_url=base_url, timeout=120.0, limits=limits) as client:
-            await asyncio.gather(watch_loop_lag(lags.append, until=deadline), *(
-                _http_client(client, "/v1/completions", wl, model, first + k * step,
-                             step * clients, deadline, out)
-                for k in range(clients)
-            ))  # fmt: skip
+        await asyncio.gather(watch_loop_lag(lags.append, until=deadline), *(
+            _http_client(base_url, "/v1/completions", wl, model, first + k * step,
+                         step * clients, deadline, out)
+            for k in range(clients)
+        ))  # fmt: skip
         return out, lags
 
     recs, lags = asyncio.run(main())

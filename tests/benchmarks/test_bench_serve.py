@@ -120,41 +120,52 @@ def test_ttft_parts_split_the_first_token_wait_from_the_trace() -> None:
     assert bench_serve.summarize([Record(2.0, [2.5], 1)], 2.0, 3.0)["ttft_parts"] is None
 
 
-def test_the_tracer_sees_httpx_write_and_read_a_request() -> None:
-    """httpx's trace events, as the HTTP clients use them, against a bare HTTP server:
-    the first request opens a connection, the second reuses it; written before headers."""
+def test_the_load_tests_http_client_reads_chunked_events_and_keeps_its_connection() -> None:
+    """serve_http.Connection against a bare HTTP/1.1 server: events split across chunks
+    and several in one chunk, the connection kept for the next request, a 503 raised with
+    its body, and after a reply with `connection: close` the next request reconnects."""
     import asyncio
 
-    import httpx
-    from serve_clients import _tracer
+    from serve_http import Connection, HTTPError
 
-    writers = []
+    chunks = [b'data: {"a": 1}\n\ndata: {"b"', b': 2}\n\n', b"data: [DONE]\n\n"]
+    stream = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    replies = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + stream,
+               b"HTTP/1.1 503 Busy\r\ncontent-length: 4\r\n\r\nfull",
+               b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+               + stream]  # fmt: skip
+    seen: list[bytes] = []
 
     async def serve(reader, writer) -> None:
-        writers.append(writer)
         try:
-            while await reader.readuntil(b"\r\n\r\n"):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                seen.append(await reader.readexactly(n))
+                writer.write(replies[min(len(seen), 3) - 1])
                 await writer.drain()
         except asyncio.IncompleteReadError:  # the client closed
-            pass
+            writer.close()
 
-    async def main() -> list[Record]:
+    async def main() -> list:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        recs = [Record(0.0, [], 1), Record(0.0, [], 1)]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for rec in recs:
-                async with client.stream("GET", "/", extensions={"trace": _tracer(rec)}) as r:
-                    await r.aread()
+        conn = Connection(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        got = []
+        for k in range(4):
+            stamps: dict = {}
+            try:
+                got.append([e async for e in conn.post_events("/x", b'{"k": %d}' % k, stamps)])
+            except HTTPError as e:
+                got.append(str(e))
+            got.append((stamps.get("connected", False), stamps["wrote"] <= stamps["headers"]))
+        await conn.close()
+        await asyncio.sleep(0.05)  # the handlers read the end of their connections
         server.close()
-        for w in writers:
-            w.close()
-            await w.wait_closed()
         await server.wait_closed()
-        return recs
+        return got, conn.opened
 
-    first, second = asyncio.run(main())
-    assert first.connected and not second.connected
-    for r in (first, second):
-        assert r.wrote is not None and r.headers is not None and r.wrote <= r.headers
+    got, opened = asyncio.run(main())
+    events = ['{"a": 1}', '{"b": 2}', "[DONE]"]
+    assert got == [events, (True, True), "HTTP 503: b'full'", (False, True),
+                   events, (False, True), events, (True, True)]  # fmt: skip
+    assert opened == 2 and seen == [b'{"k": %d}' % k for k in range(4)]
