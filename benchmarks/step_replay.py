@@ -282,24 +282,29 @@ def busy_processes(n: int, settle_s: float = 0.5):
             p.wait()
 
 
-def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool) -> dict:
-    """The replayed step loop (`measure`) with EngineConfig.overlap set to `overlap` (the
-    executor idles between passes, so the switch is clean): its idle and wall per step."""
-    was = ex.overlap
+def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
+              blocking: bool | None = None) -> dict:  # fmt: skip
+    """The replayed step loop (`measure`) with EngineConfig.overlap set to `overlap` and,
+    unless None, blocking_wait to `blocking` (the executor idles between passes, so the
+    switch is clean): its idle and wall per step."""
+    was = ex.overlap, ex.runner.blocking_wait
     ex.overlap = overlap
+    ex.runner.blocking_wait = was[1] if blocking is None else blocking
     try:
         m = measure(ex, B, make, steps, None, prompts=prompts)
     finally:
-        ex.overlap = was
-    return dict(m["events"], overlap=overlap, wall_us=m["wall_us"], wall_p90_us=m["wall_p90_us"])
+        ex.overlap, ex.runner.blocking_wait = was
+    wait = was[1] if blocking is None else blocking
+    return dict(m["events"], overlap=overlap, blocking_wait=wait, wall_us=m["wall_us"],
+                wall_p90_us=m["wall_p90_us"])  # fmt: skip
 
 
 def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: float) -> None:
     """Add the device measures to row `r` (its `replay` measured with the executor's own
     overlap setting, quiet): replay.graph_us / forward_us (alone), replay.idle (overlap
-    on / off, quiet / beside `args.cpu_load` busy processes) and replay.idle_us (their
-    means), and the floor: floor_us, forward_over_floor. A failure is the row's
-    `device_error`; its other results stay."""
+    on / off, and on with the other blocking_wait, quiet / beside `args.cpu_load` busy
+    processes) and replay.idle_us (their means), and the floor: floor_us,
+    forward_over_floor. A failure is the row's `device_error`; its other results stay."""
     B, rp = r["batch"], r["replay"]
     try:
         mine = "on" if ex.overlap else "off"
@@ -307,13 +312,20 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
                            wall_p90_us=rp["wall_p90_us"])}  # fmt: skip
         idle["off" if ex.overlap else "on"] = idle_pass(measure, ex, B, make, args.steps,
                                                         prompts, not ex.overlap)  # fmt: skip
+        # overlap on with the other wait (EngineConfig.blocking_wait): "on_block" or
+        # "on_spin", quiet and loaded
+        other = not ex.runner.blocking_wait
+        tag = "_block" if other else "_spin"
+        idle["on" + tag] = idle_pass(measure, ex, B, make, args.steps, prompts, True, other)
         if args.cpu_load:
             with busy_processes(args.cpu_load):
                 for overlap in (True, False):
                     idle[("on" if overlap else "off") + "_loaded"] = idle_pass(
                         measure, ex, B, make, args.steps, prompts, overlap)  # fmt: skip
+                idle["on_loaded" + tag] = idle_pass(measure, ex, B, make, args.steps,
+                                                    prompts, True, other)  # fmt: skip
         for k, v in idle.items():
-            v["cpu_load"] = args.cpu_load if k.endswith("_loaded") else 0
+            v["cpu_load"] = args.cpu_load if "_loaded" in k else 0
         t = device_times(ex, model, B, make, prompts, args.replays)
     except Exception as e:  # the row keeps its replay and eager results
         r["device_error"] = f"{type(e).__name__}: {str(e)[:400]}"

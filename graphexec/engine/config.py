@@ -31,6 +31,11 @@ class EngineConfig:
         it. None (default): True on CUDA; False on the CPU, where the step's compute runs
         on the calling thread, so pipelining would only hold each output back a step.
         The same tokens, positions, logprobs and ends either way.
+    blocking_wait: wait for a step's outputs asleep on its event (a blocking-sync CUDA
+        event) instead of spinning on it. With overlap the device has the next step
+        queued meanwhile, so the wake-up costs no device time; on a host whose cores are
+        all busy, a thread that sleeps between steps is scheduled back sooner than one
+        that spends its share spinning. The same tokens either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
@@ -61,6 +66,7 @@ class EngineConfig:
 
     max_batch_size: int = 256
     overlap: bool | None = None
+    blocking_wait: bool = False
     device: torch.device | str | None = None
     cuda_graphs: bool = True
     buckets: Sequence[int] | None = None
@@ -81,6 +87,8 @@ class EngineConfig:
         _int_at_least_1("prefill_budget", self.prefill_budget)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be a bool or None, got {self.overlap!r}")
+        if not isinstance(self.blocking_wait, bool):
+            raise ValueError(f"blocking_wait must be a bool, got {self.blocking_wait!r}")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {self.backend!r}")
         sp = self.speculative

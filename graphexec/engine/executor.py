@@ -110,7 +110,8 @@ class DecodeExecutor:
         draft = self.drafter.draft if self.drafter else None
         step = StepFn(model, self.slots, sampler, draft, spec.verify if spec else "strict",
                       kernels=self.device.type == "cuda")  # fmt: skip
-        self.runner = StepRunner(step, self.masks, self.buckets, n, device, self.drafter)
+        self.runner = StepRunner(step, self.masks, self.buckets, n, device, self.drafter,
+                                 cfg.blocking_wait)  # fmt: skip
         self.prefiller = Prefiller(model, cfg.prefill_budget, v, device, draft)
         self._queue = RequestQueue(n, cfg.seed)  # shared with other threads
         self._check = RequestCheck(v, model.max_seq_len, cfg.max_logit_bias,

@@ -87,7 +87,8 @@ class StepRunner:
     """Capture and launch the steps of one executor (see the module docstring)."""
 
     def __init__(self, step: StepFn, masks, buckets: tuple[int, ...], max_batch_size: int,
-                 device: torch.device, drafter=None) -> None:  # fmt: skip
+                 device: torch.device, drafter=None,
+                 blocking_wait: bool = False) -> None:  # fmt: skip
         self.step, self.slots, self.masks = step, step.slots, masks
         self.buckets, self.device, self.drafter = buckets, device, drafter
         self.spec_ks = drafter.spec_ks if drafter is not None else (0,)
@@ -108,6 +109,13 @@ class StepRunner:
         self.eager: Counter = Counter()
         self.split_logits: torch.Tensor | None = None  # [largest, W]: split steps' logits
         self.split_steps = 0
+        self.blocking_wait = blocking_wait  # EngineConfig.blocking_wait
+
+    def _end_event(self) -> torch.cuda.Event:
+        """An event recorded now on the step's stream: the launch's end."""
+        e = torch.cuda.Event(blocking=self.blocking_wait)
+        e.record(torch.cuda.current_stream(self.device))
+        return e
 
     def fn(self, key: GraphKey):
         """The step function of `key` on the static buffers."""
@@ -208,8 +216,7 @@ class StepRunner:
         plan.uploaded = True
         plan.launched()
         if self.device.type == "cuda":
-            done.event = torch.cuda.Event()
-            done.event.record(torch.cuda.current_stream(self.device))
+            done.event = self._end_event()
         return done
 
     def parts(self, key: GraphKey):
@@ -279,8 +286,7 @@ class StepRunner:
                 done.errors[start] = f"{type(e).__name__}: {e}"
                 done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
         if self.device.type == "cuda":
-            done.event = torch.cuda.Event()
-            done.event.record(torch.cuda.current_stream(self.device))
+            done.event = self._end_event()
         return done
 
     def copy_out(self, key: GraphKey, start: int, n: int, host: dict) -> None:

@@ -171,8 +171,8 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     ex, seen = executor(False), []
 
     def measure(ex, B, make, steps, mode, prompts=None):
-        seen.append((ex.overlap, B, steps, mode))
-        idle = 100.0 if ex.overlap else 300.0
+        seen.append((ex.overlap, ex.runner.blocking_wait, B, steps, mode))
+        idle = (50.0 if ex.runner.blocking_wait else 100.0) if ex.overlap else 300.0
         return dict(events=dict(idle_us=idle, idle_p90_us=idle + 1), wall_us=idle * 10,
                     wall_p90_us=idle * 11)  # fmt: skip
 
@@ -188,12 +188,17 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     args = types.SimpleNamespace(steps=5, cpu_load=3, replays=4)
     step_replay.device_section(r, args, measure, ex, model, greedy, None, 2e12)
     assert "device_error" not in r
-    assert seen == [(True, 2, 5, None), (True, 2, 5, None), (False, 2, 5, None)]
-    assert ex.overlap is False
+    assert seen == [(True, False, 2, 5, None), (True, True, 2, 5, None),
+                    (True, False, 2, 5, None), (False, False, 2, 5, None),
+                    (True, True, 2, 5, None)]  # fmt: skip
+    assert ex.overlap is False and ex.runner.blocking_wait is False
     rp = r["replay"]
-    assert rp["idle_us"] == dict(off=300.0, on=100.0, on_loaded=100.0, off_loaded=300.0)
-    assert [rp["idle"][k]["cpu_load"] for k in ("off", "on", "on_loaded", "off_loaded")] == [
-        0, 0, 3, 3]  # fmt: skip
+    assert rp["idle_us"] == dict(off=300.0, on=100.0, on_block=50.0, on_loaded=100.0,
+                                 off_loaded=300.0, on_loaded_block=50.0)  # fmt: skip
+    keys = ("off", "on", "on_block", "on_loaded", "off_loaded", "on_loaded_block")
+    assert [rp["idle"][k]["cpu_load"] for k in keys] == [0, 0, 0, 3, 3, 3]
+    assert [rp["idle"][k]["blocking_wait"] for k in keys[1:]] == [False, True, False, False,
+                                                                  True]  # fmt: skip
     assert rp["idle"]["off"]["wall_us"] == 3000.0 and rp["idle"]["on"]["overlap"] is True
     assert (rp["graph_us"], rp["forward_us"]) == (1500.0, 1400.0)
     fb = step_floor.floor_bytes(model, [16, 20])

@@ -35,8 +35,14 @@ def test_keywords_override_the_config_and_it_stays_frozen() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("max_batch_size", 0), ("prefill_budget", True), ("backend", "bogus"),
-     ("buckets", (0,)), ("speculative", "ngram")],
+     ("buckets", (0,)), ("speculative", "ngram"), ("blocking_wait", 1)],
 )  # fmt: skip
 def test_bad_options_name_their_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=field):
         gx.EngineConfig(**{field: value})
+
+
+def test_blocking_wait_reaches_the_runner() -> None:
+    for wait in (False, True):
+        ex = gx.DecodeExecutor(gx.models.TableModel(V, seed=0), device="cpu", blocking_wait=wait)
+        assert ex.runner.blocking_wait is wait

@@ -84,11 +84,12 @@ def masked() -> list[Event]:
     # fmt: on
 
 
-def make(overlap: bool, speculative=None, device: str = "cpu", model=None) -> gx.DecodeExecutor:
+def make(overlap: bool, speculative=None, device: str = "cpu", model=None,
+         **config) -> gx.DecodeExecutor:  # fmt: skip
     model = model or gx.models.TableModel(V, seed=3, max_seq_len=40)
     ex = gx.DecodeExecutor(model, max_batch_size=16, device=device, seed=0,
                            tokenizer=byte_tokenizer(), overlap=overlap,
-                           speculative=speculative)  # fmt: skip
+                           speculative=speculative, **config)  # fmt: skip
     ex.capture(progress=False)
     return ex
 

@@ -27,6 +27,13 @@ def test_overlap_gives_the_synchronous_outputs_on_cuda(mode, model) -> None:
     assert run(ex(True), masked(), mode) == run(ex(False), masked(), mode)
 
 
+def test_a_blocking_wait_gives_the_spinning_waits_outputs() -> None:
+    def ex(wait):
+        return make(True, device="cuda", model=tiny(), blocking_wait=wait)
+
+    assert run(ex(True), mixed()) == run(ex(False), mixed())
+
+
 def test_speculative_overlap_on_cuda() -> None:
     def ex(overlap):
         return make(overlap, gx.SpeculativeConfig(3, drafter="ngram"), device="cuda",
