@@ -62,8 +62,7 @@ def routed_to(variant: SamplerVariant, backend: str) -> tuple[SamplerVariant, ..
 # docstring says why; _check_kernel only while SamplerConfig's check_blocks is on,
 # _short_kernel while check_blocks or short_blocks is, as in both presets). Update it
 # with the kernels; tests/engine/test_variants.py checks it against the launches in
-# launch.py and against
-# ROUTES (variants that share a graph launch the same kernels).
+# launch.py and against ROUTES (variants that share a graph launch the same kernels).
 _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
 _FILTERED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_short_kernel",
              *_SELECT_ROUND, *_SELECT_ROUND)  # fmt: skip
