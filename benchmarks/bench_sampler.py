@@ -55,6 +55,10 @@ same date) and keeps its rows, replacing those of the same (method, B, V, dtype,
 from its own run. `--resume` (implies --append) also skips blocks that already have a row
 for every selected method and shape (a failed row counts too).
 
+`--profile` (CUDA): each graphexec row also gets `kernels`, its sampler kernels' times
+in one replay (name, us, own us: what each adds to the timeline; medians of 5 replays,
+each prepared as a timed call), from torch.profiler (`step_profile.kernel_spans`).
+
 FlashInfer JIT: the first call of a FlashInfer method builds its module (sampling about
 80 s, cake_sampling about 300 s on a fresh host; see ../shared/gpu/README.md for prebuilt
 modules). That time is not in any row; it is recorded in "first_call_s". `--jit-only`
@@ -183,11 +187,16 @@ def _report(row: dict, dname: str, shape: str, V: int, B: int) -> None:
         + (f"  ERROR {row['error']}" if "error" in row else ""),
         flush=True,
     )
+    if row.get("kernels"):
+        print("    own us: " + ", ".join(f"{k['name']} {k['own_us']}" for k in row["kernels"]),
+              flush=True)  # fmt: skip
 
 
-def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, backend) -> list:
+def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, backend,
+               profile: bool = False) -> list:  # fmt: skip
     """One row per method and shape on [B, V] logits of one dtype; floor.read once, first,
-    on the first shape whose logits could be made: its time is each row's read_floor_us."""
+    on the first shape whose logits could be made: its time is each row's read_floor_us.
+    `profile`: the graphexec rows' kernels too (`sampler_methods.profile_kernels`)."""
     block, read_floor, floor_done = [], None, FLOOR not in methods
     for i, shape in enumerate(shapes):
         try:
@@ -202,7 +211,7 @@ def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, back
         for m in methods:
             if m == FLOOR and floor_done:
                 continue  # once per block: reading does not depend on the values
-            row = run_method(m, case, timer, first_call)
+            row = run_method(m, case, timer, first_call, profile)
             row["shape"] = shape
             if m == FLOOR:
                 read_floor = row["graph_us"] if timer.cuda else row["eager_us"]
@@ -237,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"({FLOOR} is always timed)")  # fmt: skip
     ap.add_argument("--dtypes", default=DEFAULT_DTYPES, help=f"comma list of {list(DTYPES)}")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: each graphexec row also lists its kernels' times (`kernels`: "
+                    "name, us, own us; each replay prepared as a timed call)")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--gx-backend",
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append((dname, V, B))
             continue
         block = time_block(methods, dname, block_shapes, B, V, device, bw, timer, first_call,
-                           result["gx_backend"])  # fmt: skip
+                           result["gx_backend"], args.profile)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
         new_rows += block

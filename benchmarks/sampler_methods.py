@@ -287,8 +287,23 @@ def blank_row(method: str, B: int, V: int, dtype: str) -> dict:
     return dict(method=method, B=B, V=V, dtype=dtype, eager_us=None, graph_us=None, floor_us=None)
 
 
-def run_method(name: str, case: Case, timer: Timer, first_call: dict) -> dict:
-    """One JSON row; never raises (except KeyboardInterrupt)."""
+def profile_kernels(graph, timer: Timer, reps: int = 5) -> list[dict]:
+    """The sampler kernels of one replay of `graph`, each prepared as a timed call is
+    (`Timer.prepare`): name, us and own us (`step_profile.kernel_spans`), medians."""
+    from step_parts import SAMPLER_KERNELS
+    from step_profile import kernel_spans
+
+    def keep(name: str) -> bool:
+        return any(name.startswith(k) for k in SAMPLER_KERNELS)
+
+    return [dict(name=n, us=round(us, 2), own_us=round(own, 2))
+            for n, us, own, _ in kernel_spans(graph, reps, timer.prepare, keep)]  # fmt: skip
+
+
+def run_method(name: str, case: Case, timer: Timer, first_call: dict,
+               profile: bool = False) -> dict:  # fmt: skip
+    """One JSON row; never raises (except KeyboardInterrupt). `profile`: a graphexec
+    method's row gets its kernels' times too (`profile_kernels`)."""
     row = blank_row(name, case.B, case.V, str(case.logits.dtype)[6:])
     if name.startswith("flashinfer.") and not timer.cuda:
         row["error"] = "FlashInfer needs CUDA"
@@ -327,6 +342,8 @@ def run_method(name: str, case: Case, timer: Timer, first_call: dict) -> dict:
         if bad:
             row["warning"] = f"{row.get('warning', '')} graph: {bad}".strip()
         row["graph_us"] = round(timer.time(graph.replay, sync_each=False), 2)
+        if profile and name.startswith("graphexec."):
+            row["kernels"] = profile_kernels(graph, timer)
     except Exception as e:
         row["error"] = "graph capture/replay: " + error_text(e)
         traceback.print_exc(limit=3)

@@ -48,6 +48,13 @@ class Timer:
         """Evict the L2 by reading FLUSH_BYTES: afterwards it holds clean lines only."""
         torch.amax(self.flush, dim=1, out=self.flush_sink)
 
+    def prepare(self) -> None:
+        """What runs before each timed call (CUDA): the instruction-cache eviction, if on,
+        then the L2 flush."""
+        if self.evict is not None:
+            self.evict()
+        self.flush_l2()  # after the eviction kernel: its few written lines go back too
+
     def _reps(self, est_us: float) -> int:
         n = int(self.budget_s * 1e6 / max(est_us + (80.0 if self.cuda else 0.0), 1.0))
         return max(self.min_reps, min(self.max_reps, n))
@@ -59,9 +66,7 @@ class Timer:
         ]
         torch.cuda.synchronize(self.device)
         for start, end in ev:
-            if self.evict is not None:
-                self.evict()
-            self.flush_l2()  # after the eviction kernel: its few written lines go back too
+            self.prepare()
             if sync_each:
                 torch.cuda.synchronize(self.device)
             start.record()

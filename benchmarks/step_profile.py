@@ -159,22 +159,27 @@ def label(kernels: list[str], calls: list[OpCall]) -> list[tuple[str, int | None
     return out
 
 
-def kernel_spans(g, reps: int = 5) -> list[tuple[str, float, float, float]]:
+def kernel_spans(g, reps: int = 5, before=None,
+                 keep=None) -> list[tuple[str, float, float, float]]:  # fmt: skip
     """(name, us, own us, gap us) of each kernel of one replay, in launch order, each the
     median over `reps` replays. us: start to end. With programmatic dependent launch a
     kernel starts before the one before it ends and waits inside, so its us includes
     that wait; own us is what it adds to the stream's timeline (end - max(start, the end
     before)), and gap us the idle time before it (start - the end before, if positive):
-    the own times and gaps add up to the replay."""
+    the own times and gaps add up to the replay. `before()` runs before each replay (an
+    L2 flush, say) and `keep(name)` picks the replay's kernels from what else ran."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if before is not None:
+                before()
             g.replay()
         torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_index >= 0
-           and "Memcpy" not in e.name and "Memset" not in e.name]  # fmt: skip
+           and "Memcpy" not in e.name and "Memset" not in e.name
+           and (keep is None or keep(e.name))]  # fmt: skip
     evs.sort(key=lambda e: e.time_range.start)
     n = len(evs) // reps
     if n * reps != len(evs):

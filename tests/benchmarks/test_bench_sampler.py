@@ -294,3 +294,27 @@ def test_plot_sampler_targets_cli_needs_no_matplotlib(tmp_path, capsys):
     assert plot_sampler.main([str(path), "--targets", "--no-png"]) == 0
     assert capsys.readouterr().out.strip() == plot_sampler.targets_table(synthetic())
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_profile_keeps_the_sampler_kernels_of_replays_prepared_as_timed_calls(monkeypatch):
+    """profile_kernels hands kernel_spans the timer's preparation (run before each replay)
+    and a filter that keeps the sampler's kernels, not the flush's reduction; each kernel
+    becomes a row entry (CUDA itself is not needed to check the wiring)."""
+    import sampler_methods
+    import step_profile
+
+    seen = {}
+
+    def spans(graph, reps, before, keep):
+        seen.update(graph=graph, reps=reps, before=before, keep=keep)
+        return [("_stats_kernel", 30.123, 29.877, 0.0), ("_tail_kernel", 5.0, 4.0, 1.0)]
+
+    monkeypatch.setattr(step_profile, "kernel_spans", spans)
+    timer = bench_sampler.Timer(torch.device("cpu"), quick=True)
+    out = sampler_methods.profile_kernels("g", timer, reps=3)
+    assert out == [dict(name="_stats_kernel", us=30.12, own_us=29.88),
+                   dict(name="_tail_kernel", us=5.0, own_us=4.0)]  # fmt: skip
+    assert seen["graph"] == "g" and seen["reps"] == 3 and seen["before"] == timer.prepare
+    keep = seen["keep"]
+    assert keep("_stats_kernel") and keep("_kept_kernel_0d1d") and keep("_raw_logprobs_kernel")
+    assert not keep("void at::native::reduce_kernel<512, 1>") and not keep("_inputs_kernel")
