@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from graphexec.engine.step_state import StepInputs
-from graphexec.kernels import dependent_launch
-from graphexec.kernels.dependent_launch import dependent_start
+from graphexec.kernels.dependent_launch import dependent_start, kernel_options
 from graphexec.runtime.triton_import import tl, triton
 from graphexec.sampling.flags import INF_TOKEN
 
@@ -109,12 +108,6 @@ def _advance_kernel(
             tl.store(COUNTS + slot * V + tok, tl.load(COUNTS + slot * V + tok) + 1)
 
 
-def _pdl(device: torch.device) -> dict:
-    """Programmatic dependent launch wherever the device has it (it changes no value)."""
-    on = dependent_launch.enabled(True, device)
-    return {"PDL": on, **dependent_launch.launch_options(on)}
-
-
 def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
     """`_inputs_kernel` over `slots` (a SlotTable) for rows `slot_ids` [b] (Triton)."""
     b, bm = slot_ids.shape[0], slots.bitmask
@@ -127,7 +120,7 @@ def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
             slot_ids, slots.positions, slots.prompt_lens, slots.last_token, bm,
             slots.min_tokens, slots.min_words, slots.min_bits, pos, model_pos, last, masks,
             bm.stride(0), W, M, BLOCK=min(1024, triton.next_power_of_2(W)),
-            M_PAD=triton.next_power_of_2(M), num_warps=4, **_pdl(dev),
+            M_PAD=triton.next_power_of_2(M), num_warps=4, **kernel_options(True, dev),
         )  # fmt: skip
     return StepInputs(pos, model_pos, last, masks)
 
@@ -146,5 +139,5 @@ def advance_decode(slots, slot_ids: torch.Tensor, logits: torch.Tensor, token_id
         counts if counts is not None else slot_ids,
         token_ids.stride(0), valid.stride(0), logits.stride(0), slots.vocab_size,
         slots.padding_slot, FLAG_INF=flag, HAS_COUNTS=counts is not None, INF=INF_TOKEN,
-        num_warps=1, **_pdl(slot_ids.device),
+        num_warps=1, **kernel_options(True, slot_ids.device),
     )  # fmt: skip

@@ -55,6 +55,12 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def kernel_options(wanted: bool, device: torch.device) -> dict:
+    """A launch's `PDL` constexpr and launch keyword on `device` (`enabled`)."""
+    on = enabled(wanted, device)
+    return {"PDL": on, **launch_options(on)}
+
+
 @triton.jit
 def dependent_start(PDL: tl.constexpr):
     """Steps 2 and 3 of the module docstring; nothing without PDL."""

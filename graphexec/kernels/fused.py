@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from graphexec.kernels.dependent_launch import dependent_start, enabled, launch_options
+from graphexec.kernels.dependent_launch import dependent_start, kernel_options
 from graphexec.runtime.triton_import import tl, triton
 
 
@@ -67,12 +67,6 @@ class FusedConfig:
 
 
 DEFAULT = FusedConfig()
-
-
-def _pdl(cfg: FusedConfig, x: torch.Tensor) -> dict:
-    """The PDL constexpr and launch option of a launch on x's device."""
-    on = enabled(cfg.pdl, x.device)
-    return {"PDL": on, **launch_options(on)}
 
 
 @triton.jit
@@ -210,7 +204,7 @@ def rope_kv_write(
         qkv.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), T,
         H=heads, KV_HEADS=KVH, HD=hd, NH_PAD=triton.next_power_of_2(heads + 2 * KVH),
         HD_PAD=triton.next_power_of_2(hd), PAIRED=paired, num_warps=cfg.rope_warps,
-        **_pdl(cfg, qkv),
+        **kernel_options(cfg.pdl, qkv.device),
     )  # fmt: skip
     return q
 
@@ -298,7 +292,7 @@ def silu_mul(gate_up: torch.Tensor, *, config: FusedConfig | None = None) -> tor
     block = min(cfg.silu_block, triton.next_power_of_2(I2 // 2))
     _silu_mul_kernel[(N, triton.cdiv(I2 // 2, block))](
         gate_up, out, gate_up.stride(0), I2 // 2, BLOCK=block, num_warps=cfg.silu_warps,
-        **_pdl(cfg, gate_up),
+        **kernel_options(cfg.pdl, gate_up.device),
     )  # fmt: skip
     return out
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphexec.kernels.dependent_launch import dependent_start
-from graphexec.kernels.fused import DEFAULT, FusedConfig, _pdl, _rounded
+from graphexec.kernels.dependent_launch import dependent_start, kernel_options
+from graphexec.kernels.fused import DEFAULT, FusedConfig, _rounded
 from graphexec.runtime.triton_import import tl, triton
 
 MAX_D = 1 << 16  # the int64 sum holds this many squares of 47 bits
@@ -127,7 +127,7 @@ def residual_rms_norm(
     _residual_rms_norm_kernel[(N,)](
         x, res, weight.contiguous(), out, new, x.stride(0), res.stride(0), D, float(eps),
         BLOCK_D=block, HAS_RES=residual is not None,
-        num_warps=cfg.norm_warps_for(block), **_pdl(cfg, x),
+        num_warps=cfg.norm_warps_for(block), **kernel_options(cfg.pdl, x.device),
     )  # fmt: skip
     return out, new
 

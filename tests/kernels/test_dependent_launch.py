@@ -21,6 +21,7 @@ def test_pdl_is_off_where_it_cannot_run() -> None:
     assert not dependent_launch.enabled(False, torch.device("cuda", 0))
     assert dependent_launch.launch_options(False) == {}
     assert dependent_launch.launch_options(True) == {"launch_pdl": True}
+    assert dependent_launch.kernel_options(True, torch.device("cpu")) == {"PDL": False}
 
 
 def test_config_checks_the_prefetch() -> None:
