@@ -200,8 +200,10 @@ class ServeProcess:
     def log_since(self, offset: int) -> tuple[list[str], int]:
         """The server's log lines (warnings and errors: it runs at --log-level warning)
         written after byte `offset`, and the offset of the end."""
-        data = self.log.read_bytes()
-        return data[offset:].decode(errors="replace").splitlines(), len(data)
+        with self.log.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+        return data.decode(errors="replace").splitlines(), offset + len(data)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -288,13 +288,12 @@ def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
     unless None, blocking_wait to `blocking` (the executor idles between passes, so the
     switch is clean): its idle and wall per step."""
     was = ex.overlap, ex.runner.blocking_wait
-    ex.overlap = overlap
-    ex.runner.blocking_wait = was[1] if blocking is None else blocking
+    wait = was[1] if blocking is None else blocking
+    ex.overlap, ex.runner.blocking_wait = overlap, wait
     try:
         m = measure(ex, B, make, steps, None, prompts=prompts)
     finally:
         ex.overlap, ex.runner.blocking_wait = was
-    wait = was[1] if blocking is None else blocking
     return dict(m["events"], overlap=overlap, blocking_wait=wait, wall_us=m["wall_us"],
                 wall_p90_us=m["wall_p90_us"])  # fmt: skip
 
