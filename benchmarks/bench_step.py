@@ -277,6 +277,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--cpu-load", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="CUDA: the idle passes again beside N busy processes (default: "
                    "the host's cores; 0: no loaded pass)")  # fmt: skip
+    m.add_argument("--engine-nice", type=int, default=-10, metavar="N",
+                   help="CUDA: one more loaded pass with this process at nice N (needs "
+                   "CAP_SYS_NICE below 0; refused: no row; 0: no pass)")  # fmt: skip
     c = ap.add_argument_group("--scenario cpu --model smollm2|PATH (step_cpu.py)")
     c.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads, the same for both sides")  # fmt: skip

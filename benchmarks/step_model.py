@@ -26,8 +26,10 @@ queued back to back and timed by CUDA events; `floor_us`, the bytes the step mus
 bandwidth measured at the start of the run (`read_gb_s`), and `forward_over_floor` =
 forward_us / floor_us; `replay.idle` (means in `replay.idle_us`): the GPU's idle time
 between steps (`step_replay.StepEvents`), mean, median and p90, and the wall per step, with
-EngineConfig.overlap on and off (`on`, `off`), then again beside `--cpu-load` busy
-Python processes (`on_loaded`, `off_loaded`; default: one per core of the host).
+EngineConfig.overlap on and off (`on`, `off`) and on with the other blocking_wait (`on_spin`
+or `on_block`), then again beside `--cpu-load` busy Python processes (`on_loaded`,
+`off_loaded`, `on_loaded_spin`; default: one per core of the host), and once more with
+this process at nice `--engine-nice` (`on_loaded_nice`; where the OS allows it).
 
 Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
 K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,

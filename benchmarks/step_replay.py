@@ -17,7 +17,6 @@ what the GPU runs and how long it waits for the host.
   (step_floor.py), and the step's kernels split into forward, sampler and the rest
   (`step_parts`). Replaying the step graph advances the rows' positions on the device
   (by 2 * reps + 6); the requests are aborted after.
-- `busy_processes`: N busy Python processes beside the run (a loaded serving host).
 
 Everything that touches CUDA runs inside functions: the module imports on a CPU.
 """
@@ -28,12 +27,11 @@ import contextlib
 import dataclasses
 import functools
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 import torch
+from host_load import busy_processes, raised_priority
 from step_floor import floor_bytes, floor_us
 from step_parts import step_parts
 
@@ -266,22 +264,6 @@ def device_times(ex, model, B: int, make, prompts, reps: int) -> dict:
     return dict(key=str(key), graph=graph, forward=forward, positions=positions, parts=parts)
 
 
-@contextlib.contextmanager
-def busy_processes(n: int, settle_s: float = 0.5):
-    """n busy Python processes (each spins on a core) while the block runs; killed after."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for _ in range(n)]  # fmt: skip
-    try:
-        time.sleep(settle_s)  # started and spinning
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-
-
 def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
               blocking: bool | None = None) -> dict:  # fmt: skip
     """The replayed step loop (`measure`) with EngineConfig.overlap set to `overlap` and,
@@ -302,7 +284,8 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
     """Add the device measures to row `r` (its `replay` measured with the executor's own
     overlap setting, quiet): replay.graph_us / forward_us (alone), replay.idle (overlap
     on / off, and on with the other blocking_wait, quiet / beside `args.cpu_load` busy
-    processes) and replay.idle_us (their means), and the floor: floor_us,
+    processes; loaded once more with this process at nice `args.engine_nice`, where the
+    OS allows it) and replay.idle_us (their means), and the floor: floor_us,
     forward_over_floor. A failure is the row's `device_error`; its other results stay."""
     B, rp = r["batch"], r["replay"]
     try:
@@ -323,6 +306,11 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
                         measure, ex, B, make, args.steps, prompts, overlap)  # fmt: skip
                 idle["on_loaded" + tag] = idle_pass(measure, ex, B, make, args.steps,
                                                     prompts, True, other)  # fmt: skip
+                if args.engine_nice:  # the stepping process above the load
+                    with raised_priority(args.engine_nice) as nice:
+                        if nice is not None:  # else refused: no row
+                            idle["on_loaded_nice"] = dict(idle_pass(
+                                measure, ex, B, make, args.steps, prompts, True), nice=nice)
         for k, v in idle.items():
             v["cpu_load"] = args.cpu_load if "_loaded" in k else 0
         t = device_times(ex, model, B, make, prompts, args.replays)

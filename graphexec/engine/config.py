@@ -32,10 +32,12 @@ class EngineConfig:
         on the calling thread, so pipelining would only hold each output back a step.
         The same tokens, positions, logprobs and ends either way.
     blocking_wait: wait for a step's outputs asleep on its event (a blocking-sync CUDA
-        event) instead of spinning on it. With overlap the device has the next step
-        queued meanwhile, so the wake-up costs no device time; on a host whose cores are
-        all busy, a thread that sleeps between steps is scheduled back sooner than one
-        that spends its share spinning. The same tokens either way.
+        event; default) instead of spinning on it. With overlap the device has the next
+        step queued meanwhile, so the wake-up costs no device time; on a host whose cores
+        are all busy, a thread that sleeps between steps is scheduled back sooner than
+        one that spends its share spinning (on an H200 beside 16 busy processes the GPU
+        idled 20-94 us a step against 82-701 spinning, Llama-3.2-1B shape). False: spin.
+        The same tokens either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to
@@ -66,7 +68,7 @@ class EngineConfig:
 
     max_batch_size: int = 256
     overlap: bool | None = None
-    blocking_wait: bool = False
+    blocking_wait: bool = True
     device: torch.device | str | None = None
     cuda_graphs: bool = True
     buckets: Sequence[int] | None = None

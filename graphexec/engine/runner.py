@@ -88,7 +88,7 @@ class StepRunner:
 
     def __init__(self, step: StepFn, masks, buckets: tuple[int, ...], max_batch_size: int,
                  device: torch.device, drafter=None,
-                 blocking_wait: bool = False) -> None:  # fmt: skip
+                 blocking_wait: bool = True) -> None:  # fmt: skip
         self.step, self.slots, self.masks = step, step.slots, masks
         self.buckets, self.device, self.drafter = buckets, device, drafter
         self.spec_ks = drafter.spec_ks if drafter is not None else (0,)

@@ -103,3 +103,37 @@ def add_threads_argument(p: argparse.ArgumentParser, serve: bool = False) -> Non
                "that are idle at start")  # fmt: skip
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help=f"torch CPU threads (default on the CPU: {default})")  # fmt: skip
+
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the calling thread
+        return [0]
+
+
+def set_nice(nice: int) -> dict[int, int]:
+    """Every thread of this process at nice value `nice` (Linux keeps one per thread; new
+    threads inherit their creator's); returns each thread's value before. An engine loop
+    above a host's other work is rescheduled sooner after it waits (`serve --engine-nice`).
+    Below the current value needs CAP_SYS_NICE: where refused, nothing is changed and the
+    PermissionError says so."""
+    was: dict[int, int] = {}
+    try:
+        for t in _thread_ids():
+            was[t] = os.getpriority(os.PRIO_PROCESS, t)
+            os.setpriority(os.PRIO_PROCESS, t, nice)
+    except OSError as e:
+        restore_nice(was)
+        raise PermissionError(f"nice {nice}: refused by the OS ({e.strerror}; below the "
+                              "current value needs CAP_SYS_NICE)") from e  # fmt: skip
+    return was
+
+
+def restore_nice(was: dict[int, int]) -> None:
+    """Put back the values `set_nice` returned (a thread that has ended is skipped)."""
+    for t, v in was.items():
+        try:
+            os.setpriority(os.PRIO_PROCESS, t, v)
+        except OSError:
+            pass

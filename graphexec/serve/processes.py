@@ -45,6 +45,7 @@ class EngineSpec:
     log_level: str = "info"
     capture_keys: tuple[str, ...] = ()  # --capture-keys; empty: every key
     engines: int = 1  # engine processes sharing the host's memory (--data-parallel)
+    engine_nice: int = 0  # --engine-nice; 0: as started
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,14 @@ def engine_main(spec: EngineSpec, index: int, gpu: int | None, addr: str,
     if gpu is not None:  # before CUDA starts: this process sees its one GPU as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     _logging(spec.log_level)
+    if spec.engine_nice:  # first: the threads started later inherit it
+        from graphexec.runtime.threads import set_nice
+
+        try:
+            set_nice(spec.engine_nice)
+        except PermissionError as e:
+            log.warning("engine %d: --engine-nice %d not applied: %s", index,
+                        spec.engine_nice, e)  # fmt: skip
     import zmq
 
     from graphexec.serve.engine_core import EngineCore

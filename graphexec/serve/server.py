@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel", type=positive_int, default=1, metavar="N",
                    help="engines, one per GPU (cuda:0..N-1), behind the same API servers; "
                    "requests go to the least-loaded one (default 1)")  # fmt: skip
+    p.add_argument("--engine-nice", type=int, default=0, metavar="N",
+                   help="run the engine processes at nice N, e.g. -10: the step loop is "
+                   "scheduled ahead of API servers and other work on a busy host (below "
+                   "0 needs CAP_SYS_NICE; refused: a warning) (default 0: as started)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     add_threads_argument(p, serve=True)
 
@@ -100,7 +104,8 @@ def engine_spec(args: argparse.Namespace):
     return EngineSpec(args.model, args.device, args.dtype, args.max_batch_size,
                       args.max_seq_len, args.seed, args.speculative, not args.no_capture,
                       args.max_queue, getattr(args, "threads", None), args.log_level,
-                      tuple(args.capture_keys or ()))  # fmt: skip
+                      tuple(args.capture_keys or ()),
+                      engine_nice=getattr(args, "engine_nice", 0))  # fmt: skip
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -118,6 +123,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.api_servers == 0 and args.data_parallel > 1:
         print("graphexec serve: --data-parallel needs --api-servers >= 1", file=sys.stderr)
+        return 2
+    if args.api_servers == 0 and getattr(args, "engine_nice", 0):
+        print("graphexec serve: --engine-nice needs --api-servers >= 1 (an engine process "
+              "of its own)", file=sys.stderr)  # fmt: skip
         return 2
     try:
         resolve_model(args.model or "tiny")

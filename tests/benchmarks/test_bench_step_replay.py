@@ -1,7 +1,7 @@
 """The device measures of `bench_step.py --model` (step_replay.py, step_floor.py) on the
 CPU: the idle arithmetic from event stamps, the hook that stamps each launch (with fake
-events on an emulated executor), the floor's bytes for a config, the busy processes, and
-the table's cells. Their timing needs CUDA."""
+events on an emulated executor), the floor's bytes for a config, and the table's cells.
+Their timing needs CUDA."""
 
 import contextlib
 import itertools
@@ -122,12 +122,6 @@ def test_live_keys_are_clamped_to_the_cache_and_the_window():
     assert got == ((3 + 8 + 1) + (3 + 4 + 1)) * per
 
 
-def test_busy_processes_run_inside_the_block_only():
-    with step_replay.busy_processes(2, settle_s=0.0) as procs:
-        assert [p.poll() for p in procs] == [None, None]
-    assert all(p.poll() is not None for p in procs)
-
-
 def test_cells_show_what_was_measured():
     r = dict(batch=8, replay=dict(graph_us=1510.4, forward_us=1402.0,
                                   idle_us=dict(on=3.2, off=180.0, on_loaded=41.0,
@@ -183,29 +177,42 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
                  parts=parts)  # fmt: skip
     monkeypatch.setattr(step_replay, "device_times", lambda *a: dict(times))
     monkeypatch.setattr(step_replay, "busy_processes", lambda n: contextlib.nullcontext())
+    nices = []
+
+    @contextlib.contextmanager
+    def raised(nice):
+        nices.append(nice)
+        yield nice
+
+    monkeypatch.setattr(step_replay, "raised_priority", raised)
+    assert ex.runner.blocking_wait is True  # EngineConfig's default
     r = dict(batch=2, replay=dict(measure(ex, 2, None, 5, None)))
     seen.clear()
-    args = types.SimpleNamespace(steps=5, cpu_load=3, replays=4)
+    args = types.SimpleNamespace(steps=5, cpu_load=3, replays=4, engine_nice=-7)
     step_replay.device_section(r, args, measure, ex, model, greedy, None, 2e12)
     assert "device_error" not in r
-    assert seen == [(True, False, 2, 5, None), (True, True, 2, 5, None),
-                    (True, False, 2, 5, None), (False, False, 2, 5, None),
-                    (True, True, 2, 5, None)]  # fmt: skip
-    assert ex.overlap is False and ex.runner.blocking_wait is False
+    assert seen == [(True, True, 2, 5, None), (True, False, 2, 5, None),
+                    (True, True, 2, 5, None), (False, True, 2, 5, None),
+                    (True, False, 2, 5, None), (True, True, 2, 5, None)]  # fmt: skip
+    assert nices == [-7]
+    assert ex.overlap is False and ex.runner.blocking_wait is True
     rp = r["replay"]
-    assert rp["idle_us"] == dict(off=300.0, on=100.0, on_block=50.0, on_loaded=100.0,
-                                 off_loaded=300.0, on_loaded_block=50.0)  # fmt: skip
-    keys = ("off", "on", "on_block", "on_loaded", "off_loaded", "on_loaded_block")
-    assert [rp["idle"][k]["cpu_load"] for k in keys] == [0, 0, 0, 3, 3, 3]
-    assert [rp["idle"][k]["blocking_wait"] for k in keys[1:]] == [False, True, False, False,
-                                                                  True]  # fmt: skip
+    assert rp["idle_us"] == dict(off=300.0, on=50.0, on_spin=100.0, on_loaded=50.0,
+                                 off_loaded=300.0, on_loaded_spin=100.0,
+                                 on_loaded_nice=50.0)  # fmt: skip
+    keys = ("off", "on", "on_spin", "on_loaded", "off_loaded", "on_loaded_spin",
+            "on_loaded_nice")  # fmt: skip
+    assert [rp["idle"][k]["cpu_load"] for k in keys] == [0, 0, 0, 3, 3, 3, 3]
+    assert [rp["idle"][k]["blocking_wait"] for k in keys[1:]] == [True, False, True, True,
+                                                                  False, True]  # fmt: skip
+    assert rp["idle"]["on_loaded_nice"]["nice"] == -7
     assert rp["idle"]["off"]["wall_us"] == 3000.0 and rp["idle"]["on"]["overlap"] is True
     assert (rp["graph_us"], rp["forward_us"]) == (1500.0, 1400.0)
     fb = step_floor.floor_bytes(model, [16, 20])
     assert r["floor"]["floor_bytes"] == fb["floor_bytes"] and r["floor"]["rows"] == 2
     assert r["floor_us"] == pytest.approx(fb["floor_bytes"] / 2e12 * 1e6)
     assert r["forward_over_floor"] == pytest.approx(1400.0 / r["floor_us"])
-    assert "x" in step_replay.summary(r) and step_replay.cells(r)[0] == "100 / 100"
+    assert "x" in step_replay.summary(r) and step_replay.cells(r)[0] == "50 / 50"
     assert rp["parts"] == parts
     assert "other 25.0 us + gaps 5.0 in 3 kernels" in step_replay.summary(r)
 

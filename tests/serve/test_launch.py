@@ -94,3 +94,38 @@ def test_api_servers_listen_on_one_port_and_share_connections_evenly() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_engine_nice_reaches_the_engine_process_first_thing(monkeypatch) -> None:
+    """--engine-nice: in the spec; the engine process sets it before it builds anything
+    (a refusal is a warning and the engine goes on); with no engine process of its own
+    (--api-servers 0) it is refused up front."""
+    import queue
+
+    from graphexec.runtime import threads
+    from graphexec.serve import processes, served
+    from graphexec.serve.server import engine_spec, serve
+
+    assert engine_spec(_args()).engine_nice == 0
+    spec = engine_spec(_args(engine_nice=-7))
+    assert spec.engine_nice == -7
+    calls = []
+
+    def build(s):
+        calls.append("build")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(served, "build_executor", build)
+    monkeypatch.setattr(threads, "set_nice", lambda n: calls.append(n) or {})
+    ready = queue.Queue()
+    processes.engine_main(spec, 0, None, "ipc://unused", [], ready)
+    assert calls == [-7, "build"] and ready.get_nowait()[2] == "RuntimeError: stop here"
+
+    def refuse(n):
+        raise PermissionError("nice -7: refused")
+
+    calls.clear()
+    monkeypatch.setattr(threads, "set_nice", refuse)
+    processes.engine_main(spec, 0, None, "ipc://unused", [], ready)
+    assert calls == ["build"]
+    assert serve(_args(api_servers=0, engine_nice=-7, no_capture=True)) == 2
