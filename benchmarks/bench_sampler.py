@@ -59,6 +59,11 @@ for every selected method and shape (a failed row counts too).
 in one replay (name, us, own us: what each adds to the timeline; medians of 5 replays,
 each prepared as a timed call), from torch.profiler (`step_profile.kernel_spans`).
 
+`--sampler-config K=V,...` (Triton): the graphexec rows run with those SamplerConfig
+fields instead of the GPU preset's (tile_blocks, programs, num_warps, ...: knobs that
+never change a token; draw_block is refused), recorded as "sampler_config"; one file per
+setting (`--out`), to tune a knob before the preset takes it.
+
 FlashInfer JIT: the first call of a FlashInfer method builds its module (sampling about
 80 s, cake_sampling about 300 s on a fresh host; see ../shared/gpu/README.md for prebuilt
 modules). That time is not in any row; it is recorded in "first_call_s". `--jit-only`
@@ -149,9 +154,34 @@ def row_key(r: dict) -> tuple:
     return (r["method"], r["B"], r["V"], r["dtype"], r.get("shape"))
 
 
+def sampler_config(text: str) -> dict:
+    """--sampler-config "k=v,k=v": SamplerConfig field overrides (ints, or true / false),
+    checked by building the config, so a bad name or value is an error naming it."""
+    from graphexec.sampling.triton.sampler_config import SamplerConfig
+
+    out: dict = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"{item!r} is not K=V")
+        low = v.strip().lower()
+        try:
+            out[k.strip()] = low == "true" if low in ("true", "false") else int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{k}: {v!r} is not an int or true/false") from None
+    if "draw_block" in out:
+        raise argparse.ArgumentTypeError("draw_block is part of the tokens' definition, not a "
+                                         "knob")  # fmt: skip
+    try:
+        SamplerConfig.gpu().replace(**out)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return out
+
+
 def run_summary(r: dict) -> dict:
     keys = ("argv", "date", "bandwidth_TBps", "torch", "triton", "flashinfer", "gx_backend",
-            "icache")  # fmt: skip
+            "icache", "sampler_config")  # fmt: skip
     return {k: r.get(k) for k in keys}
 
 
@@ -193,10 +223,11 @@ def _report(row: dict, dname: str, shape: str, V: int, B: int) -> None:
 
 
 def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, backend,
-               profile: bool = False) -> list:  # fmt: skip
+               profile: bool = False, sampler_config: dict | None = None) -> list:  # fmt: skip
     """One row per method and shape on [B, V] logits of one dtype; floor.read once, first,
     on the first shape whose logits could be made: its time is each row's read_floor_us.
-    `profile`: the graphexec rows' kernels too (`sampler_methods.profile_kernels`)."""
+    `profile`: the graphexec rows' kernels too (`sampler_methods.profile_kernels`);
+    `sampler_config`: SamplerConfig fields the Triton rows take instead of the preset's."""
     block, read_floor, floor_done = [], None, FLOOR not in methods
     for i, shape in enumerate(shapes):
         try:
@@ -206,7 +237,7 @@ def time_block(methods, dname, shapes, B, V, device, bw, timer, first_call, back
             block += [dict(blank_row(m, B, V, dname), shape=shape, error=error_text(e))
                       for m in methods if m != FLOOR or (last and not floor_done)]  # fmt: skip
             continue
-        case = Case(logits, B, V, device, backend, shape)
+        case = Case(logits, B, V, device, backend, shape, dict(sampler_config or {}))
         floor = round(B * V * logits.element_size() / bw * 1e6, 3)
         for m in methods:
             if m == FLOOR and floor_done:
@@ -249,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: each graphexec row also lists its kernels' times (`kernels`: "
                     "name, us, own us; each replay prepared as a timed call)")  # fmt: skip
+    ap.add_argument("--sampler-config", type=sampler_config, default={}, metavar="K=V,...",
+                    help="SamplerConfig fields for the graphexec rows on the Triton backend, "
+                    "e.g. tile_blocks=4,num_warps=8 (knobs: never a token); recorded")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--gx-backend",
@@ -340,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_call_s": {},
         "argv": sys.argv[1:] if argv is None else list(argv),
         "gx_backend": args.gx_backend or ("triton" if device.type == "cuda" else "torch"),
+        "sampler_config": args.sampler_config,
         "runs": [],
         "rows": [],
     }
@@ -367,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append((dname, V, B))
             continue
         block = time_block(methods, dname, block_shapes, B, V, device, bw, timer, first_call,
-                           result["gx_backend"], args.profile)  # fmt: skip
+                           result["gx_backend"], args.profile, args.sampler_config)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
         new_rows += block

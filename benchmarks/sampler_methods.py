@@ -70,6 +70,7 @@ class Case:
     device: torch.device
     gx_backend: str
     shape: str = ""  # the logits' shape (SHAPES, SWEEP or REAL)
+    sampler_config: dict = dataclasses.field(default_factory=dict)  # SamplerConfig overrides
 
 
 def row_top_p(c: Case) -> torch.Tensor:
@@ -116,7 +117,7 @@ def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False)
         if c.gx_backend == "triton":  # persistent scratch, as the executor's
             from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
-            cfg = SamplerConfig.default()
+            cfg = SamplerConfig.default().replace(**c.sampler_config)
             ws = Workspace.allocate(c.B, c.V, c.device, cfg, num_top is not None)
         slot_ids = torch.arange(c.B, device=c.device)
         positions = torch.arange(c.B, device=c.device) + 7

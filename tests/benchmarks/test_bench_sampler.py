@@ -318,3 +318,35 @@ def test_a_profile_keeps_the_sampler_kernels_of_replays_prepared_as_timed_calls(
     keep = seen["keep"]
     assert keep("_stats_kernel") and keep("_kept_kernel_0d1d") and keep("_raw_logprobs_kernel")
     assert not keep("void at::native::reduce_kernel<512, 1>") and not keep("_inputs_kernel")
+
+
+def test_sampler_config_overrides_are_checked_and_reach_the_triton_rows(monkeypatch):
+    import argparse
+
+    import sampler_methods
+
+    from graphexec.sampling.triton import sampler_config as sc
+
+    parse = bench_sampler.sampler_config
+    assert parse("tile_blocks=4, num_warps=8,pdl=false") == dict(tile_blocks=4, num_warps=8,
+                                                                 pdl=False)  # fmt: skip
+    assert parse("") == {}
+    for bad, why in (("tile_blocks=3", "tile_blocks must be a power of two"),
+                     ("warps=4", "warps"), ("num_warps", "not K=V"),
+                     ("num_warps=four", "num_warps: 'four'"),
+                     ("draw_block=512", "part of the tokens' definition")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse(bad)
+    seen = []
+
+    def allocate(B, V, device, cfg, logprobs=False):
+        seen.append(cfg)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(sc.Workspace, "allocate", allocate)
+    case = sampler_methods.Case(torch.zeros(2, 64), 2, 64, torch.device("cpu"), "triton",
+                                "flat", dict(tile_blocks=2, num_warps=2))  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop"):
+        sampler_methods._gx(dict(temperature=0.8))(case)
+    assert (seen[0].tile_blocks, seen[0].num_warps) == (2, 2)
+    assert seen[0].programs == sc.SamplerConfig.default().programs
