@@ -32,12 +32,12 @@ class EngineConfig:
         on the calling thread, so pipelining would only hold each output back a step.
         The same tokens, positions, logprobs and ends either way.
     blocking_wait: wait for a step's outputs asleep on its event (a blocking-sync CUDA
-        event; default) instead of spinning on it. With overlap the device has the next
-        step queued meanwhile, so the wake-up costs no device time; on a host whose cores
-        are all busy, a thread that sleeps between steps is scheduled back sooner than
-        one that spends its share spinning (on an H200 beside 16 busy processes the GPU
-        idled 20-94 us a step against 82-701 spinning, Llama-3.2-1B shape). False: spin.
-        The same tokens either way.
+        event; default) where a later launch is queued behind it (the pipelined step): the
+        wake-up then costs no device time, and on a host whose cores are all busy a thread
+        that sleeps between steps is scheduled back sooner than one that spends its share
+        spinning. A wait with nothing queued behind it (overlap off, a speculative step,
+        a drain) spins either way: there a wake-up left the GPU idle about 170 us longer
+        per step on an H200. False: always spin. The same tokens either way.
     device: "cuda" / "cpu" / a torch.device; None = CUDA when available.
     cuda_graphs: replay captured graphs (emulated without CUDA); False = always eager.
     buckets: graph batch sizes; default 1, 2, 4, 8, then multiples of 16 up to

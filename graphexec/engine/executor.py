@@ -249,7 +249,7 @@ class DecodeExecutor:
         if prev is not None and not split and (self.drafter is not None or plan.mask_rows):
             # the launch needs step N's tokens on the host: collect N first
             self._inflight = None
-            outs, early = self._finish(prev)
+            outs, early = self._finish(prev, queued=False)
             prev, plan = None, reqs.plan()
         prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
@@ -260,7 +260,7 @@ class DecodeExecutor:
             self._steps += 1
             part = self.runner.launch_forward(plan, replay)
             self._inflight = None
-            outs, early = self._finish(prev)
+            outs, early = self._finish(prev, queued=True)
             prev, live = None, plan.live()
             masked = [plan.rows[i].slot for i in plan.mask_rows if live[i]]
             launched = self.runner.launch_draw(part, masked, replay)
@@ -273,7 +273,7 @@ class DecodeExecutor:
         if prev is None and not self.overlap:
             prev, launched = launched, None  # drained: this step is collected now
         if prev is not None:
-            outs, late = self._finish(prev)
+            outs, late = self._finish(prev, queued=launched is not None)
         self._inflight = launched
         if outs is None:
             outs = StepOutputs()
@@ -282,11 +282,11 @@ class DecodeExecutor:
                                            time.perf_counter() - t1 - late)  # fmt: skip
         return outs
 
-    def _finish(self, launched: Launched) -> tuple[StepOutputs, float]:
-        """Wait for a launched step by its event and finish it: (its outputs, the seconds
-        waited for the device)."""
+    def _finish(self, launched: Launched, queued: bool) -> tuple[StepOutputs, float]:
+        """Wait for a launched step by its event (`queued`: a later launch runs behind it)
+        and finish it: (its outputs, the seconds waited for the device)."""
         t = time.perf_counter()
-        launched.wait()
+        launched.wait(queued)
         waited = time.perf_counter() - t
         self.prefiller.report_logprobs()
         plan = launched.plan

@@ -53,8 +53,8 @@ def test_abort_of_a_finished_unreported_request_is_a_no_op() -> None:
     seen = []
     finish = ex._finish
 
-    def finish_then_abort(*args):  # another thread's abort lands between finish and return
-        outs = finish(*args)
+    def finish_then_abort(*args, **kw):  # another thread's abort lands between the two
+        outs = finish(*args, **kw)
         seen.append(ex.abort("a"))
         return outs
 

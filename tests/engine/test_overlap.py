@@ -206,3 +206,39 @@ def test_outputs_arrive_one_call_late_and_the_stopped_row_runs_once_more() -> No
     last = list(ex.step())
     assert [(o.request_id, o.finish_reason) for o in last] == [("r", "length"), ("s", None)]
     assert ex.stats.steps == 3  # s alone
+
+
+class _FakeEvent:
+    def __init__(self, name: str, seen: list) -> None:
+        self.name, self.seen = name, seen
+
+    def synchronize(self) -> None:
+        self.seen.append(self.name)
+
+
+def test_a_wait_sleeps_only_with_a_step_queued_behind_it(monkeypatch) -> None:
+    """Launched.wait: the blocking-sync twin only when queued work hides its wake-up;
+    the executor says so for the pipelined step, never for a synchronous one or for a
+    speculative step's collect-first."""
+    from graphexec.engine.runner import Launched
+
+    seen: list = []
+    done = Launched(plan=None, event=_FakeEvent("spin", seen), sleeper=_FakeEvent("sleep", seen))
+    done.wait(queued=True)
+    done.wait(queued=False)
+    done.wait()
+    Launched(plan=None, event=_FakeEvent("spin", seen)).wait(queued=True)  # no twin
+    assert seen == ["sleep", "spin", "spin", "spin"]
+
+    queued: list[bool] = []
+    monkeypatch.setattr(Launched, "wait", lambda self, q=False: queued.append(q))
+    ngram = gx.SpeculativeConfig(3, drafter="ngram")
+    for overlap, spec, want in ((True, None, True), (False, None, False), (True, ngram, False)):
+        ex = make(overlap, spec)
+        for i in range(3):
+            ex.add_request(f"r{i}", [i + 1, i + 2], gx.SamplingParams(seed=i, max_tokens=12,
+                                                                      ignore_eos=True))  # fmt: skip
+        queued.clear()
+        for _ in range(6):
+            ex.step()
+        assert queued and set(queued[1:-1]) == {want}, (overlap, spec, queued)
