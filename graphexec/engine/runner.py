@@ -119,11 +119,13 @@ class StepRunner:
 
     def _end_events(self, done: Launched) -> None:
         """The launch's end on the step's stream: `done.event`, and with blocking_wait a
-        blocking-sync twin `done.sleeper` (`Launched.wait` picks one per wait)."""
+        blocking-sync twin `done.sleeper` (`Launched.wait` picks one per wait). A
+        speculative executor collects every step before its next launch (the drafts need
+        its tokens), so nothing is ever queued behind its waits: no twin."""
         stream = torch.cuda.current_stream(self.device)
         done.event = torch.cuda.Event()
         done.event.record(stream)
-        if self.blocking_wait:
+        if self.blocking_wait and self.drafter is None:
             done.sleeper = torch.cuda.Event(blocking=True)
             done.sleeper.record(stream)
 
