@@ -180,7 +180,8 @@ class ServeProcess:
                "--max-seq-len", str(args.max_seq_len), "--max-batch-size", str(slots),
                "--max-queue", str(4 * slots), "--seed", "0", "--served-model-name", MODEL_NAME,
                "--capture-keys", "top_k_top_p", "--api-servers", str(args.api_servers),
-               "--data-parallel", str(engines), "--log-level", "warning"]  # fmt: skip
+               "--data-parallel", str(engines), "--log-level", "warning",
+               "--engine-nice", str(args.engine_nice)]  # fmt: skip
         self.log = Path(tempfile.mkdtemp()) / "serve.log"
         t = time.perf_counter()
         with open(self.log, "w") as f:
@@ -359,6 +360,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dp", type=int, default=0, metavar="N",
                     help="also serve with --data-parallel N (N GPUs) at --dp-clients")  # fmt: skip
     ap.add_argument("--dp-clients", type=int, nargs="+", default=[256])
+    ap.add_argument("--engine-nice", type=int, default=0, metavar="N",
+                    help="serve's --engine-nice (default 0: the engines as started)")  # fmt: skip
     ap.add_argument("--no-ready", dest="ready", action="store_false",
                     help="skip the serve start-up measure")  # fmt: skip
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -385,7 +388,7 @@ def main(argv=None) -> dict:
                   triton=triton.__version__, graphexec=gx.__version__, model=info,
                   workload=dataclasses.asdict(wl), duration_s=args.duration, warmup_s=args.warmup,
                   workers=args.workers, max_batch_size=max(args.clients), clients=args.clients,
-                  api_servers=args.api_servers, dp_engines=args.dp,
+                  api_servers=args.api_servers, dp_engines=args.dp, engine_nice=args.engine_nice,
                   direct={str(k): v for k, v in direct.items()},
                   server={str(k): v for k, v in server.items()},
                   data_parallel={str(k): v for k, v in dp.items()}, ready=ready,
