@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--cpu-load", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="CUDA: the idle passes again beside N busy processes (default: "
                    "the host's cores; 0: no loaded pass)")  # fmt: skip
+    m.add_argument("--idle-repeats", type=int, default=5, metavar="N",
+                   help="CUDA: each loaded idle pass runs N loops of --steps (default 5)")
     m.add_argument("--engine-nice", type=int, default=-10, metavar="N",
                    help="CUDA: one more loaded pass with this process at nice N (needs "
                    "CAP_SYS_NICE below 0; refused: no row; 0: no pass)")  # fmt: skip
@@ -296,8 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--hf-modes: unknown {bad}; choose from {list(step_model.MODES)} or off")
     if args.hf_tokens[0] >= args.hf_tokens[1] or args.hf_tokens[0] < 1:
         ap.error("--hf-tokens N1 N2 needs 1 <= N1 < N2")
-    if args.steps < 2 or args.replays < 2 or args.cpu_load < 0:
-        ap.error("--steps and --replays need >= 2 (idle is between steps), --cpu-load >= 0")
+    if args.steps < 2 or args.replays < 2 or args.cpu_load < 0 or args.idle_repeats < 1:
+        ap.error("--steps and --replays need >= 2 (idle is between steps), --cpu-load >= 0, "
+                 "--idle-repeats >= 1")
     if args.batches is None:
         args.batches = [1, 8, 32, 128, 256]
     return args

@@ -265,19 +265,37 @@ def device_times(ex, model, B: int, make, prompts, reps: int) -> dict:
 
 
 def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
-              blocking: bool | None = None) -> dict:  # fmt: skip
+              blocking: bool | None = None, repeats: int = 1) -> dict:  # fmt: skip
     """The replayed step loop (`measure`) with EngineConfig.overlap set to `overlap` and,
     unless None, blocking_wait to `blocking` (the executor idles between passes, so the
-    switch is clean): its idle and wall per step."""
+    switch is clean): its idle and wall per step. `repeats` loops of `steps` each (under
+    load a few multi-ms stalls make the mean): idle_us the mean over all their steps,
+    idle_max_us the largest, the medians and p90 the median of the loops' (`passes`: each
+    loop's mean)."""
     was = ex.overlap, ex.runner.blocking_wait
     wait = was[1] if blocking is None else blocking
     ex.overlap, ex.runner.blocking_wait = overlap, wait
     try:
-        m = measure(ex, B, make, steps, None, prompts=prompts)
+        ms = [measure(ex, B, make, steps, None, prompts=prompts) for _ in range(repeats)]
     finally:
         ex.overlap, ex.runner.blocking_wait = was
-    return dict(m["events"], overlap=overlap, blocking_wait=wait, wall_us=m["wall_us"],
-                wall_p90_us=m["wall_p90_us"])  # fmt: skip
+    ev = [m["events"] for m in ms]
+    out = dict(ev[0], overlap=overlap, blocking_wait=wait, wall_us=ms[0]["wall_us"],
+               wall_p90_us=ms[0]["wall_p90_us"])  # fmt: skip
+    if repeats > 1:
+
+        def med(k: str) -> float:
+            return statistics.median(e[k] for e in ev)
+
+        n = [e.get("steps", steps) - 1 for e in ev]  # idle gaps per loop
+        out.update(idle_us=sum(e["idle_us"] * k for e, k in zip(ev, n, strict=True)) / sum(n),
+                   idle_median_us=med("idle_median_us"), idle_p90_us=med("idle_p90_us"),
+                   idle_max_us=max(e["idle_max_us"] for e in ev), busy_us=med("busy_us"),
+                   steps=sum(e.get("steps", steps) for e in ev), repeats=repeats,
+                   passes=[e["idle_us"] for e in ev],
+                   wall_us=statistics.fmean(m["wall_us"] for m in ms),
+                   wall_p90_us=statistics.median(m["wall_p90_us"] for m in ms))  # fmt: skip
+    return out
 
 
 def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: float) -> None:
@@ -300,17 +318,19 @@ def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: 
         tag = "_block" if other else "_spin"
         idle["on" + tag] = idle_pass(measure, ex, B, make, args.steps, prompts, True, other)
         if args.cpu_load:
+            n = args.idle_repeats  # loaded: a few long stalls make the mean
             with busy_processes(args.cpu_load):
                 for overlap in (True, False):
                     idle[("on" if overlap else "off") + "_loaded"] = idle_pass(
-                        measure, ex, B, make, args.steps, prompts, overlap)  # fmt: skip
+                        measure, ex, B, make, args.steps, prompts, overlap, repeats=n)
                 idle["on_loaded" + tag] = idle_pass(measure, ex, B, make, args.steps,
-                                                    prompts, True, other)  # fmt: skip
+                                                    prompts, True, other, n)  # fmt: skip
                 if args.engine_nice:  # the stepping process above the load
                     with raised_priority(args.engine_nice) as nice:
                         if nice is not None:  # else refused: no row
                             idle["on_loaded_nice"] = dict(idle_pass(
-                                measure, ex, B, make, args.steps, prompts, True), nice=nice)
+                                measure, ex, B, make, args.steps, prompts, True, repeats=n),
+                                nice=nice)  # fmt: skip
         for k, v in idle.items():
             v["cpu_load"] = args.cpu_load if "_loaded" in k else 0
         t = device_times(ex, model, B, make, prompts, args.replays)

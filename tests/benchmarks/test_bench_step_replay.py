@@ -167,8 +167,10 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     def measure(ex, B, make, steps, mode, prompts=None):
         seen.append((ex.overlap, ex.runner.blocking_wait, B, steps, mode))
         idle = (50.0 if ex.runner.blocking_wait else 100.0) if ex.overlap else 300.0
-        return dict(events=dict(idle_us=idle, idle_p90_us=idle + 1), wall_us=idle * 10,
-                    wall_p90_us=idle * 11)  # fmt: skip
+        idle += 6.0 * (len(seen) % 2)  # a loaded pass's two loops: 3 either side of the mean
+        return dict(events=dict(idle_us=idle, idle_median_us=1.0, idle_p90_us=idle + 1,
+                                idle_max_us=idle * 4, busy_us=9.0, steps=steps),
+                    wall_us=idle * 10, wall_p90_us=idle * 11)  # fmt: skip
 
     parts = dict(forward=dict(own_us=1390.0, gap_us=0.0, kernels=9),
                  sampler=dict(own_us=80.0, gap_us=0.0, kernels=2),
@@ -188,31 +190,37 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     assert ex.runner.blocking_wait is True  # EngineConfig's default
     r = dict(batch=2, replay=dict(measure(ex, 2, None, 5, None)))
     seen.clear()
-    args = types.SimpleNamespace(steps=5, cpu_load=3, replays=4, engine_nice=-7)
+    args = types.SimpleNamespace(steps=5, cpu_load=3, replays=4, engine_nice=-7,
+                                 idle_repeats=2)  # fmt: skip
+    seen.append(None)  # the quiet passes' idle: even count
     step_replay.device_section(r, args, measure, ex, model, greedy, None, 2e12)
     assert "device_error" not in r
-    assert seen == [(True, True, 2, 5, None), (True, False, 2, 5, None),
-                    (True, True, 2, 5, None), (False, True, 2, 5, None),
-                    (True, False, 2, 5, None), (True, True, 2, 5, None)]  # fmt: skip
+    on, off, spin = (True, True, 2, 5, None), (False, True, 2, 5, None), (True, False, 2, 5, None)
+    assert seen[1:] == [on, spin, on, on, off, off, spin, spin, on, on]
     assert nices == [-7]
     assert ex.overlap is False and ex.runner.blocking_wait is True
     rp = r["replay"]
-    assert rp["idle_us"] == dict(off=300.0, on=50.0, on_spin=100.0, on_loaded=50.0,
-                                 off_loaded=300.0, on_loaded_spin=100.0,
-                                 on_loaded_nice=50.0)  # fmt: skip
+    # loaded: two loops each, one of them 6 us more: their mean
+    assert rp["idle_us"] == dict(off=306.0, on=50.0, on_spin=106.0, on_loaded=53.0,
+                                 off_loaded=303.0, on_loaded_spin=103.0,
+                                 on_loaded_nice=53.0)  # fmt: skip
+    ld = rp["idle"]["on_loaded"]
+    assert (ld["repeats"], ld["steps"], ld["passes"], ld["idle_max_us"]) == (2, 10, [50.0, 56.0],
+                                                                             224.0)  # fmt: skip
+    assert ld["idle_median_us"] == 1.0 and ld["wall_us"] == 530.0
     keys = ("off", "on", "on_spin", "on_loaded", "off_loaded", "on_loaded_spin",
             "on_loaded_nice")  # fmt: skip
     assert [rp["idle"][k]["cpu_load"] for k in keys] == [0, 0, 0, 3, 3, 3, 3]
     assert [rp["idle"][k]["blocking_wait"] for k in keys[1:]] == [True, False, True, True,
                                                                   False, True]  # fmt: skip
     assert rp["idle"]["on_loaded_nice"]["nice"] == -7
-    assert rp["idle"]["off"]["wall_us"] == 3000.0 and rp["idle"]["on"]["overlap"] is True
+    assert rp["idle"]["off"]["wall_us"] == 3060.0 and rp["idle"]["on"]["overlap"] is True
     assert (rp["graph_us"], rp["forward_us"]) == (1500.0, 1400.0)
     fb = step_floor.floor_bytes(model, [16, 20])
     assert r["floor"]["floor_bytes"] == fb["floor_bytes"] and r["floor"]["rows"] == 2
     assert r["floor_us"] == pytest.approx(fb["floor_bytes"] / 2e12 * 1e6)
     assert r["forward_over_floor"] == pytest.approx(1400.0 / r["floor_us"])
-    assert "x" in step_replay.summary(r) and step_replay.cells(r)[0] == "50 / 50"
+    assert "x" in step_replay.summary(r) and step_replay.cells(r)[0] == "50 / 53"
     assert rp["parts"] == parts
     assert "other 25.0 us + gaps 5.0 in 3 kernels" in step_replay.summary(r)
 
