@@ -49,7 +49,7 @@ def reference_rows(logits, both, cfg):
 
 @pytest.mark.parametrize("shape", ["randn3", "flat", "peaked"])
 def test_sums_and_kept_masses_are_exact(shape: str) -> None:
-    B, V, cfg = 6, 3000, CONFIGS["gpu_preset"]
+    B, V, cfg = 6, 1500, CONFIGS["gpu_preset"]  # was 3000: the same routes row by row
     logits = logits_of(shape, B, V, seed=5)
     params = [P(seed=i, temperature=0.8, **f) for i, f in enumerate(
         [dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(top_p=0.7, min_p=0.02),
@@ -108,7 +108,7 @@ def test_cut_rows_and_variants() -> None:
 def test_brackets_resolved_pairwise_and_by_search() -> None:
     """Wide bins gather brackets of a few and of hundreds of tokens: the cut is found from
     every pair up to FEW gathered, by the 16-way search past it; both equal the reference."""
-    B, V = 12, 3000
+    B, V = 12, 1500  # was 3000: every row still selects, brackets of <= and > FEW gathered
     cfg = CONFIGS["gpu_preset"].replace(bins=16)
     logits = torch.cat([logits_of("flat", B // 2, V, seed=5), logits_of("randn3", B // 2, V, 5)])
     filters = [

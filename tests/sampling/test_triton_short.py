@@ -36,7 +36,7 @@ def _params(B: int, V: int):
 
 @pytest.mark.parametrize("shape", ["peaked", "randn3", "mixed"])
 def test_short_route_equals_the_reference_and_the_selection(shape: str) -> None:
-    B, V = 12, 900
+    B, V = 12, 450  # was 900: the short route serves rows of every shape at either
     logits = logits_of(shape, B, V, seed=4)
     counts, prompt, bitmask = extras(B, V, seed=4)
     kw = dict(counts=counts, prompt=prompt, bitmask=bitmask)
