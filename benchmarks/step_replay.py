@@ -270,8 +270,8 @@ def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
     unless None, blocking_wait to `blocking` (the executor idles between passes, so the
     switch is clean): its idle and wall per step. `repeats` loops of `steps` each (under
     load a few multi-ms stalls make the mean): idle_us the mean over all their steps,
-    idle_max_us the largest, the medians and p90 the median of the loops' (`passes`: each
-    loop's mean)."""
+    idle_max_us the largest, the medians and p90 the median of the loops', the cycle their
+    mean (`passes`: each loop's mean; one loop: its own values)."""
     was = ex.overlap, ex.runner.blocking_wait
     wait = was[1] if blocking is None else blocking
     ex.overlap, ex.runner.blocking_wait = overlap, wait
@@ -280,22 +280,20 @@ def idle_pass(measure, ex, B: int, make, steps: int, prompts, overlap: bool,
     finally:
         ex.overlap, ex.runner.blocking_wait = was
     ev = [m["events"] for m in ms]
-    out = dict(ev[0], overlap=overlap, blocking_wait=wait, wall_us=ms[0]["wall_us"],
-               wall_p90_us=ms[0]["wall_p90_us"])  # fmt: skip
-    if repeats > 1:
 
-        def med(k: str) -> float:
-            return statistics.median(e[k] for e in ev)
+    def med(k: str) -> float:
+        return statistics.median(e[k] for e in ev)
 
-        n = [e.get("steps", steps) - 1 for e in ev]  # idle gaps per loop
-        out.update(idle_us=sum(e["idle_us"] * k for e, k in zip(ev, n, strict=True)) / sum(n),
-                   idle_median_us=med("idle_median_us"), idle_p90_us=med("idle_p90_us"),
-                   idle_max_us=max(e["idle_max_us"] for e in ev), busy_us=med("busy_us"),
-                   steps=sum(e.get("steps", steps) for e in ev), repeats=repeats,
-                   passes=[e["idle_us"] for e in ev],
-                   wall_us=statistics.fmean(m["wall_us"] for m in ms),
-                   wall_p90_us=statistics.median(m["wall_p90_us"] for m in ms))  # fmt: skip
-    return out
+    n = [e["steps"] - 1 for e in ev]  # idle gaps per loop
+    return dict(overlap=overlap, blocking_wait=wait,
+                idle_us=sum(e["idle_us"] * k for e, k in zip(ev, n, strict=True)) / sum(n),
+                idle_median_us=med("idle_median_us"), idle_p90_us=med("idle_p90_us"),
+                idle_max_us=max(e["idle_max_us"] for e in ev), busy_us=med("busy_us"),
+                cycle_us=statistics.fmean(e["cycle_us"] for e in ev),
+                steps=sum(e["steps"] for e in ev), repeats=repeats,
+                passes=[e["idle_us"] for e in ev],
+                wall_us=statistics.fmean(m["wall_us"] for m in ms),
+                wall_p90_us=statistics.median(m["wall_p90_us"] for m in ms))  # fmt: skip
 
 
 def device_section(r: dict, args, measure, ex, model, make, prompts, bandwidth: float) -> None:

@@ -169,7 +169,8 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
         idle = (50.0 if ex.runner.blocking_wait else 100.0) if ex.overlap else 300.0
         idle += 6.0 * (len(seen) % 2)  # a loaded pass's two loops: 3 either side of the mean
         return dict(events=dict(idle_us=idle, idle_median_us=1.0, idle_p90_us=idle + 1,
-                                idle_max_us=idle * 4, busy_us=9.0, steps=steps),
+                                idle_max_us=idle * 4, busy_us=9.0, cycle_us=idle + 9,
+                                steps=steps),
                     wall_us=idle * 10, wall_p90_us=idle * 11)  # fmt: skip
 
     parts = dict(forward=dict(own_us=1390.0, gap_us=0.0, kernels=9),
@@ -207,7 +208,9 @@ def test_a_rows_device_measures_land_in_its_json(monkeypatch, one_thread):
     ld = rp["idle"]["on_loaded"]
     assert (ld["repeats"], ld["steps"], ld["passes"], ld["idle_max_us"]) == (2, 10, [50.0, 56.0],
                                                                              224.0)  # fmt: skip
-    assert ld["idle_median_us"] == 1.0 and ld["wall_us"] == 530.0
+    assert ld["idle_median_us"] == 1.0 and ld["wall_us"] == 530.0 and ld["cycle_us"] == 62.0
+    one = rp["idle"]["on_spin"]  # one loop: its own values
+    assert (one["repeats"], one["steps"], one["cycle_us"], one["passes"]) == (1, 5, 115.0, [106.0])
     keys = ("off", "on", "on_spin", "on_loaded", "off_loaded", "on_loaded_spin",
             "on_loaded_nice")  # fmt: skip
     assert [rp["idle"][k]["cpu_load"] for k in keys] == [0, 0, 0, 3, 3, 3, 3]
