@@ -97,7 +97,7 @@ def build(args) -> tuple[gx.DecodeExecutor, dict]:
                            cuda_graphs=args.device == "cuda")  # fmt: skip
     if ex.cuda_graphs:
         t0 = time.perf_counter()
-        ex.capture([GraphKey(SV("top_k_top_p"), b, False) for b in ex.buckets], progress=False)
+        ex.capture([GraphKey(SV("default"), b, False) for b in ex.buckets], progress=False)
         info["capture_s"] = time.perf_counter() - t0
     return ex, info
 
@@ -179,7 +179,7 @@ class ServeProcess:
                str(self.port), "--device", args.device, "--dtype", args.dtype,
                "--max-seq-len", str(args.max_seq_len), "--max-batch-size", str(slots),
                "--max-queue", str(4 * slots), "--seed", "0", "--served-model-name", MODEL_NAME,
-               "--capture-keys", "top_k_top_p", "--api-servers", str(args.api_servers),
+               "--capture-keys", "default", "--api-servers", str(args.api_servers),
                "--data-parallel", str(engines), "--log-level", "warning",
                "--engine-nice", str(args.engine_nice)]  # fmt: skip
         self.log = Path(tempfile.mkdtemp()) / "serve.log"

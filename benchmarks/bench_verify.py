@@ -15,8 +15,8 @@ shape over the B*(K+1) rows) and the same drafts: the argmax of the target logit
 draft offset (a drafter that is often right; with one-hot q, strict and rejection accept a
 draft with the same probability p(d), so "emitted", the mean tokens per row of the graph's
 output, should agree between the verify methods). Parameter tables (`--variants`,
-`verify_methods.TABLES`): "top_k_top_p" (temperature 0.7..1.0 with top-k 50 / top-p 0.9 /
-both by row) and "no_filter" (temperature only); a seed per row.
+`verify_methods.TABLES`): "top_k_top_p" (temperature 0.7..1.0 with top-k 50 + top-p 0.9 /
+top-k 200 + top-p 0.9 / top-k 50 by row) and "no_filter" (temperature only); a seed per row.
 
     graphexec.verify_strict    verify_step(method="strict"), static buffers, persistent
                                workspace of B*(K+1) rows (backend triton on CUDA)

@@ -44,7 +44,7 @@ METHODS = {
     "writes each row's max (torch.amax where Triton cannot run)",
     "graphexec.no_filter": "sample_step, temperature only (variant no_filter)",
     "graphexec.top_k_top_p": "sample_step, temperature + top-k + top-p (variant top_k_top_p)",
-    "graphexec.top_p": "sample_step, temperature + top-p, no top-k (variant top_k_top_p)",
+    "graphexec.top_p": "sample_step, temperature + top-p, no top-k (variant default)",
     "graphexec.min_p": "sample_step, temperature + min-p 0.05 (variant default)",
     "graphexec.top_k_top_p+logprobs20": "graphexec.top_k_top_p with logprobs=20 on every row",
     "graphexec.top_k_top_p+bitmask": "graphexec.top_k_top_p with a random int32 bitmask "

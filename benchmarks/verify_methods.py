@@ -25,7 +25,8 @@ TOP_K, TOP_P = 50, 0.9
 
 TABLES = {
     "top_k_top_p": "mixed rows: temperature 0.7 / 0.8 / 0.9 / 1.0 cycling; row b % 3 == 0: "
-    "top-k 50 + top-p 0.9, == 1: top-p 0.9, == 2: top-k 50 (graphexec variant top_k_top_p)",
+    "top-k 50 + top-p 0.9, == 1: top-k 200 + top-p 0.9, == 2: top-k 50 (graphexec variant "
+    "top_k_top_p)",
     "no_filter": "temperature 0.7 / 0.8 / 0.9 / 1.0 cycling, no filter (variant no_filter)",
 }
 
@@ -54,7 +55,8 @@ def row_params(table: str, B: int) -> list[dict]:
     for b in range(B):
         p = dict(temperature=TEMPERATURES[b % len(TEMPERATURES)])
         if table == "top_k_top_p":
-            p.update([dict(top_k=TOP_K, top_p=TOP_P), dict(top_p=TOP_P), dict(top_k=TOP_K)][b % 3])
+            p.update([dict(top_k=TOP_K, top_p=TOP_P), dict(top_k=4 * TOP_K, top_p=TOP_P),
+                      dict(top_k=TOP_K)][b % 3])  # fmt: skip
         rows.append(p)
     return rows
 

@@ -34,15 +34,21 @@ class SamplerVariant(str, enum.Enum):
     every row a variant can serve gets exactly the token `DEFAULT` gives it."""
 
     NO_FILTER = "no_filter"  # temperature only (greedy included)
-    TOP_K_TOP_P = "top_k_top_p"  # top-k and/or top-p, no min-p
+    TOP_K_TOP_P = "top_k_top_p"  # top-k on (1 to TOP_K_FIRST_MAX), top-p or not, no min-p
     DEFAULT = "default"  # everything, min-p included
 
     def serves(self, params: SamplingParams) -> bool:
         if self is SamplerVariant.DEFAULT:
             return True
+        plain = not (params.uses_top_k or params.uses_top_p or params.uses_min_p)
         if self is SamplerVariant.TOP_K_TOP_P:
-            return not params.uses_min_p
-        return not (params.uses_top_k or params.uses_top_p or params.uses_min_p)
+            return plain or (0 < params.top_k <= TOP_K_FIRST_MAX and not params.uses_min_p)
+        return plain
+
+
+# The largest top-k that `SamplerVariant.TOP_K_TOP_P` serves: its samplers filter top-k
+# first, from the row's first TOP_K_FIRST_MAX tokens alone (top-p-only rows go to default)
+TOP_K_FIRST_MAX = 1024
 
 
 def _finite(name: str, value: Any) -> float:

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from graphexec import SamplerVariant, SamplingParams, choose_variant
+from graphexec.params import TOP_K_FIRST_MAX
 
 NAN = float("nan")
 INF = float("inf")
@@ -268,6 +269,8 @@ TOPK = SamplingParams(top_k=40)
 TOPP = SamplingParams(top_p=0.9)
 TOPKP = SamplingParams(top_k=40, top_p=0.9)
 MINP = SamplingParams(min_p=0.1)
+BIGK = SamplingParams(top_k=TOP_K_FIRST_MAX + 1, top_p=0.9)  # past top-k first's bound
+MAXK = SamplingParams(top_k=TOP_K_FIRST_MAX)
 ALL = SamplingParams(top_k=40, top_p=0.9, min_p=0.1)
 PEN = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={1: 2.0})
 
@@ -279,8 +282,10 @@ PEN = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={1
         (PEN, {"no_filter", "top_k_top_p", "default"}),
         (GREEDY_WITH_FILTERS, {"no_filter", "top_k_top_p", "default"}),
         (TOPK, {"top_k_top_p", "default"}),
-        (TOPP, {"top_k_top_p", "default"}),
+        (TOPP, {"default"}),  # top_k_top_p filters top-k first
         (TOPKP, {"top_k_top_p", "default"}),
+        (MAXK, {"top_k_top_p", "default"}),
+        (BIGK, {"default"}),
         (MINP, {"default"}),
         (ALL, {"default"}),
     ],
@@ -296,7 +301,8 @@ def test_serves(p: SamplingParams, serving: set[str]) -> None:
         ([PLAIN], "no_filter"),
         ([PLAIN, PEN, GREEDY_WITH_FILTERS], "no_filter"),
         ([PLAIN, TOPK], "top_k_top_p"),
-        ([TOPP, PLAIN, GREEDY_WITH_FILTERS], "top_k_top_p"),
+        ([TOPP, PLAIN, GREEDY_WITH_FILTERS], "default"),
+        ([TOPK, PLAIN, GREEDY_WITH_FILTERS], "top_k_top_p"),
         ([TOPKP, PEN], "top_k_top_p"),
         ([PLAIN, MINP], "default"),
         ([TOPK, TOPP, MINP, PLAIN], "default"),

@@ -24,7 +24,6 @@ the CPU's emulated capture records calls and has no graph, so it says so and exi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import textwrap
 from collections import Counter
@@ -33,9 +32,10 @@ import torch
 
 import graphexec as gx
 from graphexec.engine.graphs import CapturedGraphs
-from graphexec.engine.variants import routed_to, served_by, triton_kernels
+from graphexec.engine.variants import triton_kernels
 from graphexec.models.choice import add_model_argument
 from graphexec.models.demo_model import ModelChoiceError, choose_model
+from graphexec.params import TOP_K_FIRST_MAX
 from graphexec.request import GraphKey
 from graphexec.runtime.threads import add_threads_argument
 
@@ -110,7 +110,7 @@ def inspect_graphs(args: argparse.Namespace) -> int:
 # which rows each variant serves (`SamplerVariant`): the cheapest that serves every row runs
 SERVES = {
     gx.SamplerVariant.NO_FILTER: "temperature only (greedy included)",
-    gx.SamplerVariant.TOP_K_TOP_P: "top-k / top-p, no min-p",
+    gx.SamplerVariant.TOP_K_TOP_P: f"top-k 1-{TOP_K_FIRST_MAX} (+ top-p), no min-p",
     gx.SamplerVariant.DEFAULT: "every row (min-p included)",
 }
 
@@ -120,15 +120,11 @@ def backend_of(ex: gx.DecodeExecutor) -> str:
 
 
 def print_variants(ex: gx.DecodeExecutor) -> None:
-    """The variants, the rows each serves, and the graph that serves each on this backend."""
-    backend = backend_of(ex)
-    shared = [v for v in gx.SamplerVariant if served_by(v, backend) is not v]
-    why = "".join(f"; {v.value} runs {served_by(v, backend).value}'s kernels, so "
-                  f"{served_by(v, backend).value}'s graph serves it" for v in shared)  # fmt: skip
+    """The variants and the rows each serves."""
     print(textwrap.fill(f"Variants (choose_variant picks the cheapest that serves every row "
-                        f"of a chunk; sampler backend {backend}{why}):", width=92))  # fmt: skip
+                        f"of a chunk; sampler backend {backend_of(ex)}):", width=92))  # fmt: skip
     for v in gx.SamplerVariant:
-        print(f"  {v.value + ':':13s} {SERVES[v]:36s} graph: {served_by(v, backend).value}")
+        print(f"  {v.value + ':':13s} {SERVES[v]}")
     print()
 
 
@@ -212,25 +208,19 @@ def print_kernel_sets(sets: dict, cuda: bool, num_layers: int | None = None) -> 
                                 subsequent_indent=" " * 6))  # fmt: skip
 
 
-def serves_column(key: GraphKey, backend: str) -> str:
-    """The chosen variants whose chunks the key's graph serves."""
-    return ",".join(v.value for v in routed_to(key.variant, backend))
-
-
 def print_cuda_table(ex: gx.DecodeExecutor) -> None:
     """One row per captured CUDA graph, with its capture time, kernels, memory, replays,
-    kernel set and the variants it serves; then the kernel sets."""
-    backend = backend_of(ex)
+    kernel set; then the kernel sets."""
     print_variants(ex)
     label, sets = kernel_sets(ex)
     print(f"{'variant':12s} {'bucket':>6s} {'logprobs':>8s} {'spec_k':>6s} {'capture s':>9s} "
-          f"{'kernels':>7s} {'mem MiB':>8s} {'replays':>7s}  {'set':4s} serves")  # fmt: skip
+          f"{'kernels':>7s} {'mem MiB':>8s} {'replays':>7s}  set")  # fmt: skip
     for key, s in ex.graphs.steps.items():
         nodes = "-" if s.kernel_nodes is None else str(s.kernel_nodes)
         print(
             f"{key.variant.value:12s} {key.bucket:6d} {str(key.logprobs):>8s} {key.spec_k:6d} "
             f"{s.capture_s:9.3f} {nodes:>7s} {s.pool_bytes / 2**20:8.1f} {s.replays:7d}  "
-            f"{label.get(key, '-'):4s} {serves_column(key, backend)}"
+            f"{label.get(key, '-')}"
         )
     print_kernel_sets(sets, cuda=True, num_layers=getattr(ex.model, "num_layers", None))
 
@@ -238,25 +228,23 @@ def print_cuda_table(ex: gx.DecodeExecutor) -> None:
 def print_emulated_table(ex: gx.DecodeExecutor, steps_ran: bool) -> None:
     """Without CUDA: what the keys are, serve and launch; no columns that only CUDA can
     fill."""
-    backend = backend_of(ex)
     ran = ", and the steps that ran each key" if steps_ran else ""
     print(f"{ex.device.type}: no CUDA, so graph capture is emulated (each key records its "
           "step call\nand runs it on the same static buffers).")  # fmt: skip
     print(textwrap.fill("Shown: every graph key: its sampler variant, its batch bucket, "
-                        "logprobs on/off, speculative width (spec_k), the chosen variants it "
-                        f"serves, its kernel set{ran}.", width=92))  # fmt: skip
+                        "logprobs on/off, speculative width (spec_k), its kernel "
+                        f"set{ran}.", width=92))  # fmt: skip
     print("Not shown (CUDA only): capture time, kernel nodes, graph memory, graph replays "
           "and --dot;\nrun inspect on a CUDA device for those.\n")  # fmt: skip
     print_variants(ex)
     label, sets = kernel_sets(ex)
     steps = f" {'steps':>6s}" if steps_ran else ""
-    print(f"{'variant':12s} {'bucket':>6s} {'logprobs':>8s} {'spec_k':>6s}  {'serves':20s} "
+    print(f"{'variant':12s} {'bucket':>6s} {'logprobs':>8s} {'spec_k':>6s}  "
           f"{'set':4s}{steps}".rstrip())  # fmt: skip
     for key, s in ex.graphs.steps.items():
         n = f" {s.replays:6d}" if steps_ran else ""  # the emulated replays: steps run
         print(f"{key.variant.value:12s} {key.bucket:6d} {str(key.logprobs):>8s} "
-              f"{key.spec_k:6d}  {serves_column(key, backend):20s} "
-              f"{label[key]:4s}{n}".rstrip())  # fmt: skip
+              f"{key.spec_k:6d}  {label[key]:4s}{n}".rstrip())  # fmt: skip
     print(f"\n{len(ex.graphs.steps)} keys; buckets {sorted({k.bucket for k in ex.graphs.steps})}")
     print_kernel_sets(sets, cuda=False)
 
@@ -268,17 +256,11 @@ def write_dot(ex: gx.DecodeExecutor, name: str, path: str) -> int:
               "emulated (recorded calls, no CUDA graph); run inspect on a CUDA device",
               file=sys.stderr)  # fmt: skip
         return 2
-    backend = backend_of(ex)
-    # the key itself, or one whose chunks it serves (top_k_top_p/b8/lp -> default/b8/lp)
-    names = {k: {str(dataclasses.replace(k, variant=v)) for v in routed_to(k.variant, backend)}
-             for k in ex.graphs.steps}  # fmt: skip
-    match = [k for k, served in names.items() if name in served]
+    match = [k for k in ex.graphs.steps if str(k) == name]
     if not match:
         print(f"--dot: no captured key {name!r}; keys look like {ex.graph_keys[0]}",
               file=sys.stderr)  # fmt: skip
         return 2
-    if str(match[0]) != name:
-        print(f"--dot: {name} is served by {match[0]}'s graph (the same kernels on {backend})")
     try:
         ex.graphs.write_dot(match[0], path)
     except ValueError as e:  # no DOT kept for it

@@ -120,8 +120,8 @@ class DecodeExecutor:
                                    tp is not None)  # fmt: skip
         self.requests = Requests(self._queue, self.slots, self.masks, self.prefiller,
                                  self.buckets, model.max_seq_len, self.eos_token_ids,
-                                 tokenizer if self.detokenize else None, self.drafter,
-                                 backend=self.backend)  # fmt: skip
+                                 tokenizer if self.detokenize else None,
+                                 self.drafter)  # fmt: skip
         self.overlap = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
         self.last_step_timing = StepTiming()
         self._inflight: Launched | None = None  # the step launched and not yet collected
@@ -180,11 +180,8 @@ class DecodeExecutor:
             self._stepping.release()
 
     def capture(self, keys: Sequence[GraphKey] | None = None, progress: bool = True) -> None:
-        """Warm up and capture every key (default: all of them, for the variants with
-        distinct kernels on this backend), largest bucket first, into one shared pool. A
-        key named here is captured as the key that serves it (`variants.served_by`: a
-        top_k_top_p key as default's on Triton and torch). A key that fails is logged and
-        served eagerly."""
+        """Warm up and capture every key (default: all of them), largest bucket first,
+        into one shared pool. A key that fails is logged and served eagerly."""
         if not self.cuda_graphs:
             raise RuntimeError("this executor was built with cuda_graphs=False")
         with self._step_thread():

@@ -1,13 +1,10 @@
 """Graph keys and batch buckets: which captured CUDA graph a decode step replays.
 
 One graph is captured per `GraphKey` (sampler variant x batch bucket x logprobs on/off x
-speculative width), for the variants that run distinct kernels on the sampler backend
-(`variants.distinct_variants`: on Triton and torch, `top_k_top_p` runs `default`'s
-kernels, so it has no graph of its own).
+speculative width); each variant runs kernels of its own (`variants`).
 A step's key comes from host-side copies of its requests' parameters only (no GPU sync):
-the variant from `choose_variant` routed to the graph that serves it
-(`variants.served_by`), the smallest bucket that holds the batch, and logprobs on if any
-row asked for them. A batch larger than the largest bucket is served as several chunks,
+the variant from `choose_variant`, the smallest bucket that holds the batch, and logprobs
+on if any row asked for them. A batch larger than the largest bucket is served as several chunks,
 each with its own key.
 
 `CapturedGraphs` captures and replays: on CUDA one `torch.cuda.CUDAGraph` per key, all in
@@ -29,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.engine.variants import distinct_variants, served_by
 from graphexec.params import VARIANT_ORDER, SamplingParams, choose_variant
 from graphexec.request import GraphKey
 from graphexec.runtime.capture import GraphCapture
@@ -75,38 +71,30 @@ def chunks(batch_size: int, buckets: Sequence[int]) -> list[tuple[int, int, int]
 
 
 def plan_step(
-    params: Sequence[SamplingParams], buckets: Sequence[int], backend: str | None = None
+    params: Sequence[SamplingParams], buckets: Sequence[int]
 ) -> list[tuple[GraphKey, slice]]:
     """The keys one step replays and the rows each serves, in row order.
 
     Rows are cut into chunks of at most the largest bucket; each chunk gets the variant
     and logprobs flag of its own rows (a chunk's key never depends on the other chunks),
     so a request's chunk never changes its token: variants and buckets are not semantics.
-    With `backend`, the variant is the one whose graph serves the chosen one there
-    (`served_by`); None keeps `choose_variant`'s choice.
     """
     plan = []
     for start, n, bucket in chunks(len(params), buckets):
         rows = params[start : start + n]
         variant = choose_variant(rows)
-        if backend is not None:
-            variant = served_by(variant, backend)
         key = GraphKey(variant, bucket, any(p.logprobs is not None for p in rows))
         plan.append((key, slice(start, start + n)))
     return plan
 
 
-def all_keys(
-    buckets: Sequence[int], spec_ks: Sequence[int] = (0,), backend: str | None = None
-) -> list[GraphKey]:
-    """Every key to capture, largest bucket first (later, smaller graphs reuse its pool):
-    with `backend`, only its distinct variants (`distinct_variants`); None: all three."""
-    variants = VARIANT_ORDER if backend is None else distinct_variants(backend)
+def all_keys(buckets: Sequence[int], spec_ks: Sequence[int] = (0,)) -> list[GraphKey]:
+    """Every key to capture, largest bucket first (later, smaller graphs reuse its pool)."""
     return [
         GraphKey(v, b, lp, k)
         for b in sorted(buckets, reverse=True)
         for k in sorted(spec_ks, reverse=True)
-        for v in variants
+        for v in VARIANT_ORDER
         for lp in (False, True)
     ]
 

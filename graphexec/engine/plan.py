@@ -1,6 +1,5 @@
 """The step plan: the ordered decode rows of a step, cut into chunks of at most the
-largest bucket, each with its `GraphKey` (the variant: `choose_variant`'s choice routed to
-the graph that serves it on the sampler backend, `variants.served_by`).
+largest bucket, each with its `GraphKey` (the variant: `choose_variant`'s choice).
 
 It is rebuilt only when a request is admitted, finishes or is aborted, or a row stops
 being launchable (its generated plus in-flight tokens reach its limit). The per-request
@@ -19,15 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphexec.engine.graphs import chunks
-from graphexec.engine.variants import served_by
 from graphexec.params import VARIANT_ORDER
 from graphexec.request import GraphKey, Request
 
 
-def chunk_key(rows: list[Request], bucket: int, backend: str) -> GraphKey:
+def chunk_key(rows: list[Request], bucket: int) -> GraphKey:
     """The key of a chunk of rows: `choose_variant`'s choice, from the ranks cached at
-    admission (no per-step scan of the parameters), served by its graph on `backend`."""
-    variant = served_by(VARIANT_ORDER[max(r.variant_rank for r in rows)], backend)
+    admission (no per-step scan of the parameters)."""
+    variant = VARIANT_ORDER[max(r.variant_rank for r in rows)]
     return GraphKey(variant, bucket, any(r.params.logprobs is not None for r in rows))
 
 
@@ -83,12 +81,12 @@ class BatchPlan:
 
     @classmethod
     def build(cls, rows: list[Request], buckets: Sequence[int], counters: SlotCounters,
-              has_mask, backend: str) -> BatchPlan:  # fmt: skip
+              has_mask) -> BatchPlan:  # fmt: skip
         slots = np.array([r.slot for r in rows], dtype=np.int64)
         return cls(
             rows=rows,
             chunks=[
-                (chunk_key(rows[start : start + n], bucket, backend), start, n)
+                (chunk_key(rows[start : start + n], bucket), start, n)
                 for start, n, bucket in chunks(len(rows), buckets)
             ],
             counters=counters,

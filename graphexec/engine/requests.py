@@ -36,14 +36,12 @@ class Requests:
         eos_token_ids: ids that stop a request unless ignore_eos.
         tokenizer: detokenises outputs when given (None: no text).
         drafter: the speculative `Drafter` (keeps n-gram histories), or None.
-        backend: the sampler backend, whose graphs serve the plan's variants.
     """
 
     def __init__(self, queue: RequestQueue, slots: SlotTable, masks, prefiller: Prefiller,
                  buckets, max_seq_len: int, eos_token_ids: tuple[int, ...], tokenizer=None,
-                 drafter=None, *, backend: str) -> None:  # fmt: skip
+                 drafter=None) -> None:  # fmt: skip
         self.queue, self.slots, self.masks, self.prefiller = queue, slots, masks, prefiller
-        self.backend = backend
         self.buckets, self.max_seq_len = buckets, max_seq_len
         self.eos_token_ids, self.tokenizer, self.drafter = eos_token_ids, tokenizer, drafter
         self.running: dict[str, Request] = {}
@@ -132,7 +130,7 @@ class Requests:
                 ok = self.counters.launchable(np.array([r.slot for r in rows])).tolist()
                 rows = [r for r, go in zip(rows, ok, strict=True) if go]
             plan = self._plan = BatchPlan.build(rows, self.buckets, self.counters,
-                                                self.masks.has, self.backend)  # fmt: skip
+                                                self.masks.has)  # fmt: skip
         return plan
 
     def retire_plan(self) -> None:

@@ -19,7 +19,6 @@ whose tokens the masks of N + 1 need.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import logging
@@ -33,7 +32,6 @@ from tqdm.auto import tqdm
 from graphexec.engine.graphs import CapturedGraphs, all_keys
 from graphexec.engine.plan import BatchPlan
 from graphexec.engine.step import RunBuffers, StepFn
-from graphexec.engine.variants import served_by
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import GraphKey
@@ -135,15 +133,11 @@ class StepRunner:
         return self.step.make(key, self.slot_ids[: key.bucket], inputs, out)
 
     def capture(self, keys, progress: bool) -> None:
-        """Warm up and capture `keys` (None: all of them, for the backend's distinct
-        variants), each as the key that serves it (`served_by`), largest bucket first, into
+        """Warm up and capture `keys` (None: all of them), largest bucket first, into
         one shared pool; a key that fails is logged and served eagerly. The caller retires
         its plan first: the slot ids buffer is about to hold padding."""
-        backend = self.step.sampler.backend
-        keys = keys or all_keys(self.buckets, self.spec_ks, backend)
-        keys = dict.fromkeys(dataclasses.replace(k, variant=served_by(k.variant, backend))
-                             for k in keys)  # fmt: skip
-        keys = sorted(keys, key=lambda k: -k.bucket)
+        keys = sorted(dict.fromkeys(keys or all_keys(self.buckets, self.spec_ks)),
+                      key=lambda k: -k.bucket)  # fmt: skip
         self.slots.flush()
         self.slot_ids.fill_(self.slots.padding_slot)
         cuda = self.device.type == "cuda"

@@ -1,60 +1,27 @@
-"""Which sampler variant's graph serves a batch, per backend, and which kernels a key runs.
+"""Which kernels each sampler variant's graph runs: the route map of the variants.
 
-The route map. `choose_variant` picks the cheapest variant that serves every row of a
-chunk; the executor then replays the graph of the variant whose kernels serve that one on
-its sampler backend (`served_by`), and captures only those (`distinct_variants`):
+`choose_variant` picks the cheapest variant that serves every row of a chunk
+(`SamplerVariant.serves`), and the executor replays that variant's graph. Each variant
+runs kernels of its own on every backend:
 
-    backend      no_filter    top_k_top_p    default
-    triton       no_filter    default        default
-    torch        no_filter    default        default
-    flashinfer   no_filter    top_k_top_p    default
+    backend      no_filter          top_k_top_p                     default
+    triton       stats, tail        stats, top-k first (`topk`)     the route map of
+                                                                    `sampling/triton`
+    torch        the two-level      top-k of the row, no sort        a sort of the row
+                 draw               (`filter_top_k_first`)          (`filter_mask`)
+    flashinfer   sampling from      top-k / top-p sampling from     top-k mask, top-p
+                 logits             logits                          renorm, min-p sampling
 
-Why: on the Triton and torch backends `top_k_top_p` and `default` run the same kernels
-(`sampling/triton/launch.py` and `sampling/reference.py` branch only on `no_filter`), so
-a `top_k_top_p` graph would repeat `default`'s: a third of the graphs, for nothing.
-FlashInfer runs a different sampler for each. Tokens cannot change either way: a variant
-is an optimisation, and every row gets the token `default` gives it.
-
-When a backend gains a real `top_k_top_p` specialisation, drop its entry from ROUTES
-(and give it its own kernels in TRITON_KERNELS).
+Tokens cannot change with the variant: a variant is an optimisation, and every row gets
+the token `default` gives it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from graphexec.params import VARIANT_ORDER, SamplerVariant
+from graphexec.params import SamplerVariant
 
 NO_FILTER, TOP_K_TOP_P, DEFAULT = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_K_TOP_P,
                                    SamplerVariant.DEFAULT)  # fmt: skip
-
-# backend -> {chosen variant: the variant whose graph serves it}; a variant not named
-# serves itself
-ROUTES: dict[str, Mapping[SamplerVariant, SamplerVariant]] = {
-    "triton": {TOP_K_TOP_P: DEFAULT},
-    "torch": {TOP_K_TOP_P: DEFAULT},
-    "flashinfer": {},
-}
-
-
-def served_by(variant: SamplerVariant, backend: str) -> SamplerVariant:
-    """The variant whose graph serves a chunk for which `choose_variant` chose `variant`
-    on sampler `backend` (it serves every row `variant` serves: see ROUTES)."""
-    try:
-        route = ROUTES[backend]
-    except KeyError:
-        raise ValueError(f"backend must be one of {tuple(ROUTES)}, got {backend!r}") from None
-    return route.get(variant, variant)
-
-
-def distinct_variants(backend: str) -> tuple[SamplerVariant, ...]:
-    """The variants whose graphs the executor captures on `backend`, cheapest first."""
-    return tuple(dict.fromkeys(served_by(v, backend) for v in VARIANT_ORDER))
-
-
-def routed_to(variant: SamplerVariant, backend: str) -> tuple[SamplerVariant, ...]:
-    """The chosen variants whose chunks `variant`'s graph serves on `backend`."""
-    return tuple(v for v in VARIANT_ORDER if served_by(v, backend) is variant)
 
 
 # The Triton kernels one `sample_step` call launches, per variant, in launch order: the
@@ -62,13 +29,13 @@ def routed_to(variant: SamplerVariant, backend: str) -> tuple[SamplerVariant, ..
 # docstring says why; _check_kernel only while SamplerConfig's check_blocks is on,
 # _short_kernel while check_blocks or short_blocks is, as in both presets). Update it
 # with the kernels; tests/engine/test_variants.py checks it against the launches in
-# launch.py and against ROUTES (variants that share a graph launch the same kernels).
+# launch.py.
 _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
 _FILTERED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_short_kernel",
              *_SELECT_ROUND, *_SELECT_ROUND)  # fmt: skip
 TRITON_KERNELS: dict[SamplerVariant, tuple[str, ...]] = {
     NO_FILTER: ("_stats_kernel", "_tail_kernel"),
-    TOP_K_TOP_P: _FILTERED,
+    TOP_K_TOP_P: ("_stats_kernel", "_topk_kernel"),
     DEFAULT: _FILTERED,
 }
 TRITON_LOGPROBS_KERNELS = ("_raw_logprobs_kernel", "_logprobs_kernel")  # keys with logprobs

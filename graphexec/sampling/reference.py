@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.params import SamplerVariant
+from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant
 from graphexec.rng import Stream, philox4x32
 from graphexec.sampling.processing import (
     collapse_inf,
@@ -101,11 +101,34 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
 
     total: [B] float64 top-p total for rows with top-k off (`row_mass`); None sums q
     over the row instead (tests of other backends use that approximation)."""
-    B, V = x.shape
     sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
+    kept = _prefix_kept(sv, slot_ids, table, total)
+    return torch.zeros_like(kept).scatter(1, si, kept)
+
+
+def filter_top_k_first(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
+                       k_max: int = TOP_K_FIRST_MAX) -> torch.Tensor:  # fmt: skip
+    """`filter_mask` of rows whose top-k is on, at most k_max (`SamplerVariant.TOP_K_TOP_P`),
+    from the first k_max tokens of each row's order alone (a top-k of the order keys, no
+    sort of the row). Rows with top-k off must have no active filter."""
+    V = x.shape[1]
+    b = x.contiguous().view(torch.int32)
+    okey = torch.where(b >= 0, b, b ^ 0x7FFFFFFF).to(torch.int64)
+    okey = torch.where(x == 0.0, 0, okey)  # -0.0 and +0.0 share a key
+    ids = torch.arange(V, device=x.device, dtype=torch.int64)
+    packs = (okey << 32) | (0xFFFFFFFF - ids)  # distinct: larger where earlier in the order
+    si = torch.topk(packs, min(k_max, V), dim=-1).indices
+    kept = _prefix_kept(x.gather(1, si), slot_ids, table, None)
+    return torch.zeros_like(x, dtype=torch.bool).scatter(1, si, kept)
+
+
+def _prefix_kept(sv: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
+                 total: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """[B, n] bool: which of the first n tokens of each row's order (values sv, in order)
+    the filters keep (`filter_mask`)."""
     m = sv[:, :1]
     kept = sv > -torch.inf
-    rank = torch.arange(V, device=x.device).unsqueeze(0)
+    rank = torch.arange(sv.shape[1], device=sv.device).unsqueeze(0)
     k = table.top_k[slot_ids].to(torch.int64).unsqueeze(1)
     kept &= (k == 0) | (rank < k)
     rel = torch.exp(sv - torch.where(m > -torch.inf, m, 0.0))
@@ -116,9 +139,7 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
         tot = torch.where(k == 0, total.to(torch.float64).unsqueeze(1), tot)
     p = table.top_p[slot_ids].to(torch.float64).unsqueeze(1)
     kept &= (p >= 1.0) | (before.to(torch.float64) < p * tot)
-    kept &= sv >= table.log_min_p[slot_ids].unsqueeze(1)
-    out = torch.zeros_like(kept)
-    return out.scatter(1, si, kept)
+    return kept & (sv >= table.log_min_p[slot_ids].unsqueeze(1))
 
 
 def plain_rows(slot_ids: torch.Tensor, table: SamplingTensors) -> torch.Tensor:
@@ -268,7 +289,9 @@ def draw_batch(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Te
     inv_t = effective_inv_t(slot_ids, table)
     stats = block_stats(xc, inv_t, draw_block)
     kept = None
-    if variant is not SamplerVariant.NO_FILTER:
+    if variant is SamplerVariant.TOP_K_TOP_P:
+        kept = filter_top_k_first(y, slot_ids, table)
+    elif variant is not SamplerVariant.NO_FILTER:
         kept = filter_mask(y, slot_ids, table, row_mass(xc, inv_t, draw_block, stats))
     return draw_rows(xc, y, slot_ids, positions, table, kept, draw_block, stats), y
 

@@ -26,10 +26,10 @@ def test_tables_choose_their_variant_and_flatten_per_offset():
     mixed = vm.row_params("top_k_top_p", 4)
     assert [p["temperature"] for p in mixed] == [0.7, 0.8, 0.9, 1.0]
     assert mixed[0] == dict(temperature=0.7, top_k=50, top_p=0.9)
-    assert mixed[1] == dict(temperature=0.8, top_p=0.9) and mixed[2] == dict(temperature=0.9,
-                                                                             top_k=50)  # fmt: skip
+    assert mixed[1] == dict(temperature=0.8, top_k=200, top_p=0.9)
+    assert mixed[2] == dict(temperature=0.9, top_k=50)
     t = vm.flat_tensors(mixed, 3, 1000, "cpu")  # T = 3 offsets per row, off = V / 1.0
-    assert t["top_k"].tolist() == [50] * 3 + [1000] * 3 + [50] * 6
+    assert t["top_k"].tolist() == [50] * 3 + [200] * 3 + [50] * 6
     assert t["top_p"].tolist() == pytest.approx([0.9] * 6 + [1.0] * 3 + [0.9] * 3)
     assert t["temperature"].tolist() == pytest.approx([0.7] * 3 + [0.8] * 3 + [0.9] * 3 + [1.0] * 3)
     assert all("top_k" not in p and "top_p" not in p for p in vm.row_params("no_filter", 5))

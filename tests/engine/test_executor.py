@@ -25,37 +25,33 @@ def make(max_batch_size: int = 8, **kw) -> gx.DecodeExecutor:
     return ex
 
 
-def test_capture_makes_every_distinct_key_once_largest_bucket_first() -> None:
-    """top_k_top_p runs default's kernels on the torch (and Triton) backend: no graph of
-    its own, so a third fewer keys, none repeating another."""
+def test_capture_makes_every_key_once_largest_bucket_first() -> None:
+    """Every variant has its own kernels (top_k_top_p: top-k first), so its own graphs."""
     ex = make(8)
     keys = ex.graph_keys
-    assert len(keys) == len(set(keys)) == 4 * 2 * 2 and keys[0].bucket == 8
-    assert set(keys) == {GraphKey(v, b, lp) for v in (SV.NO_FILTER, SV.DEFAULT)
-                         for b in (1, 2, 4, 8) for lp in (False, True)}  # fmt: skip
+    assert len(keys) == len(set(keys)) == 4 * 3 * 2 and keys[0].bucket == 8
+    assert set(keys) == {GraphKey(v, b, lp) for v in SV for b in (1, 2, 4, 8)
+                         for lp in (False, True)}  # fmt: skip
     assert [k.bucket for k in keys] == sorted((k.bucket for k in keys), reverse=True)
-    assert len(make(256).graph_keys) == 20 * 2 * 2  # 120 before: 40 repeated default's
-    ex.capture([GraphKey(SV.TOP_K_TOP_P, 4, False)], progress=False)  # a key it serves
-    assert ex.graph_keys == keys
+    assert len(make(256).graph_keys) == 20 * 3 * 2
 
 
-def test_a_named_top_k_top_p_key_is_captured_as_default() -> None:
+def test_named_keys_are_captured_and_replayed() -> None:
     ex = gx.DecodeExecutor(gx.models.TableModel(V, seed=0), max_batch_size=8, device="cpu",
                            seed=11)  # fmt: skip
     named = [GraphKey(SV.TOP_K_TOP_P, b, False) for b in (1, 4)] + [GraphKey(SV.DEFAULT, 4, False)]
     ex.capture(named, progress=False)
-    assert ex.graph_keys == [GraphKey(SV.DEFAULT, 4, False), GraphKey(SV.DEFAULT, 1, False)]
+    assert ex.graph_keys == [named[1], named[2], named[0]]
     ex.add_request("a", [1], P(top_k=5, seed=1, max_tokens=2))
     ex.step()
-    assert ex.stats.replays[GraphKey(SV.DEFAULT, 1, False)] == 1
+    assert ex.stats.replays[GraphKey(SV.TOP_K_TOP_P, 1, False)] == 1
 
 
 @pytest.mark.parametrize(
     "params, key",
     [
         ([P(seed=1), P(temperature=0.0, seed=2)], GraphKey(SV.NO_FILTER, 2, False)),
-        # top_k_top_p chunks replay default's graph (the same kernels on this backend)
-        ([P(seed=1), P(top_k=5, seed=2), P(seed=3)], GraphKey(SV.DEFAULT, 4, False)),
+        ([P(seed=1), P(top_k=5, seed=2), P(seed=3)], GraphKey(SV.TOP_K_TOP_P, 4, False)),
         ([P(seed=1, logprobs=0)] + [P(top_p=0.5, seed=2)] * 4, GraphKey(SV.DEFAULT, 8, True)),
         ([P(min_p=0.1, seed=1), P(top_k=3, seed=2, logprobs=2)], GraphKey(SV.DEFAULT, 2, True)),
         ([P(temperature=0.0, min_p=0.1, seed=1)], GraphKey(SV.NO_FILTER, 1, False)),  # greedy
@@ -132,27 +128,26 @@ def test_request_tokens_do_not_depend_on_batch_row_or_bucket() -> None:
         assert [v for _, v in top] == pytest.approx([v for _, v in want], rel=1e-6)
 
 
-def test_top_k_top_p_batches_get_the_tokens_of_their_own_variant(monkeypatch) -> None:
-    """Served by default's graph, a top-k / top-p workload draws exactly the tokens (and
-    logprobs) it draws on graphs of its own variant (an executor without the route)."""
-    from graphexec.engine import variants
+def test_top_k_top_p_batches_get_the_tokens_of_default() -> None:
+    """A top-k workload replays top_k_top_p's own graphs (top-k first) and draws exactly
+    the tokens (and logprobs) it draws when every row is served by default's: the same
+    workload with one min-p row beside it."""
 
-    def params(i: int) -> gx.SamplingParams:
-        return P(temperature=0.7 + 0.1 * (i % 3), top_k=(5, -1, 40)[i % 3],
-                 top_p=(1.0, 0.8, 0.95)[i % 3], seed=i, max_tokens=8,
+    def params(i: int, min_p: float = 0.0) -> gx.SamplingParams:
+        return P(temperature=0.7 + 0.1 * (i % 3), top_k=(5, 1, 40)[i % 3],
+                 top_p=(1.0, 0.8, 0.95)[i % 3], seed=i, max_tokens=8, min_p=min_p,
                  logprobs=2 if i % 2 else None)  # fmt: skip
 
-    items = [wl.WorkItem(f"r{i}", (i + 1, 2), params(i), i % 3, "topk") for i in range(9)]
-    routed_ex = make(8)
-    routed = wl.run(routed_ex, items)
-    monkeypatch.setitem(variants.ROUTES, "torch", {})
-    own_ex = make(8)
+    items = [wl.WorkItem(f"r{i}", (i + 1, 2), params(i), 0, "topk") for i in range(9)]
+    own_ex = make(16)
     own = wl.run(own_ex, items)
-    assert wl.compare(routed, own) == []
-    used = {k.variant for k in wl.outputs_per_key(routed) if k}
-    assert used == {SV.DEFAULT} and SV.TOP_K_TOP_P not in {k.variant for k in routed_ex.graph_keys}
+    # a min-p row (all its tokens kept: min-p 1e-30) puts every step on default's graphs
+    dflt = wl.run(make(16), items + [wl.WorkItem("m", (3,), params(0, 1e-30), 0, "minp")])
+    assert {k.variant for k in wl.outputs_per_key(dflt) if k} == {SV.DEFAULT}
+    dflt.outputs.pop("m")
+    assert wl.compare(own, dflt) == []
     assert {k.variant for k in wl.outputs_per_key(own) if k} == {SV.TOP_K_TOP_P}
-    assert len(own_ex.graph_keys) == 4 * 3 * 2
+    assert {k.variant for k in own_ex.graph_keys} == set(SV)
 
 
 def test_eager_and_emulated_replay_are_identical() -> None:

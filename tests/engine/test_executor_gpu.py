@@ -63,7 +63,7 @@ def test_batch_invariance_with_table_model(tok) -> None:
 
 def test_capture_every_key_with_tiny_lm_at_full_vocab(tok) -> None:
     ex = executor(gx.models.TinyLM(tok.vocab_size, seed=0), tok, 256)
-    assert len(ex.graph_keys) == 20 * 2 * 2  # no_filter, default (it serves top_k_top_p)
+    assert len(ex.graph_keys) == 20 * 3 * 2  # every variant x bucket x logprobs
     assert all(s.graph is not None for s in ex.graphs.steps.values())
     items = wl.mixed_workload(300, tok.vocab_size, seed=2, grammars=True, spread=20)
     trace = wl.run(ex, items)
@@ -95,8 +95,8 @@ def test_a_key_that_fails_to_capture_is_served_eagerly(tok) -> None:
     ex = gx.DecodeExecutor(SyncsAtBucketTwo(tok.vocab_size), max_batch_size=4, device="cuda",
                            tokenizer=tok, seed=0)  # fmt: skip
     ex.capture(progress=False)
-    # the distinct variants (no_filter, default) x logprobs off / on at bucket 2
-    assert {k.bucket for k in ex.stats.failed} == {2} and len(ex.stats.failed) == 4
+    # the variants x logprobs off / on at bucket 2
+    assert {k.bucket for k in ex.stats.failed} == {2} and len(ex.stats.failed) == 3 * 2
     assert all(k.bucket != 2 for k in ex.graph_keys)
     items = [wl.WorkItem(f"r{i}", (i + 1,), P(seed=i, max_tokens=8), 0, "plain") for i in range(2)]
     got = wl.run(ex, items)

@@ -13,7 +13,7 @@ from graphexec.engine.graphs import (
     pick_bucket,
     plan_step,
 )
-from graphexec.params import SamplerVariant
+from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant
 
 P = gx.SamplingParams
 
@@ -53,16 +53,11 @@ def test_plan_picks_variant_bucket_and_logprobs() -> None:
     assert plan == [(GraphKey(SamplerVariant.TOP_K_TOP_P, 4, True), slice(0, 3))]
     plan = plan_step([P(top_p=0.5, seed=1), P(min_p=0.1, seed=2)], b)
     assert plan[0][0].variant is SamplerVariant.DEFAULT
-
-
-@pytest.mark.parametrize("backend, served", [("torch", "default"), ("triton", "default"),
-                                             ("flashinfer", "top_k_top_p")])  # fmt: skip
-def test_plan_routes_the_chosen_variant_to_the_graph_that_serves_it(backend, served) -> None:
-    b = default_buckets(16)
-    rows = [P(seed=1), P(top_k=5, seed=2), P(top_p=0.9, seed=3, logprobs=0)]
-    assert plan_step(rows, b, backend) == [(GraphKey(SamplerVariant(served), 4, True), slice(0, 3))]
-    for rows, v in (([P(seed=1)], "no_filter"), ([P(min_p=0.1, seed=1)], "default")):
-        assert plan_step(rows, b, backend)[0][0].variant is SamplerVariant(v)
+    # top_k_top_p filters top-k first: top-p alone, or a top-k past its bound, is default's
+    for rows in ([P(top_p=0.9, seed=1)], [P(top_k=TOP_K_FIRST_MAX + 1, top_p=0.9, seed=1)]):
+        assert plan_step(rows, b)[0][0].variant is SamplerVariant.DEFAULT
+    top = plan_step([P(seed=1), P(top_k=TOP_K_FIRST_MAX, top_p=0.9, seed=2)], b)
+    assert top[0][0].variant is SamplerVariant.TOP_K_TOP_P
 
 
 def test_plan_splits_batches_larger_than_the_largest_bucket() -> None:
@@ -80,16 +75,12 @@ def test_all_keys_largest_bucket_first_and_complete() -> None:
     assert [k.bucket for k in keys][:6] == [4] * 6 and keys[-1].bucket == 1
 
 
-def test_all_keys_of_a_backend_are_its_distinct_variants_only() -> None:
-    sv = SamplerVariant
-    for backend in ("torch", "triton"):
-        keys = all_keys((1, 4, 2), (0, 3), backend)
-        assert len(keys) == len(set(keys)) == 3 * 2 * 2 * 2
-        assert set(keys) == {GraphKey(v, b, lp, k) for v in (sv.NO_FILTER, sv.DEFAULT)
-                             for b in (1, 2, 4) for lp in (False, True)
-                             for k in (0, 3)}  # fmt: skip
-    assert len(all_keys(default_buckets(256), backend="triton")) == 20 * 2 * 2  # was 120
-    assert set(all_keys((1, 2), backend="flashinfer")) == set(all_keys((1, 2)))
+def test_all_keys_cover_every_variant_bucket_logprobs_and_width() -> None:
+    keys = all_keys((1, 4, 2), (0, 3))
+    assert len(keys) == len(set(keys)) == 3 * 3 * 2 * 2
+    assert set(keys) == {GraphKey(v, b, lp, k) for v in SamplerVariant for b in (1, 2, 4)
+                         for lp in (False, True) for k in (0, 3)}  # fmt: skip
+    assert len(all_keys(default_buckets(256))) == 20 * 3 * 2
 
 
 def test_graph_key_is_frozen_and_validated() -> None:

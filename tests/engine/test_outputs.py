@@ -90,7 +90,8 @@ def test_determinism_quick_passes_on_the_cpu(capsys, restore_threads) -> None:
     rows = out.splitlines()
     at = next(i for i, line in enumerate(rows) if line.startswith("key "))
     lines = rows[at : rows.index("", at)]
-    assert len(lines) == 9 and len({len(line) for line in lines}) == 1, lines
+    # a header, then a key a line: 3 variants x logprobs on / off x spec_k 0 / 3, bucket 1
+    assert len(lines) == 1 + 3 * 2 * 2 and len({len(line) for line in lines}) == 1, lines
 
 
 def test_inspect_tool_prints_a_row_per_key() -> None:
@@ -98,8 +99,8 @@ def test_inspect_tool_prints_a_row_per_key() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line.split()[:1] in (["no_filter"],
             ["top_k_top_p"], ["default"])]  # fmt: skip
-    assert len(rows) == 2 * 2 * 2  # no top_k_top_p rows: default's graph serves it
-    assert all(line.split()[0] != "top_k_top_p" for line in rows)
+    assert len(rows) == 3 * 2 * 2  # each variant x bucket x logprobs
+    assert {line.split()[0] for line in rows} == {"no_filter", "top_k_top_p", "default"}
 
 
 def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys) -> None:
@@ -121,23 +122,19 @@ def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys
     for table, steps in zip(out.split("cpu: no CUDA")[1:], ([], ["steps"]), strict=True):
         assert "emulated" in table and "Not shown (CUDA only): capture time" in table
         header = next(line for line in table.splitlines() if line.startswith("variant"))
-        assert header.split() == ["variant", "bucket", "logprobs", "spec_k", "serves",
-                                  "set"] + steps  # fmt: skip
+        assert header.split() == ["variant", "bucket", "logprobs", "spec_k", "set"] + steps
         for cuda_only in ("capture s", "kernels", "mem MiB", "replays"):
             assert cuda_only not in header
         rows = [line.split() for line in table.splitlines()
                 if line.split()[:1] in (["no_filter"], ["top_k_top_p"], ["default"])]  # fmt: skip
-        assert len(rows) == 2 * 2 * 2 and {r[1] for r in rows} == {"1", "2"}
-        serves = {r[0]: r[4] for r in rows}
-        assert serves == {"no_filter": "no_filter", "default": "top_k_top_p,default"}
+        assert len(rows) == 3 * 2 * 2 and {r[1] for r in rows} == {"1", "2"}
         names = (["no_filter:"], ["top_k_top_p:"], ["default:"])
-        legend = {line.split(":")[0].strip(): line.split()[1:] for line in table.splitlines()
-                  if line.split()[:1] in names}  # fmt: skip
-        assert legend["top_k_top_p"][-2:] == ["graph:", "default"]  # the variants' legend
-        assert legend["no_filter"][-1] == "no_filter" and legend["default"][-1] == "default"
+        legend = {line.split(":")[0].strip(): " ".join(line.split()[1:])
+                  for line in table.splitlines() if line.split()[:1] in names}  # fmt: skip
+        assert "no min-p" in legend["top_k_top_p"] and "min-p" in legend["default"]
         # one kernel set per variant x logprobs, listed under the table
-        sets = {(r[0], r[2]): r[5] for r in rows}
-        assert len(set(sets.values())) == 4 and "the sampler kernels each key launches" in table
+        sets = {(r[0], r[2]): r[4] for r in rows}
+        assert len(set(sets.values())) == 6 and "the sampler kernels each key launches" in table
         blocks: dict = {}  # set label -> its lines
         for line in table.split("Kernel sets:")[1].splitlines():
             if line.startswith("  ") and not line.startswith("   "):
@@ -149,6 +146,8 @@ def test_inspect_on_the_cpu_says_what_it_shows_and_prints_no_cuda_columns(capsys
         assert "2 launches: no_filter/nolp (buckets 1,2)" in block
         block = " ".join(blocks[sets[("default", "True")]])
         assert "_select_kernel x2" in block and "_raw_logprobs_kernel" in block
+        block = " ".join(blocks[sets[("top_k_top_p", "False")]])
+        assert "2 launches: top_k_top_p/nolp (buckets 1,2)" in block and "_topk_kernel" in block
         if steps:  # the emulated replays: the min-p request's steps ran default/b1/nolp
             ran = {(r[0], r[1], r[2]): int(r[-1]) for r in rows}
             assert ran[("default", "1", "False")] >= 2 and sum(ran.values()) == ran[

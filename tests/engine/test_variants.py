@@ -1,5 +1,4 @@
-"""The route map (which variant's graph serves a chosen variant, per backend), the list of
-the kernels each variant launches, and the kernel names read from a graph's DOT."""
+"""The kernels each variant launches, and the kernel names read from a graph's DOT."""
 
 from __future__ import annotations
 
@@ -7,50 +6,21 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
 import graphexec as gx
 from graphexec.engine import variants
 from graphexec.engine.graphs import dot_kernels, short_kernel_name
-from graphexec.engine.variants import (
-    TRITON_KERNELS,
-    TRITON_LOGPROBS_KERNELS,
-    distinct_variants,
-    routed_to,
-    served_by,
-    triton_kernels,
-)
-from graphexec.params import VARIANT_ORDER
+from graphexec.engine.variants import TRITON_KERNELS, TRITON_LOGPROBS_KERNELS, triton_kernels
 from graphexec.params import SamplerVariant as SV
-from graphexec.sampling.pipeline import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_backend_has_a_route_and_each_route_serves_what_it_replaces() -> None:
-    assert set(variants.ROUTES) == set(BACKENDS)
-    for backend in BACKENDS:
-        for v in SV:
-            w = served_by(v, backend)
-            assert VARIANT_ORDER.index(w) >= VARIANT_ORDER.index(v)  # serves every row v does
-            assert served_by(w, backend) is w and v in routed_to(w, backend)
-    with pytest.raises(ValueError, match="backend"):
-        served_by(SV.DEFAULT, "cuda")
-
-
-def test_distinct_variants_per_backend() -> None:
-    for backend in ("torch", "triton"):
-        assert distinct_variants(backend) == (SV.NO_FILTER, SV.DEFAULT)
-        assert served_by(SV.TOP_K_TOP_P, backend) is SV.DEFAULT
-        assert routed_to(SV.DEFAULT, backend) == (SV.TOP_K_TOP_P, SV.DEFAULT)
-    assert distinct_variants("flashinfer") == VARIANT_ORDER
-
-
-def test_variants_that_share_a_graph_launch_the_same_triton_kernels() -> None:
-    for v in SV:
-        assert TRITON_KERNELS[v] == TRITON_KERNELS[served_by(v, "triton")]
-    assert TRITON_KERNELS[SV.NO_FILTER] != TRITON_KERNELS[SV.DEFAULT]
+def test_each_variant_launches_its_own_kernels() -> None:
+    assert len(set(TRITON_KERNELS.values())) == len(SV)
+    # the filtered variant that serves top-k rows launches two kernels at any batch
+    assert triton_kernels(SV.TOP_K_TOP_P, False) == ("_stats_kernel", "_topk_kernel")
     assert triton_kernels(SV.NO_FILTER, True) == (
         "_stats_kernel",
         "_tail_kernel",
@@ -76,15 +46,18 @@ def test_the_triton_kernel_list_names_what_launch_py_launches() -> None:
     assert set(variants.TRITON_VERIFY_KERNELS) <= verify
 
 
-def test_routed_and_own_variant_give_the_same_sampler_outputs() -> None:
+def test_top_k_top_p_gives_the_tokens_of_default() -> None:
     """sample_logits on the torch backend: every row top_k_top_p serves gets from its own
-    variant exactly the token and logprobs that default (its graph's variant) gives it."""
+    variant (top-k first) exactly the token and logprobs that default gives it."""
     g = torch.Generator().manual_seed(0)
     for scale in (1.0, 4.0, 0.2):
         logits = torch.randn(12, 700, generator=g) * scale
-        params = [gx.SamplingParams(temperature=(0.5, 1.0, 1.5)[i % 3], top_k=(-1, 5, 60)[i % 3],
-                                    top_p=(0.9, 1.0, 0.5)[i % 3], seed=i, logprobs=3)
+        logits[3, 100:140] = 1.25  # ties across the top-k cut
+        params = [gx.SamplingParams(seed=i, temperature=0.8, logprobs=3) if i % 4 == 0 else
+                  gx.SamplingParams(temperature=(0.5, 1.0, 1.5)[i % 3], top_k=(5, 60, 1)[i % 3],
+                                    top_p=(1.0, 0.9, 0.5)[i % 3], seed=i, logprobs=3)
                   for i in range(12)]  # fmt: skip
+        assert gx.choose_variant(params) is SV.TOP_K_TOP_P
         own = gx.sample_logits(logits, params, [i % 5 for i in range(12)], variant="top_k_top_p")
         dflt = gx.sample_logits(logits, params, [i % 5 for i in range(12)], variant="default")
         assert torch.equal(own.token_ids, dflt.token_ids) and bool(own.valid.all())

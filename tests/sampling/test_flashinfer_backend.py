@@ -43,13 +43,14 @@ def _rows(variant: str) -> list[gx.SamplingParams]:
     if variant in ("top_k_top_p", "default"):
         base += [
             dict(temperature=0.8, top_k=50),
-            dict(temperature=0.7, top_p=0.9),
+            dict(temperature=0.7, top_k=200, top_p=0.9),
             dict(temperature=0.8, top_k=50, top_p=0.9),
             dict(temperature=1.0, top_k=1),
         ]
     if variant == "default":
         base += [
             dict(temperature=0.8, min_p=0.05),
+            dict(temperature=0.7, top_p=0.9),
             dict(temperature=1.0, top_k=40, min_p=0.2),
             dict(temperature=0.9, top_k=100, top_p=0.8, min_p=0.02),
         ]

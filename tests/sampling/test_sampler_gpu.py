@@ -275,6 +275,41 @@ def test_config_changes_no_token(knobs):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("shape", ["peaked", "randn3", "flat", "ties"])
+def test_top_k_first_gives_defaults_tokens_on_gpu(shape):
+    """The top_k_top_p variant (stats, then `topk`'s row kernel) against default's kernels
+    on the same GPU: the same token in every row, k from 1 to TOP_K_FIRST_MAX (flat rows
+    with a large k take the exact search past the gather cap); and the reference's, up to
+    near ties."""
+    from graphexec.params import TOP_K_FIRST_MAX
+    from graphexec.sampling.triton import launch
+    from graphexec.sampling.triton.sampler_config import R_EXACT, SamplerConfig, Workspace
+
+    V, B = 128256, 96
+    logits = shape_logits(shape, B, V, seed=23)
+    ks = (1, 2, 20, 50, 200, TOP_K_FIRST_MAX)
+    params = [P(seed=i, temperature=(0.7, 1.0, 1.5)[i % 3], top_k=ks[i // 3 % 6],
+                top_p=(1.0, 0.9, 0.5, 0.99)[i // 18 % 4]) if i % 16 else P(seed=i)
+              for i in range(B)]  # fmt: skip
+    assert gx.choose_variant(params) is SamplerVariant.TOP_K_TOP_P
+    pos = list(range(B))
+    table = SamplingTensors.from_params(params, V, "cuda")
+    cfg = SamplerConfig.gpu()
+    slots, posd = torch.arange(B, device="cuda"), torch.tensor(pos, device="cuda")
+    outs, routes = [], None
+    for variant in (SamplerVariant.TOP_K_TOP_P, SamplerVariant.DEFAULT):
+        out = SamplerOutput.allocate(B, "cuda", None)
+        ws = Workspace.allocate(B, V, "cuda", cfg)
+        launch.sample(logits, slots, posd, table, out, None, variant, config=cfg, workspace=ws)
+        outs.append(out.token_ids)
+        routes = routes or ws.rowi[:, 0].tolist()
+    assert torch.equal(outs[0], outs[1])
+    if shape == "peaked":
+        assert int(R_EXACT) not in routes
+    ref = gx.sample_logits(logits, params, pos, backend="torch").token_ids
+    assert_equal_up_to_near_ties(logits, params, pos, ref, outs[0])
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")

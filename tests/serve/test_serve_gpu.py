@@ -107,7 +107,7 @@ def test_data_parallel_engines_give_a_seeded_request_the_same_tokens() -> None:
     port = _port()
     cmd = [sys.executable, "-m", "graphexec", "serve", "--model", "qwen2.5-0.5b", "--port",
            str(port), "--dtype", "bfloat16", "--max-seq-len", "256", "--max-batch-size", "8",
-           "--capture-keys", "top_k_top_p", "--data-parallel", "2", "--api-servers", "1",
+           "--capture-keys", "default", "--data-parallel", "2", "--api-servers", "1",
            "--seed", "0", "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

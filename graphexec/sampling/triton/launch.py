@@ -21,6 +21,7 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, s
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel, _tail_kernel
+from graphexec.sampling.triton.topk import _topk_kernel
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -58,9 +59,16 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=r,
                             num_warps=cfg.num_warps, **base)  # fmt: skip
-    _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters, NBINS=cfg.bins,
-                       R=r, CB=cfg.check_blocks, **rows)  # fmt: skip
-    if filters:
+    bits = int(math.log2(cfg.search_ways))
+    search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
+                  ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip
+    if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
+        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=r, ST=cfg.short_tokens,
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search, **rows)
+    else:
+        _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
+                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks, **rows)  # fmt: skip
+    if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
                                      **common)  # fmt: skip
@@ -71,10 +79,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                                 INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        bits = int(math.log2(cfg.search_ways))
-        finish = dict(late, NBLK_P2=nblk_p2, WAYS=cfg.search_ways, SB=cfg.search_blocks,
-                      ITA=-(-32 // bits) + 1, ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1,
-                      num_warps=cfg.tail_warps)  # fmt: skip
+        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps)
         G = min(cfg.late_programs, B * S2)  # round 2's programs, shared by its rows
         for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
             _select_kernel[(grid,)](P, W, B, spr, nblk, ROUND2=round2, **late)

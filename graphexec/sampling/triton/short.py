@@ -51,8 +51,9 @@ def _cut(keys, n, top_k, top_p, total, lomin, ST: tl.constexpr, INTERP: tl.const
     f = tl.cumsum(tl.where(ok, mass(y), 0), axis=0)
     cut = tl.min(tl.where(ok, srt, BIG_KEY), axis=0)
     t_p = total
-    # fewer candidates than k: every live token is one (lomin), or top-p is off
-    resolved = (top_k <= 0) | (top_k < n) | lomin | (top_p >= 1.0)
+    # k candidates at least: the top k are among them; fewer: every live token is one
+    # (lomin), or top-p is off
+    resolved = (top_k <= 0) | (top_k <= n) | lomin | (top_p >= 1.0)
     if top_k > 0:
         k = tl.minimum(top_k, n)
         cut = tl.sum(tl.where(rank == k, srt, 0), axis=0)
@@ -62,6 +63,49 @@ def _cut(keys, n, top_k, top_p, total, lomin, ST: tl.constexpr, INTERP: tl.const
         # lo bounds top-p's cut from below, so some candidate reaches p * total
         resolved = resolved & (tl.max(reach.to(tl.int32), axis=0) > 0)
         cut = tl.maximum(cut, tl.max(tl.where(reach, srt, PAD_KEY), axis=0))
+    return resolved, cut
+
+
+@triton.jit
+def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, DB: tl.constexpr,
+           WCAP: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """The number of candidates (y >= lo) in the row's n_list listed blocks, the first CAP
+    of them (packs and x) compacted into its gather buffers by a running count (no atomics:
+    the selection passes count their own gather from 0); the listed blocks' K_b zeroed, for
+    the kept candidates to add to. A row past CAP stops reading at once."""
+    n = tl.zeros([], dtype=tl.int32)
+    e0 = tl.zeros([], dtype=tl.int32)
+    while (e0 < n_list) & (n <= CAP):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+        y = (x - m) * s
+        inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
+        at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        put = inr & (at < CAP)
+        tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
+        tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
+        tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+        n += tl.sum(inr.to(tl.int32), axis=0)
+        e0 += R
+    tl.debug_barrier()  # the gather, read back by every thread
+    return n
+
+
+@triton.jit
+def resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB: tl.constexpr,
+            ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """(resolved, cut) of a row's n <= ST gathered candidates (`_cut`); when resolved,
+    their kept masses added to their blocks' K_b."""
+    c = tl.arange(0, ST)
+    ok = c < n
+    keys = tl.load(W.gath + row * WCAP + c, mask=ok, other=PAD_KEY)
+    resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
+    if resolved:
+        yg, idg = unpack(keys)
+        kept = ok & (keys >= cut) & (yg >= lnmp)
+        bg = idg // DB
+        xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
+        xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
+        tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
     return resolved, cut
 
 
@@ -109,36 +153,11 @@ def _short_kernel(
         if resolved:
             cut_tiles(P, W, row, slot, ids, 0, n_list, n_list, lnmp, NBLK, R, DB, FL, True)
         if (route == cf.R_SELECT) & (n_list <= SB):
-            # the candidates (packs and x), compacted into the row's gather buffers by a
-            # running count (no atomics: the selection passes count their own gather from 0);
-            # the listed blocks' K_b zeroed, for the kept candidates to add to
-            n = tl.zeros([], dtype=tl.int32)
-            e0 = tl.zeros([], dtype=tl.int32)
-            while (e0 < n_list) & (n <= ST):  # a row past ST candidates is declined at once
-                x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
-                y = (x - m) * s
-                inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
-                at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
-                put = inr & (at < ST)
-                tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
-                tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
-                tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
-                n += tl.sum(inr.to(tl.int32), axis=0)
-                e0 += R
+            n = gather(P, W, row, slot, ids, n_list, lo, m, s, ST, NBLK, R, DB, WCAP, FL)
             if n <= ST:
-                tl.debug_barrier()
-                c = tl.arange(0, ST)
-                ok = c < n
-                keys = tl.load(W.gath + row * WCAP + c, mask=ok, other=PAD_KEY)
                 lomin = tl.load(ri + cf.I_LOMIN) != 0
-                resolved, cut = _cut(keys, n, top_k, top_p, total, lomin, ST, INTERP)
-                if resolved:
-                    yg, idg = unpack(keys)
-                    kept = ok & (keys >= cut) & (yg >= lnmp)
-                    bg = idg // DB
-                    xmg = tl.load(W.xm + row * NBLK + bg, mask=kept, other=0.0)
-                    xg = tl.load(W.gath_x + row * WCAP + c, mask=kept, other=0.0)
-                    tl.atomic_add(W.kept + row * NBLK + bg, mass((xg - xmg) * s), mask=kept)
+                resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK,
+                                        DB, ST, WCAP, INTERP)  # fmt: skip
         if resolved:
             tl.debug_barrier()
             # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept

@@ -222,6 +222,20 @@ def _stats_kernel(
                      RAW_LP, FL, False, XN)  # fmt: skip
 
 
+@triton.jit
+def row_blocks(W, row, s, NBLK, NBLK_P2: tl.constexpr):
+    """(xm, row max, whether it is +inf, m, ym, Q_b) of a row from its block stats: m the
+    max where finite (else 0), ym the block maxes of y, Q_b 0 in dead blocks."""
+    b = tl.arange(0, NBLK_P2)
+    xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(xm, axis=0)
+    has_inf = mx == float("inf")
+    m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
+    ym = block_y(xm, m, s, has_inf)
+    q = tl.load(W.q + row * NBLK + b, mask=b < NBLK, other=0, cache_modifier=".cg")
+    return xm, mx, has_inf, m, ym, tl.where(ym > float("-inf"), q, 0)
+
+
 @triton.jit(do_not_specialize=["NBLK"])
 def _tail_kernel(
     P, W,
@@ -243,14 +257,8 @@ def _tail_kernel(
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
     base = row * NBLK
-    xm = tl.load(W.xm + base + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
-    mx = tl.max(xm, axis=0)
-    has_inf = mx == float("inf")
+    xm, mx, has_inf, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
     valid = mx > float("-inf")
-    m = tl.where(valid & (has_inf == 0), mx, 0.0)
-    ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W.q + base + b, mask=bm, other=0, cache_modifier=".cg")
-    q = tl.where(ym > float("-inf"), q, 0)
     tok = tl.full([], -1, tl.int32)
     route = tl.zeros([], dtype=tl.int32)
     if valid:

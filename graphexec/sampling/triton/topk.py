@@ -1,0 +1,152 @@
+"""The top_k_top_p variant's row kernel: top-k first, the whole row served in the launch
+after the stats pass (two launches in all).
+
+For a row with top-k on, lo = the k-th largest block max is a proven lower bound of its
+k-th largest value (the k blocks of the largest maxima hold a token at or above it each),
+so the tokens with y >= lo, in the blocks whose max reaches it, hold the whole top-k set
+and everything ahead of it in the row's order. Those candidates are gathered (a few more
+than k on a peaked or a randn row: about k + k ln(V / (k DB)) for randn), sorted by pack,
+and the cut of `short._cut` read off them: top-k's k-th pack, top-p on the top-k mass,
+min-p by value. Then the draw of `reference`, step 6, as every route ends: the candidate
+(the unfiltered two-level draw) where the kept set holds it, else the fallback draw over
+the kept set, whose block masses K_b the gathered tokens give. No further read of the row.
+
+A row past the gather cap (a flat row with a large k: the candidates above the k-th block
+max outnumber it), or one this variant does not serve (top-k off or past the cap under
+top-p, min-p: `SamplerVariant.TOP_K_TOP_P`), takes the exact search (`exact`): slower,
+bounded, the same token.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.kernels.dependent_launch import dependent_start
+from graphexec.sampling.triton import sampler_config as cf
+from graphexec.sampling.triton.draw import (
+    FLT_MAX,
+    candidate_draw,
+    fallback_draw,
+    greedy_token,
+    ties_draw,
+)
+from graphexec.sampling.triton.exact import exact_cut
+from graphexec.sampling.triton.keys import okey, okey_to_float
+from graphexec.sampling.triton.process import bias_ids, row_params
+from graphexec.sampling.triton.short import gather, resolve
+from graphexec.sampling.triton.stats import row_blocks
+
+
+@triton.jit
+def kth_largest(ym, live, k):
+    """The k-th largest of the live values ym (k >= 1 of them at least), exactly: the
+    largest order key t with #(okey(ym) >= t) >= k, by bisection over the int32 keys."""
+    keys = tl.where(live, okey(ym), -2147483647).to(tl.int64)  # (int64: hi - lo + 1 fits)
+    lo = tl.min(keys, axis=0)
+    hi = tl.max(keys, axis=0)
+    for _it in range(32):
+        if lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+    return okey_to_float(lo.to(tl.int32))
+
+
+@triton.jit
+def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, seed, pos, NBLK,
+               NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, ST: tl.constexpr,
+               WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
+               ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
+               FL: tl.constexpr):  # fmt: skip
+    """The token of a filtered row whose live values are not all tied, its candidate
+    already stored (W.rowi's I_CAND, W.rowf's F_YC): module docstring."""
+    b = tl.arange(0, NBLK_P2)
+    live = (b < NBLK) & (ym > float("-inf"))
+    yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
+    ymin = tl.min(tl.where(live, yn, float("inf")), axis=0)
+    lo = tl.full([], -FLT_MAX, tl.float32)
+    if (top_k > 0) & (top_k <= tl.sum(live.to(tl.int32), axis=0)):
+        lo = kth_largest(ym, live, top_k)
+        if top_p >= 1.0:  # top-p's total is the top-k mass: every top-k token is needed
+            lo = tl.maximum(lo, lnmp)
+    lo = tl.maximum(lo, ymin)
+    sel = live & (ym >= lo)
+    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    n_list = tl.sum(sel.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the list, read back by every thread
+    n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+    lomin = lo <= ymin
+    resolved = tl.zeros([], dtype=tl.int1)
+    cut = tl.zeros([], dtype=tl.int64)
+    if n <= ST:  # the usual row: a short sort
+        resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, ST,
+                                WCAP, INTERP)  # fmt: skip
+    elif n <= WCAP:
+        resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, WCAP,
+                                WCAP, INTERP)  # fmt: skip
+    if resolved:
+        rd = (b < NBLK) & (ym >= lo)  # every kept token lies in a listed block
+    else:
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
+        cut = exact_cut(P, W, row, slot, ids, m, s, lo, top_k, top_p, lnmp, total, NBLK, ITA, ITB,
+                        SB, DB, WAYS, FL)  # fmt: skip
+        rd = b < NBLK
+    tl.debug_barrier()  # the kept masses, read back by every thread
+    kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
+    return fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
+                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
+                         FL)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _topk_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: every row's token and validity
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
+    ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
+    ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr, FL: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B,): program b serves row b whole from its block stats (module docstring):
+    greedy, unfiltered and all-tied rows as the row tail serves them, filtered rows top-k
+    first."""
+    dependent_start(PDL)
+    row = tl.program_id(0)
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    xm, mx, has_inf, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
+    valid = mx > float("-inf")
+    tok = tl.full([], -1, tl.int32)
+    # R_DONE, or R_EXACT where the exact search served the row (for tests)
+    tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+    if valid:
+        if greedy:
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
+        else:
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            lnmp = tl.load(P.log_min_p + slot)
+            b = tl.arange(0, NBLK_P2)
+            xn = tl.load(W.xn + row * NBLK + b, mask=b < NBLK, other=float("inf"),
+                         cache_modifier=".cg")  # fmt: skip
+            # the row's mass from its block stats: the top-p total of rows with top-k off
+            e = tl.exp(ym.to(tl.float64))
+            total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+            filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
+            ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+            if filt & ties:
+                tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
+                                NBLK, NBLK_P2, DB, FL)  # fmt: skip
+            else:
+                tok, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
+                                         NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                if filt:
+                    tl.store(W.rowi + row * cf.NUM_I + cf.I_CAND, tok.to(tl.int64))
+                    tl.store(W.rowf + row * 8 + cf.F_YC, yc)
+                    tok = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp,
+                                     total, seed, pos, NBLK, NBLK_P2, DB, R, ST, WCAP, INTERP,
+                                     ITA, ITB, SB, WAYS, FL)  # fmt: skip
+    tl.store(tok_ptr + row, tok.to(tl.int64))
+    tl.store(valid_ptr + row, valid)

@@ -1,0 +1,118 @@
+"""The top_k_top_p variant's kernel (`triton.topk`): top-k first gives every row the token
+the reference's default variant gives it, through each of its paths: the short sort, the
+long sort, and the exact search past the gather cap."""
+
+from __future__ import annotations
+
+from tests.interpreter import ensure_interpreter
+
+ensure_interpreter()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from graphexec.params import SamplerVariant  # noqa: E402
+from graphexec.sampling import reference  # noqa: E402
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
+from graphexec.sampling.triton import launch  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT, Workspace  # noqa: E402
+from tests.sampling.triton_cases import CONFIGS, P, assert_same, extras, logits_of  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+TOPK = SamplerVariant.TOP_K_TOP_P
+FILTERS = [dict(top_k=5), dict(top_k=50, top_p=0.9), dict(top_k=1), dict(top_k=3, top_p=0.5),
+           dict(top_k=200, top_p=0.95), dict(top_k=20), dict(), dict(temperature=0.0, top_k=4)]
+
+
+def _params(B: int, V: int, filters=FILTERS) -> list:
+    return [P(seed=50 + i, logit_bias={(7 * i) % V: 4.0} if i % 3 == 0 else None,
+              presence_penalty=0.5 if i % 4 == 1 else 0.0, logprobs=2 if i % 5 == 2 else None,
+              **{"temperature": 0.8, **filters[i % len(filters)]})
+            for i in range(B)]  # fmt: skip
+
+
+def _run(params, logits, config, bitmask=None, counts=None, prompt=None, num_top=None):
+    """(the reference's default output, the Triton top_k_top_p output, its workspace)."""
+    B, V = logits.shape
+    table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
+    slots, pos = torch.arange(B), torch.arange(B) * 7 + 3
+    ref = SamplerOutput.allocate(B, "cpu", num_top)
+    tri = SamplerOutput.allocate(B, "cpu", num_top)
+    reference.sample(logits, slots, pos, table, ref, bitmask, SamplerVariant.DEFAULT,
+                     draw_block=config.draw_block)  # fmt: skip
+    ws = Workspace.allocate(B, V, "cpu", config, num_top is not None)
+    launch.sample(logits, slots, pos, table, tri, bitmask, TOPK, config=config, workspace=ws)
+    return ref, tri, ws
+
+
+@pytest.mark.parametrize("shape", ["peaked", "randn3", "flat", "mixed", "ties"])
+def test_top_k_first_gives_the_tokens_of_default(shape: str) -> None:
+    B, V = 12, 450
+    logits = logits_of(shape, B, V, seed=4)
+    counts, prompt, bitmask = extras(B, V, seed=4)
+    ref, tri, ws = _run(_params(B, V), logits, CONFIGS["interp16_short"], bitmask, counts,
+                        prompt, num_top=2)  # fmt: skip
+    assert_same(ref, tri)
+
+
+def _candidates(logits: torch.Tensor, params, db: int) -> list[int]:
+    """Per row, the tokens at or above its k-th largest block max (rows of plain logits:
+    no processors; the temperature keeps the order), as the kernel gathers them."""
+    out = []
+    for row, p in zip(logits, params, strict=True):
+        lo = row.view(-1, db).max(dim=1).values.sort(descending=True).values[p.top_k - 1]
+        out.append(int((row >= lo).sum()))
+    return out
+
+
+def test_each_path_serves_its_rows() -> None:
+    """Short sort (at most short_tokens candidates), long sort (at most gather_cap), and
+    the exact search past the cap: the rows the data sends to each, all of default's
+    tokens."""
+    B, V = 12, 1024
+    cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=64)
+    ks = (1, 3, 8, 20, 40, 60)
+    params = [P(seed=i, temperature=0.7, top_k=ks[i % 6], top_p=(1.0, 0.9)[i // 6])
+              for i in range(B)]  # fmt: skip
+    logits = torch.cat([logits_of("flat", 6, V, seed=9), logits_of("peaked", 6, V, seed=9)])
+    n = _candidates(logits, params, cfg.draw_block)
+    ref, tri, ws = _run(params, logits, cfg)
+    assert_same(ref, tri)
+    exact = [r for r, route in enumerate(ws.rowi[:, 0].tolist()) if route == int(R_EXACT)]
+    assert exact == [r for r in range(B) if n[r] > cfg.gather_cap]
+    assert {int(R_DONE)} == {ws.rowi[r, 0].item() for r in range(B) if r not in exact}
+    assert min(n) <= cfg.short_tokens and any(cfg.short_tokens < c <= cfg.gather_cap for c in n)
+    assert exact
+
+
+def test_rows_it_does_not_serve_still_get_defaults_token() -> None:
+    """The kernel never relies on `SamplerVariant.serves`: top-p alone, min-p, a top-k
+    past the gather cap take the exact search and still give default's token."""
+    B, V = 6, 450
+    filters = [dict(top_p=0.9), dict(min_p=0.1), dict(top_k=300, top_p=0.8),
+               dict(top_k=2, min_p=0.3), dict(top_p=0.5, min_p=0.05), dict(top_k=7)]
+    logits = logits_of("randn3", B, V, seed=6)
+    ref, tri, ws = _run(_params(B, V, filters), logits, CONFIGS["interp16_short"])
+    assert_same(ref, tri)
+    assert int(R_EXACT) in ws.rowi[:, 0].tolist()
+
+
+def test_the_reference_filters_top_k_first_as_default_filters() -> None:
+    """`filter_top_k_first` keeps the same tokens as `filter_mask` for every row it serves:
+    ties across the cut, -inf tokens, k past the live tokens, top-p on the top-k mass."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 16, 300
+    y = torch.randn(B, V, generator=g) * torch.tensor([0.2, 1.0, 4.0, 9.0]).repeat(4)[:, None]
+    y[1, 10:40] = 2.5  # ties at the top
+    y[2, ::3] = -torch.inf
+    y[3, 5:] = -torch.inf  # fewer live tokens than k
+    y = y - y.max(dim=1, keepdim=True).values
+    params = [P(seed=i, top_k=(1, 7, 30, 64)[i % 4], top_p=(1.0, 0.9, 0.5, 0.99)[i // 4])
+              for i in range(B)]  # fmt: skip
+    table = SamplingTensors.from_params(params, V, "cpu")
+    slots = torch.arange(B)
+    want = reference.filter_mask(y, slots, table)
+    got = reference.filter_top_k_first(y, slots, table, k_max=64)
+    assert torch.equal(got, want)
+    assert (want.sum(dim=1) > 1).sum() >= B // 2  # the filters keep more than one token
