@@ -47,8 +47,10 @@ class SamplerVariant(str, enum.Enum):
 
 
 # The largest top-k that `SamplerVariant.TOP_K_TOP_P` serves: its samplers filter top-k
-# first, from the row's first TOP_K_FIRST_MAX tokens alone (top-p-only rows go to default)
-TOP_K_FIRST_MAX = 1024
+# first, from the row's first TOP_K_FIRST_MAX tokens alone (top-p-only rows, and larger k,
+# go to default). The Triton kernel sorts at most 1,024 candidates (the GPU preset's
+# gather_cap): k <= 512 leaves room for the tokens that share the k-th one's bin.
+TOP_K_FIRST_MAX = 512
 
 
 def _finite(name: str, value: Any) -> float:

@@ -1,6 +1,6 @@
 """The top_k_top_p variant's kernel (`triton.topk`): top-k first gives every row the token
 the reference's default variant gives it, through each of its paths: the short sort, the
-long sort, and the exact search past the gather cap."""
+long sort, the candidates narrowed past the gather cap, and the exact search."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT, Workspace  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_EXACT, Workspace  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, extras, logits_of  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -67,23 +67,28 @@ def _candidates(logits: torch.Tensor, params, db: int) -> list[int]:
 
 
 def test_each_path_serves_its_rows() -> None:
-    """Short sort (at most short_tokens candidates), long sort (at most gather_cap), and
-    the exact search past the cap: the rows the data sends to each, all of default's
-    tokens."""
-    B, V = 12, 1024
+    """Short sort (at most short_tokens candidates), long sort (at most gather_cap), the
+    candidates narrowed by a histogram past the cap (flat rows, a k past the live blocks),
+    and the exact search where even that cannot narrow them (a run of ties at the k-th
+    value wider than the cap): the rows the data sends to each, all of default's tokens."""
+    B, V = 14, 1024
     cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=64)
     ks = (1, 3, 8, 20, 40, 60)
-    params = [P(seed=i, temperature=0.7, top_k=ks[i % 6], top_p=(1.0, 0.9)[i // 6])
-              for i in range(B)]  # fmt: skip
-    logits = torch.cat([logits_of("flat", 6, V, seed=9), logits_of("peaked", 6, V, seed=9)])
-    n = _candidates(logits, params, cfg.draw_block)
+    params = [P(seed=i, temperature=0.7, top_k=ks[i % 6], top_p=(1.0, 0.9)[i // 6 % 2])
+              for i in range(12)]  # fmt: skip
+    params += [P(seed=12, top_k=30, top_p=0.8), P(seed=13, top_k=2)]
+    logits = torch.cat([logits_of("flat", 6, V, seed=9), logits_of("peaked", 6, V, seed=9),
+                        logits_of("flat", 1, V, seed=3), torch.full((1, V), -5.0)])  # fmt: skip
+    logits[12, 320:] = -torch.inf  # 20 live blocks: k = 30 is past them
+    logits[13, 0] = 1.0
+    logits[13, 200:300] = 0.0  # 100 tokens tie for the 2nd place
+    n = _candidates(logits[:12], params[:12], cfg.draw_block)
     ref, tri, ws = _run(params, logits, cfg)
     assert_same(ref, tri)
-    exact = [r for r, route in enumerate(ws.rowi[:, 0].tolist()) if route == int(R_EXACT)]
-    assert exact == [r for r in range(B) if n[r] > cfg.gather_cap]
-    assert {int(R_DONE)} == {ws.rowi[r, 0].item() for r in range(B) if r not in exact}
+    routes = ws.rowi[:, 0].tolist()
+    assert [r for r in range(B) if routes[r] == int(R_EXACT)] == [13]
     assert min(n) <= cfg.short_tokens and any(cfg.short_tokens < c <= cfg.gather_cap for c in n)
-    assert exact
+    assert any(c > cfg.gather_cap for c in n)  # narrowed (and row 12)
 
 
 def test_rows_it_does_not_serve_still_get_defaults_token() -> None:
@@ -116,3 +121,23 @@ def test_the_reference_filters_top_k_first_as_default_filters() -> None:
     got = reference.filter_top_k_first(y, slots, table, k_max=64)
     assert torch.equal(got, want)
     assert (want.sum(dim=1) > 1).sum() >= B // 2  # the filters keep more than one token
+
+
+def test_bad_rows_with_top_k() -> None:
+    """Filtered rows of bad data: nothing live (invalid), NaN everywhere, a single finite
+    token, +inf entries, fewer live tokens than k, a tiny temperature: default's tokens."""
+    V = 200
+    x = torch.randn(6, V, generator=torch.Generator().manual_seed(2))
+    x[0] = -torch.inf
+    x[1] = torch.nan
+    x[2] = -torch.inf
+    x[2, 77] = -1e30
+    x[3, [5, 150]] = torch.inf
+    x[4, 3:] = -torch.inf
+    params = [P(seed=i, top_k=(5, 1, 3, 1, 50, 2)[i], top_p=(0.9, 1.0, 0.5, 0.8, 0.7, 1.0)[i],
+                temperature=1e-30 if i == 5 else 0.9) for i in range(6)]  # fmt: skip
+    ref, tri, ws = _run(params, x, CONFIGS["interp16_short"])
+    assert_same(ref, tri)
+    assert tri.valid.tolist() == [False, False, True, True, True, True]
+    assert tri.token_ids[2].item() == 77 and tri.token_ids[3].item() in (5, 150)
+    assert tri.token_ids[4].item() in (0, 1, 2)

@@ -67,18 +67,30 @@ def _cut(keys, n, top_k, top_p, total, lomin, ST: tl.constexpr, INTERP: tl.const
 
 
 @triton.jit
+def lo_bin(y, lo, inv_w, NH: tl.constexpr):
+    """The bin of y >= lo among NH bins of width 1 / inv_w from the row max (y = 0) down to
+    lo: monotone (non-increasing) in y, so bins 0..j hold a prefix of the row's order."""
+    return tl.minimum(-y * inv_w, NH - 1.0).to(tl.int32)  # (clamped first: -inf's is the last)
+
+
+@triton.jit
 def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, DB: tl.constexpr,
-           WCAP: tl.constexpr, FL: tl.constexpr):  # fmt: skip
-    """The number of candidates (y >= lo) in the row's n_list listed blocks, the first CAP
-    of them (packs and x) compacted into its gather buffers by a running count (no atomics:
-    the selection passes count their own gather from 0); the listed blocks' K_b zeroed, for
-    the kept candidates to add to. A row past CAP stops reading at once."""
+           WCAP: tl.constexpr, FL: tl.constexpr, inv_w=0.0, J=0,
+           NH: tl.constexpr = 0):  # fmt: skip
+    """The number of candidates (y >= lo; with NH, in `lo_bin`s up to J only) in the row's
+    n_list listed blocks, the first CAP of them (packs and x) compacted into its gather
+    buffers by a running count (no atomics: the selection passes count their own gather
+    from 0); the listed blocks' K_b zeroed, for the kept candidates to add to. A row past
+    CAP stops reading at once."""
     n = tl.zeros([], dtype=tl.int32)
     e0 = tl.zeros([], dtype=tl.int32)
     while (e0 < n_list) & (n <= CAP):
         x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
         y = (x - m) * s
-        inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
+        inr = (y > float("-inf")) & (y >= lo)
+        if NH > 0:
+            inr = inr & (lo_bin(y, lo, inv_w, NH) <= J)
+        inr = tl.reshape(inr, [R * DB])
         at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
         put = inr & (at < CAP)
         tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)

@@ -4,17 +4,20 @@ after the stats pass (two launches in all).
 For a row with top-k on, lo = the k-th largest block max is a proven lower bound of its
 k-th largest value (the k blocks of the largest maxima hold a token at or above it each),
 so the tokens with y >= lo, in the blocks whose max reaches it, hold the whole top-k set
-and everything ahead of it in the row's order. Those candidates are gathered (a few more
-than k on a peaked or a randn row: about k + k ln(V / (k DB)) for randn), sorted by pack,
-and the cut of `short._cut` read off them: top-k's k-th pack, top-p on the top-k mass,
-min-p by value. Then the draw of `reference`, step 6, as every route ends: the candidate
-(the unfiltered two-level draw) where the kept set holds it, else the fallback draw over
-the kept set, whose block masses K_b the gathered tokens give. No further read of the row.
+and everything ahead of it in the row's order. Those candidates are gathered (on a peaked
+row a few more than k; on a flat one up to several times k), sorted by pack, and the cut
+of `short._cut` read off them: top-k's k-th pack, top-p on the top-k mass, min-p by value.
+Then the draw of `reference`, step 6, as every route ends: the candidate (the unfiltered
+two-level draw) where the kept set holds it, else the fallback draw over the kept set,
+whose block masses K_b the gathered tokens give. No further read of the row.
 
-A row past the gather cap (a flat row with a large k: the candidates above the k-th block
-max outnumber it), or one this variant does not serve (top-k off or past the cap under
-top-p, min-p: `SamplerVariant.TOP_K_TOP_P`), takes the exact search (`exact`): slower,
-bounded, the same token.
+Candidates past the gather cap (a flat row with a large k, or k past the row's live
+blocks, where lo is the row's lowest value) are narrowed by one more read: a histogram
+of them in 2 x gather_cap bins from the max down to lo, and only the bins up to the one
+that holds the k-th token are gathered again (a prefix of the row's order, k tokens at
+least). Where even that bin overflows (a run of ties at the k-th value), or for a row
+this variant does not serve (top-k off under top-p, min-p: `SamplerVariant.TOP_K_TOP_P`),
+the exact search (`exact`): slower, bounded, the same token.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from graphexec.sampling.triton.draw import (
 )
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
-from graphexec.sampling.triton.process import bias_ids, row_params
-from graphexec.sampling.triton.short import gather, resolve
+from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
+from graphexec.sampling.triton.short import gather, lo_bin, resolve
 from graphexec.sampling.triton.stats import row_blocks
 
 
@@ -52,6 +55,24 @@ def kth_largest(ym, live, k):
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
     return okey_to_float(lo.to(tl.int32))
+
+
+@triton.jit
+def prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, k, NBLK, R: tl.constexpr,
+                DB: tl.constexpr, NH: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """(inv_w, j) for a row whose candidates (y >= lo, lo < 0) overflow the gather: a
+    histogram of them over NH `lo_bin`s, j the first bin by which k have been counted (the
+    last bin if they are fewer). One more read of the listed blocks."""
+    inv_w = tl.minimum(NH / -lo, FLT_MAX)
+    h = tl.zeros([NH], dtype=tl.int32)
+    for e in range(0, n_list, R):
+        x, offs_unused, bid_unused = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL,
+                                               True)  # fmt: skip
+        y = (x - m) * s
+        inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
+        h += tl.histogram(tl.reshape(lo_bin(y, lo, inv_w, NH), [R * DB]), NH, mask=inr)
+    b = tl.arange(0, NH)
+    return inv_w, tl.min(tl.where(tl.cumsum(h, axis=0) >= k, b, NH - 1), axis=0)
 
 
 @triton.jit
@@ -78,6 +99,13 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
     tl.debug_barrier()  # the list, read back by every thread
     n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
     lomin = lo <= ymin
+    if (n > WCAP) & (top_k > 0) & (lo < 0.0):
+        # too many: narrow them to the prefix of bins that holds the k-th (one more read)
+        inv_w, j = prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, top_k, NBLK, R, DB,
+                               2 * WCAP, FL)  # fmt: skip
+        n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL, inv_w, j,
+                   2 * WCAP)  # fmt: skip
+        lomin = lomin & (j == 2 * WCAP - 1)
     resolved = tl.zeros([], dtype=tl.int1)
     cut = tl.zeros([], dtype=tl.int64)
     if n <= ST:  # the usual row: a short sort
