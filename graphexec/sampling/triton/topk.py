@@ -65,13 +65,17 @@ def prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, k, NBLK, R: tl.constexpr
     last bin if they are fewer). One more read of the listed blocks."""
     inv_w = tl.minimum(NH / -lo, FLT_MAX)
     h = tl.zeros([NH], dtype=tl.int32)
-    for e in range(0, n_list, R):
+    out = tl.zeros([], dtype=tl.int32)  # the others: counted into the last bin, then taken
+    for e in range(0, n_list, R):  # off (not every Triton's histogram takes a mask)
         x, offs_unused, bid_unused = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL,
                                                True)  # fmt: skip
         y = (x - m) * s
-        inr = tl.reshape((y > float("-inf")) & (y >= lo), [R * DB])
-        h += tl.histogram(tl.reshape(lo_bin(y, lo, inv_w, NH), [R * DB]), NH, mask=inr)
+        inr = (y > float("-inf")) & (y >= lo)
+        h += tl.histogram(tl.reshape(tl.where(inr, lo_bin(y, lo, inv_w, NH), NH - 1), [R * DB]),
+                          NH)  # fmt: skip
+        out += tl.sum(tl.sum((inr == 0).to(tl.int32), axis=1), axis=0)
     b = tl.arange(0, NH)
+    h = tl.where(b == NH - 1, h - out, h)
     return inv_w, tl.min(tl.where(tl.cumsum(h, axis=0) >= k, b, NH - 1), axis=0)
 
 
