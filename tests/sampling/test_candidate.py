@@ -114,14 +114,15 @@ def test_each_route_and_their_mixture_are_exact(row: torch.Tensor, case: Case) -
 # check_blocks: 0 = every candidate decided by the cut; 1 = the check pass for almost
 # every row (with the short route, or without: the short kernel then only plans the rows
 # the check pass did not keep); the presets' (the row tail for few blocks, the check pass
-# past them)
+# past them). Top-k first off: top-k rows take the candidate's routes too
+_NO_TKF = dict(draw_block=16, top_k_first=0)
 CHECKS = {
-    "cut_only": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=0),
-    "check_pass": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1),
-    "check_no_short": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1,
-                                                          short_blocks=0),  # fmt: skip
-    "tail": SamplerConfig.interpreter().replace(draw_block=16, check_blocks=1 << 12),
-    "gpu_preset": SamplerConfig.gpu().replace(draw_block=16, late_programs=GPU_LATE),
+    "cut_only": SamplerConfig.interpreter().replace(check_blocks=0, **_NO_TKF),
+    "check_pass": SamplerConfig.interpreter().replace(check_blocks=1, **_NO_TKF),
+    "check_no_short": SamplerConfig.interpreter().replace(check_blocks=1, short_blocks=0,
+                                                          **_NO_TKF),  # fmt: skip
+    "tail": SamplerConfig.interpreter().replace(check_blocks=1 << 12, **_NO_TKF),
+    "gpu_preset": SamplerConfig.gpu().replace(late_programs=GPU_LATE, **_NO_TKF),
 }
 EXACT = [P(top_p=0.8, temperature=0.9), P(top_k=7), P(min_p=0.15, temperature=1.2),
          P(top_p=0.95, temperature=1.5)]  # fmt: skip

@@ -60,7 +60,8 @@ def test_rows_past_the_bounds_take_the_selection() -> None:
     # top-p rows keep R_SELECT (randn3 rows: where theirs do); min-p alone (no candidates
     # to resolve) is still served (a gather cap past V: the selection resolves them in its
     # first round, from the gather buffer the short route wrote its candidates to)
-    cfg = CONFIGS["interp16_short"].replace(short_blocks=128, short_tokens=16, gather_cap=2048)
+    cfg = CONFIGS["interp16_short"].replace(short_blocks=128, short_tokens=16, gather_cap=2048,
+                                            top_k_first=0)  # (top-k rows: the short route)
     for shape in ("flat", "randn3"):
         both = run_both(params, logits_of(shape, B, V, seed=5), cfg)
         assert_same(both.ref, both.tri)
@@ -68,7 +69,7 @@ def test_rows_past_the_bounds_take_the_selection() -> None:
         assert shape != "flat" or int(R_SELECT) in both.routes
     # one listed block at most: peaked rows with more take the selection too
     few = run_both(params, logits_of("peaked", B, V, seed=5),
-                   CONFIGS["interp16_short"].replace(short_blocks=1))  # fmt: skip
+                   CONFIGS["interp16_short"].replace(short_blocks=1, top_k_first=0))  # fmt: skip
     assert_same(few.ref, few.tri)
     assert int(R_SELECT) in few.routes
 
@@ -80,3 +81,5 @@ def test_config_checks_name_the_field() -> None:
         SamplerConfig(short_tokens=2048, gather_cap=1024)
     with pytest.raises(ValueError, match="short_tokens"):
         SamplerConfig(short_tokens=48)
+    with pytest.raises(ValueError, match="top_k_first"):
+        SamplerConfig(top_k_first=-1)

@@ -15,8 +15,15 @@ from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_EXACT, Workspace  # noqa: E402
-from tests.sampling.triton_cases import CONFIGS, P, assert_same, extras, logits_of  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT, Workspace  # noqa: E402
+from tests.sampling.triton_cases import (  # noqa: E402
+    CONFIGS,
+    P,
+    assert_same,
+    extras,
+    logits_of,
+    run_both,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -141,3 +148,21 @@ def test_bad_rows_with_top_k() -> None:
     assert tri.valid.tolist() == [False, False, True, True, True, True]
     assert tri.token_ids[2].item() == 77 and tri.token_ids[3].item() in (5, 150)
     assert tri.token_ids[4].item() in (0, 1, 2)
+
+
+def test_the_default_tail_serves_top_k_rows_first() -> None:
+    """The default variant's row tail serves its top-k rows (k <= top_k_first) top-k first:
+    flat rows that took the selection passes end in the tail, with the same tokens; min-p
+    and top-p-only rows keep their routes."""
+    B, V = 8, 450
+    filters = [dict(top_k=5), dict(top_k=40, top_p=0.9), dict(top_k=3, min_p=0.05),
+               dict(top_p=0.9), dict(top_k=20, top_p=0.5), dict(min_p=0.05)]
+    params = _params(B, V, filters)
+    logits = logits_of("flat", B, V, seed=8)
+    on = run_both(params, logits, CONFIGS["interp16_short"])
+    off = run_both(params, logits, CONFIGS["interp16_short"].replace(top_k_first=0))
+    assert_same(on.ref, on.tri)
+    assert torch.equal(on.tri.token_ids, off.tri.token_ids)
+    top_k = [r for r, p in enumerate(params) if p.top_k > 0]
+    assert all(on.routes[r] == int(R_DONE) for r in top_k)
+    assert any(off.routes[r] != int(R_DONE) for r in top_k)  # the passes served them

@@ -17,8 +17,8 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 P = gx.SamplingParams
 # the interpreter preset with blocks of 16 tokens (a few hundred tokens make many blocks),
 # and the GPU preset as it runs on a GPU but for round 2's programs (GPU_LATE); the first two
-# with the short route and the candidate's early decision off, so that filtered rows reach
-# the selection passes the tests of those passes look at
+# with the short route, the candidate's early decision and top-k first off, so that
+# filtered rows reach the selection passes the tests of those passes look at
 # Round 2 launches late_programs programs (2,048 on the GPU preset) unless round 1's grid is
 # smaller: the interpreter pays about 2 ms for each, even one that leaves at once.
 # 128 still splits each of round 2's few rows over many programs (the same code path; the
@@ -26,9 +26,9 @@ P = gx.SamplingParams
 GPU_LATE = 128
 CONFIGS = {
     "interp16": SamplerConfig.interpreter().replace(
-        draw_block=16, short_blocks=0, check_blocks=0
+        draw_block=16, short_blocks=0, check_blocks=0, top_k_first=0
     ),  # fmt: skip
-    "gpu_preset": SamplerConfig.gpu().replace(short_blocks=0, check_blocks=0,
+    "gpu_preset": SamplerConfig.gpu().replace(short_blocks=0, check_blocks=0, top_k_first=0,
                                               late_programs=GPU_LATE),  # fmt: skip
     "interp16_short": SamplerConfig.interpreter().replace(draw_block=16),
     "gpu_short": SamplerConfig.gpu().replace(late_programs=GPU_LATE),

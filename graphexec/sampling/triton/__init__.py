@@ -34,8 +34,8 @@ worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
-| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, stats:_tail_kernel | 1 (2 for ties) | stats:_tail_kernel |
-| top-k first | top_k_top_p's filtered rows: the candidates (y >= the k-th largest block max) gathered from the blocks that reach it, sorted, cut; past gather_cap narrowed to the histogram bins that hold the k-th; a run of ties past it: the exact search | stats:_stats_kernel, topk:_topk_kernel | 1 + those blocks (at most 1 more), + 2 reads of them when narrowed; the exact search: + 31 | topk:topk_first |
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, tail:_tail_kernel | 1 (2 for ties) | tail:_tail_kernel |
+| top-k first | filtered rows with top-k on: top_k_top_p's, and default's up to top_k_first (the row tail): the candidates (y >= the k-th largest block max) gathered from the blocks that reach it, sorted, cut; past gather_cap narrowed to the histogram bins that hold the k-th; a run of ties past it: the exact search | stats:_stats_kernel, topk:_topk_kernel or tail:_tail_kernel | 1 + those blocks (at most 1 more), + 2 reads of them when narrowed; the exact search: + 31 | topk:topk_first |
 | candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + stats:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, stats:_check_kernel |
 | short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:_short_kernel |
 | cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |

@@ -46,6 +46,20 @@ def block_y(xm, m, s, has_inf):
 
 
 @triton.jit
+def row_blocks(W, row, s, NBLK, NBLK_P2: tl.constexpr):
+    """(xm, row max, whether it is +inf, m, ym, Q_b) of a row from its block stats: m the
+    max where finite (else 0), ym the block maxes of y, Q_b 0 in dead blocks."""
+    b = tl.arange(0, NBLK_P2)
+    xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"), cache_modifier=".cg")
+    mx = tl.max(xm, axis=0)
+    has_inf = mx == float("inf")
+    m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
+    ym = block_y(xm, m, s, has_inf)
+    q = tl.load(W.q + row * NBLK + b, mask=b < NBLK, other=0, cache_modifier=".cg")
+    return xm, mx, has_inf, m, ym, tl.where(ym > float("-inf"), q, 0)
+
+
+@triton.jit
 def bin_of(y, top, inv_w, NBINS: tl.constexpr):
     """j(y) in fine bins (FINE to a histogram bin): monotone (non-increasing) in y, since
     rounding is, so {j < J} is a prefix of the row's order; -1 above top; dead tokens land

@@ -20,7 +20,8 @@ from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
-from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel, _tail_kernel
+from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
+from graphexec.sampling.triton.tail import _tail_kernel
 from graphexec.sampling.triton.topk import _topk_kernel
 
 
@@ -67,7 +68,10 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search, **rows)
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
-                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks, **rows)  # fmt: skip
+                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
+                           TKF=cfg.top_k_first if filters else 0, ST=cfg.short_tokens,
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search,
+                           **rows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,

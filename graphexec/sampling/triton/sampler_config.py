@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphexec.params import TOP_K_FIRST_MAX
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.sampling.reference import DRAW_BLOCK
 
@@ -69,6 +70,9 @@ class SamplerConfig:
     check_blocks: most blocks the row tail reads to decide a candidate (more: the check
         pass). 0 decides no candidate early: every filtered row takes the cut's passes and
         its candidate is tested against the cut (for tests of them).
+    top_k_first: the largest top-k that the default variant's row tail serves top-k first,
+        as the top_k_top_p variant does every row (`topk`); 0: every top-k row takes the
+        candidate's check and the cut's passes (for tests of them).
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
@@ -91,6 +95,7 @@ class SamplerConfig:
     short_blocks: int = 128
     short_tokens: int = 128
     check_blocks: int = 16
+    top_k_first: int = TOP_K_FIRST_MAX
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
@@ -108,8 +113,9 @@ class SamplerConfig:
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
-        if self.check_blocks < 0:
-            raise ValueError(f"SamplerConfig.check_blocks must be >= 0, got {self.check_blocks}")
+        for name in ("check_blocks", "top_k_first"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "late_programs", "num_warps", "tail_warps"):

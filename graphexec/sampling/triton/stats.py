@@ -1,12 +1,12 @@
-"""The one full read of the logits, then the row tail and its check pass (the route map:
-the package docstring).
+"""The one full read of the logits, the plan of a filtered row's next passes, and the
+check pass (the route map: the package docstring).
 
 `_stats_kernel`: programs (row, slice) read their slice as [R, DB] tiles, one block per
 tile row, and store each block's stats from the processed x (`process.tile_x`): the
 `Workspace` fields xm, xn, Q_b and, with logprobs on, the raw block max and sum of exp. A
 block never straddles two programs and Q_b is an integer sum, so no split of the row
-changes a stat. `_tail_kernel` then serves a row or plans its next passes (`_plan`: a
-lower bound lo of its kept values and the list of the blocks that reach it);
+changes a stat. The row tail (`tail`) then serves a row or plans its next passes
+(`_plan`: a lower bound lo of its kept values and the list of the blocks that reach it);
 `_check_kernel` decides the candidates the tail left to it.
 """
 
@@ -17,10 +17,10 @@ import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide, decide_in_tail
-from graphexec.sampling.triton.draw import FLT_MAX, block_y, candidate_draw, greedy_token, ties_draw
+from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
+from graphexec.sampling.triton.draw import FLT_MAX, block_y
 from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
-from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, row_params, widen
+from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, widen
 
 
 @triton.jit
@@ -220,94 +220,6 @@ def _stats_kernel(
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
                      RAW_LP, FL, False, XN)  # fmt: skip
-
-
-@triton.jit
-def row_blocks(W, row, s, NBLK, NBLK_P2: tl.constexpr):
-    """(xm, row max, whether it is +inf, m, ym, Q_b) of a row from its block stats: m the
-    max where finite (else 0), ym the block maxes of y, Q_b 0 in dead blocks."""
-    b = tl.arange(0, NBLK_P2)
-    xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"), cache_modifier=".cg")
-    mx = tl.max(xm, axis=0)
-    has_inf = mx == float("inf")
-    m = tl.where((mx > float("-inf")) & (has_inf == 0), mx, 0.0)
-    ym = block_y(xm, m, s, has_inf)
-    q = tl.load(W.q + row * NBLK + b, mask=b < NBLK, other=0, cache_modifier=".cg")
-    return xm, mx, has_inf, m, ym, tl.where(ym > float("-inf"), q, 0)
-
-
-@triton.jit(do_not_specialize=["NBLK"])
-def _tail_kernel(
-    P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
-    NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
-    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
-    next passes (module docstring). Program 0 empties round 2's row list, which the finish
-    of round 1 fills."""
-    dependent_start(PDL)
-    row = tl.program_id(0)
-    if FILTERS:
-        if row == 0:
-            tl.store(W.refine, 0)
-    slot, greedy, s, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
-    b = tl.arange(0, NBLK_P2)
-    bm = b < NBLK
-    base = row * NBLK
-    xm, mx, has_inf, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
-    valid = mx > float("-inf")
-    tok = tl.full([], -1, tl.int32)
-    route = tl.zeros([], dtype=tl.int32)
-    if valid:
-        if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
-        else:
-            filt = tl.zeros([], dtype=tl.int1)
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
-            lnmp = tl.load(P.log_min_p + slot)
-            if FILTERS:
-                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
-            if filt:
-                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
-                e = tl.exp(ym.to(tl.float64))
-                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-                tl.store(W.total + row, total)
-                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
-                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
-                if ties:
-                    tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
-                                     NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                else:
-                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                    state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p,
-                                           lnmp, total, NBLK, NBLK_P2, DB, R, CB, FL)  # fmt: skip
-                    ri = W.rowi + row * cf.NUM_I
-                    tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
-                    if state == KEPT:
-                        tok = c
-                    else:
-                        fr = W.rowf + row * 8
-                        tl.store(fr + cf.F_YC, yc)
-                        if state == cf.R_CHECK:
-                            # the check pass's row scale (`_plan` stores it for the others)
-                            tl.store(fr + cf.F_M, m)
-                            tl.store(fr + cf.F_S, s)
-                            route = tl.full([], cf.R_CHECK, tl.int32)
-                        else:
-                            route = _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total,
-                                          NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
-            else:
-                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
-                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if route == cf.R_DONE:
-        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
-        tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(valid_ptr + row, valid)
 
 
 @triton.jit(do_not_specialize=["S", "NBLK"])

@@ -32,13 +32,13 @@ from graphexec.sampling.triton.draw import (
     candidate_draw,
     fallback_draw,
     greedy_token,
+    row_blocks,
     ties_draw,
 )
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
 from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
 from graphexec.sampling.triton.short import gather, lo_bin, resolve
-from graphexec.sampling.triton.stats import row_blocks
 
 
 @triton.jit
@@ -85,8 +85,9 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
                WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
                ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
                FL: tl.constexpr):  # fmt: skip
-    """The token of a filtered row whose live values are not all tied, its candidate
-    already stored (W.rowi's I_CAND, W.rowf's F_YC): module docstring."""
+    """(token, whether the exact search served it) of a filtered row whose live values
+    are not all tied, its candidate already stored (W.rowi's I_CAND, W.rowf's F_YC):
+    module docstring."""
     b = tl.arange(0, NBLK_P2)
     live = (b < NBLK) & (ym > float("-inf"))
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
@@ -121,15 +122,15 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
     if resolved:
         rd = (b < NBLK) & (ym >= lo)  # every kept token lies in a listed block
     else:
-        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.full([], cf.R_EXACT, tl.int64))
         cut = exact_cut(P, W, row, slot, ids, m, s, lo, top_k, top_p, lnmp, total, NBLK, ITA, ITB,
                         SB, DB, WAYS, FL)  # fmt: skip
         rd = b < NBLK
     tl.debug_barrier()  # the kept masses, read back by every thread
     kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
-    return fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
-                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
-                         FL)  # fmt: skip
+    tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
+                        1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
+                        FL)  # fmt: skip
+    return tok, resolved == 0
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -177,8 +178,11 @@ def _topk_kernel(
                 if filt:
                     tl.store(W.rowi + row * cf.NUM_I + cf.I_CAND, tok.to(tl.int64))
                     tl.store(W.rowf + row * 8 + cf.F_YC, yc)
-                    tok = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp,
-                                     total, seed, pos, NBLK, NBLK_P2, DB, R, ST, WCAP, INTERP,
-                                     ITA, ITB, SB, WAYS, FL)  # fmt: skip
+                    tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
+                                            lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,
+                                            WCAP, INTERP, ITA, ITB, SB, WAYS, FL)  # fmt: skip
+                    if exact:  # (for tests)
+                        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE,
+                                 tl.full([], cf.R_EXACT, tl.int64))  # fmt: skip
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(valid_ptr + row, valid)

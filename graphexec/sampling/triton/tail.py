@@ -1,0 +1,110 @@
+"""The row tail: after the stats pass, one program a row serves it or plans its next
+passes (the route map: the package docstring).
+
+`_tail_kernel` draws the rows that need nothing more (invalid, greedy, unfiltered, all
+tied) and each filtered row's candidate, then decides it: top-k first (`topk`) for a row
+whose top-k is on, at most `SamplerConfig.top_k_first`; otherwise the candidate's
+membership from the blocks that reach it (`candidate.decide_in_tail`), and where that
+does not settle the row, the plan of its next passes (`stats._plan`: a lower bound lo of
+its kept values and the list of the blocks that reach it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphexec.kernels.dependent_launch import dependent_start
+from graphexec.sampling.triton import sampler_config as cf
+from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
+from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
+from graphexec.sampling.triton.process import bias_ids, row_params
+from graphexec.sampling.triton.stats import _plan
+from graphexec.sampling.triton.topk import topk_first
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _tail_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
+    NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
+    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
+    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
+    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
+    WAYS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
+    next passes (module docstring). Program 0 empties round 2's row list, which the finish
+    of round 1 fills."""
+    dependent_start(PDL)
+    row = tl.program_id(0)
+    if FILTERS:
+        if row == 0:
+            tl.store(W.refine, 0)
+    slot, greedy, s, seed, pos = row_params(P, row)
+    ids = bias_ids(P, slot, NB_P2)
+    b = tl.arange(0, NBLK_P2)
+    bm = b < NBLK
+    base = row * NBLK
+    xm, mx, has_inf, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
+    valid = mx > float("-inf")
+    tok = tl.full([], -1, tl.int32)
+    route = tl.zeros([], dtype=tl.int32)
+    if valid:
+        if greedy:
+            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
+        else:
+            filt = tl.zeros([], dtype=tl.int1)
+            top_k = tl.load(P.top_k + slot)
+            top_p = tl.load(P.top_p + slot)
+            lnmp = tl.load(P.log_min_p + slot)
+            if FILTERS:
+                filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
+            if filt:
+                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
+                e = tl.exp(ym.to(tl.float64))
+                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                tl.store(W.total + row, total)
+                xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+                ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+                if ties:
+                    tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
+                                     NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                else:
+                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                    ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
+                    tl.store(fr + cf.F_YC, yc)
+                    first = tl.zeros([], dtype=tl.int1)
+                    if TKF > 0:
+                        first = (top_k > 0) & (top_k <= TKF)
+                    if first:  # top-k first (`topk`): the whole row here
+                        tl.store(ri + cf.I_CAND, c.to(tl.int64))
+                        tok, exact_unused = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k,
+                                                       top_p, lnmp, total, seed, pos, NBLK,
+                                                       NBLK_P2, DB, R, ST, WCAP, INTERP, ITA, ITB,
+                                                       SB, WAYS, FL)  # fmt: skip
+                    else:
+                        state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k,
+                                               top_p, lnmp, total, NBLK, NBLK_P2, DB, R, CB,
+                                               FL)  # fmt: skip
+                        tl.store(ri + cf.I_CAND, tl.where(state == OUT, -1, c).to(tl.int64))
+                        if state == KEPT:
+                            tok = c
+                        elif state == cf.R_CHECK:
+                            # the check pass's row scale (`_plan` stores it for the others)
+                            tl.store(fr + cf.F_M, m)
+                            tl.store(fr + cf.F_S, s)
+                            route = tl.full([], cf.R_CHECK, tl.int32)
+                        else:
+                            route = _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total,
+                                          NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+            else:
+                tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
+                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+    if route == cf.R_DONE:
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(valid_ptr + row, valid)
+
+
