@@ -10,12 +10,15 @@ ensure_interpreter()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
 from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT, Workspace  # noqa: E402
+from graphexec.sampling.triton.topk import kth_largest  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
     P,
@@ -166,3 +169,32 @@ def test_the_default_tail_serves_top_k_rows_first() -> None:
     top_k = [r for r, p in enumerate(params) if p.top_k > 0]
     assert all(on.routes[r] == int(R_DONE) for r in top_k)
     assert any(off.routes[r] != int(R_DONE) for r in top_k)  # the passes served them
+
+
+@triton.jit
+def _kth_kernel(Y, LIVE, K, OUT, N: tl.constexpr):
+    r = tl.program_id(0)
+    y = tl.load(Y + r * N + tl.arange(0, N))
+    live = tl.load(LIVE + r * N + tl.arange(0, N)) != 0
+    tl.store(OUT + r, kth_largest(y, live, tl.load(K + r)))
+
+
+def test_kth_largest_is_exact() -> None:
+    """The bound top-k first gathers from: the exact k-th largest live block max (a looser
+    one costs candidates, never a token), against torch's sort, with ties, negative
+    zeros, -inf (dead) and huge values."""
+    g = torch.Generator().manual_seed(5)
+    R, N = 24, 256
+    scale = torch.tensor([1e-3, 1.0, 50.0, 3e38]).repeat(6)[:, None]
+    y = -torch.rand(R, N, generator=g).pow(3) * scale
+    y[1, :100] = -0.5  # ties
+    y[2, ::2] = -0.0
+    live = torch.rand(R, N, generator=g) < 0.8
+    live[3] = False
+    live[3, 7] = True
+    k = torch.randint(1, 40, (R,), generator=g, dtype=torch.int32)
+    k = torch.minimum(k, live.sum(1).to(torch.int32))
+    out = torch.empty(R)
+    _kth_kernel[(R,)](y, live.to(torch.int32), k, out, N=N)
+    want = torch.stack([y[r][live[r]].sort(descending=True).values[k[r] - 1] for r in range(R)])
+    assert torch.equal(out, want)

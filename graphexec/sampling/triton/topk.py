@@ -43,18 +43,27 @@ from graphexec.sampling.triton.short import gather, lo_bin, resolve
 
 @triton.jit
 def kth_largest(ym, live, k):
-    """The k-th largest of the live values ym (k >= 1 of them at least), exactly: the
-    largest order key t with #(okey(ym) >= t) >= k, by bisection over the int32 keys."""
-    keys = tl.where(live, okey(ym), -2147483647).to(tl.int64)  # (int64: hi - lo + 1 fits)
-    lo = tl.min(keys, axis=0)
-    hi = tl.max(keys, axis=0)
-    for _it in range(32):
-        if lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-    return okey_to_float(lo.to(tl.int32))
+    """The k-th largest of the live values ym (k >= 1 of them at least), exactly: a radix
+    selection over their order keys (as unsigned: the sign bit flipped; dead ones 0), a
+    byte a step from the top, each step a 256-bin histogram of the keys that match the
+    bytes chosen so far."""
+    u = (tl.where(live, okey(ym), -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)
+    j = tl.arange(0, 256)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    rem = k.to(tl.int32)
+    for step in tl.static_range(4):
+        shift = 24 - 8 * step
+        match = u >= 0  # (every key, at the first byte)
+        if step > 0:
+            match = (u >> (shift + 8)) == (prefix >> (shift + 8))
+        d = ((u >> shift) & 0xFF).to(tl.int32)
+        h = tl.histogram(tl.where(match, d, 0), 256)  # the others counted into bin 0,
+        h = tl.where(j == 0, h - tl.sum((match == 0).to(tl.int32), axis=0), h)  # taken off
+        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this byte or above
+        top = tl.max(tl.where(ge >= rem, j, 0), axis=0)
+        rem -= tl.sum(tl.where(j == top, ge - h, 0), axis=0)
+        prefix = prefix | (top.to(tl.uint32) << shift)
+    return okey_to_float((prefix ^ 0x80000000).to(tl.int32, bitcast=True))
 
 
 @triton.jit
