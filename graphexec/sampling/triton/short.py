@@ -81,11 +81,15 @@ def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, D
     n_list listed blocks, the first CAP of them (packs and x) compacted into its gather
     buffers by a running count (no atomics: the selection passes count their own gather
     from 0); the listed blocks' K_b zeroed, for the kept candidates to add to. A row past
-    CAP stops reading at once."""
+    CAP stops reading at once. Each tile's loads are issued a step ahead of its use (one
+    program reads every listed block: its latency is the row's)."""
     n = tl.zeros([], dtype=tl.int32)
     e0 = tl.zeros([], dtype=tl.int32)
+    nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
     while (e0 < n_list) & (n <= CAP):
-        x, offs, bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+        x, offs, bid = nxt, nxt_offs, nxt_bid
+        nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0 + R, n_list, NBLK, R, DB, FL,
+                                           True)  # fmt: skip
         y = (x - m) * s
         inr = (y > float("-inf")) & (y >= lo)
         if NH > 0:

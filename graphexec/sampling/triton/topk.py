@@ -75,9 +75,12 @@ def prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, k, NBLK, R: tl.constexpr
     inv_w = tl.minimum(NH / -lo, FLT_MAX)
     h = tl.zeros([NH], dtype=tl.int32)
     out = tl.zeros([], dtype=tl.int32)  # the others: counted into the last bin, then taken
+    nxt, offs_unused, bid_unused = list_tile(P, W, row, slot, ids, 0, n_list, NBLK, R, DB, FL,
+                                             True)  # fmt: skip
     for e in range(0, n_list, R):  # off (not every Triton's histogram takes a mask)
-        x, offs_unused, bid_unused = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL,
-                                               True)  # fmt: skip
+        x = nxt  # (the next tile's loads issued before this one's use)
+        nxt, offs_unused, bid_unused = list_tile(P, W, row, slot, ids, e + R, n_list, NBLK, R, DB,
+                                                 FL, True)  # fmt: skip
         y = (x - m) * s
         inr = (y > float("-inf")) & (y >= lo)
         h += tl.histogram(tl.reshape(tl.where(inr, lo_bin(y, lo, inv_w, NH), NH - 1), [R * DB]),
