@@ -15,21 +15,29 @@ import triton.language as tl  # noqa: E402
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import processing, reference  # noqa: E402
 from graphexec.sampling.triton.keys import exp_ftz, mass_hi_lo  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
+    R_CUT,
+    R_DONE,
+    R_SELECT,
+    stats_tile,
+)
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-@pytest.mark.parametrize("programs,variant", [(1, "no_filter"), (3, "default"),
-                                              (64, "default")])  # fmt: skip
-def test_block_stats_equal_the_reference(programs: int, variant: str) -> None:
-    """(The block minima are written for the filtered variants only.)"""
+@pytest.mark.parametrize("programs,variant,stats_programs",
+                         [(1, "no_filter", 1), (3, "default", 1), (64, "default", 1),
+                          (3, "top_k_top_p", 4096)])  # fmt: skip
+def test_block_stats_equal_the_reference(programs: int, variant: str, stats_programs: int) -> None:
+    """(The block minima are written for the filtered variants only.) stats_programs
+    4,096: the stats pass's tiles halved to 2 blocks (`stats_tile`)."""
     B, V, cfg = 6, 700, CONFIGS["interp16"]
     logits = logits_of("mixed", B, V, seed=1)
     params = [P(seed=i, temperature=0.4 + 0.3 * i) for i in range(B)]
-    both = run_both(params, logits, cfg.replace(programs=programs),
-                    variant=SamplerVariant(variant))  # fmt: skip
+    cfg = cfg.replace(programs=programs, stats_programs=stats_programs)
+    assert stats_tile(cfg, B, 44) == (2 if stats_programs > 1 else cfg.tile_blocks)
+    both = run_both(params, logits, cfg, variant=SamplerVariant(variant))
     x = processing.collapse_inf(processing.process_logits(logits, torch.arange(B), both.table))
     s = reference.effective_inv_t(torch.arange(B), both.table)
     xm, q = reference.block_stats(x, s, cfg.draw_block)
@@ -47,7 +55,7 @@ def test_block_stats_equal_the_reference(programs: int, variant: str) -> None:
     fin = torch.where(torch.isfinite(x), x, float("inf"))
     xn = torch.nn.functional.pad(fin, (0, -V % cfg.draw_block), value=float("inf"))
     xn = xn.view(B, -1, cfg.draw_block).min(-1).values
-    if variant == "default":
+    if variant != "no_filter":
         assert torch.equal(both.ws.xn[plain], xn[plain])
     assert_same(both.ref, both.tri)
 

@@ -17,7 +17,7 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
-from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split
+from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split, stats_tile
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
@@ -46,9 +46,10 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
-    S = split(cfg.programs, r, B, nblk)
+    rs = stats_tile(cfg, B, nblk)
+    S = split(cfg.programs, rs, B, nblk)
     S2 = split(cfg.late_programs, r, B, nblk)
-    per = triton.cdiv(triton.cdiv(nblk, r), S) * r
+    per = triton.cdiv(triton.cdiv(nblk, rs), S) * rs
     filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
@@ -58,7 +59,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
-    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=r,
+    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
                             num_warps=cfg.num_warps, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,

@@ -58,6 +58,9 @@ class SamplerConfig:
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
     programs: stats-pass programs to aim for over the batch (rows x slices).
+    stats_programs: at a batch whose tiles number fewer, the stats pass halves its tile
+        (down to 2 blocks) until they do (`stats_tile`): one program per 8-block tile of a
+        single row leaves part of the device idle and each program's chain long.
     late_programs: the same for the passes that walk a row's block list (check, select, kept:
         dependent loads, so a flat row needs many); round 2's in all (at most round 1's B x S).
     bins: histogram bins of the selection pass.
@@ -87,6 +90,7 @@ class SamplerConfig:
     draw_block: int = DRAW_BLOCK
     tile_blocks: int = 8
     programs: int = 4096
+    stats_programs: int = 256
     late_programs: int = 2048
     bins: int = 512
     gather_cap: int = 1024
@@ -118,7 +122,7 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "late_programs", "num_warps", "tail_warps"):
+        for name in ("programs", "stats_programs", "late_programs", "num_warps", "tail_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -130,9 +134,9 @@ class SamplerConfig:
     def interpreter(cls) -> SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
-        return cls(programs=16, late_programs=16, gather_cap=256, bins=128, search_blocks=4,
-                   short_blocks=8, short_tokens=64, check_blocks=8, logprobs_cap=64, num_warps=4,
-                   tail_warps=4)  # fmt: skip
+        return cls(programs=16, stats_programs=1, late_programs=16, gather_cap=256, bins=128,
+                   search_blocks=4, short_blocks=8, short_tokens=64, check_blocks=8,
+                   logprobs_cap=64, num_warps=4, tail_warps=4)  # fmt: skip
 
     @classmethod
     def default(cls) -> SamplerConfig:
@@ -140,6 +144,15 @@ class SamplerConfig:
 
     def replace(self, **kw) -> SamplerConfig:
         return dataclasses.replace(self, **kw)
+
+
+def stats_tile(config: SamplerConfig, B: int, nblk: int) -> int:
+    """Blocks per tile of the stats pass: tile_blocks, halved (down to 2) while the batch's
+    tiles number fewer than stats_programs. No tile size changes a result."""
+    r = config.tile_blocks
+    while r > 2 and B * triton.cdiv(nblk, r) < config.stats_programs:
+        r //= 2
+    return r
 
 
 def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
