@@ -21,8 +21,7 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, s
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
-from graphexec.sampling.triton.tail import _tail_kernel
-from graphexec.sampling.triton.topk import _topk_kernel
+from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -65,8 +64,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                   ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
-        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=r, ST=cfg.short_tokens,
-                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search, **rows)
+        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
+                           ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                           INTERP=interpreter_enabled(), **search, **rows)  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,

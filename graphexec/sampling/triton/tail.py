@@ -1,12 +1,13 @@
 """The row tail: after the stats pass, one program a row serves it or plans its next
 passes (the route map: the package docstring).
 
-`_tail_kernel` draws the rows that need nothing more (invalid, greedy, unfiltered, all
-tied) and each filtered row's candidate, then decides it: top-k first (`topk`) for a row
-whose top-k is on, at most `SamplerConfig.top_k_first`; otherwise the candidate's
-membership from the blocks that reach it (`candidate.decide_in_tail`), and where that
-does not settle the row, the plan of its next passes (`stats._plan`: a lower bound lo of
-its kept values and the list of the blocks that reach it).
+`tail_row` draws the rows that need nothing more (invalid, greedy, unfiltered, all tied)
+and each filtered row's candidate, then decides it: top-k first (`topk`) for a row whose
+top-k is on, at most `SamplerConfig.top_k_first`; otherwise the candidate's membership
+from the blocks that reach it (`candidate.decide_in_tail`), and where that does not settle
+the row, the plan of its next passes (`stats._plan`: a lower bound lo of its kept values
+and the list of the blocks that reach it). Two kernels run it: `_tail_kernel` (no_filter,
+default) and `_topk_kernel` (top_k_top_p: every filtered row top-k first, nothing after).
 """
 
 from __future__ import annotations
@@ -23,24 +24,15 @@ from graphexec.sampling.triton.stats import _plan
 from graphexec.sampling.triton.topk import topk_first
 
 
-@triton.jit(do_not_specialize=["NBLK"])
-def _tail_kernel(
-    P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
-    NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
-    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
-    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B,): the row tail of row b serves it, or decides its candidate and plans its
-    next passes (module docstring). Program 0 empties round 2's row list, which the finish
-    of round 1 fills."""
-    dependent_start(PDL)
-    row = tl.program_id(0)
-    if FILTERS:
-        if row == 0:
-            tl.store(W.refine, 0)
+@triton.jit
+def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: tl.constexpr,
+             NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+             FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
+             ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
+             ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+    """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
+    its filters (no later pass runs: a row past the route is served by the exact search),
+    and R_EXACT marks the rows the exact search served (for tests)."""
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     b = tl.arange(0, NBLK_P2)
@@ -76,14 +68,17 @@ def _tail_kernel(
                     ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
                     tl.store(fr + cf.F_YC, yc)
                     first = tl.zeros([], dtype=tl.int1)
-                    if TKF > 0:
+                    if EVERY:
+                        first = tl.full([], 1, tl.int1)
+                    elif TKF > 0:
                         first = (top_k > 0) & (top_k <= TKF)
                     if first:  # top-k first (`topk`): the whole row here
                         tl.store(ri + cf.I_CAND, c.to(tl.int64))
-                        tok, exact_unused = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k,
-                                                       top_p, lnmp, total, seed, pos, NBLK,
-                                                       NBLK_P2, DB, R, ST, WCAP, INTERP, ITA, ITB,
-                                                       SB, WAYS, FL)  # fmt: skip
+                        tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
+                                                lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,
+                                                WCAP, INTERP, ITA, ITB, SB, WAYS, FL)  # fmt: skip
+                        if EVERY:
+                            route = tl.where(exact, cf.R_EXACT, route)
                     else:
                         state = decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k,
                                                top_p, lnmp, total, NBLK, NBLK_P2, DB, R, CB,
@@ -102,9 +97,46 @@ def _tail_kernel(
             else:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
                                                pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if route == cf.R_DONE:
-        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
+    if (route == cf.R_DONE) | (route == cf.R_EXACT):
+        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, route.to(tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _tail_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
+    NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
+    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
+    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
+    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
+    WAYS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
+    candidate and plans its next passes (module docstring). Program 0 empties round 2's row
+    list, which the finish of round 1 fills."""
+    dependent_start(PDL)
+    if FILTERS:
+        if tl.program_id(0) == 0:
+            tl.store(W.refine, 0)
+    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, False, NB_P2, NBLK_P2,
+             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["NBLK"])
+def _topk_kernel(
+    P, W,
+    tok_ptr, valid_ptr,  # [B] i64 / bool out: every row's token and validity
+    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+    FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
+    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
+    WAYS: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B,) (top_k_top_p: the last launch): the row tail with every filtered row top-k
+    first, so that row b is served whole."""
+    dependent_start(PDL)
+    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, True, NB_P2, NBLK_P2, DB,
+             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS)  # fmt: skip
 
 

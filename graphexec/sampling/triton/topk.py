@@ -1,5 +1,6 @@
-"""The top_k_top_p variant's row kernel: top-k first, the whole row served in the launch
-after the stats pass (two launches in all).
+"""Top-k first: a filtered row with top-k on served whole by one program after the stats
+pass (the row tail, `tail`: every filtered row of the top_k_top_p variant, which is then
+two launches in all; the default variant's up to `SamplerConfig.top_k_first`).
 
 For a row with top-k on, lo = the k-th largest block max is a proven lower bound of its
 k-th largest value (the k blocks of the largest maxima hold a token at or above it each),
@@ -25,19 +26,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.kernels.dependent_launch import dependent_start
-from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import (
     FLT_MAX,
-    candidate_draw,
     fallback_draw,
-    greedy_token,
-    row_blocks,
-    ties_draw,
 )
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
-from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
+from graphexec.sampling.triton.process import list_tile
 from graphexec.sampling.triton.short import gather, lo_bin, resolve
 
 
@@ -143,58 +138,3 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
                         FL)  # fmt: skip
     return tok, resolved == 0
-
-
-@triton.jit(do_not_specialize=["NBLK"])
-def _topk_kernel(
-    P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: every row's token and validity
-    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
-    ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
-    ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr, FL: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B,): program b serves row b whole from its block stats (module docstring):
-    greedy, unfiltered and all-tied rows as the row tail serves them, filtered rows top-k
-    first."""
-    dependent_start(PDL)
-    row = tl.program_id(0)
-    slot, greedy, s, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
-    xm, mx, has_inf, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
-    valid = mx > float("-inf")
-    tok = tl.full([], -1, tl.int32)
-    # R_DONE, or R_EXACT where the exact search served the row (for tests)
-    tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
-    if valid:
-        if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
-        else:
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
-            lnmp = tl.load(P.log_min_p + slot)
-            b = tl.arange(0, NBLK_P2)
-            xn = tl.load(W.xn + row * NBLK + b, mask=b < NBLK, other=float("inf"),
-                         cache_modifier=".cg")  # fmt: skip
-            # the row's mass from its block stats: the top-p total of rows with top-k off
-            e = tl.exp(ym.to(tl.float64))
-            total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
-            filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
-            ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
-            if filt & ties:
-                tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
-                                NBLK, NBLK_P2, DB, FL)  # fmt: skip
-            else:
-                tok, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos,
-                                         NBLK, NBLK_P2, DB, FL)  # fmt: skip
-                if filt:
-                    tl.store(W.rowi + row * cf.NUM_I + cf.I_CAND, tok.to(tl.int64))
-                    tl.store(W.rowf + row * 8 + cf.F_YC, yc)
-                    tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
-                                            lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,
-                                            WCAP, INTERP, ITA, ITB, SB, WAYS, FL)  # fmt: skip
-                    if exact:  # (for tests)
-                        tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE,
-                                 tl.full([], cf.R_EXACT, tl.int64))  # fmt: skip
-    tl.store(tok_ptr + row, tok.to(tl.int64))
-    tl.store(valid_ptr + row, valid)
