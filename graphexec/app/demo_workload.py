@@ -5,7 +5,8 @@ On a GPU the demo runs the full workload (24 mixed requests or one per chat ques
 batch 64, both speculative runs). On the CPU a step costs far more (the sampler over a
 100k vocabulary, a real model's forward), so the plan is proportionate: 8 mixed
 requests of 6-16 tokens at batch 8 for TinyLM, and for a checkpoint 3 chat questions
-(greedy and top-p answers of at most 64 tokens, and JSON, until it closes) at batch 2.
+(greedy and top-k / top-p answers of at most 64 tokens, and JSON, until it closes) at
+batch 2.
 Explicit flags override the plan.
 """
 
@@ -35,8 +36,8 @@ CHATS = [
      gx.SamplingParams(temperature=0.0, max_tokens=32)),
     ("greedy", "Rewrite this sentence in the past tense: The cat sits on the mat and "
      "watches the birds in the garden.", gx.SamplingParams(temperature=0.0, max_tokens=40)),
-    ("top-p 0.9", "Write a haiku about the ocean.",
-     gx.SamplingParams(temperature=0.7, top_p=0.9, max_tokens=40)),
+    ("top-k top-p", "Write a haiku about the ocean.",
+     gx.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, max_tokens=40)),
     ("greedy", "Give me three tips for staying focused while studying.",
      gx.SamplingParams(temperature=0.0, max_tokens=64)),
     ("json schema", "Alice is 30 years old and lives in Paris. Give her name, age and city "
@@ -45,7 +46,7 @@ CHATS = [
 ]  # fmt: skip
 
 
-# the CPU's chat questions for a checkpoint (indices into CHATS): greedy, top-p, JSON
+# the CPU's chat questions for a checkpoint (indices into CHATS): greedy, top-k / top-p, JSON
 CPU_CHATS = (0, 2, 4)
 CPU_CHAT_MAX_TOKENS = 64
 SPECULATIVE = ("all", "ngram", "draft", "none")
