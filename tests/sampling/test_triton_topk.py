@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from graphexec.params import SamplerVariant  # noqa: E402
+from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import launch  # noqa: E402
@@ -222,3 +222,17 @@ def test_random_rows_give_defaults_tokens(V, seed, scale, ks, ps, dead, tie) -> 
     cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=32)
     ref, tri, ws_unused = _run(params, x, cfg)
     assert_same(ref, tri)
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked", "randn3"])
+def test_the_gpu_preset_at_a_real_vocabulary(shape: str) -> None:
+    """The GPU preset's tiles, sorts (short_tokens, gather_cap) and narrowing bins at
+    V = 151,936 (1,187 blocks of 128), k up to TOP_K_FIRST_MAX: default's tokens, and no
+    row needs the exact search."""
+    V = 151936
+    params = [P(seed=i, top_k=k, top_p=p, temperature=t) for i, (k, p, t) in
+              enumerate([(TOP_K_FIRST_MAX, 0.9, 1.0), (200, 1.0, 0.7), (50, 0.5, 1.5),
+                          (1, 0.95, 0.9)])]  # fmt: skip
+    ref, tri, ws = _run(params, logits_of(shape, 4, V, seed=2), CONFIGS["gpu_short"])
+    assert_same(ref, tri)
+    assert int(R_EXACT) not in ws.rowi[:, 0].tolist()
