@@ -44,8 +44,9 @@ def _params(B: int, V: int, filters=FILTERS) -> list:
             for i in range(B)]  # fmt: skip
 
 
-def _run(params, logits, config, bitmask=None, counts=None, prompt=None, num_top=None):
-    """(the reference's default output, the Triton top_k_top_p output, its workspace)."""
+def _run(params, logits, config, bitmask=None, counts=None, prompt=None, num_top=None,
+         variant=TOPK):  # fmt: skip
+    """(the reference's default output, the Triton output of `variant`, its workspace)."""
     B, V = logits.shape
     table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
     slots, pos = torch.arange(B), torch.arange(B) * 7 + 3
@@ -54,7 +55,7 @@ def _run(params, logits, config, bitmask=None, counts=None, prompt=None, num_top
     reference.sample(logits, slots, pos, table, ref, bitmask, SamplerVariant.DEFAULT,
                      draw_block=config.draw_block)  # fmt: skip
     ws = Workspace.allocate(B, V, "cpu", config, num_top is not None)
-    launch.sample(logits, slots, pos, table, tri, bitmask, TOPK, config=config, workspace=ws)
+    launch.sample(logits, slots, pos, table, tri, bitmask, variant, config=config, workspace=ws)
     return ref, tri, ws
 
 
@@ -224,15 +225,17 @@ def test_random_rows_give_defaults_tokens(V, seed, scale, ks, ps, dead, tie) -> 
     assert_same(ref, tri)
 
 
+@pytest.mark.parametrize("variant", [TOPK, SamplerVariant.DEFAULT])
 @pytest.mark.parametrize("shape", ["flat", "peaked", "randn3"])
-def test_the_gpu_preset_at_a_real_vocabulary(shape: str) -> None:
+def test_the_gpu_preset_at_a_real_vocabulary(shape: str, variant: SamplerVariant) -> None:
     """The GPU preset's tiles, sorts (short_tokens, gather_cap) and narrowing bins at
-    V = 151,936 (1,187 blocks of 128), k up to TOP_K_FIRST_MAX: default's tokens, and no
-    row needs the exact search."""
+    V = 151,936 (1,187 blocks of 128), k up to TOP_K_FIRST_MAX, in top_k_top_p's kernel and
+    default's tail: default's tokens, and no row needs the exact search."""
     V = 151936
     params = [P(seed=i, top_k=k, top_p=p, temperature=t) for i, (k, p, t) in
               enumerate([(TOP_K_FIRST_MAX, 0.9, 1.0), (200, 1.0, 0.7), (50, 0.5, 1.5),
                           (1, 0.95, 0.9)])]  # fmt: skip
-    ref, tri, ws = _run(params, logits_of(shape, 4, V, seed=2), CONFIGS["gpu_short"])
+    ref, tri, ws = _run(params, logits_of(shape, 4, V, seed=2), CONFIGS["gpu_short"],
+                        variant=variant)  # fmt: skip
     assert_same(ref, tri)
-    assert int(R_EXACT) not in ws.rowi[:, 0].tolist()
+    assert ws.rowi[:, 0].tolist() == [int(R_DONE)] * 4
