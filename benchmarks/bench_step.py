@@ -215,13 +215,15 @@ def run_prefill(args) -> tuple[str, dict]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", choices=("steady", "churn", "all", "prefill", "cpu",
-                                           "profile"),
+                                           "profile", "spec"),
                     default="steady", help="steady: the step at fixed batches (default); "
                     "churn: the server loop with arrivals (added to the day's JSON); all: "
                     "both; prefill: running streams' worst gap while long prompts arrive "
                     "(TinyLM or --model); cpu: the CPU route against transformers "
                     "(--model smollm2|PATH); profile: the replayed forward of --model "
-                    "kernel by kernel against the weight-read floor")  # fmt: skip
+                    "kernel by kernel against the weight-read floor; spec: --model's "
+                    "speculative step alone, printed (for A/B runs: nothing is "
+                    "written)")  # fmt: skip
     ap.add_argument("--prefill-budgets", type=int, nargs="+", default=[256, 1024, 4096],
                     help="prefill scenario: the budgets compared")  # fmt: skip
     ap.add_argument("--prefill-streams", type=int, default=32,
@@ -376,6 +378,11 @@ def main(argv: list[str] | None = None) -> None:
                                         step_model.DTYPES)  # fmt: skip
         print(f"wrote {path}")
         print(step_profile.markdown(result))
+        return
+    if args.scenario == "spec":
+        if args.model is None:
+            raise SystemExit("--scenario spec needs --model CONFIG|PATH")
+        step_model.run_spec_only(args)
         return
     if args.scenario == "prefill":
         path, result = run_prefill(args)

@@ -275,6 +275,16 @@ def load(cfg: dict, folder: Path | None, device: str, dtype: torch.dtype, max_se
     return model, state
 
 
+def run_spec_only(args) -> list[dict]:
+    """The speculative step alone (`run_spec`) at the --batches up to --spec-max-batch, its
+    rows printed: the same measure as the model scenario's spec rows, for A/B runs."""
+    name, cfg, folder = resolve(args.model)
+    model, _ = load(cfg, folder, args.device, DTYPES[args.dtype], args.max_seq_len, args.seed)
+    batches = [b for b in args.batches if b <= args.spec_max_batch]
+    print(f"{name}: the speculative step (K = 3, n-gram) at B = {batches}", flush=True)
+    return run_spec(args, model, batches)
+
+
 def run(args, measure, header: dict) -> tuple[str, dict]:
     """The model scenario: our rows, then transformers' (written after each), the targets.
     Returns the JSON's path and the result."""

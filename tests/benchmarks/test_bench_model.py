@@ -343,3 +343,19 @@ def test_measure_waits_until_every_request_decodes() -> None:
     r = bench_step.measure(ex, 24, lambda i: gx.SamplingParams(temperature=0.0, seed=i), 2,
                            "eager", prompts)  # fmt: skip
     assert r["wall_us"] > 0 and ex.idle
+
+
+def test_spec_scenario_prints_the_speculative_step_alone(tmp_path, capsys, one_thread):
+    """--scenario spec: the model scenario's speculative rows alone (every draft accepted),
+    printed, nothing written."""
+    p = tmp_path / "tiny-qwen.json"
+    p.write_text(json.dumps(config("qwen2.5-0.5b", **TINY)))
+    with pytest.raises(SystemExit, match="--model"):
+        bench_step.main(["--scenario", "spec", "--device", "cpu"])
+    bench_step.main(["--scenario", "spec", "--device", "cpu", "--model", str(p), "--batches",
+                     "1", "2", "64", "--steps", "3", "--max-seq-len", "96", "--out",
+                     str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "tiny-qwen: the speculative step (K = 3, n-gram) at B = [1, 2]" in out
+    assert "spec   B=   1 K=3" in out and "spec   B=   2 K=3" in out and "B=  64" not in out
+    assert [x.name for x in tmp_path.iterdir()] == ["tiny-qwen.json"]  # nothing written
