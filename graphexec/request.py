@@ -50,8 +50,7 @@ class RequestOutput:
         "error" (see `message`).
     seed: the request's seed (drawn at admission when the params had none), so any stream
         can be replayed.
-    key: the graph key of the step that drew the token (the graph that served its chunk:
-        on Triton and torch a top_k_top_p chunk is drawn by default's, `engine.variants`);
+    key: the graph key of the step that drew the token (the graph that served its chunk);
         None for ends without a token.
     text: the text this token adds to the output (when the executor has a tokenizer and
         detokenises): never a partial UTF-8 character; held back while it could still be

@@ -257,8 +257,8 @@ def key_workload(key: GraphKey, buckets: tuple[int, ...], steps: int, seed: int 
     for r in range(n):
         if key.variant is SV.NO_FILTER:
             p = P(temperature=0.0 if r % 3 == 1 else 0.8, presence_penalty=0.3 * (r % 2))
-        elif key.variant is SV.TOP_K_TOP_P:
-            p = P(temperature=0.9, top_k=40 if r % 2 == 0 else -1, top_p=0.9)
+        elif key.variant is SV.TOP_K_TOP_P:  # top-k on, at most 512 (top-p alone: default)
+            p = P(temperature=0.9, top_k=40 if r % 2 == 0 else 300, top_p=0.9 if r % 2 else 1.0)
         else:
             p = P(temperature=1.0, min_p=0.05 if r == 0 else 0.0, top_k=20 * (r % 2))
         lp = 5 if key.logprobs and r == 0 else None

@@ -56,3 +56,22 @@ def test_inspect_without_a_model_takes_the_demos_and_says_which(monkeypatch, cap
     inspection.build(args)
     assert asked == [("cpu", "auto")] and torch.device("cpu").type == "cpu"
     assert "Inspecting TableModel on cpu (float32), max batch size 2." in capsys.readouterr().out
+
+
+def test_each_keys_workload_calls_for_exactly_that_key() -> None:
+    """`workload.key_workload` (what the determinism check and the GPU tests replay per
+    key): its rows choose exactly the key's variant and logprobs, and fill a batch that
+    only the key's bucket serves."""
+    import graphexec as gx
+    from graphexec.app import workload as wl
+    from graphexec.engine.graphs import plan_step
+    from graphexec.request import GraphKey
+
+    buckets = (1, 2, 4, 8)
+    for v in gx.SamplerVariant:
+        for b in buckets:
+            for lp in (False, True):
+                key = GraphKey(v, b, lp)
+                items = wl.key_workload(key, buckets, steps=3)
+                assert plan_step([it.params for it in items], buckets) == [
+                    (key, slice(0, len(items)))]  # fmt: skip
