@@ -42,7 +42,8 @@ def kth_largest(ym, live, k):
     u = (tl.where(live, okey(ym), -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)
     j = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.uint32)
-    rem = k.to(tl.int32)
+    rem = k.to(tl.int32)  # the rank sought among the keys that match the prefix
+    cnt = tl.full([], u.shape[0], tl.int32)  # those keys
     for step in tl.static_range(4):
         shift = 24 - 8 * step
         match = u >= 0  # (every key, at the first byte)
@@ -50,10 +51,14 @@ def kth_largest(ym, live, k):
             match = (u >> (shift + 8)) == (prefix >> (shift + 8))
         d = ((u >> shift) & 0xFF).to(tl.int32)
         h = tl.histogram(tl.where(match, d, 0), 256)  # the others counted into bin 0,
-        h = tl.where(j == 0, h - tl.sum((match == 0).to(tl.int32), axis=0), h)  # taken off
-        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this byte or above
-        top = tl.max(tl.where(ge >= rem, j, 0), axis=0)
-        rem -= tl.sum(tl.where(j == top, ge - h, 0), axis=0)
+        h = tl.where(j == 0, h - (u.shape[0] - cnt), h)  # then taken off
+        cum = tl.cumsum(h, axis=0)
+        # the largest byte with at least rem matching keys at or above it
+        top = tl.max(tl.where(cnt - cum + h >= rem, j, 0), axis=0)
+        # its count and the keys up to it, from one sum (both below 2**31)
+        both = tl.sum(tl.where(j == top, (cum.to(tl.int64) << 32) | h.to(tl.int64), 0), axis=0)
+        rem -= cnt - (both >> 32).to(tl.int32)  # less the keys above byte `top`
+        cnt = (both & 0xFFFFFFFF).to(tl.int32)
         prefix = prefix | (top.to(tl.uint32) << shift)
     return okey_to_float((prefix ^ 0x80000000).to(tl.int32, bitcast=True))
 
