@@ -240,3 +240,16 @@ def test_the_gpu_preset_at_a_real_vocabulary(shape: str, variant: SamplerVariant
                         variant=variant)  # fmt: skip
     assert_same(ref, tri)
     assert ws.rowi[:, 0].tolist() == [int(R_DONE)] * 4
+
+
+def test_a_short_sort_wider_than_the_gather_buffer_is_capped() -> None:
+    """short_tokens may pass gather_cap where the short route is off (its check applies
+    only then): top-k first's short sort stays within the gather buffer (it read past a
+    row's buffer: a crash under the interpreter, found by fuzzing)."""
+    cfg = CONFIGS["interp16"].replace(gather_cap=16, bins=16)
+    assert cfg.short_tokens > cfg.gather_cap and cfg.short_blocks == 0
+    x = torch.randn(2, 80, generator=torch.Generator().manual_seed(1))
+    params = [P(seed=1, top_k=50, top_p=0.99), P(seed=2, top_k=11, top_p=0.9)]
+    for variant in (TOPK, SamplerVariant.DEFAULT):
+        ref, tri, ws_unused = _run(params, x, cfg.replace(top_k_first=512), variant=variant)
+        assert_same(ref, tri)

@@ -63,14 +63,17 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     bits = int(math.log2(cfg.search_ways))
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                   ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip
+    # top-k first's short sort, within the gather buffer (short_tokens may pass gather_cap
+    # where the short route is off)
+    tkst = min(cfg.short_tokens, cfg.gather_cap)
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
-        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
-                           ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r, ST=tkst,
+                           WCAP=cfg.gather_cap,
                            INTERP=interpreter_enabled(), **search, **rows)  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
-                           TKF=cfg.top_k_first if filters else 0, ST=cfg.short_tokens,
+                           TKF=cfg.top_k_first if filters else 0, ST=tkst,
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search,
                            **rows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
