@@ -46,6 +46,7 @@ from graphexec.sampling.reference import (
     MASS_SCALE,
     effective_inv_t,
     first_argmax,
+    order_key,
     plain_rows,
     process_logits,
     row_gumbel_stream,
@@ -69,12 +70,6 @@ def gumbel_range(seed: torch.Tensor, pos: torch.Tensor, lo: int, hi: int,
     bits = bits[:, lo - 4 * g0 : lo - 4 * g0 + hi - lo]
     u = ((bits >> 8) | 1).to(torch.float32) * 2.0**-24
     return -torch.log(-torch.log(u))
-
-
-def order_key(y: torch.Tensor) -> torch.Tensor:
-    """int64 in [0, 2**32) ordered as the float32 values (-0.0 read as +0.0)."""
-    u = (y + 0.0).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(u >= 2**31, 0xFFFFFFFF - u, u + 2**31)
 
 
 def key_value(key: torch.Tensor) -> torch.Tensor:

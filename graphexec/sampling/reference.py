@@ -106,18 +106,21 @@ def filter_mask(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
     return torch.zeros_like(kept).scatter(1, si, kept)
 
 
+def order_key(y: torch.Tensor) -> torch.Tensor:
+    """int64 in [0, 2**32) ordered as the float32 values (-0.0 read as +0.0)."""
+    u = (y + 0.0).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(u >= 2**31, 0xFFFFFFFF - u, u + 2**31)
+
+
 def filter_top_k_first(x: torch.Tensor, slot_ids: torch.Tensor, table: SamplingTensors,
                        k_max: int = TOP_K_FIRST_MAX) -> torch.Tensor:  # fmt: skip
     """`filter_mask` of rows whose top-k is on, at most k_max (`SamplerVariant.TOP_K_TOP_P`),
     from the first k_max tokens of each row's order alone (a top-k of the order keys, no
     sort of the row). Rows with top-k off must have no active filter."""
-    V = x.shape[1]
-    b = x.contiguous().view(torch.int32)
-    okey = torch.where(b >= 0, b, b ^ 0x7FFFFFFF).to(torch.int64)
-    okey = torch.where(x == 0.0, 0, okey)  # -0.0 and +0.0 share a key
-    ids = torch.arange(V, device=x.device, dtype=torch.int64)
-    packs = (okey << 32) | (0xFFFFFFFF - ids)  # distinct: larger where earlier in the order
-    si = torch.topk(packs, min(k_max, V), dim=-1).indices
+    ids = torch.arange(x.shape[1], device=x.device, dtype=torch.int64)
+    # (value, id) in one int64, larger where earlier in the order: distinct
+    packs = ((order_key(x) - 2**31) << 32) | (0xFFFFFFFF - ids)
+    si = torch.topk(packs, min(k_max, x.shape[1]), dim=-1).indices
     kept = _prefix_kept(x.gather(1, si), slot_ids, table, None)
     return torch.zeros_like(x, dtype=torch.bool).scatter(1, si, kept)
 
