@@ -26,7 +26,7 @@ import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.keys import mass, mass_hi_lo, pack, tile_mass, tile_total
-from graphexec.sampling.triton.process import list_tile
+from graphexec.sampling.triton.process import list_blocks, list_tile
 
 KEPT = tl.constexpr(1)
 OUT = tl.constexpr(0)
@@ -98,10 +98,7 @@ def decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p, lnmp, to
                 elif (top_k <= 0) & (lb.to(tl.float64) >= top_p.to(tl.float64) * total):
                     state = tl.full([], OUT, tl.int32)
                 else:
-                    sel = sure | (live & (b == bc))
-                    n_list = tl.sum(sel.to(tl.int32), axis=0)
-                    at = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                    tl.store(W.blocks + row * NBLK + at, b, mask=sel)
+                    n_list = list_blocks(W, row, sure | (live & (b == bc)), NBLK, NBLK_P2)
                     ri = W.rowi + row * cf.NUM_I
                     tl.store(ri + cf.I_NLIST, n_list.to(tl.int64))
                     if n_list > CB:

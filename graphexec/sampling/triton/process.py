@@ -190,6 +190,15 @@ def process_raw(P, row, slot, ids, offs, raw, ok, lo, hi, FL: tl.constexpr,
 
 
 @triton.jit
+def list_blocks(W, row, sel, NBLK, NBLK_P2: tl.constexpr):
+    """Store the ids of the selected blocks (sel [NBLK_P2]), ascending, as the row's block
+    list (`list_tile` reads it); returns how many."""
+    b = tl.arange(0, NBLK_P2)
+    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    return tl.sum(sel.to(tl.int32), axis=0)
+
+
+@triton.jit
 def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
               FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the

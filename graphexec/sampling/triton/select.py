@@ -26,7 +26,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FINE, bin_of
 from graphexec.sampling.triton.keys import mass_hi_lo, tile_mass, tile_total
-from graphexec.sampling.triton.process import bias_ids, list_tile
+from graphexec.sampling.triton.process import bias_ids, list_blocks, list_tile
 from graphexec.sampling.triton.stats import arrive
 
 
@@ -169,7 +169,7 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
     b = tl.arange(0, NBLK_P2)
     live_b = ym > float("-inf")
     sel = live_b & (ym >= lo2) & (b < NBLK)
-    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    n_list = list_blocks(W, row, sel, NBLK, NBLK_P2)
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
     lomin = lo2 <= tl.min(tl.where(live_b, yn, float("inf")), axis=0)
     tl.store(fr + cf.F_LO, lo2)
@@ -179,7 +179,7 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
     tl.store(W.hist + row * NBINS + tl.arange(0, NBINS), tl.zeros([NBINS], dtype=tl.int32))
     c = tl.arange(0, 16)
     tl.store(ri + cf.I_NAB + c, tl.zeros([16], dtype=tl.int64), mask=c <= cf.I_MTOP - cf.I_NAB)
-    tl.store(ri + cf.I_NLIST, tl.sum(sel.to(tl.int64), axis=0))
+    tl.store(ri + cf.I_NLIST, n_list.to(tl.int64))
     tl.store(ri + cf.I_LOMIN, lomin.to(tl.int64))
     tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_ROUND2, tl.int64))
     e = tl.atomic_add(W.refine, 1, sem="relaxed")

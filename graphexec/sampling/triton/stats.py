@@ -18,9 +18,9 @@ import triton.language as tl
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
-from graphexec.sampling.triton.draw import FLT_MAX, block_y
+from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
 from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
-from graphexec.sampling.triton.process import bias_ids, process_raw, raw_load, widen
+from graphexec.sampling.triton.process import bias_ids, list_blocks, process_raw, raw_load, widen
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total, NBLK,
         full = live_b & (yn >= lnmp)
         sel = sel & (full == 0)
         tl.store(W.kept + row * NBLK + b, tl.where(full, q, 0), mask=b < NBLK)
-    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    n_list = list_blocks(W, row, sel, NBLK, NBLK_P2)
     fr = W.rowf + row * 8
     tl.store(fr + cf.F_M, m)
     tl.store(fr + cf.F_S, s)
@@ -109,7 +109,7 @@ def _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total, NBLK,
     # min-p alone: every token is "above" (bin 0 < jhi = 1); the selection overwrites these
     vals = tl.where((c == cf.I_JHI) | (c == cf.I_J2), 1, 0)
     vals = tl.where(c == cf.I_ROUTE, route.to(tl.int64), vals)
-    vals = tl.where(c == cf.I_NLIST, tl.sum(sel.to(tl.int64), axis=0), vals)
+    vals = tl.where(c == cf.I_NLIST, n_list.to(tl.int64), vals)
     tl.store(ri + c, tl.where(c == cf.I_LOMIN, lomin, vals))
     c16 = tl.arange(0, 16)
     tl.store(ri + cf.I_NAB + c16, tl.zeros([16], dtype=tl.int64))
@@ -119,17 +119,13 @@ def _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total, NBLK,
 @triton.jit
 def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
              NBINS: tl.constexpr):  # fmt: skip
-    """`_plan` from the row's stored stats (its max and 1/T in rowf): the plan of a row
-    whose candidate the check pass did not keep."""
-    b = tl.arange(0, NBLK_P2)
-    bm = b < NBLK
-    m = tl.load(W.rowf + row * 8 + cf.F_M)
+    """`_plan` from the row's block stats (its 1/T from rowf; a row of the check pass holds
+    no +inf, so `row_blocks`' m is the max the tail stored): the plan of a row whose
+    candidate the check pass did not keep."""
     s = tl.load(W.rowf + row * 8 + cf.F_S)
-    xm = tl.load(W.xm + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
-    ym = block_y(xm, m, s, False)
-    q = tl.load(W.q + row * NBLK + b, mask=bm, other=0, cache_modifier=".cg")
-    q = tl.where(ym > float("-inf"), q, 0)
-    xn = tl.load(W.xn + row * NBLK + b, mask=bm, other=float("inf"), cache_modifier=".cg")
+    xm_unused, mx_unused, inf_unused, m, ym, q = row_blocks(W, row, s, NBLK, NBLK_P2)
+    b = tl.arange(0, NBLK_P2)
+    xn = tl.load(W.xn + row * NBLK + b, mask=b < NBLK, other=float("inf"), cache_modifier=".cg")
     return _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, tl.load(W.total + row), NBLK,
                  NBLK_P2, DB, NBINS)  # fmt: skip
 

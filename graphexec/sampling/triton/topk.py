@@ -29,7 +29,7 @@ import triton.language as tl
 from graphexec.sampling.triton.draw import FLT_MAX, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
-from graphexec.sampling.triton.process import list_tile
+from graphexec.sampling.triton.process import list_blocks, list_tile
 from graphexec.sampling.triton.short import gather, lo_bin, resolve
 
 
@@ -107,9 +107,7 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         if top_p >= 1.0:  # top-p's total is the top-k mass: every top-k token is needed
             lo = tl.maximum(lo, lnmp)
     lo = tl.maximum(lo, ymin)
-    sel = live & (ym >= lo)
-    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
-    n_list = tl.sum(sel.to(tl.int32), axis=0)
+    n_list = list_blocks(W, row, live & (ym >= lo), NBLK, NBLK_P2)
     tl.debug_barrier()  # the list, read back by every thread
     n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
     lomin = lo <= ymin
