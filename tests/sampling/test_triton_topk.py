@@ -17,9 +17,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
-from graphexec.sampling.triton import launch  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT, Workspace  # noqa: E402
+from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT  # noqa: E402
 from graphexec.sampling.triton.topk import kth_largest  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
@@ -47,16 +46,9 @@ def _params(B: int, V: int, filters=FILTERS) -> list:
 def _run(params, logits, config, bitmask=None, counts=None, prompt=None, num_top=None,
          variant=TOPK):  # fmt: skip
     """(the reference's default output, the Triton output of `variant`, its workspace)."""
-    B, V = logits.shape
-    table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
-    slots, pos = torch.arange(B), torch.arange(B) * 7 + 3
-    ref = SamplerOutput.allocate(B, "cpu", num_top)
-    tri = SamplerOutput.allocate(B, "cpu", num_top)
-    reference.sample(logits, slots, pos, table, ref, bitmask, SamplerVariant.DEFAULT,
-                     draw_block=config.draw_block)  # fmt: skip
-    ws = Workspace.allocate(B, V, "cpu", config, num_top is not None)
-    launch.sample(logits, slots, pos, table, tri, bitmask, variant, config=config, workspace=ws)
-    return ref, tri, ws
+    both = run_both(params, logits, config, counts=counts, prompt=prompt, bitmask=bitmask,
+                    variant=variant, num_top=num_top, ref_variant=SamplerVariant.DEFAULT)
+    return both.ref, both.tri, both.ws
 
 
 @pytest.mark.parametrize("shape", ["peaked", "randn3", "flat", "mixed", "ties"])

@@ -122,15 +122,17 @@ def run_both(
     slots=None,
     positions=None,
     num_top=None,
+    ref_variant=None,
 ) -> Both:
-    """The torch reference and the Triton backend on the same inputs."""
+    """The torch reference (in `ref_variant`, None: the same variant) and the Triton
+    backend on the same inputs."""
     B, V = logits.shape
     table = SamplingTensors.from_params(params, V, "cpu", counts, prompt)
     slot_ids = torch.arange(B) if slots is None else slots
     pos = torch.arange(B) * 7 + 3 if positions is None else positions
     ref = SamplerOutput.allocate(B, "cpu", num_top)
     tri = SamplerOutput.allocate(B, "cpu", num_top)
-    reference.sample(logits, slot_ids, pos, table, ref, bitmask, variant,
+    reference.sample(logits, slot_ids, pos, table, ref, bitmask, ref_variant or variant,
                      draw_block=config.draw_block)  # fmt: skip
     ws = Workspace.allocate(B, V, "cpu", config, num_top is not None)
     launch.sample(logits, slot_ids, pos, table, tri, bitmask, variant, config=config,
