@@ -4,8 +4,8 @@ One graph is captured per `GraphKey` (sampler variant x batch bucket x logprobs 
 speculative width); each variant runs kernels of its own (`variants`).
 A step's key comes from host-side copies of its requests' parameters only (no GPU sync):
 the variant from `choose_variant`, the smallest bucket that holds the batch, and logprobs
-on if any row asked for them. A batch larger than the largest bucket is served as several chunks,
-each with its own key.
+on if any row asked for them. A batch larger than the largest bucket is served as several
+chunks, each with its own key.
 
 `CapturedGraphs` captures and replays: on CUDA one `torch.cuda.CUDAGraph` per key, all in
 one shared memory pool, largest bucket first; without CUDA the capture is emulated (the
