@@ -8,7 +8,8 @@
 #       python -m pytest -m "gpu and not multigpu", the test ids shared among JOBS (default
 #       6) processes so the kernels' compiles run side by side, the processes spread over
 #       the visible GPUs; log: $OUT/pytest-gpu.log. TEST_FILES (paths) and TEST_SKIP (an
-#       extended regex of ids to leave out) split the suite over several commands
+#       extended regex of ids to leave out) split the suite over several commands; each
+#       process stops after TEST_TIMEOUT s (default 520: exit code 124 in its log)
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
@@ -61,9 +62,11 @@ run_tests() {
     for ((i = 0; i < jobs; i++)); do
         awk -v n="$jobs" -v i="$i" '(NR - 1) % n == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
-        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) xargs -a "$dir/ids.$i" -d '\n' python -m pytest \
-            -q -p no:cacheprovider -rA --durations=5 \
-            >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
+        # each group under TEST_TIMEOUT s (default 520), so that the log below still comes
+        # back inside one device command's limit when a group overruns or hangs
+        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout -k 10 "${TEST_TIMEOUT:-520}" \
+            xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
+            --durations=5 >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
     for ((i = 0; i < jobs; i++)); do

@@ -109,7 +109,7 @@ def test_replay_equals_eager_for_every_key(cfg, weights, tok) -> None:
     ex = gx.DecodeExecutor(model(cfg, weights), max_batch_size=16, device="cuda", tokenizer=tok,
                            seed=0)  # fmt: skip
     ex.capture(progress=False)
-    assert ex.stats.failed == {} and len(ex.graph_keys) == 5 * 2 * 2
+    assert ex.stats.failed == {} and len(ex.graph_keys) == 5 * 3 * 2
     items = wl.mixed_workload(40, tok.vocab_size, seed=1, grammars=True, spread=60)
     a, b = wl.replay_and_eager(ex, items)
     assert wl.compare(a, b) == []

@@ -204,11 +204,14 @@ def test_batch_invariance_on_gpu():
     )
     assert torch.equal(shuffled.token_ids, full.token_ids[perm])
     assert torch.equal(shuffled.logprobs, full.logprobs[perm])
-    for r in (0, 17, 63):
+    # alone and in a small batch (the stats pass's small-batch tiles): the same tokens and
+    # logprobs, to the bit
+    for rows in ([0], [17], [63], [5, 40, 63]):
         alone = gx.sample_logits(
-            logits[r : r + 1], params[r : r + 1], pos[r : r + 1], backend="triton"
+            logits[rows], [params[i] for i in rows], [pos[i] for i in rows], backend="triton"
         )
-        assert alone.token_ids.item() == full.token_ids[r].item()
+        assert torch.equal(alone.token_ids, full.token_ids[rows])
+        assert torch.equal(alone.logprobs, full.logprobs[rows])
 
 
 def shape_logits(shape: str, B: int, V: int, seed: int) -> torch.Tensor:

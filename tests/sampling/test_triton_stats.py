@@ -36,7 +36,8 @@ def test_block_stats_equal_the_reference(programs: int, variant: str, stats_prog
     logits = logits_of("mixed", B, V, seed=1)
     params = [P(seed=i, temperature=0.4 + 0.3 * i) for i in range(B)]
     cfg = cfg.replace(programs=programs, stats_programs=stats_programs)
-    assert stats_tile(cfg, B, 44) == (2 if stats_programs > 1 else cfg.tile_blocks)
+    assert stats_tile(cfg, B, 44, False) == (2 if stats_programs > 1 else cfg.tile_blocks)
+    assert stats_tile(cfg, B, 44, True) == cfg.tile_blocks  # (the raw sums' order)
     both = run_both(params, logits, cfg, variant=SamplerVariant(variant))
     x = processing.collapse_inf(processing.process_logits(logits, torch.arange(B), both.table))
     s = reference.effective_inv_t(torch.arange(B), both.table)

@@ -45,7 +45,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
-    rs = stats_tile(cfg, B, nblk)
+    rs = stats_tile(cfg, B, nblk, need_lp)
     S = split(cfg.programs, rs, B, nblk)
     S2 = split(cfg.late_programs, r, B, nblk)
     per = triton.cdiv(triton.cdiv(nblk, rs), S) * rs

@@ -146,11 +146,13 @@ class SamplerConfig:
         return dataclasses.replace(self, **kw)
 
 
-def stats_tile(config: SamplerConfig, B: int, nblk: int) -> int:
+def stats_tile(config: SamplerConfig, B: int, nblk: int, logprobs: bool) -> int:
     """Blocks per tile of the stats pass: tile_blocks, halved (down to 2) while the batch's
-    tiles number fewer than stats_programs. No tile size changes a result."""
+    tiles number fewer than stats_programs; tile_blocks always for a logprobs launch, whose
+    raw sums of exp are float sums along the tile's rows, added in an order that the tile's
+    layout sets (the exact masses and maxima are the same in any tile)."""
     r = config.tile_blocks
-    while r > 2 and B * triton.cdiv(nblk, r) < config.stats_programs:
+    while not logprobs and r > 2 and B * triton.cdiv(nblk, r) < config.stats_programs:
         r //= 2
     return r
 
