@@ -34,11 +34,14 @@
 #       benchmarks/bench_matmul.py --out $OUT; log: $OUT/bench-matmul.log
 #   bash benchmarks/gpu/run.sh check [determinism_check args...]
 #       tools/determinism_check.py; log: $OUT/determinism-check.log
+#   bash benchmarks/gpu/run.sh phases [sampler_phases args...]
+#       benchmarks/sampler_phases.py --out $OUT (the row tail's phase clocks); log:
+#       $OUT/sampler-phases.log
 #   bash benchmarks/gpu/run.sh serve [bench_serve args...]
 #       benchmarks/bench_serve.py --out $OUT (the server's load test); log: $OUT/bench-serve.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -164,6 +167,12 @@ check() {
     grep -v "^INFO" "$OUT/determinism-check.log" | tail -n 40
 }
 
+phases() {
+    python benchmarks/sampler_phases.py --out "$OUT" "$@" >"$OUT/sampler-phases.log" 2>&1
+    echo "sampler_phases exit code: $?"
+    tail -n 40 "$OUT/sampler-phases.log"
+}
+
 serve() {
     python benchmarks/bench_serve.py --out "$OUT" "$@" >"$OUT/bench-serve.log" 2>&1
     echo "bench_serve exit code: $?"
@@ -183,6 +192,7 @@ for phase in ${phases//,/ }; do
     matmul) matmul "$@" || rc=1 ;;
     check) check "$@" || rc=1 ;;
     serve) serve "$@" || rc=1 ;;
+    phases) phases "$@" || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac
 done

@@ -245,3 +245,14 @@ def test_a_short_sort_wider_than_the_gather_buffer_is_capped() -> None:
     for variant in (TOPK, SamplerVariant.DEFAULT):
         ref, tri, ws_unused = _run(params, x, cfg.replace(top_k_first=512), variant=variant)
         assert_same(ref, tri)
+
+
+@pytest.mark.parametrize("variant", [TOPK, SamplerVariant.DEFAULT])
+def test_phase_clocks_change_no_token(variant: SamplerVariant) -> None:
+    """SamplerConfig.phase_clock (profiling): the same tokens; interpreted, no stamp is
+    written (inline PTX: `clock`), so W.clock stays zero."""
+    B, V = 6, 450
+    cfg = CONFIGS["interp16_short"].replace(phase_clock=True)
+    ref, tri, ws = _run(_params(B, V), logits_of("randn3", B, V, seed=8), cfg, variant=variant)
+    assert_same(ref, tri)
+    assert not ws.clock.any()

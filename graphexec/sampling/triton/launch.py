@@ -68,14 +68,14 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     tkst = min(cfg.short_tokens, cfg.gather_cap)
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r, ST=tkst,
-                           WCAP=cfg.gather_cap,
-                           INTERP=interpreter_enabled(), **search, **rows)  # fmt: skip
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
                            TKF=cfg.top_k_first if filters else 0, ST=tkst,
-                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), **search,
-                           **rows)  # fmt: skip
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,

@@ -83,6 +83,8 @@ class SamplerConfig:
         vectors span a row's blocks and gathered tokens.
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
+    phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
+        Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
     short_tokens, logprobs_cap, and short_blocks unless 0.
     """
@@ -104,6 +106,7 @@ class SamplerConfig:
     num_warps: int = 4
     tail_warps: int = 8
     pdl: bool = True
+    phase_clock: bool = False
 
     def __post_init__(self) -> None:
         for name in ("draw_block", "tile_blocks", "bins", "gather_cap", "search_ways",
@@ -186,6 +189,7 @@ class Workspace(NamedTuple):
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
+    clock: torch.Tensor  # i64 [B, 16]: the row tail's phase clocks (`clock`; profiling only)
 
     @classmethod
     def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
@@ -205,6 +209,7 @@ class Workspace(NamedTuple):
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
             refine=e(B + 1, dtype=torch.int32), raw_max=e(*raw), raw_sum=e(*raw),
+            clock=torch.zeros((B, 16), dtype=i64, device=d),
         )  # fmt: skip
 
     def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:

@@ -18,6 +18,7 @@ import triton.language as tl
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
+from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
 from graphexec.sampling.triton.process import bias_ids, row_params
 from graphexec.sampling.triton.stats import _plan
@@ -29,10 +30,13 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
              NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
              ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
-             ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+             ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
+             PROF: tl.constexpr):  # fmt: skip
     """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
     its filters (no later pass runs: a row past the route is served by the exact search),
-    and R_EXACT marks the rows the exact search served (for tests)."""
+    and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
+    (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end)."""
+    stamp(W, row, 0, PROF, 0)
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
     b = tl.arange(0, NBLK_P2)
@@ -59,6 +63,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                 tl.store(W.total + row, total)
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
+                stamp(W, row, 1, PROF)
                 if ties:
                     tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
                                      NBLK, NBLK_P2, DB, FL)  # fmt: skip
@@ -67,6 +72,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                                            NBLK, NBLK_P2, DB, FL)  # fmt: skip
                     ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
                     tl.store(fr + cf.F_YC, yc)
+                    stamp(W, row, 2, PROF)
                     first = tl.zeros([], dtype=tl.int1)
                     if EVERY:
                         first = tl.full([], 1, tl.int1)
@@ -76,7 +82,8 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                         tl.store(ri + cf.I_CAND, c.to(tl.int64))
                         tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
                                                 lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,
-                                                WCAP, INTERP, ITA, ITB, SB, WAYS, FL)  # fmt: skip
+                                                WCAP, INTERP, ITA, ITB, SB, WAYS, FL,
+                                                PROF)  # fmt: skip
                         if EVERY:
                             route = tl.where(exact, cf.R_EXACT, route)
                     else:
@@ -101,6 +108,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, route.to(tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
+    stamp(W, row, 9, PROF, 1)
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -111,7 +119,7 @@ def _tail_kernel(
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
     CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PDL: tl.constexpr = False,
+    WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
     candidate and plans its next passes (module docstring). Program 0 empties round 2's row
@@ -121,7 +129,7 @@ def _tail_kernel(
         if tl.program_id(0) == 0:
             tl.store(W.refine, 0)
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, False, NB_P2, NBLK_P2,
-             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS)  # fmt: skip
+             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -131,12 +139,12 @@ def _topk_kernel(
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PDL: tl.constexpr = False,
+    WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,) (top_k_top_p: the last launch): the row tail with every filtered row top-k
     first, so that row b is served whole."""
     dependent_start(PDL)
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, True, NB_P2, NBLK_P2, DB,
-             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS)  # fmt: skip
+             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import FLT_MAX, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
@@ -93,7 +94,7 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
                NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, ST: tl.constexpr,
                WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
                ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
-               FL: tl.constexpr):  # fmt: skip
+               FL: tl.constexpr, PROF: tl.constexpr = False):  # fmt: skip
     """(token, whether the exact search served it) of a filtered row whose live values
     are not all tied, its candidate already stored (W.rowi's I_CAND, W.rowf's F_YC):
     module docstring."""
@@ -107,9 +108,12 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         if top_p >= 1.0:  # top-p's total is the top-k mass: every top-k token is needed
             lo = tl.maximum(lo, lnmp)
     lo = tl.maximum(lo, ymin)
+    stamp(W, row, 3, PROF)
     n_list = list_blocks(W, row, live & (ym >= lo), NBLK, NBLK_P2)
     tl.debug_barrier()  # the list, read back by every thread
+    stamp(W, row, 4, PROF)
     n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+    stamp(W, row, 5, PROF)
     lomin = lo <= ymin
     if (n > WCAP) & (top_k > 0) & (lo < 0.0):
         # too many: narrow them to the prefix of bins that holds the k-th (one more read)
@@ -118,6 +122,7 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL, inv_w, j,
                    2 * WCAP)  # fmt: skip
         lomin = lomin & (j == 2 * WCAP - 1)
+    stamp(W, row, 6, PROF)
     resolved = tl.zeros([], dtype=tl.int1)
     cut = tl.zeros([], dtype=tl.int64)
     if n <= ST:  # the usual row: a short sort
@@ -132,9 +137,11 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         cut = exact_cut(P, W, row, slot, ids, m, s, lo, top_k, top_p, lnmp, total, NBLK, ITA, ITB,
                         SB, DB, WAYS, FL)  # fmt: skip
         rd = b < NBLK
+    stamp(W, row, 7, PROF)
     tl.debug_barrier()  # the kept masses, read back by every thread
     kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
     tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
                         FL)  # fmt: skip
+    stamp(W, row, 8, PROF)
     return tok, resolved == 0
