@@ -57,9 +57,17 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
             if FILTERS:
                 filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
             if filt:
-                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64
-                e = tl.exp(ym.to(tl.float64))
-                total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                first = tl.zeros([], dtype=tl.int1)  # top-k first (`topk`): the whole row here
+                if EVERY:
+                    first = tl.full([], 1, tl.int1)
+                elif TKF > 0:
+                    first = (top_k > 0) & (top_k <= TKF)
+                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64 (a
+                # top-k row's is its top-k mass: every reader takes it only at top-k 0)
+                total = tl.zeros([], dtype=tl.float64)
+                if (top_k <= 0) | (first == 0):
+                    e = tl.exp(ym.to(tl.float64))
+                    total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
                 tl.store(W.total + row, total)
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
@@ -73,12 +81,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                     ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
                     tl.store(fr + cf.F_YC, yc)
                     stamp(W, row, 2, PROF)
-                    first = tl.zeros([], dtype=tl.int1)
-                    if EVERY:
-                        first = tl.full([], 1, tl.int1)
-                    elif TKF > 0:
-                        first = (top_k > 0) & (top_k <= TKF)
-                    if first:  # top-k first (`topk`): the whole row here
+                    if first:
                         tl.store(ri + cf.I_CAND, c.to(tl.int64))
                         tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
                                                 lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,

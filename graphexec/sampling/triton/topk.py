@@ -2,15 +2,16 @@
 pass (the row tail, `tail`: every filtered row of the top_k_top_p variant, which is then
 two launches in all; the default variant's up to `SamplerConfig.top_k_first`).
 
-For a row with top-k on, lo = the k-th largest block max is a proven lower bound of its
-k-th largest value (the k blocks of the largest maxima hold a token at or above it each),
-so the tokens with y >= lo, in the blocks whose max reaches it, hold the whole top-k set
-and everything ahead of it in the row's order. Those candidates are gathered (randn rows
-at V = 128,256: about k up to k = 50, 1.1 k at 200, 1.4 k at 512), sorted by pack, and
-the cut of `short._cut` read off them: top-k's k-th pack, top-p on the top-k mass, min-p by value.
-Then the draw of `reference`, step 6, as every route ends: the candidate (the unfiltered
-two-level draw) where the kept set holds it, else the fallback draw over the kept set,
-whose block masses K_b the gathered tokens give. No further read of the row.
+For a row with top-k on, lo = the k-th largest block max, less up to 1/128 of it (a radix
+selection cut short), is a proven lower bound of its k-th largest value (the k blocks of
+the largest maxima hold a token at or above it each), so the tokens with y >= lo, in the
+blocks whose max reaches it, hold the whole top-k set and everything ahead of it in the
+row's order. Those candidates are gathered (randn rows at V = 128,256: about k up to k =
+50, 1.1 k at 200, 1.4 k at 512), sorted by pack, and the cut of `short._cut` read off
+them: top-k's k-th pack, top-p on the top-k mass, min-p by value. Then the draw of
+`reference`, step 6, as every route ends: the candidate (the unfiltered two-level draw)
+where the kept set holds it, else the fallback draw over the kept set, whose block masses
+K_b the gathered tokens give. No further read of the row.
 
 Candidates past the gather cap (a flat row with a large k, or k past the row's live
 blocks, where lo is the row's lowest value) are narrowed by one more read: a histogram
@@ -35,17 +36,19 @@ from graphexec.sampling.triton.short import gather, lo_bin, resolve
 
 
 @triton.jit
-def kth_largest(ym, live, k):
-    """The k-th largest of the live values ym (k >= 1 of them at least), exactly: a radix
-    selection over their order keys (as unsigned: the sign bit flipped; dead ones 0), a
-    byte a step from the top, each step a 256-bin histogram of the keys that match the
-    bytes chosen so far."""
+def kth_largest(ym, live, k, STEPS: tl.constexpr = 4):
+    """The k-th largest of the live values ym (k >= 1 of them at least): a radix selection
+    over their order keys (as unsigned: the sign bit flipped; dead ones 0), a byte a step
+    from the top, each step a 256-bin histogram of the keys that match the bytes chosen so
+    far. Exact at 4 STEPS; fewer give a lower bound, the least value whose key starts with
+    the k-th largest's first STEPS bytes (2: sign, exponent and 7 mantissa bits, within
+    |kth| / 128 of it for a normal kth)."""
     u = (tl.where(live, okey(ym), -2147483648) ^ -2147483648).to(tl.uint32, bitcast=True)
     j = tl.arange(0, 256)
     prefix = tl.zeros([], dtype=tl.uint32)
     rem = k.to(tl.int32)  # the rank sought among the keys that match the prefix
     cnt = tl.full([], u.shape[0], tl.int32)  # those keys
-    for step in tl.static_range(4):
+    for step in tl.static_range(STEPS):
         shift = 24 - 8 * step
         match = u >= 0  # (every key, at the first byte)
         if step > 0:
@@ -104,7 +107,7 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
     ymin = tl.min(tl.where(live, yn, float("inf")), axis=0)
     lo = tl.full([], -FLT_MAX, tl.float32)
     if (top_k > 0) & (top_k <= tl.sum(live.to(tl.int32), axis=0)):
-        lo = kth_largest(ym, live, top_k)
+        lo = kth_largest(ym, live, top_k, 2)  # a bound 2 bytes fine: a few more candidates
         if top_p >= 1.0:  # top-p's total is the top-k mass: every top-k token is needed
             lo = tl.maximum(lo, lnmp)
     lo = tl.maximum(lo, ymin)
