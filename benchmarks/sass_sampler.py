@@ -2,10 +2,11 @@
 `../shared/gpu/sass.py`, which compiles each kernel it launches for sm_90 without running it
 and prints registers, spills and each loop's instruction mix:
 
-    python ../shared/gpu/sass.py --out /tmp/sass benchmarks/sass_sampler.py [B] [VARIANT] [DTYPE]
+    python ../shared/gpu/sass.py --out /tmp/s benchmarks/sass_sampler.py [B] [VARIANT] [DTYPE] [V]
 
 B (default 128), VARIANT no_filter | top_k_top_p | default (default no_filter), DTYPE fp32 |
-bf16 | fp16 (default fp32); V = 128256, the GPU preset of `SamplerConfig`. The stats pass's
+bf16 | fp16 (default fp32), V (default 128256: the row kernels' block vectors, unrolled per
+thread, grow with its power of two); the GPU preset of `SamplerConfig`. The stats pass's
 main loop (its full tiles) reads R * DB = 1,024 logits per iteration over 128 threads.
 """
 
@@ -18,8 +19,8 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton import launch
 from graphexec.sampling.triton.sampler_config import SamplerConfig
 
-argv = sys.argv[1:] + ["128", "no_filter", "fp32"][len(sys.argv) - 1 :]
-B, V, variant = int(argv[0]), 128256, SamplerVariant(argv[1])
+argv = sys.argv[1:] + ["128", "no_filter", "fp32", "128256"][len(sys.argv) - 1 :]
+B, V, variant = int(argv[0]), int(argv[3]), SamplerVariant(argv[1])
 dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[argv[2]]
 filt = {} if variant is SamplerVariant.NO_FILTER else dict(top_k=50, top_p=0.9)
 params = [SamplingParams(temperature=0.8, seed=i, **filt) for i in range(B)]
