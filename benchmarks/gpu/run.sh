@@ -9,7 +9,7 @@
 #       6) processes so the kernels' compiles run side by side, the processes spread over
 #       the visible GPUs; log: $OUT/pytest-gpu.log. TEST_FILES (paths) and TEST_SKIP (an
 #       extended regex of ids to leave out) split the suite over several commands; each
-#       process stops after TEST_TIMEOUT s (default 520: exit code 124 in its log)
+#       process stops after TEST_TIMEOUT s (default 500: exit code 124 in its log)
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
@@ -69,9 +69,9 @@ run_tests() {
         awk -v per="$(( ($(wc -l <"$dir/ids") + jobs - 1) / jobs ))" -v i="$i" \
             'int((NR - 1) / per) == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
-        # each group under TEST_TIMEOUT s (default 520), so that the log below still comes
+        # each group under TEST_TIMEOUT s (default 500), so that the log below still comes
         # back inside one device command's limit when a group overruns or hangs
-        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout -k 10 "${TEST_TIMEOUT:-520}" \
+        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout -k 10 "${TEST_TIMEOUT:-500}" \
             xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
             --durations=5 >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
