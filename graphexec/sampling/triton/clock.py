@@ -13,8 +13,8 @@ import triton.language as tl
 
 from graphexec.sampling.triton.keys import _INTERP
 
-CLOCK_COLS = 16  # W.clock's columns: stamps 0 .. CLOCK_NS - 1, then two globaltimer reads
-CLOCK_NS = 14
+CLOCK_COLS = tl.constexpr(16)  # W.clock's columns (`Workspace.clock`)
+CLOCK_NS = tl.constexpr(14)  # stamps 0 .. CLOCK_NS - 1, then the two globaltimer reads
 
 
 @triton.jit
@@ -27,6 +27,7 @@ def stamp(W, row, i: tl.constexpr, PROF: tl.constexpr, NS: tl.constexpr = -1):
     """Stamp i of row `row` (NS >= 0: also the global timer into column CLOCK_NS + NS)."""
     if PROF and not _INTERP:
         tl.debug_barrier()
-        tl.store(W.clock + row * 16 + i, _read("mov.u64 $0, %clock64;"))
+        tl.store(W.clock + row * CLOCK_COLS + i, _read("mov.u64 $0, %clock64;"))
         if NS >= 0:
-            tl.store(W.clock + row * 16 + 14 + NS, _read("mov.u64 $0, %globaltimer;"))
+            tl.store(W.clock + row * CLOCK_COLS + CLOCK_NS + NS,
+                     _read("mov.u64 $0, %globaltimer;"))  # fmt: skip
