@@ -139,3 +139,52 @@ def test_mass_halves_from_one_conversion() -> None:
     want = torch.where(z.isnan(), 2**32, torch.floor(e.double() * 2.0**32).long())
     assert torch.equal(got, want)
     assert got[0] == 2**32 and (lo < 65536).all() and (hi <= 65536).all()
+
+
+KERNELS = ("_stats_kernel", "_tail_kernel", "_topk_kernel", "_check_kernel", "_short_kernel",
+           "_select_kernel", "_kept_kernel", "_finish_kernel", "_raw_logprobs_kernel")  # fmt: skip
+
+
+class _Recorder:
+    """Stands in for a kernel in `launch`: records each launch's keyword (compile-time)
+    arguments, then launches it."""
+
+    def __init__(self, kernel, name: str, calls: list) -> None:
+        self.kernel, self.name, self.calls = kernel, name, calls
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.calls.append((self.name, kw))
+            return self.kernel[grid](*args, **kw)
+
+        return run
+
+
+@pytest.mark.parametrize("variant", ["default", "top_k_top_p"])
+def test_a_logprobs_launch_compiles_the_same_kernels_at_every_batch(monkeypatch, variant) -> None:
+    """A row's float sums (the raw logprobs' sums of exp) follow the layout of the kernels
+    that add them, which their compile-time arguments set: at B = 1, 3 and 12 with
+    logprobs, every kernel launches with the same ones (the small-batch stats tile once
+    changed the stats pass's at B = 1, and with it the logprobs of a row alone, seen only
+    on a GPU). Without logprobs only the stats pass's tile R may differ (exact sums)."""
+    from graphexec.sampling.triton import launch
+
+    calls: list = []
+    for name in KERNELS:
+        monkeypatch.setattr(launch, name, _Recorder(getattr(launch, name), name, calls))
+    cfg = CONFIGS["interp16"].replace(stats_programs=64)  # tiles of 8 at B = 12, 2 at 1 and 3
+    V = 700
+    assert [stats_tile(cfg, B, 44, False) for B in (12, 3, 1)] == [8, 2, 2]
+    logits = logits_of("randn3", 12, V, seed=3)
+    for lp in (2, None):
+        seen = {}
+        for B in (12, 3, 1):
+            params = [P(seed=i, top_k=[40, 0][i % 2], top_p=0.9, logprobs=lp) for i in range(B)]
+            calls.clear()
+            run_both(params, logits[:B], cfg, variant=SamplerVariant(variant),
+                     num_top=lp)  # fmt: skip
+            got = {name: kw for name, kw in calls}
+            if lp is None:
+                got["_stats_kernel"] = {k: v for k, v in got["_stats_kernel"].items() if k != "R"}
+            seen[B] = got
+        assert seen[1] == seen[3] == seen[12], lp
