@@ -2,10 +2,13 @@
 (`SamplerConfig.phase_clock`, `graphexec/sampling/triton/clock.py`), one program a row.
 
     python benchmarks/sampler_phases.py [--batch 1,128] [--vocab 128256,151936]
-        [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--reps 20] [--out DIR]
+        [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--reps 20]
+        [--icache cold|warm|both] [--out DIR]
 
 Each call runs as `bench_sampler.py` times it (fp32 logits, T 0.8, top-k 50, top-p 0.9, a
-seed per row; the L2 flushed by reading before the call: `sampler_timing.Timer`). For each
+seed per row; the L2 flushed by reading before the call: `sampler_timing.Timer`), with the
+SMs' instruction caches evicted first (`--icache cold`, as after a model forward), kept
+(`warm`), or both, one row each: their difference is the phase's instruction fetch. For each
 (V, B, shape) it prints the median over rows and calls of each phase, in µs (cycles
 converted by the row's own clock/globaltimer ratio): stats (1: the block stats read and
 the top-p total), cand (2: the candidate's two-level draw), kth (3: top-k first's lower
@@ -95,25 +98,30 @@ def main() -> None:
     ap.add_argument("--shapes", default="peaked,randn3,flat,ties")
     ap.add_argument("--variant", default="top_k_top_p", choices=("top_k_top_p", "default"))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--icache", default="both", choices=("cold", "warm", "both"))
     ap.add_argument("--out", default=None, help="folder for sampler-phases-*.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sampler_phases.py needs CUDA (the clocks are PTX registers)")
     from graphexec.params import SamplerVariant
 
-    timer = Timer(torch.device("cuda"), quick=True)
+    dev = torch.device("cuda")
+    timers = {c: Timer(dev, quick=True, evict_icache=c == "cold")
+              for c in (("cold", "warm") if args.icache == "both" else (args.icache,))}  # fmt: skip
     results = []
-    head = "| V | B | shape | " + " | ".join(PHASES) + " | tail |"
+    head = "| V | B | shape | icache | " + " | ".join(PHASES) + " | tail |"
     print(head + "\n" + "|---" * (head.count("|") - 1) + "|")
     for V in args.vocab:
         for B in args.batch:
             for shape in args.shapes.split(","):
-                r = run_case(shape, B, V, SamplerVariant(args.variant), args.reps, timer)
-                results.append(r)
-                cells = " | ".join(f"{r['phase_us'].get(p, 0.0):.1f}" for p in PHASES)
-                tail = r["tail_us"]
-                print(f"| {V} | {B} | {shape} | {cells} | {tail:.1f} |" if tail else
-                      f"| {V} | {B} | {shape} | no clocks |", flush=True)  # fmt: skip
+                for icache, timer in timers.items():
+                    r = run_case(shape, B, V, SamplerVariant(args.variant), args.reps, timer)
+                    r["icache"] = icache
+                    results.append(r)
+                    cells = " | ".join(f"{r['phase_us'].get(p, 0.0):.1f}" for p in PHASES)
+                    tail, row = r["tail_us"], f"| {V} | {B} | {shape} | {icache} |"
+                    print(f"{row} {cells} | {tail:.1f} |" if tail else f"{row} no clocks |",
+                          flush=True)  # fmt: skip
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         meta = versions()
