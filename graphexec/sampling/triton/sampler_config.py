@@ -59,8 +59,9 @@ class SamplerConfig:
     tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
     programs: stats-pass programs to aim for over the batch (rows x slices).
     stats_programs: at a batch whose tiles number fewer, the stats pass halves its tile
-        (down to 2 blocks) until they do (`stats_tile`): one program per 8-block tile of a
-        single row leaves part of the device idle and each program's chain long.
+        (down to 2 blocks; never with logprobs) until they do (`stats_tile`): one program
+        per 8-block tile of a single row leaves part of the device idle and each program's
+        chain long.
     late_programs: the same for the passes that walk a row's block list (check, select, kept:
         dependent loads, so a flat row needs many); round 2's in all (at most round 1's B x S).
     bins: histogram bins of the selection pass.
