@@ -62,12 +62,12 @@ run_tests() {
         2>/dev/null | grep '::' | grep -v -E "${TEST_SKIP:-^$}" >"$dir/ids"
     echo "python -m pytest -m 'gpu and not multigpu': $(wc -l <"$dir/ids") tests in $jobs" \
         "processes on $ngpu GPUs" | tee -a "$log"
+    # consecutive ids (one file's tests share kernel specialisations) in one process: a
+    # Triton kernel is compiled by each process that needs it before the shared cache has
+    # it, and a fresh host compiles everything (tens of seconds a variant)
+    local per=$(( ($(wc -l <"$dir/ids") + jobs - 1) / jobs ))
     for ((i = 0; i < jobs; i++)); do
-        # consecutive ids (one file's tests share kernel specialisations) in one process:
-        # a Triton kernel is compiled by each process that needs it before the shared
-        # cache has it, and a fresh host compiles everything (tens of seconds a variant)
-        awk -v per="$(( ($(wc -l <"$dir/ids") + jobs - 1) / jobs ))" -v i="$i" \
-            'int((NR - 1) / per) == i' "$dir/ids" >"$dir/ids.$i"
+        awk -v per="$per" -v i="$i" 'int((NR - 1) / per) == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
         # each group under TEST_TIMEOUT s (default 500), so that the log below still comes
         # back inside one device command's limit when a group overruns or hangs
