@@ -199,12 +199,21 @@ def list_blocks(W, row, sel, NBLK, NBLK_P2: tl.constexpr):
 
 
 @triton.jit
-def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
-              FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
-    row's block list (entries past n_list read block NBLK: past V, all -inf)."""
+def list_ids(W, row, e0, n_list, NBLK, R: tl.constexpr):
+    """Block ids [R] of list entries e0 .. e0 + R - 1 (NBLK past n_list: past V, all -inf)."""
     e = e0 + tl.arange(0, R)
-    bid = tl.load(W.blocks + row * NBLK + e, mask=e < n_list, other=NBLK)
+    return tl.load(W.blocks + row * NBLK + e, mask=e < n_list, other=NBLK)
+
+
+@triton.jit
+def list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R: tl.constexpr, DB: tl.constexpr,
+              FL: tl.constexpr, BIAS: tl.constexpr, bid=None):  # fmt: skip
+    """(x [R, DB], token ids [R, DB], block ids [R]) of list entries e0 .. e0 + R - 1 of the
+    row's block list (entries past n_list read block NBLK: past V, all -inf); bid: their
+    ids, when already loaded (`list_ids`)."""
+    e = e0 + tl.arange(0, R)
+    if bid is None:
+        bid = list_ids(W, row, e0, n_list, NBLK, R)
     offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
     lo = tl.min(bid, axis=0) * DB
     hi = (tl.max(tl.where(e < n_list, bid, 0), axis=0) + 1) * DB

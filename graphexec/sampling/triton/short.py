@@ -21,7 +21,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
-from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
+from graphexec.sampling.triton.process import bias_ids, list_ids, list_tile, row_params
 from graphexec.sampling.triton.stats import plan_row
 
 
@@ -81,15 +81,17 @@ def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, D
     n_list listed blocks, the first CAP of them (packs and x) compacted into its gather
     buffers by a running count (no atomics: the selection passes count their own gather
     from 0); the listed blocks' K_b zeroed, for the kept candidates to add to. A row past
-    CAP stops reading at once. Each tile's loads are issued a step ahead of its use (one
-    program reads every listed block: its latency is the row's)."""
+    CAP stops reading at once. Each tile's loads are issued a step ahead of its use, and its
+    block ids two (one program reads every listed block: its latency is the row's)."""
     n = tl.zeros([], dtype=tl.int32)
     e0 = tl.zeros([], dtype=tl.int32)
     nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+    far = list_ids(W, row, e0 + R, n_list, NBLK, R)
     while (e0 < n_list) & (n <= CAP):
         x, offs, bid = nxt, nxt_offs, nxt_bid
         nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0 + R, n_list, NBLK, R, DB, FL,
-                                           True)  # fmt: skip
+                                           True, far)  # fmt: skip
+        far = list_ids(W, row, e0 + 2 * R, n_list, NBLK, R)
         y = (x - m) * s
         inr = (y > float("-inf")) & (y >= lo)
         if NH > 0:
