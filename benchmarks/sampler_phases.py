@@ -3,12 +3,13 @@
 
     python benchmarks/sampler_phases.py [--batch 1,128] [--vocab 128256,151936]
         [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--reps 20]
-        [--icache cold|warm|both] [--out DIR]
+        [--icache cold|warm|hot|both|all] [--out DIR]
 
 Each call runs as `bench_sampler.py` times it (fp32 logits, T 0.8, top-k 50, top-p 0.9, a
 seed per row; the L2 flushed by reading before the call: `sampler_timing.Timer`), with the
 SMs' instruction caches evicted first (`--icache cold`, as after a model forward), kept
-(`warm`), or both, one row each: their difference is the phase's instruction fetch. For each
+(`warm`), or both, one row each; `hot` keeps the L2 too (no flush: the code and the data
+stay cached), `all` runs the three. Their differences are the phase's fetches. For each
 (V, B, shape) it prints the median over rows and calls of each phase, in µs (cycles
 converted by the row's own clock/globaltimer ratio): stats (1: the block stats read and
 the top-p total), cand (2: the candidate's two-level draw), kth (3: top-k first's lower
@@ -98,7 +99,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="peaked,randn3,flat,ties")
     ap.add_argument("--variant", default="top_k_top_p", choices=("top_k_top_p", "default"))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--icache", default="both", choices=("cold", "warm", "both"))
+    ap.add_argument("--icache", default="both", choices=("cold", "warm", "hot", "both", "all"))
     ap.add_argument("--out", default=None, help="folder for sampler-phases-*.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -106,8 +107,10 @@ def main() -> None:
     from graphexec.params import SamplerVariant
 
     dev = torch.device("cuda")
-    timers = {c: Timer(dev, quick=True, evict_icache=c == "cold")
-              for c in (("cold", "warm") if args.icache == "both" else (args.icache,))}  # fmt: skip
+    modes = {"both": ("cold", "warm"), "all": ("cold", "warm", "hot")}.get(args.icache,
+                                                                         (args.icache,))
+    timers = {c: Timer(dev, quick=True, evict_icache=c == "cold", flush=c != "hot")
+              for c in modes}  # fmt: skip
     results = []
     head = "| V | B | shape | icache | " + " | ".join(PHASES) + " | tail |"
     print(head + "\n" + "|---" * (head.count("|") - 1) + "|")

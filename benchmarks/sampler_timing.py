@@ -27,13 +27,14 @@ class Timer:
     instruction caches are evicted (`icache_evict`), then the L2 is flushed by reading
     FLUSH_BYTES (`flush_l2`: no dirty lines left for the timed call to write back)."""
 
-    def __init__(self, device: torch.device, quick: bool, evict_icache: bool = False):
+    def __init__(self, device: torch.device, quick: bool, evict_icache: bool = False,
+                 flush: bool = True):
         self.device = device
         self.cuda = device.type == "cuda"
         self.budget_s, self.min_reps, self.max_reps = (0.03, 3, 20) if quick else (0.15, 10, 200)
         self.flush = None
         self.evict = None
-        if self.cuda:
+        if self.cuda and flush:
             # read as [rows, cols] fp32, each row's max into a small sink: one kernel that
             # reads every byte and writes 16 KB (which the next flush evicts again)
             self.flush = torch.ones(4096, FLUSH_BYTES // (4 * 4096), device=device)
@@ -53,7 +54,8 @@ class Timer:
         then the L2 flush."""
         if self.evict is not None:
             self.evict()
-        self.flush_l2()  # after the eviction kernel: its few written lines go back too
+        if self.flush is not None:
+            self.flush_l2()  # after the eviction kernel: its few written lines go back too
 
     def _reps(self, est_us: float) -> int:
         n = int(self.budget_s * 1e6 / max(est_us + (80.0 if self.cuda else 0.0), 1.0))
