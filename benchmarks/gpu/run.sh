@@ -9,7 +9,8 @@
 #       6) processes so the kernels' compiles run side by side, the processes spread over
 #       the visible GPUs; log: $OUT/pytest-gpu.log. TEST_FILES (paths) and TEST_SKIP (an
 #       extended regex of ids to leave out) split the suite over several commands; each
-#       process stops after TEST_TIMEOUT s (default 500: exit code 124 in its log)
+#       process stops after TEST_TIMEOUT s (default 500: exit code 124 in its log);
+#       TEST_SPREAD=rr deals the ids round-robin (default: consecutive ids together)
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
@@ -37,11 +38,14 @@
 #   bash benchmarks/gpu/run.sh phases [sampler_phases args...]
 #       benchmarks/sampler_phases.py --out $OUT (the row tail's phase clocks); log:
 #       $OUT/sampler-phases.log
+#   bash benchmarks/gpu/run.sh prims [row_primitives args...]
+#       benchmarks/row_primitives.py --out $OUT (the cycles of a row program's block-level
+#       primitives: scans, sums, histograms, sorts); log: $OUT/row-primitives.log
 #   bash benchmarks/gpu/run.sh serve [bench_serve args...]
 #       benchmarks/bench_serve.py --out $OUT (the server's load test); log: $OUT/bench-serve.log
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases prims)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -64,10 +68,13 @@ run_tests() {
         "processes on $ngpu GPUs" | tee -a "$log"
     # consecutive ids (one file's tests share kernel specialisations) in one process: a
     # Triton kernel is compiled by each process that needs it before the shared cache has
-    # it, and a fresh host compiles everything (tens of seconds a variant)
+    # it, and a fresh host compiles everything (tens of seconds a variant); TEST_SPREAD=rr
+    # deals them round-robin instead (a file whose cases each compile their own kernels)
     local per=$(( ($(wc -l <"$dir/ids") + jobs - 1) / jobs ))
+    [ "${TEST_SPREAD:-}" = rr ] && per=0
     for ((i = 0; i < jobs; i++)); do
-        awk -v per="$per" -v i="$i" 'int((NR - 1) / per) == i' "$dir/ids" >"$dir/ids.$i"
+        awk -v per="$per" -v i="$i" -v jobs="$jobs" \
+            '(per ? int((NR - 1) / per) : (NR - 1) % jobs) == i' "$dir/ids" >"$dir/ids.$i"
         [ -s "$dir/ids.$i" ] || continue
         # each group under TEST_TIMEOUT s (default 500), so that the log below still comes
         # back inside one device command's limit when a group overruns or hangs
@@ -177,6 +184,12 @@ phases() {
     tail -n 40 "$OUT/sampler-phases.log"
 }
 
+prims() {
+    python benchmarks/row_primitives.py --out "$OUT" "$@" >"$OUT/row-primitives.log" 2>&1
+    echo "row_primitives exit code: $?"
+    tail -n 40 "$OUT/row-primitives.log"
+}
+
 serve() {
     python benchmarks/bench_serve.py --out "$OUT" "$@" >"$OUT/bench-serve.log" 2>&1
     echo "bench_serve exit code: $?"
@@ -197,6 +210,7 @@ for phase in ${phases//,/ }; do
     check) check "$@" || rc=1 ;;
     serve) serve "$@" || rc=1 ;;
     phases) phases "$@" || rc=1 ;;
+    prims) prims "$@" || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac
 done
