@@ -75,34 +75,39 @@ def lo_bin(y, lo, inv_w, NH: tl.constexpr):
 
 @triton.jit
 def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, DB: tl.constexpr,
-           WCAP: tl.constexpr, FL: tl.constexpr, inv_w=0.0, J=0,
-           NH: tl.constexpr = 0):  # fmt: skip
+           WCAP: tl.constexpr, FL: tl.constexpr, inv_w=0.0, J=0, NH: tl.constexpr = 0,
+           BIAS: tl.constexpr = True):  # fmt: skip
     """The number of candidates (y >= lo; with NH, in `lo_bin`s up to J only) in the row's
     n_list listed blocks, the first CAP of them (packs and x) compacted into its gather
     buffers by a running count (no atomics: the selection passes count their own gather
     from 0); the listed blocks' K_b zeroed, for the kept candidates to add to. A row past
     CAP stops reading at once. Each tile's loads are issued a step ahead of its use, and its
-    block ids two (one program reads every listed block: its latency is the row's)."""
+    block ids two (one program reads every listed block: its latency is the row's). BIAS
+    False: a row without a logit bias (no lookup of its entries per tile)."""
     n = tl.zeros([], dtype=tl.int32)
     e0 = tl.zeros([], dtype=tl.int32)
-    nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, True)
+    nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0, n_list, NBLK, R, DB, FL, BIAS)
     far = list_ids(W, row, e0 + R, n_list, NBLK, R)
     while (e0 < n_list) & (n <= CAP):
         x, offs, bid = nxt, nxt_offs, nxt_bid
         nxt, nxt_offs, nxt_bid = list_tile(P, W, row, slot, ids, e0 + R, n_list, NBLK, R, DB, FL,
-                                           True, far)  # fmt: skip
+                                           BIAS, far)  # fmt: skip
         far = list_ids(W, row, e0 + 2 * R, n_list, NBLK, R)
         y = (x - m) * s
         inr = (y > float("-inf")) & (y >= lo)
         if NH > 0:
             inr = inr & (lo_bin(y, lo, inv_w, NH) <= J)
-        inr = tl.reshape(inr, [R * DB])
-        at = n + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        # slots in list order, in the tile's [R, DB] layout (a scan along each block, then
+        # over the blocks' counts): scanned as one vector, the tile's values, masks and
+        # pointers changed layout through shared memory, a barrier each
+        c = inr.to(tl.int32)
+        cnt = tl.sum(c, axis=1)
+        at = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
         put = inr & (at < CAP)
-        tl.store(W.gath + row * WCAP + at, tl.reshape(pack(y, offs), [R * DB]), mask=put)
-        tl.store(W.gath_x + row * WCAP + at, tl.reshape(x, [R * DB]), mask=put)
+        tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
+        tl.store(W.gath_x + row * WCAP + at, x, mask=put)
         tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
-        n += tl.sum(inr.to(tl.int32), axis=0)
+        n += tl.sum(cnt, axis=0)
         e0 += R
     tl.debug_barrier()  # the gather, read back by every thread
     return n

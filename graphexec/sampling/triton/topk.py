@@ -115,7 +115,12 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
     n_list = list_blocks(W, row, live & (ym >= lo), NBLK, NBLK_P2)
     tl.debug_barrier()  # the list, read back by every thread
     stamp(W, row, 4, PROF)
-    n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+    # a row without a logit bias gathers without looking its entries up per tile (which
+    # costs each tile several cross-warp reductions)
+    if tl.max(ids, axis=0) >= 0:
+        n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+    else:
+        n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL, BIAS=False)
     stamp(W, row, 5, PROF)
     lomin = lo <= ymin
     if (n > WCAP) & (top_k > 0) & (lo < 0.0):
