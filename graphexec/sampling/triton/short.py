@@ -98,8 +98,8 @@ def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, D
         if NH > 0:
             inr = inr & (lo_bin(y, lo, inv_w, NH) <= J)
         # slots in list order, in the tile's [R, DB] layout (a scan along each block, then
-        # over the blocks' counts): scanned as one vector, the tile's values, masks and
-        # pointers changed layout through shared memory, a barrier each
+        # over the blocks' counts): a scan of the tile as one vector would move its values,
+        # masks and pointers between layouts through shared memory, a barrier each
         c = inr.to(tl.int32)
         cnt = tl.sum(c, axis=1)
         at = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
