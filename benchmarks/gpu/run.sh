@@ -160,40 +160,27 @@ verify() {
     done
 }
 
-step() {
-    python benchmarks/bench_step.py --out "$OUT" "$@" >"$OUT/bench-step.log" 2>&1
-    echo "bench_step exit code: $?"
-    tail -n 25 "$OUT/bench-step.log"
+# a benchmark script with --out "$OUT" and ARGS: its log ($OUT/LOG), exit code and last
+# LINES lines
+script() {
+    local py=$1 log="$OUT/$2" lines=$3 code
+    shift 3
+    python "$py" --out "$OUT" "$@" >"$log" 2>&1
+    code=$?
+    echo "$(basename "$py" .py) exit code: $code"
+    tail -n "$lines" "$log"
 }
 
-matmul() {
-    python benchmarks/bench_matmul.py --out "$OUT" "$@" >"$OUT/bench-matmul.log" 2>&1
-    echo "bench_matmul exit code: $?"
-    tail -n 30 "$OUT/bench-matmul.log"
-}
+step() { script benchmarks/bench_step.py bench-step.log 25 "$@"; }
+matmul() { script benchmarks/bench_matmul.py bench-matmul.log 30 "$@"; }
+phases() { script benchmarks/sampler_phases.py sampler-phases.log 40 "$@"; }
+prims() { script benchmarks/row_primitives.py row-primitives.log 40 "$@"; }
+serve() { script benchmarks/bench_serve.py bench-serve.log 20 "$@"; }
 
 check() {
     python tools/determinism_check.py "$@" >"$OUT/determinism-check.log" 2>&1
     echo "determinism_check exit code: $?"
     grep -v "^INFO" "$OUT/determinism-check.log" | tail -n 40
-}
-
-phases() {
-    python benchmarks/sampler_phases.py --out "$OUT" "$@" >"$OUT/sampler-phases.log" 2>&1
-    echo "sampler_phases exit code: $?"
-    tail -n 40 "$OUT/sampler-phases.log"
-}
-
-prims() {
-    python benchmarks/row_primitives.py --out "$OUT" "$@" >"$OUT/row-primitives.log" 2>&1
-    echo "row_primitives exit code: $?"
-    tail -n 40 "$OUT/row-primitives.log"
-}
-
-serve() {
-    python benchmarks/bench_serve.py --out "$OUT" "$@" >"$OUT/bench-serve.log" 2>&1
-    echo "bench_serve exit code: $?"
-    tail -n 20 "$OUT/bench-serve.log"
 }
 
 rc=0
