@@ -30,21 +30,11 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import ints, versions  # noqa: E402
 
-from graphexec.sampling.triton.keys import _INTERP, sort_desc  # noqa: E402
+from graphexec.sampling.triton.clock import read  # noqa: E402
+from graphexec.sampling.triton.keys import sort_desc  # noqa: E402
 
 OPS = ["cumsum", "sum", "max", "histogram256", "gather_scan", "row_scan", "sort_int64",
        "store_reload"]  # fmt: skip
-
-
-@triton.jit
-def _read(asm: tl.constexpr):
-    """A PTX special register (0 under the interpreter, which runs no PTX: the tests check
-    the primitives' results there)."""
-    if _INTERP:
-        r = tl.zeros([], dtype=tl.int64)
-    else:
-        r = tl.inline_asm_elementwise(asm, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    return r
 
 
 @triton.jit
@@ -55,8 +45,8 @@ def _prim_kernel(x_ptr, scratch_ptr, out_ptr, N: tl.constexpr, OP: tl.constexpr,
     v = tl.load(x_ptr + i)
     chk = tl.zeros([], dtype=tl.int64)
     tl.debug_barrier()
-    c0 = _read("mov.u64 $0, %clock64;")
-    t0 = _read("mov.u64 $0, %globaltimer;")
+    c0 = read("mov.u64 $0, %clock64;")
+    t0 = read("mov.u64 $0, %globaltimer;")
     for _ in range(REPS):
         if OP == 0:
             r = tl.cumsum(v, axis=0)
@@ -89,8 +79,8 @@ def _prim_kernel(x_ptr, scratch_ptr, out_ptr, N: tl.constexpr, OP: tl.constexpr,
         chk += s.to(tl.int64)
         v = v ^ (s & 1)  # the next repetition waits for this one
     tl.debug_barrier()
-    c1 = _read("mov.u64 $0, %clock64;")
-    t1 = _read("mov.u64 $0, %globaltimer;")
+    c1 = read("mov.u64 $0, %clock64;")
+    t1 = read("mov.u64 $0, %globaltimer;")
     tl.store(out_ptr + 0, c1 - c0)
     tl.store(out_ptr + 1, t1 - t0)
     tl.store(out_ptr + 2, chk)

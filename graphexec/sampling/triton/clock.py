@@ -18,8 +18,14 @@ CLOCK_NS = tl.constexpr(14)  # stamps 0 .. CLOCK_NS - 1, then the two globaltime
 
 
 @triton.jit
-def _read(asm: tl.constexpr):
-    return tl.inline_asm_elementwise(asm, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def read(asm: tl.constexpr):
+    """A 64-bit PTX special register (`asm`: "mov.u64 $0, %clock64;" or %globaltimer); 0
+    under the interpreter, which runs no PTX."""
+    if _INTERP:
+        r = tl.zeros([], dtype=tl.int64)
+    else:
+        r = tl.inline_asm_elementwise(asm, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    return r
 
 
 @triton.jit
@@ -27,7 +33,7 @@ def stamp(W, row, i: tl.constexpr, PROF: tl.constexpr, NS: tl.constexpr = -1):
     """Stamp i of row `row` (NS >= 0: also the global timer into column CLOCK_NS + NS)."""
     if PROF and not _INTERP:
         tl.debug_barrier()
-        tl.store(W.clock + row * CLOCK_COLS + i, _read("mov.u64 $0, %clock64;"))
+        tl.store(W.clock + row * CLOCK_COLS + i, read("mov.u64 $0, %clock64;"))
         if NS >= 0:
             tl.store(W.clock + row * CLOCK_COLS + CLOCK_NS + NS,
-                     _read("mov.u64 $0, %globaltimer;"))  # fmt: skip
+                     read("mov.u64 $0, %globaltimer;"))  # fmt: skip
