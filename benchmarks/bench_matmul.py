@@ -11,8 +11,11 @@ replays, per call.
 
 `--sweep` also times candidate tiles per shape, each with the splits of K that suit it
 (`--splits`; compiled side by side in worker processes first), and reports the best by
-its worst ratio to cuBLAS over M <= 256 (the decode and verify rows), with prefill's
-M = 1024 for information; `--print-tiles` then prints the best as `GPU_TILES` lines.
+its worst ratio to cuBLAS over the rows the decode tile serves: M <= 256, or M below
+`large_m` where the shape has a large-M tile (that tile serves the rest), with prefill's
+M = 1024 for information; the best are printed last as `GPU_TILES` lines. `--keep-split`
+sweeps only the split the model runs the shape with (that of its large-M tile, which
+then stays valid), `--layers` a subset of the layers.
 
     python benchmarks/bench_matmul.py [--models qwen2.5-0.5b llama-3.2-1b llama-3.1-8b] [--sweep]
 
@@ -110,12 +113,12 @@ def suits(s: dict, t: mm.MatmulTile, min_programs: int) -> bool:
     return t.split == 1 or triton.cdiv(s["N"], t.block_n) * t.split // 2 < 2 * min_programs
 
 
-def _compile(job: list[tuple[dict, mm.MatmulTile]]) -> int:
-    """Worker: run every (shape, tile) once at M = 1 and 1024 (a split spread over
-    programs, and summed in registers) so Triton's disk cache holds both kernels."""
+def _compile(job: list[tuple[dict, mm.MatmulTile, tuple[int, ...]]]) -> int:
+    """Worker: run every (shape, tile) once at the least and most rows swept (a split
+    spread over programs, and summed in registers) so Triton's disk cache holds both."""
     done = 0
-    for s, t in job:
-        for M in (1, 1024):
+    for s, t, rows in job:
+        for M in rows:
             x, ws, b = operands(s, M, 1)
             try:
                 calls(s, x, ws, b, mm.MatmulConfig(tiles=((s["N"], s["K"], t),)))[0]()
@@ -142,20 +145,32 @@ def _compile_large(job: list[tuple[dict, mm.MatmulTile, tuple[int, ...]]]) -> in
     return done
 
 
-def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int) -> None:
-    pairs = [(s, t) for s in shape_list for t in tiles if suits(s, t, 264)]
+def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int,
+               rows: tuple[int, ...], keep_split: bool) -> None:  # fmt: skip
+    gpu = mm.MatmulConfig.gpu()
+    pairs = [(s, t, rows) for s in shape_list for t in tiles
+             if suits(s, t, 264) and (not keep_split or t.split == large_split(s, gpu))]
     jobs = [pairs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         n = sum(pool.map(_compile, jobs))
     print(f"precompiled {n} kernels in {workers} processes", flush=True)
 
 
+def decode_rows(s: dict, rows: list[int], gpu: mm.MatmulConfig) -> list[int]:
+    """The swept rows the decode tile serves: below `large_m` where the shape has a
+    large-M tile (assumed verified on the device), else every M <= 256."""
+    has_large = any((n, k) == (s["N"], s["K"]) for n, k, _ in gpu.large_tiles)
+    return [M for M in rows if M < (gpu.large_m if has_large else 257)] or rows[:1]
+
+
 def run(args) -> dict:
-    shape_list = [s for m in args.models for s in shapes(m)]
+    shape_list = [s for m in args.models for s in shapes(m)
+                  if not args.layers or s["layer"] in args.layers]  # fmt: skip
     tiles = candidates(args) if args.sweep else []
     if tiles:
         t0 = time.perf_counter()
-        precompile(shape_list, tiles, args.workers)
+        precompile(shape_list, tiles, args.workers, (min(args.rows), max(args.rows)),
+                   args.keep_split)  # fmt: skip
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     gpu = mm.MatmulConfig.gpu()
     rows, t_start = [], time.perf_counter()
@@ -172,7 +187,8 @@ def run(args) -> dict:
             ours = graph_time_us(calls(s, x, ws, b, gpu), args.reps)
             r["by_m"][M] = dict(cublas_us=cub, invariant_us=ours, ratio=ours / cub)
             for t in tiles:
-                if not suits(s, t, gpu.min_programs):
+                if not suits(s, t, gpu.min_programs) or (
+                        args.keep_split and t.split != large_split(s, gpu)):  # fmt: skip
                     continue
                 if per_shape and time.perf_counter() - t_start > per_shape:
                     break
@@ -186,15 +202,18 @@ def run(args) -> dict:
                 r["sweep"].setdefault(key, {})[M] = us / cub
             del x, ws, b
         if r["sweep"]:
-            decode = [M for M in args.rows if M <= 256]
+            decode = decode_rows(s, args.rows, gpu)
             full = {k: v for k, v in r["sweep"].items() if all(M in v for M in args.rows)}
             best = min(full or r["sweep"], key=lambda k: max(r["sweep"][k].get(M, 9e9)
                                                              for M in decode))  # fmt: skip
-            r["best"] = dict(tile=best, ratios=r["sweep"][best])
+            r["best"] = dict(tile=best, ratios=r["sweep"][best], rows=decode)
         rows.append(r)
-        worst = max(v["ratio"] for M, v in r["by_m"].items() if M <= 256)
-        best = (f"; best swept {r['best']['tile']} {max(r['best']['ratios'].values()):.2f}"
-                if "best" in r else "")  # fmt: skip
+        served = decode_rows(s, args.rows, gpu)
+        worst = max(v["ratio"] for M, v in r["by_m"].items() if M in served)
+        best = ""
+        if "best" in r:
+            b_worst = max(r["best"]["ratios"].get(M, 0.0) for M in served)
+            best = f"; best swept {r['best']['tile']} {b_worst:.2f}"
         print(f"{s['model']:14s} {s['layer']:13s} N={s['N']:6d} K={s['K']:5d} worst decode "
               f"ratio {worst:.2f}{best}", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
@@ -327,6 +346,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-m", type=int, nargs="+", default=[64])
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--layers", nargs="+", default=None,
+                    choices=("qkv", "o", "gate_up+silu", "down", "lm_head"))  # fmt: skip
+    ap.add_argument("--keep-split", action="store_true", help="sweep only the split the "
+                    "model runs each shape with")  # fmt: skip
     ap.add_argument("--warps-stages", nargs="+", default=["4,4", "8,3"],
                     metavar="W,S", help="the sweep's (num_warps, num_stages) pairs")  # fmt: skip
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
