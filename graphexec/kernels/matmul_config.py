@@ -44,15 +44,15 @@ GPU_TILES = (
     (4864, 896, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
     (896, 4864, (64, 32, 128, 4, 4, 4)),  # down
     (151936, 896, (64, 128, 64, 8, 3, 1)),  # LM head
-    (3072, 2048, (64, 32, 128, 4, 4, 1)),  # Llama-3.2-1B q/k/v
-    (2048, 2048, (64, 64, 128, 4, 4, 4)),  # o
+    (3072, 2048, (64, 32, 128, 4, 6, 1)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 64, 4, 6, 4)),  # o
     (8192, 2048, (64, 64, 128, 4, 4, 1)),  # gate/up + SwiGLU
     (2048, 8192, (64, 64, 128, 4, 4, 4)),  # down
     (128256, 2048, (64, 128, 64, 4, 4, 1)),  # LM head
     (6144, 4096, (64, 64, 128, 4, 4, 1)),  # Llama-3.1-8B q/k/v
-    (4096, 4096, (64, 64, 128, 8, 3, 4)),  # o
-    (14336, 4096, (64, 64, 128, 8, 3, 1)),  # gate/up + SwiGLU
-    (4096, 14336, (64, 64, 64, 4, 4, 4)),  # down
+    (4096, 4096, (64, 64, 64, 4, 6, 4)),  # o
+    (14336, 4096, (64, 64, 64, 4, 6, 1)),  # gate/up + SwiGLU
+    (4096, 14336, (64, 64, 128, 4, 3, 4)),  # down
     (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
 )
 
@@ -179,9 +179,10 @@ class MatmulConfig:
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
-        """The rule, and tuned tiles for the weights of Qwen2.5-0.5B and Llama-3.2-1B
-        (benchmarks/bench_matmul.py --sweep on an H100: the tile of least worst ratio to
-        cuBLAS over M = 1..256)."""
+        """The rule, and tuned tiles for the weights of Qwen2.5-0.5B, Llama-3.2-1B and
+        Llama-3.1-8B (benchmarks/bench_matmul.py --sweep: the tile of least worst ratio to
+        cuBLAS over the rows it serves; the Llama tiles from an H200 with --keep-split,
+        over M = 1..64, since a verified large tile serves M >= large_m)."""
         return cls(
             tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES),
             large_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LARGE_TILES),
