@@ -220,10 +220,10 @@ def run(args) -> dict:
     return dict(rows=rows)
 
 
-def large_candidates(split: int, tma: bool, K: int = 0) -> list[mm.MatmulTile]:
+def large_candidates(split: int, tma: bool, K: int = 0, ws: bool = False) -> list[mm.MatmulTile]:
     """Pointer-load tiles, or with `tma` the Hopper TMA kernel's (`matmul_tma`): its tile
     shapes whose K step divides a part (K / split), each with every programs-per-tile
-    count (0: the launcher's rule by M)."""
+    count (0: the launcher's rule by M), and with `ws` each also warp-specialised."""
     if tma:
         shapes_ = ((64, 64, 64, 4, 6), (64, 64, 64, 4, 8), (128, 64, 64, 4, 6),
                    (64, 128, 64, 4, 6), (128, 128, 64, 8, 5), (64, 64, 64, 4, 4),
@@ -233,7 +233,8 @@ def large_candidates(split: int, tma: bool, K: int = 0) -> list[mm.MatmulTile]:
                    (64, 64, 32, 4, 4), (128, 128, 32, 8, 4))  # fmt: skip
         part = K // split if K else 0
         ps = [0] + [p for p in (1, 2, 4) if p <= split and split > 1]
-        return [mm.MatmulTile(*t, split, tma=True, programs=p) for t in shapes_ for p in ps
+        return [mm.MatmulTile(*t, split, tma=True, programs=p, ws=w) for t in shapes_
+                for p in ps for w in ((False, True) if ws else (False,))
                 if not part or (part % t[2] == 0 and (t[2] == 64 or part % 64))]  # fmt: skip
     out = []
     for bm, bn, bk, (w, st) in itertools.product((64, 128), (64, 128, 256), (64, 128),
@@ -260,7 +261,8 @@ def large_sweep(args) -> dict:
     jobs = []
     for s in shape_list:
         dec = dataclasses.replace(gpu.tile(s["N"], s["K"]), split=large_split(s, gpu))
-        jobs += [(s, t, rows_) for t in large_candidates(dec.split, args.tma, s["K"]) + [dec]]
+        cands = large_candidates(dec.split, args.tma, s["K"], args.ws)
+        jobs += [(s, t, rows_) for t in cands + [dec]]
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
         n = sum(pool.map(_compile_large, [jobs[i :: args.workers] for i in range(args.workers)]))
     print(f"precompiled {n} kernels", flush=True)
@@ -279,7 +281,7 @@ def large_sweep(args) -> dict:
         x256 = torch.randn(256, s["K"], device="cuda", dtype=torch.bfloat16)
         w0 = ops[args.large_rows[0]][1][0]
         want = mm._launch(x256, w0, None, s["silu"], gpu, tile=dec)
-        for t in large_candidates(split, args.tma, s["K"]):
+        for t in large_candidates(split, args.tma, s["K"], args.ws):
             if per_shape and time.perf_counter() - t_start > per_shape:
                 break
             try:
@@ -290,7 +292,7 @@ def large_sweep(args) -> dict:
                 print(f"  {t}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             key = f"{t.block_m}x{t.block_n}x{t.block_k}x{t.num_warps}x{t.num_stages}x{t.split}"
-            key += f"x{t.programs}t" if t.tma else ""
+            key += (f"x{t.programs}t" + ("w" if t.ws else "")) if t.tma else ""
             r["sweep"][key] = dict(same_bits=same, ratios=ratios)
         good = {k: v for k, v in r["sweep"].items() if v["same_bits"]}
         decode_rows = [M for M in args.large_rows if M <= 256]
@@ -306,10 +308,11 @@ def large_sweep(args) -> dict:
     for r in rows:
         if "best" in r:
             t = r["best"]["tile"]
-            vals = t.rstrip("t").replace("x", ", ")
-            if t.endswith("t"):  # ..., split, programs: the fields tma, programs follow
+            ws = t.endswith("tw")
+            vals = t.rstrip("w").rstrip("t").replace("x", ", ")
+            if t.rstrip("w").endswith("t"):  # ..., split, programs: tma, programs (, ws)
                 head, programs = vals.rsplit(", ", 1)
-                vals = f"{head}, True, {programs}"
+                vals = f"{head}, True, {programs}" + (", True" if ws else "")
             print(f"    ({r['N']}, {r['K']}, ({vals})),  # {r['model']} {r['layer']}")
     return dict(large_rows=rows)
 
@@ -358,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--large-rows", type=int, nargs="+", default=[128, 256, 1024])
     ap.add_argument("--tma", action="store_true", help="the large sweep's candidates are "
                     "TMA tiles (Hopper) instead of pointer-load tiles")  # fmt: skip
+    ap.add_argument("--ws", action="store_true", help="with --tma: each TMA candidate also "
+                    "with its K loop warp-specialised")  # fmt: skip
     ap.add_argument("--time-budget", type=float, default=None, metavar="S",
                     help="sweep each shape for at most S / shapes seconds")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results")

@@ -18,7 +18,8 @@ class MatmulTile:
     split: the parts of K summed in the tree (a power of two dividing K); tma: loads by
     tensor descriptors (`matmul_tma`, Hopper), for large-M tiles; programs: programs per
     output tile, each summing an aligned run of split / programs parts (a power of two
-    dividing split; 0: `launch_shape`'s rule by M). A launch choice: never a bit."""
+    dividing split; 0: `launch_shape`'s rule by M); ws: with tma, the K loop warp
+    specialised (Triton's producer / consumer warps). A launch choice: never a bit."""
 
     block_m: int
     block_n: int
@@ -28,12 +29,15 @@ class MatmulTile:
     split: int = 1
     tma: bool = False
     programs: int = 0
+    ws: bool = False
 
     def __post_init__(self) -> None:
         p = self.programs
         if p < 0 or (p and (p & (p - 1) or self.split % p)):
             raise ValueError(f"MatmulTile.programs must be 0 or a power of two dividing the "
                              f"split ({self.split}), got {p}")  # fmt: skip
+        if self.ws and not self.tma:
+            raise ValueError("MatmulTile.ws needs tma: only the TMA kernel warp-specialises")
 
 
 # (N, K, (block_m, block_n, block_k, num_warps, num_stages, split)); gate/up's N is I (its

@@ -40,6 +40,7 @@ def _linear_tma_kernel(
     PARTS: tl.constexpr, P: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
     PRECISION: tl.constexpr,
+    WS: tl.constexpr,  # warp specialisation of the K loop (producer warps for the TMA loads)
 ):  # fmt: skip
     pid = tl.program_id(0)
     q = tl.program_id(1)
@@ -56,7 +57,7 @@ def _linear_tma_kernel(
         k_lo = (q * PARTS + j) * part_k
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         part_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, part_k, BLOCK_K):  # one order for every M and every P
+        for k0 in tl.range(0, part_k, BLOCK_K, warp_specialize=WS):  # one order at any M, P
             x = X_DESC.load([off_m, k_lo + k0])
             part = tl.dot(x, W_DESC.load([off_n, k_lo + k0]).T, part, input_precision=PRECISION)
             if SILU_MUL:
@@ -92,6 +93,6 @@ def launch(x, w, bias, out, partial, counter, tiles: int, P: int, part_k: int, t
         M, out.shape[1], part_k,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         PARTS=tile.split // P, P=P, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, PDL=pdl,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WS=tile.ws,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **options,
     )  # fmt: skip

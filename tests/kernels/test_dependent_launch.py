@@ -139,3 +139,24 @@ def test_cuda_tma_tile_is_the_pointer_tile(N, K, silu, split) -> None:
             ptr = dataclasses.replace(t, tma=False)
             assert torch.equal(got, mm._launch(x, w * K**-0.5, None, silu, cfg, P, tile=ptr))
             assert torch.equal(got[:7], mm._launch(x[:7], w * K**-0.5, None, silu, cfg, tile=t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,silu,split", TMA_SHAPES[:2])
+def test_cuda_warp_specialised_tma_tile_is_the_pointer_tile(N, K, silu, split) -> None:
+    """A TMA tile whose K loop is warp-specialised gives the pointer tile's bits: the
+    producer warps only move the loads, the MMAs and their order are the same."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs Hopper or newer")
+    g = torch.Generator(device="cuda").manual_seed(K)
+    w = torch.randn((2 if silu else 1) * N, K, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(300, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
+    cfg = mm.MatmulConfig.gpu()
+    t = mm.MatmulTile(128, 128, 64, 8, 3, split, tma=True, ws=True)
+    try:
+        got = mm._launch(x, w, None, silu, cfg, 1, tile=t)
+    except Exception as e:  # noqa: BLE001 (a Triton that cannot warp-specialise this loop)
+        pytest.skip(f"this Triton does not warp-specialise the TMA loop: {str(e)[:200]}")
+    ptr = dataclasses.replace(t, tma=False, ws=False)
+    assert torch.equal(got, mm._launch(x, w, None, silu, cfg, 1, tile=ptr))
+    assert torch.equal(got[:7], mm._launch(x[:7], w, None, silu, cfg, 1, tile=ptr))

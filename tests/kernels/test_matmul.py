@@ -288,3 +288,9 @@ def test_cuda_a_split_gives_the_same_bits_whoever_sums_it(split) -> None:
             for _ in range(10):
                 assert torch.equal(mm._launch(x, w, None, silu, cfg, programs_per_tile=P),
                                    want), (silu, P)  # fmt: skip
+
+
+def test_warp_specialisation_is_a_tma_choice() -> None:
+    assert mm.MatmulTile(128, 128, 64, 8, 3, 1, tma=True, ws=True).ws
+    with pytest.raises(ValueError, match="ws needs tma"):
+        mm.MatmulTile(128, 128, 64, 8, 3, 1, ws=True)
