@@ -43,9 +43,10 @@ memory floor, and the GPU's idle time per step, overlap on and off, quiet and be
 
     python benchmarks/bench_step.py --model qwen2.5-0.5b [--dtype bfloat16] [--max-seq-len 512]
 
-Profile (`--scenario profile --model CONFIG [--cublas]`; step_profile.py): the replayed
-decode forward at each B (default 1 32), kernel by kernel (time, bytes, GB/s, the op
-and layer that launched it), against the weight-read floor measured in the same run;
+Profile (`--scenario profile --model CONFIG [--cublas] [--prefetch-k K ...]`;
+step_profile.py): the replayed decode forward at each B (default 1 32), kernel by kernel
+(time, bytes, GB/s, the op and layer that launched it), against the weight-read floor
+measured in the same run, once per GEMM L2-prefetch depth given;
 step-profile-<model>-<device>-<date>.json.
 
     python benchmarks/bench_step.py --scenario profile --model llama-3.2-1b
@@ -269,6 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--hf-reps", type=int, default=3, help="timed generate calls per length")
     m.add_argument("--hf-batches", type=int, nargs="+", default=None,
                    help="time transformers at these batches only (default: every one)")  # fmt: skip
+    m.add_argument("--prefetch-k", type=int, nargs="+", default=None, metavar="K",
+                   help="profile scenario: one profile per MatmulConfig.prefetch_k value")
     m.add_argument("--cublas", action="store_true", help="prefill and profile scenarios: "
                    "HFTransformer(batch_invariant=False), cuBLAS GEMMs")  # fmt: skip
     m.add_argument("--spec-max-batch", type=int, default=32,

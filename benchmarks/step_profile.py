@@ -12,6 +12,10 @@ Each kernel is named by the op that launched it: one eager forward with every
 (weights and activations read, outputs written; attention the keys and values of each
 row's live positions); kernels are matched to ops in order by name (`OP_KERNELS`), and
 the torch glue between them (embedding lookup, clamp, the logits' cast) is "other".
+`--prefetch-k K [K ...]` profiles the same weights once per value of
+`MatmulConfig.prefetch_k` (the weight columns each GEMM program asks L2 for before it
+waits for the kernel before it): how much of a small layer's weight read can overlap
+the kernels before it.
 Per kernel: name, op, layer, time (start to end), own time (what it adds to the
 replay's timeline: with dependent launches a kernel starts early and waits inside, so
 its span overlaps the one before), gap, bytes, achieved GB/s; per op: count, time, own
@@ -246,7 +250,8 @@ def profile_batch(model, B: int, prompt_len: int, steps: int, bandwidth: float) 
 def markdown(result: dict) -> str:
     lines = []
     for r in result["rows"]:
-        lines += [f"{result['model']} ({result['route']}), B = {r['batch']}: step "
+        pk = f", prefetch_k {r['prefetch_k']}" if "prefetch_k" in r else ""
+        lines += [f"{result['model']} ({result['route']}{pk}), B = {r['batch']}: step "
                   f"{r['step_us']:.0f} us, kernels {r['kernels_sum_us']:.0f} us, gaps "
                   f"{r['gap_us']:.0f} us, floor {r['floor_us']:.0f} us "
                   f"({r['floor_bytes'] / 1e9:.2f} GB at {result['read_gb_s']:.0f} GB/s): "
@@ -270,18 +275,27 @@ def run(args, header: dict, resolve, load, dtypes) -> tuple[str, dict]:
     import json
     import os
 
+    from graphexec.kernels.matmul_config import MatmulConfig
+
     name, cfg, folder = resolve(args.model)
     batches = args.batches or [1, 32]
     need = args.prompt_len + 8
-    model, _ = load(cfg, folder, args.device, dtypes[args.dtype], max(need, 64), args.seed,
-                    batch_invariant=not args.cublas)  # fmt: skip
-    model.bind(max(batches) + 1, args.device)
     bandwidth = read_bandwidth(args.device)
     route = "cublas" if args.cublas else "invariant"
+    rows = []
+    for pk in args.prefetch_k or [None]:  # one model per value, the same seeded weights
+        matmul = MatmulConfig.default()
+        matmul = matmul if pk is None else matmul.replace(prefetch_k=pk)
+        model, _ = load(cfg, folder, args.device, dtypes[args.dtype], max(need, 64),
+                        args.seed, batch_invariant=not args.cublas, matmul=matmul)  # fmt: skip
+        model.bind(max(batches) + 1, args.device)
+        for B in batches:
+            row = profile_batch(model, B, args.prompt_len, args.steps, bandwidth)
+            rows.append(dict(row, prefetch_k=matmul.prefetch_k))
+        del model
+        torch.cuda.empty_cache()
     result = dict(header, scenario="profile", model=name, route=route, dtype=args.dtype,
-                  prompt_len=args.prompt_len, read_gb_s=bandwidth / 1e9,
-                  rows=[profile_batch(model, B, args.prompt_len, args.steps, bandwidth)
-                        for B in batches])  # fmt: skip
+                  prompt_len=args.prompt_len, read_gb_s=bandwidth / 1e9, rows=rows)
     os.makedirs(args.out, exist_ok=True)
     dev = header["device"].lower().replace(" ", "-")
     tag = f"{name}-cublas" if args.cublas else name

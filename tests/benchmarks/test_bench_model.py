@@ -329,6 +329,10 @@ def test_profile_table_gives_each_ops_own_time() -> None:
                                        rows=[row])).splitlines()  # fmt: skip
     assert "| norm | 3 | 70 | 5 | 5% | 0.000 | - |" in table
     assert "| o | 2 | 60 | 30 | 30% | 0.200 | 3333 |" in table
+    assert "prefetch_k" not in table[0]
+    swept = step_profile.markdown(dict(model="m", route="invariant", read_gb_s=3800.0,
+                                       rows=[dict(row, prefetch_k=2048)])).splitlines()
+    assert swept[0].startswith("m (invariant, prefetch_k 2048), B = 1: step 100 us")
 
 
 def test_measure_waits_until_every_request_decodes() -> None:
