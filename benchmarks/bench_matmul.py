@@ -244,6 +244,17 @@ def large_candidates(split: int, tma: bool, K: int = 0, ws: bool = False) -> lis
     return out
 
 
+def tile_fields(key: str) -> str:
+    """A large sweep's tile key (block_m x block_n x block_k x warps x stages x split, then
+    for TMA x programs t, w if warp-specialised) as a MatmulTile's fields."""
+    ws = key.endswith("tw")
+    vals = key.rstrip("w").rstrip("t").replace("x", ", ")
+    if key.rstrip("w").endswith("t"):  # ..., split, programs: tma, programs (, ws)
+        head, programs = vals.rsplit(", ", 1)
+        vals = f"{head}, True, {programs}" + (", True" if ws else "")
+    return vals
+
+
 def large_split(s: dict, gpu: mm.MatmulConfig) -> int:
     """The split a model runs the shape with on one GPU: o and down are row-parallel
     layers (`row_parallel.row_split_gpu`), the others take their decode tile's."""
@@ -295,25 +306,25 @@ def large_sweep(args) -> dict:
             key += (f"x{t.programs}t" + ("w" if t.ws else "")) if t.tma else ""
             r["sweep"][key] = dict(same_bits=same, ratios=ratios)
         good = {k: v for k, v in r["sweep"].items() if v["same_bits"]}
-        decode_rows = [M for M in args.large_rows if M <= 256]
-        if good:
-            best = min(good, key=lambda k: max(good[k]["ratios"][M] for M in decode_rows))
-            r["best"] = dict(tile=best, **good[best])
+        # the large tile serves large_m .. wide_m - 1 rows, the wide tile wide_m .. long_m - 1
+        for key, lo, hi in (("best", gpu.large_m, gpu.wide_m), ("best_wide", gpu.wide_m,
+                                                                   gpu.long_m)):  # fmt: skip
+            served = [M for M in args.large_rows if lo <= M < hi]
+            if good and served:
+                best = min(good, key=lambda k: max(good[k]["ratios"][M] for M in served))
+                r[key] = dict(tile=best, rows=served, **good[best])
         print(f"{s['model']:14s} {s['layer']:13s} {len(good)}/{len(r['sweep'])} bit-identical; "
-              f"decode tile {r['decode']}; best {r.get('best')}", flush=True)  # fmt: skip
+              f"decode tile {r['decode']}; best {r.get('best')}; wide {r.get('best_wide')}",
+              flush=True)  # fmt: skip
         rows.append(r)
         del ops
         torch.cuda.empty_cache()
-    print("\nGPU_LARGE_TILES:")
-    for r in rows:
-        if "best" in r:
-            t = r["best"]["tile"]
-            ws = t.endswith("tw")
-            vals = t.rstrip("w").rstrip("t").replace("x", ", ")
-            if t.rstrip("w").endswith("t"):  # ..., split, programs: tma, programs (, ws)
-                head, programs = vals.rsplit(", ", 1)
-                vals = f"{head}, True, {programs}" + (", True" if ws else "")
-            print(f"    ({r['N']}, {r['K']}, ({vals})),  # {r['model']} {r['layer']}")
+    for title, key in (("GPU_LARGE_TILES", "best"), ("GPU_WIDE_TILES", "best_wide")):
+        print(f"\n{title}:")
+        for r in rows:
+            if key in r and (key == "best" or r[key]["tile"] != r.get("best", {}).get("tile")):
+                print(f"    ({r['N']}, {r['K']}, ({tile_fields(r[key]['tile'])})),  "
+                      f"# {r['model']} {r['layer']}")  # fmt: skip
     return dict(large_rows=rows)
 
 

@@ -341,17 +341,19 @@ def verify_shard_tiles(config: MatmulConfig, shards: list[tuple[int, torch.Tenso
 
 def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, bool]],
                        rows: int = 256, seed: int = 0) -> MatmulConfig:  # fmt: skip
-    """`config` with `verified` (`verified_long`) = the weight shapes whose large (long)
-    tile gives, on this device, the bits of the decode tile with the same split: for
-    each (w [N, K] or [2 I, K], silu_mul), three activations of `rows` rows (normal,
-    scaled by 1e3 and 1e-3, with outliers) through both tiles, compared bit for bit. A
+    """`config` with `verified` (`verified_wide`, `verified_long`) = the weight shapes whose
+    large (wide, long) tile gives, on this device, the bits of the decode tile with the
+    same split: for each (w [N, K] or [2 I, K], silu_mul), three activations of `rows`
+    rows (normal, scaled by 1e3 and 1e-3, with outliers) through both tiles, compared bit
+    for bit. A
     shape that differs anywhere keeps its decode tile at those M. Shapes without such a
     tile are skipped; nothing runs on the CPU."""
-    found = {"verified": set(), "verified_long": set()}
+    found = {"verified": set(), "verified_wide": set(), "verified_long": set()}
     gen = None
     for w, silu in weights:
         N, K = (w.shape[0] // 2 if silu else w.shape[0]), w.shape[1]
         for name, tiles in (("verified", config.large_tiles),
+                            ("verified_wide", config.wide_tiles),
                             ("verified_long", config.long_tiles)):  # fmt: skip
             large = [t for n, k, t in tiles if (n, k) == (N, K)]
             if w.device.type != "cuda" or not large:

@@ -60,28 +60,40 @@ GPU_TILES = (
     (128256, 4096, (64, 128, 64, 4, 4, 1)),  # LM head
 )
 
-# Tiles for calls of at least `large_m` rows (last fields: TMA loads, programs per tile),
-# each with the split the model runs the shape with (o and down: row-parallel, 4 parts),
-# so the same reduction order: used only once `verified` on the device
+# Tiles for calls of `large_m` rows up to `wide_m` (last fields: TMA loads, programs per
+# tile), each with the split the model runs the shape with (o and down: row-parallel, 4
+# parts), so the same reduction order: used only once `verified` on the device
 # (`verify_large_tiles`). (bench_matmul.py --large-sweep --tma on an H200, every
-# candidate bit-identical there: the least worst ratio to cuBLAS at 128 and 256 rows;
-# Qwen2.5-0.5B keeps tiles that were faster at 4,096 rows)
+# candidate bit-identical there: the Llama tiles the fastest at 128 rows; Qwen2.5-0.5B
+# keeps tiles that were faster at 4,096 rows)
 GPU_LARGE_TILES = (
     (1152, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
     (896, 896, (64, 64, 32, 4, 4, 4, True, 2)),  # o (row-parallel: 4 parts)
     (4864, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # gate/up + SwiGLU
     (896, 4864, (64, 64, 64, 4, 4, 4, True, 4)),  # down
     (151936, 896, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
+    (3072, 2048, (64, 64, 64, 4, 8, 1, True, 0)),  # Llama-3.2-1B q/k/v
+    (2048, 2048, (64, 64, 64, 4, 6, 4, True, 0)),  # o
+    (8192, 2048, (128, 64, 64, 4, 6, 1, True, 0)),  # gate/up + SwiGLU
+    (2048, 8192, (64, 64, 64, 4, 6, 4, True, 4)),  # down
+    (128256, 2048, (128, 128, 64, 8, 5, 1, True, 0)),  # LM head
+    (6144, 4096, (64, 128, 64, 4, 6, 1, True, 0)),  # Llama-3.1-8B q/k/v
+    (4096, 4096, (64, 64, 64, 4, 6, 4, True, 2)),  # o
+    (14336, 4096, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
+    (4096, 14336, (64, 64, 64, 4, 6, 4, True, 2)),  # down
+    (128256, 4096, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
+)
+
+# Tiles for calls of `wide_m` rows up to `long_m`, where the same sweep's fastest at 256
+# rows differs from its fastest at 128 (the large tile); verified the same way.
+GPU_WIDE_TILES = (
     (3072, 2048, (64, 64, 64, 4, 6, 1, True, 0)),  # Llama-3.2-1B q/k/v
     (2048, 2048, (64, 64, 64, 4, 6, 4, True, 2)),  # o
-    (8192, 2048, (128, 64, 64, 4, 6, 1, True, 0)),  # gate/up + SwiGLU
+    (8192, 2048, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
     (2048, 8192, (64, 64, 64, 4, 6, 4, True, 2)),  # down
-    (128256, 2048, (128, 128, 64, 8, 5, 1, True, 0)),  # LM head
-    (6144, 4096, (64, 64, 64, 4, 4, 1, True, 0)),  # Llama-3.1-8B q/k/v
+    (6144, 4096, (128, 128, 64, 8, 5, 1, True, 0)),  # Llama-3.1-8B q/k/v
     (4096, 4096, (64, 64, 64, 4, 6, 4, True, 1)),  # o
-    (14336, 4096, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
     (4096, 14336, (128, 128, 64, 8, 5, 4, True, 2)),  # down
-    (128256, 4096, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
 )
 
 # Tiles for calls of at least `long_m` rows (prefill chunks), where the same sweep's
@@ -124,9 +136,12 @@ class MatmulConfig:
         gives the bits of the decode tile with its split (the tensor cores sum each
         output over K in steps of 16 whatever the tile, but that is the hardware's
         property, so it is measured, not assumed).
-    long_tiles, long_m, verified_long: the same for calls of at least `long_m` rows
-        (prefill chunks), where they take the place of the large tile: the fastest
-        tile at 128 rows is not the fastest at 4,096.
+    wide_tiles, wide_m, verified_wide: the same for calls of at least `wide_m` rows,
+        where they take the place of the large tile (on an H200 the fastest tile at 128
+        rows was up to 1.5 x slower at 256, and the reverse);
+    long_tiles, long_m, verified_long: and for calls of at least `long_m` rows (prefill
+        chunks), in the place of both: the fastest tile at 256 rows is not the fastest
+        at 4,096.
     shard_programs: a tensor-parallel rank's tiles (`shard_tile`, a row-parallel rank's
         `row_parallel.verify_rank_tile`) take the widest columns (<= max_block_n) that
         still give this many programs at one row: on an H200, Llama-3.1-8B's shards at
@@ -152,6 +167,9 @@ class MatmulConfig:
     large_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
     large_m: int = 128
     verified: frozenset[tuple[int, int]] = frozenset()
+    wide_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
+    wide_m: int = 256
+    verified_wide: frozenset[tuple[int, int]] = frozenset()
     long_tiles: tuple[tuple[int, int, MatmulTile], ...] = ()
     long_m: int = 1024
     verified_long: frozenset[tuple[int, int]] = frozenset()
@@ -173,13 +191,13 @@ class MatmulConfig:
             if not 1 <= split <= MAX_SPLIT or split & (split - 1):
                 raise ValueError(f"MatmulConfig: a split must be a power of two in 1.."
                                  f"{MAX_SPLIT}, got {split}")  # fmt: skip
-        for n, k, t in self.large_tiles + self.long_tiles:
+        for n, k, t in self.large_tiles + self.wide_tiles + self.long_tiles:
             if not 1 <= t.split <= MAX_SPLIT or t.split & (t.split - 1):
                 raise ValueError(f"MatmulConfig: the large tile of [{n}, {k}] splits K into "
                                  f"{t.split} parts, not a power of two in 1..{MAX_SPLIT}")
-        if self.long_m < self.large_m:
-            raise ValueError(f"MatmulConfig.long_m ({self.long_m}) must be >= large_m "
-                             f"({self.large_m})")  # fmt: skip
+        if not self.large_m <= self.wide_m <= self.long_m:
+            raise ValueError(f"MatmulConfig needs large_m <= wide_m <= long_m, got "
+                             f"{self.large_m}, {self.wide_m}, {self.long_m}")  # fmt: skip
 
     @classmethod
     def gpu(cls) -> MatmulConfig:
@@ -190,6 +208,7 @@ class MatmulConfig:
         return cls(
             tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_TILES),
             large_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LARGE_TILES),
+            wide_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_WIDE_TILES),
             long_tiles=tuple((n, k, MatmulTile(*t)) for n, k, t in GPU_LONG_TILES),
         )
 
@@ -251,10 +270,12 @@ class MatmulConfig:
     def tile_for(self, N: int, K: int, M: int, split: int | None = None) -> MatmulTile:
         """The tile a call of M rows runs with K in `split` parts (None: that of
         `tile(N, K)`): its verified long tile of that split (M >= long_m), else its
-        verified large tile (M >= large_m), else `tile(N, K)` with it."""
+        verified wide tile (M >= wide_m), else its verified large tile (M >= large_m),
+        else `tile(N, K)` with it."""
         base = self.tile(N, K)
         split = split or base.split
         for least, tiles, verified in ((self.long_m, self.long_tiles, self.verified_long),
+                                       (self.wide_m, self.wide_tiles, self.verified_wide),
                                        (self.large_m, self.large_tiles, self.verified)):
             if M >= least and (N, K) in verified:
                 for n, k, tile in tiles:

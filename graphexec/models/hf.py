@@ -260,17 +260,19 @@ class HFTransformer(SlotKVCache):
                                            (self.vocab_size, self.lm_head, False)])  # fmt: skip
             self.row_splits = {n: verify_rank_tile(s, getattr(first, n), cfg)
                                for n, s in self.row_splits.items()}  # fmt: skip
-        if not cfg.large_tiles and not cfg.long_tiles:
+        if not (cfg.large_tiles or cfg.wide_tiles or cfg.long_tiles):
             return cfg
         weights = [(first.qkv, False), (first.gate_up, True), (self.lm_head, False)]
         # o / down: the whole weight on one rank (a rank's shard keeps its decode tile)
         weights += [(getattr(first, n), False) for n, s in self.row_splits.items()
                     if s is None or s.world == 1]  # fmt: skip
         cfg = verify_large_tiles(cfg, weights)
-        large, long = ({(n, k) for n, k, _ in t} for t in (cfg.large_tiles, cfg.long_tiles))
+        large, wide, long = ({(n, k) for n, k, _ in t}
+                             for t in (cfg.large_tiles, cfg.wide_tiles, cfg.long_tiles))
         logger.info("large-M GEMM tiles: %d of this model's shapes verified bit-identical "
-                    "to the decode tiles (and %d prefill-sized ones)",
-                    len(large & cfg.verified), len(long & cfg.verified_long))  # fmt: skip
+                    "to the decode tiles (and %d wide, %d prefill-sized ones)",
+                    len(large & cfg.verified), len(wide & cfg.verified_wide),
+                    len(long & cfg.verified_long))  # fmt: skip
         return cfg
 
     def prefill_batch(self, batch: PrefillBatch) -> torch.Tensor | None:

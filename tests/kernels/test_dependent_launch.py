@@ -58,9 +58,49 @@ def test_tile_for_takes_a_long_tile_from_long_m_rows_only_where_verified() -> No
     assert cfg.replace(verified=frozenset()).tile_for(896, 896, 4096, 4) == t_long
     assert cfg.replace(verified=frozenset()).tile_for(896, 896, 256, 4).tma is False
     with pytest.raises(ValueError, match="long_m"):
-        mm.MatmulConfig(long_m=64)
+        mm.MatmulConfig(long_m=64, wide_m=64)
     with pytest.raises(ValueError, match="power of two"):
         mm.MatmulConfig(long_tiles=((896, 896, mm.MatmulTile(64, 64, 64, 4, 4, 3)),))
+
+
+def test_tile_for_takes_a_wide_tile_from_wide_m_rows_only_where_verified() -> None:
+    """Calls of wide_m rows up to long_m take the shape's verified wide tile of their
+    split; below wide_m, unverified, or for a shape without one, the large tile."""
+    t_large = mm.MatmulTile(64, 64, 64, 4, 6, 4, tma=True, programs=2)
+    t_wide = mm.MatmulTile(128, 128, 64, 8, 5, 4, tma=True, programs=2)
+    t_long = mm.MatmulTile(128, 256, 64, 8, 3, 4, tma=True, programs=4)
+    both = frozenset({(896, 896)})
+    cfg = mm.MatmulConfig.gpu().replace(
+        large_tiles=((896, 896, t_large),), wide_tiles=((896, 896, t_wide),),
+        long_tiles=((896, 896, t_long),), verified=both, verified_wide=both,
+        verified_long=both)  # fmt: skip
+    assert cfg.tile_for(896, 896, cfg.wide_m - 1, 4) == t_large
+    assert cfg.tile_for(896, 896, cfg.wide_m, 4) == t_wide
+    assert cfg.tile_for(896, 896, cfg.long_m - 1, 4) == t_wide
+    assert cfg.tile_for(896, 896, cfg.long_m, 4) == t_long
+    assert cfg.replace(verified_wide=frozenset()).tile_for(896, 896, cfg.wide_m, 4) == t_large
+    assert cfg.replace(wide_tiles=()).tile_for(896, 896, cfg.wide_m, 4) == t_large
+    assert cfg.replace(verified=frozenset()).tile_for(896, 896, cfg.wide_m, 4) == t_wide
+    with pytest.raises(ValueError, match="wide_m"):
+        mm.MatmulConfig(wide_m=64)
+    with pytest.raises(ValueError, match="wide_m"):
+        mm.MatmulConfig(wide_m=2048)
+
+
+def test_gpu_tiles_keep_the_split_the_model_runs() -> None:
+    """Every large, wide and long tile of the GPU preset splits K as the model runs the
+    shape (the decode tile's split; o and down, row-parallel: at least ROW_SPLIT), so
+    each can give the decode tile's bits."""
+    from graphexec.kernels.row_parallel import ROW_SPLIT
+
+    gpu = mm.MatmulConfig.gpu()
+    row_parallel = {(896, 4864), (2048, 8192), (4096, 14336), (896, 896), (2048, 2048),
+                    (4096, 4096)}  # fmt: skip
+    for n, k, t in gpu.large_tiles + gpu.wide_tiles + gpu.long_tiles:
+        want = gpu.tile(n, k).split
+        want = max(ROW_SPLIT, want) if (n, k) in row_parallel else want
+        assert t.split == want, (n, k, t)
+        assert t.tma
 
 
 # ---------------------------------------------------------------------------------- GPU

@@ -232,21 +232,21 @@ def test_cuda_rows_are_the_bits_of_the_row_alone(N, K, bias) -> None:
     """bf16 at the real models' shapes, with the large-M tiles as a model binds them
     (`verify_large_tiles`: used where this GPU gives them the decode tiles' bits): row r
     of a call of M rows equals the same row computed alone (M = 1), for M = 1, 7, 64,
-    127, 128, 256, 1023, 1100 (both sides of large_m and long_m) and every row; the
-    values are cuBLAS's to bf16 rounding."""
+    127, 128, 255, 256, 1023, 1100 (both sides of large_m, wide_m and long_m) and every
+    row; the values are cuBLAS's to bf16 rounding."""
     g = torch.Generator(device="cuda").manual_seed(N)
     x = torch.randn(1100, K, device="cuda", generator=g, dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", generator=g, dtype=torch.bfloat16) * K**-0.5
     b = torch.randn(N, device="cuda", generator=g, dtype=torch.bfloat16) if bias else None
     cfg = mm.verify_large_tiles(mm.MatmulConfig.gpu(), [(w, False)])
-    print(f"[{N}, {K}]: large / long tile verified: {(N, K) in cfg.verified} / "
-          f"{(N, K) in cfg.verified_long}")  # fmt: skip
+    print(f"[{N}, {K}]: large / wide / long tile verified: {(N, K) in cfg.verified} / "
+          f"{(N, K) in cfg.verified_wide} / {(N, K) in cfg.verified_long}")  # fmt: skip
 
     def lin(t):
         return mm.linear(t, w, b, config=cfg)
 
     alone = torch.cat([lin(x[i : i + 1]) for i in range(0, 1100, 37)])
-    for M in (1, 7, 64, 127, 128, 256, 1023, 1100):
+    for M in (1, 7, 64, 127, 128, 255, 256, 1023, 1100):
         got = lin(x[:M])
         idx = torch.arange(0, M, 37, device="cuda")
         assert torch.equal(got[idx], alone[: idx.numel()]), M
