@@ -10,7 +10,11 @@
 #       the visible GPUs; log: $OUT/pytest-gpu.log. TEST_FILES (paths) and TEST_SKIP (an
 #       extended regex of ids to leave out) split the suite over several commands; each
 #       process stops after TEST_TIMEOUT s (default 500: exit code 124 in its log);
-#       TEST_SPREAD=rr deals the ids round-robin (default: consecutive ids together)
+#       TEST_SPREAD=rr deals the ids round-robin (default: consecutive ids together);
+#       TEST_ALONE (an extended regex) gives each id it matches a process of its own, out
+#       of JOBS (the tests that compile for minutes: on a fresh 2 x H200 host with JOBS=28,
+#       test_every_arrangement_gives_the_same_streams and test_memory_is_flat_over_20000_
+#       churn_steps ran past 540 s beside four others and not alone)
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
@@ -70,11 +74,20 @@ run_tests() {
     # Triton kernel is compiled by each process that needs it before the shared cache has
     # it, and a fresh host compiles everything (tens of seconds a variant); TEST_SPREAD=rr
     # deals them round-robin instead (a file whose cases each compile their own kernels)
-    local per=$(( ($(wc -l <"$dir/ids") + jobs - 1) / jobs ))
+    grep -E "${TEST_ALONE:-^$}" "$dir/ids" >"$dir/alone"
+    grep -v -E "${TEST_ALONE:-^$}" "$dir/ids" >"$dir/rest"
+    local alone=$(wc -l <"$dir/alone")
+    local rest=$(( jobs > alone ? jobs - alone : 1 ))
+    local per=$(( ($(wc -l <"$dir/rest") + rest - 1) / rest ))
     [ "${TEST_SPREAD:-}" = rr ] && per=0
-    for ((i = 0; i < jobs; i++)); do
-        awk -v per="$per" -v i="$i" -v jobs="$jobs" \
-            '(per ? int((NR - 1) / per) : (NR - 1) % jobs) == i' "$dir/ids" >"$dir/ids.$i"
+    local groups=$(( jobs > alone ? jobs : alone + 1 ))
+    for ((i = 0; i < groups; i++)); do
+        if ((i < alone)); then
+            sed -n "$((i + 1))p" "$dir/alone" >"$dir/ids.$i"
+        else
+            awk -v per="$per" -v i="$((i - alone))" -v jobs="$rest" \
+                '(per ? int((NR - 1) / per) : (NR - 1) % jobs) == i' "$dir/rest" >"$dir/ids.$i"
+        fi
         [ -s "$dir/ids.$i" ] || continue
         # each group under TEST_TIMEOUT s (default 500), so that the log below still comes
         # back inside one device command's limit when a group overruns or hangs
@@ -83,7 +96,7 @@ run_tests() {
             --durations=5 >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
-    for ((i = 0; i < jobs; i++)); do
+    for ((i = 0; i < groups; i++)); do
         [ -f "$dir/log.$i" ] || continue
         { echo "== group $i"; cat "$dir/log.$i"; } >>"$log"
         grep -E "passed|failed|error|skipped" "$dir/log.$i" | tail -n 1
