@@ -345,9 +345,8 @@ def verify_large_tiles(config: MatmulConfig, weights: list[tuple[torch.Tensor, b
     large (wide, long) tile gives, on this device, the bits of the decode tile with the
     same split: for each (w [N, K] or [2 I, K], silu_mul), three activations of `rows`
     rows (normal, scaled by 1e3 and 1e-3, with outliers) through both tiles, compared bit
-    for bit. A
-    shape that differs anywhere keeps its decode tile at those M. Shapes without such a
-    tile are skipped; nothing runs on the CPU."""
+    for bit. A shape that differs anywhere keeps its decode tile at those M. Shapes
+    without such a tile are skipped; nothing runs on the CPU."""
     found = {"verified": set(), "verified_wide": set(), "verified_long": set()}
     gen = None
     for w, silu in weights:
