@@ -145,11 +145,16 @@ def _compile_large(job: list[tuple[dict, mm.MatmulTile, tuple[int, ...]]]) -> in
     return done
 
 
+def swept(s: dict, t: mm.MatmulTile, gpu: mm.MatmulConfig, keep_split: bool) -> bool:
+    """Whether the sweep times tile t on shape s: it suits the shape, and with
+    `keep_split` splits K as the model runs the shape."""
+    return suits(s, t, gpu.min_programs) and (not keep_split or t.split == large_split(s, gpu))
+
+
 def precompile(shape_list: list[dict], tiles: list[mm.MatmulTile], workers: int,
                rows: tuple[int, ...], keep_split: bool) -> None:  # fmt: skip
     gpu = mm.MatmulConfig.gpu()
-    pairs = [(s, t, rows) for s in shape_list for t in tiles
-             if suits(s, t, 264) and (not keep_split or t.split == large_split(s, gpu))]
+    pairs = [(s, t, rows) for s in shape_list for t in tiles if swept(s, t, gpu, keep_split)]
     jobs = [pairs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         n = sum(pool.map(_compile, jobs))
@@ -187,8 +192,7 @@ def run(args) -> dict:
             ours = graph_time_us(calls(s, x, ws, b, gpu), args.reps)
             r["by_m"][M] = dict(cublas_us=cub, invariant_us=ours, ratio=ours / cub)
             for t in tiles:
-                if not suits(s, t, gpu.min_programs) or (
-                        args.keep_split and t.split != large_split(s, gpu)):  # fmt: skip
+                if not swept(s, t, gpu, args.keep_split):
                     continue
                 if per_shape and time.perf_counter() - t_start > per_shape:
                     break
@@ -201,14 +205,13 @@ def run(args) -> dict:
                        f"/k{t.split}")  # fmt: skip
                 r["sweep"].setdefault(key, {})[M] = us / cub
             del x, ws, b
+        served = decode_rows(s, args.rows, gpu)
         if r["sweep"]:
-            decode = decode_rows(s, args.rows, gpu)
             full = {k: v for k, v in r["sweep"].items() if all(M in v for M in args.rows)}
             best = min(full or r["sweep"], key=lambda k: max(r["sweep"][k].get(M, 9e9)
-                                                             for M in decode))  # fmt: skip
-            r["best"] = dict(tile=best, ratios=r["sweep"][best], rows=decode)
+                                                             for M in served))  # fmt: skip
+            r["best"] = dict(tile=best, ratios=r["sweep"][best], rows=served)
         rows.append(r)
-        served = decode_rows(s, args.rows, gpu)
         worst = max(v["ratio"] for M, v in r["by_m"].items() if M in served)
         best = ""
         if "best" in r:
