@@ -331,6 +331,11 @@ def large_sweep(args) -> dict:
     return dict(large_rows=rows)
 
 
+def _at(by_m: dict, M: int):
+    """by_m's entry for M rows: int keys in a live result, str keys in one read from JSON."""
+    return by_m.get(M, by_m.get(str(M)))
+
+
 def markdown(result: dict) -> str:
     Ms = sorted({int(M) for r in result["rows"] for M in r["by_m"]})
     head = ["model", "layer", "N", "K", "tile"] + [f"M={M}" for M in Ms]
@@ -342,12 +347,12 @@ def markdown(result: dict) -> str:
         cells = [r["model"], r["layer"], str(r["N"]), str(r["K"]),
                  f"{t['block_m']}x{t['block_n']}x{t['block_k']}/k{t.get('split', 1)}"]  # fmt: skip
         for M in Ms:
-            v = r["by_m"].get(M) or r["by_m"].get(str(M))
+            v = _at(r["by_m"], M)
             cells.append(f"{v['ratio']:.2f} ({v['cublas_us']:.1f})" if v else "-")
         lines.append("| " + " | ".join(cells) + " |")
         if "best" in r:
             lines.append(f"|  | best swept: {r['best']['tile']} | | | | "
-                         + " | ".join(f"{r['best']['ratios'].get(M, float('nan')):.2f}"
+                         + " | ".join(f"{_at(r['best']['ratios'], M) or float('nan'):.2f}"
                                       for M in Ms) + " |")  # fmt: skip
     return "\n".join(lines)
 
