@@ -1,5 +1,6 @@
 """Speculation on the host: each chunk's draft allowances, n-gram drafts and per-offset
-token masks before the step; the n-gram histories and acceptance counts after it.
+token masks before the step; the n-gram histories once its runs are collected (before
+the next launch: it needs them) and the acceptance counts once it is finished.
 
 Per chunk (`prepare`): each row's allowance is min(K, tokens it may still emit - 1), so
 a run never passes max_tokens or the model's length; n-gram drafts come from its
@@ -52,6 +53,7 @@ class Drafter:
         pin = device.type == "cuda"
         self._host_in = torch.empty((max_batch_size + largest, 1 + self.k), dtype=torch.int64,
                                     pin_memory=pin)  # fmt: skip
+        self._host_np = self._host_in.numpy()  # the same pinned memory
         self._allow = np.zeros(max_batch_size, dtype=np.int64)
         self.drafted = 0
         self.accepted = 0
@@ -68,7 +70,7 @@ class Drafter:
         [N, T] of that run length), and its token masks per offset; the chunk's key."""
         rows = plan.rows[start : start + n]
         left = plan.limit[start : start + n] - plan.generated[start : start + n]
-        allow = np.clip(left - 1, 0, self.k)
+        allow = np.minimum(np.maximum(left - 1, 0), self.k)
         g_rows = [i - start for i in plan.mask_rows if start <= i < start + n]
         if self.draft is None:
             cfg = self.config
@@ -90,29 +92,35 @@ class Drafter:
         if self.draft is None:
             allow = np.array([len(d) for d in drafts], dtype=np.int64)
         spec_k = self.k if self.draft is not None or allow.any() else 0
-        key = dataclasses.replace(key, spec_k=spec_k)
+        if key.spec_k != spec_k:
+            key = dataclasses.replace(key, spec_k=spec_k)
         self._allow[start : start + n] = allow if spec_k else 0
         if spec_k == 0:
             return key
-        host = self._host_in[start : start + key.bucket]
-        host[:, 0] = 0
-        host[:, 1:] = -1
-        host[:n, 0] = torch.from_numpy(allow)
-        rows_np = host.numpy()  # the pinned buffer's memory: no tensor per row
+        rows_np = self._host_np[start : start + key.bucket]  # numpy: no tensor op per row
+        rows_np[:, 0] = 0
+        rows_np[:, 1:] = -1
+        rows_np[:n, 0] = allow
         for i, d in enumerate(drafts):
             if d:
                 rows_np[i, 1 : 1 + len(d)] = d
-        inputs[spec_k + 1][: key.bucket].copy_(host, non_blocking=True)
+        inputs[spec_k + 1][: key.bucket].copy_(self._host_in[start : start + key.bucket],
+                                               non_blocking=True)  # fmt: skip
         return key
 
-    def after(self, plan: BatchPlan, toks: np.ndarray, emitted: np.ndarray, counts: np.ndarray,
-              ended: set) -> None:  # fmt: skip
-        """Count drafts and acceptances (`emitted`: each run's length, `counts`: the tokens
-        reported before a stop); extend the histories of rows that go on."""
-        n = len(plan.rows)
-        self.drafted += int(self._allow[:n].sum())
-        self.accepted += int(np.maximum(emitted - 1, 0)[self._allow[:n] > 0].sum())
+    def allowances(self, n: int) -> np.ndarray:
+        """The drafts of the launch just prepared, per row of its plan (a copy)."""
+        return self._allow[:n].copy()
+
+    def extend(self, plan: BatchPlan, toks: np.ndarray, counts: np.ndarray) -> None:
+        """Extend the n-gram histories by a collected step's runs (`counts`: the tokens
+        each row goes on with; a row that stops in its run ends, its history with it)."""
         if self.draft is None:
-            for i, r in enumerate(plan.rows):
-                if i not in ended:
-                    r.history.extend(toks[i, : counts[i]].tolist())
+            for i in np.flatnonzero(counts).tolist():
+                plan.rows[i].history.extend(toks[i, : counts[i]].tolist())
+
+    def count(self, allow: np.ndarray, emitted: np.ndarray) -> None:
+        """Count a finished step's drafts (`allow`: its `allowances`) and acceptances
+        (`emitted`: each run's length)."""
+        self.drafted += int(allow.sum())
+        self.accepted += int(np.maximum(emitted - 1, 0)[allow > 0].sum())

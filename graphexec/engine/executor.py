@@ -22,10 +22,12 @@ A row whose generated plus in-flight tokens reach its limit is not launched agai
 that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
 dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
 occupant's flush is queued after N + 1 on the stream. A step whose drafts need N's tokens
-on the host collects N first; one whose token masks do (grammar, allowed ids, bad words)
-launches N + 1's forward, collects N, then writes the masks and launches N + 1's draw
-(`StepRunner.launch_forward`). `overlap=False` collects every step in the call that
-launched it. Tokens never depend on it.
+on the host collects N's runs first (`finish.collect`: counters and histories), launches
+N + 1 and finishes N while it runs; one whose token masks do (grammar, allowed ids, bad
+words) launches N + 1's forward, collects N, then writes the masks and launches N + 1's
+draw (`StepRunner.launch_forward`), or, with drafts too, finishes N before the launch.
+`overlap=False` collects every step in the call that launched it. Tokens never depend
+on it.
 
 Threads: `add_request`, `abort` and the read-only properties are safe from any thread,
 also while another thread is inside `step()`: they validate and queue under a lock held
@@ -48,7 +50,7 @@ import numpy as np
 from graphexec.engine.config import EngineConfig
 from graphexec.engine.drafts import Drafter
 from graphexec.engine.executor_stats import ExecutorStats, StepTiming
-from graphexec.engine.finish import StepOutputs, finish
+from graphexec.engine.finish import Runs, StepOutputs, collect, finish
 from graphexec.engine.inbox import RequestCheck, RequestQueue
 from graphexec.engine.masks import TokenMasks, grammar_slots
 from graphexec.engine.prefill import Prefiller
@@ -237,7 +239,7 @@ class DecodeExecutor:
         t0 = time.perf_counter()
         reqs = self.requests
         ready = reqs.drain()
-        prev, outs = self._inflight, None  # step N, held until collected
+        prev, runs, outs = self._inflight, None, None  # step N (its runs, once collected)
         early = late = 0.0  # waits for the device: before the launch, after it (seconds)
         plan = reqs.plan()
         replay = mode != "eager" and self.cuda_graphs
@@ -246,8 +248,12 @@ class DecodeExecutor:
         if prev is not None and not split and (self.drafter is not None or plan.mask_rows):
             # the launch needs step N's tokens on the host: collect N first
             self._inflight = None
-            outs, early = self._finish(prev, queued=False)
-            prev, plan = None, reqs.plan()
+            runs, early = self._collect(prev, queued=False)
+            plan = reqs.plan()
+            if self.drafter is None or prev.plan.mask_rows or plan.mask_rows:
+                outs = self._finish(prev, runs)  # the matchers take N's tokens first
+                prev = runs = None
+            # else drafts need only N's runs: N is finished while N + 1 runs
         prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
             ready += reqs.prefill()  # nothing decodes yet: the new rows decode now
@@ -257,7 +263,8 @@ class DecodeExecutor:
             self._steps += 1
             part = self.runner.launch_forward(plan, replay)
             self._inflight = None
-            outs, early = self._finish(prev, queued=True)
+            runs, early = self._collect(prev, queued=True)
+            outs = self._finish(prev, runs)
             prev, live = None, plan.live()
             masked = [plan.rows[i].slot for i in plan.mask_rows if live[i]]
             launched = self.runner.launch_draw(part, masked, replay)
@@ -270,7 +277,9 @@ class DecodeExecutor:
         if prev is None and not self.overlap:
             prev, launched = launched, None  # drained: this step is collected now
         if prev is not None:
-            outs, late = self._finish(prev, queued=launched is not None)
+            if runs is None:
+                runs, late = self._collect(prev, queued=launched is not None)
+            outs = self._finish(prev, runs)
         self._inflight = launched
         if outs is None:
             outs = StepOutputs()
@@ -279,18 +288,25 @@ class DecodeExecutor:
                                            time.perf_counter() - t1 - late)  # fmt: skip
         return outs
 
-    def _finish(self, launched: Launched, queued: bool) -> tuple[StepOutputs, float]:
+    def _collect(self, launched: Launched, queued: bool) -> tuple[Runs, float]:
         """Wait for a launched step by its event (`queued`: a later launch runs behind it)
-        and finish it: (its outputs, the seconds waited for the device)."""
+        and collect its runs (`finish.collect`; a drafter's histories extended): (the
+        runs, the seconds waited for the device)."""
         t = time.perf_counter()
         launched.wait(queued)
         waited = time.perf_counter() - t
+        runs = collect(launched.plan, launched.keys, launched.host)
+        if self.drafter is not None:
+            self.drafter.extend(launched.plan, runs.toks, runs.counts)
+        return runs, waited
+
+    def _finish(self, launched: Launched, runs: Runs) -> StepOutputs:
+        """Finish a collected step: its stop checks, outputs and ends."""
         self.prefiller.report_logprobs()
         plan = launched.plan
-        outs, ended = finish(plan, launched.keys, launched.host, self.eos_token_ids, self.masks,
+        outs, ended = finish(plan, runs, launched.keys, self.eos_token_ids, self.masks,
                              launched.errors, self._plain)  # fmt: skip
         if self.drafter is not None:
-            self.drafter.after(plan, outs._toks, outs._lengths, outs._counts,
-                               {f.row for f in ended})  # fmt: skip
+            self.drafter.count(launched.allow, outs._lengths)
         self.requests.end(plan, ended)
-        return outs, waited
+        return outs

@@ -74,9 +74,39 @@ def _isin(a: np.ndarray, values: Sequence[int]) -> np.ndarray:
     return hit
 
 
-def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
+@dataclass
+class Runs:
+    """A collected step's runs, before the stop checks: token ids [n, T] (-1 past a run),
+    logprob columns or None, the rows still live, each row's reported tokens before the
+    step (its first position), its run's length, the tokens it could still emit, and the
+    tokens it goes on with: its run up to its limit (0 for a dead row; a stop inside the
+    run reports fewer, but that row ends)."""
+
+    toks: np.ndarray
+    lp: tuple | None
+    alive: np.ndarray
+    gen: np.ndarray
+    ntok: np.ndarray
+    room: np.ndarray
+    counts: np.ndarray
+
+
+def collect(plan: BatchPlan, keys: list, host: dict) -> Runs:
+    """The step's runs from the host rows, and the plan's counters advanced by them: all
+    the next launch needs (a drafter's histories too), before any stop check. A row that
+    stops inside its run advances past the stop, but it ends at `finish`."""
+    toks, lp = gather_runs(plan, keys, host)
+    alive, gen = plan.live(), plan.generated
+    room = plan.limit - gen  # tokens each live row may still emit (>= 1)
+    ntok = (toks >= 0).cumprod(1).sum(1)  # the run's length; 0: no token
+    counts = np.where(alive, np.minimum(ntok, room), 0)
+    plan.collected(alive, counts)
+    return Runs(toks, lp, alive, gen, ntok, room, counts)
+
+
+def finish(plan: BatchPlan, runs: Runs, keys: list, eos: Sequence[int], masks,
            errors: dict[int, str], plain=None) -> tuple[StepOutputs, list[Finished]]:  # fmt: skip
-    """Advance the plan's counters by the step's runs and decide who ends.
+    """Decide who ends among the `collect`ed runs of the plan's step.
 
     keys: the step's chunks [(key, first row, rows)] as launched; eos: the ids that stop
     rows with eos_stops; errors: chunk start -> why its step raised; plain: the
@@ -86,20 +116,17 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
     pipelined step a row that stopped at step N ran once more in N + 1, and an abort may
     come while its step is in flight.
     Returns the step's outputs and the rows that finished (the caller releases them)."""
-    toks, lp = gather_runs(plan, keys, host)
+    toks, lp, alive, gen, ntok, room = (runs.toks, runs.lp, runs.alive, runs.gen, runs.ntok,
+                                        runs.room)  # fmt: skip
     n, t = toks.shape
-    alive = plan.live()
-    gen = plan.generated
     live = toks >= 0
-    ntok = live.cumprod(1).sum(1)  # the run's length; 0: no token
     # ids are >= 0, so the -1 past a run (or a code at 0) never matches a stop id
     stop = _isin(toks, eos)
     stop &= plan.eos_stops[:, None]
     for i in plan.own_stops:
         stop[i] |= _isin(toks[i], plan.rows[i].params.stop_token_ids)
-    room = plan.limit - gen  # tokens each live row may still emit (>= 1)
     hit = stop.any(1)
-    count = np.where(alive, np.minimum(ntok, room), 0)  # reported (a stop in the run: below)
+    count = runs.counts.copy()  # reported (a stop in the run: below)
     todo = (hit | (count == room) | (ntok == 0)) & alive
     texts: dict[int, str] | None = None  # row * T + offset -> its pushed text
     slow = None  # rows walked token by token: a mask's matcher, or text to decode
@@ -133,7 +160,6 @@ def finish(plan: BatchPlan, keys: list, host: dict, eos: Sequence[int], masks,
             why = last
         if why is not None:
             stop_reasons[i] = why
-    plan.collected(alive, count)
     for i in messages:
         count[i] = 1  # its error output
     outs = StepOutputs(plan.rows, keys, toks, count, gen, reasons, lp)

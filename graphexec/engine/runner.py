@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -74,6 +75,7 @@ class Launched:
     host: dict = field(default_factory=dict)
     event: torch.cuda.Event | None = None
     sleeper: torch.cuda.Event | None = None  # the same point, blocking-sync (blocking_wait)
+    allow: np.ndarray | None = None  # with a drafter: each row's drafts (`allowances`)
 
     def wait(self, queued: bool = False) -> None:
         """Block until the step's outputs are on the host (its event: never a stream
@@ -221,6 +223,8 @@ class StepRunner:
             self.copy_out(key, start, n, done.host)
         plan.uploaded = True
         plan.launched()
+        if drafter is not None:
+            done.allow = drafter.allowances(len(plan.rows))
         if self.device.type == "cuda":
             self._end_events(done)
         return done

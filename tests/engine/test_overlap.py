@@ -194,6 +194,50 @@ def test_speculative_steps_give_the_synchronous_outputs(drafter) -> None:
         assert [r[:2] for r in rows[:n]] == [r[:2] for r in sync[rid][:n]], rid
 
 
+def test_the_speculative_step_launches_n_plus_1_before_it_finishes_n(monkeypatch) -> None:
+    """With n-gram drafts the launch needs only N's runs (`finish.collect`): N's stop
+    checks and outputs come after N + 1's launch, with the same drafts and counts."""
+    from graphexec.engine import executor as executor_mod
+
+    def spec():
+        return gx.SpeculativeConfig(3, drafter="ngram")
+
+    calls: list[str] = []
+    real_finish = executor_mod.finish
+
+    def finish(*args, **kw):
+        calls.append("finish")
+        return real_finish(*args, **kw)
+
+    monkeypatch.setattr(executor_mod, "finish", finish)
+    piped, sync = make(True, spec()), make(False, spec())
+    real_launch = piped.runner.launch
+
+    def launch(*args, **kw):
+        calls.append("launch")
+        return real_launch(*args, **kw)
+
+    piped.runner.launch = launch
+    for ex in (piped, sync):
+        for i in range(3):  # repeating prompts: the n-gram drafter finds drafts
+            ex.add_request(f"r{i}", [5 + i, 6, 5 + i, 6], P(seed=i, max_tokens=20))
+    outs: dict = {ex: [] for ex in (piped, sync)}
+    orders = set()  # piped: each call's launch and finish, in order
+    for ex in (piped, sync):
+        while True:
+            calls.clear()
+            outs[ex] += [(o.request_id, o.token_id, o.position, o.finish_reason)
+                         for o in ex.step()]  # fmt: skip
+            if ex is piped:
+                orders.add(tuple(calls))
+            if ex.idle:
+                break
+    assert outs[piped] == outs[sync] and len(outs[sync]) > 3
+    assert ("launch", "finish") in orders and ("finish", "launch") not in orders
+    assert piped.drafter.drafted == sync.drafter.drafted > 0
+    assert piped.drafter.accepted == sync.drafter.accepted
+
+
 def test_outputs_arrive_one_call_late_and_the_stopped_row_runs_once_more() -> None:
     ex = make(True)
     ex.add_request("r", [1], P(seed=1, max_tokens=2))
