@@ -64,13 +64,12 @@ GPU_TILES = (
 # tile), each with the split the model runs the shape with (o and down: row-parallel, 4
 # parts), so the same reduction order: used only once `verified` on the device
 # (`verify_large_tiles`). (bench_matmul.py --large-sweep --tma on an H200, every
-# candidate bit-identical there: the Llama tiles the fastest at 128 rows; Qwen2.5-0.5B
-# keeps tiles that were faster at 4,096 rows)
+# candidate bit-identical there: the fastest at 128 rows)
 GPU_LARGE_TILES = (
-    (1152, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
-    (896, 896, (64, 64, 32, 4, 4, 4, True, 2)),  # o (row-parallel: 4 parts)
+    (1152, 896, (64, 64, 64, 4, 6, 1, True, 0)),  # Qwen2.5-0.5B q/k/v
+    (896, 896, (64, 64, 32, 4, 4, 4, True, 0)),  # o (row-parallel: 4 parts)
     (4864, 896, (64, 64, 64, 4, 4, 1, True, 0)),  # gate/up + SwiGLU
-    (896, 4864, (64, 64, 64, 4, 4, 4, True, 4)),  # down
+    (896, 4864, (64, 64, 64, 4, 8, 4, True, 4)),  # down
     (151936, 896, (128, 128, 64, 8, 3, 1, True, 0)),  # LM head
     (3072, 2048, (64, 64, 64, 4, 8, 1, True, 0)),  # Llama-3.2-1B q/k/v
     (2048, 2048, (64, 64, 64, 4, 6, 4, True, 0)),  # o
@@ -87,6 +86,9 @@ GPU_LARGE_TILES = (
 # Tiles for calls of `wide_m` rows up to `long_m`, where the same sweep's fastest at 256
 # rows differs from its fastest at 128 (the large tile); verified the same way.
 GPU_WIDE_TILES = (
+    (896, 896, (64, 64, 32, 4, 4, 4, True, 2)),  # Qwen2.5-0.5B o
+    (4864, 896, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
+    (896, 4864, (64, 64, 64, 4, 6, 4, True, 4)),  # down
     (3072, 2048, (64, 64, 64, 4, 6, 1, True, 0)),  # Llama-3.2-1B q/k/v
     (2048, 2048, (64, 64, 64, 4, 6, 4, True, 2)),  # o
     (8192, 2048, (128, 128, 64, 8, 4, 1, True, 0)),  # gate/up + SwiGLU
