@@ -54,7 +54,12 @@ phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
 mkdir -p "$OUT"
-bash .gpu-bundle/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
+# once per host and bundle, under a lock: run.sh calls started side by side (one per GPU)
+# would each reinstall it, and pip's --target upgrade removes the packages another's
+# Python has loaded
+stamp="/tmp/site/.bundle-$(ls -l .gpu-bundle | cksum | cut -d' ' -f1)"
+flock /tmp/gpu-bundle.lock bash -c "[ -f $stamp ] || { bash .gpu-bundle/install.sh && touch $stamp; }" \
+    >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
     FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1 || { echo "bundle install failed"; exit 1; }
 [ -f .gpu-bundle/commit ] && export GRAPHEXEC_COMMIT=$(cat .gpu-bundle/commit)
 ngpu=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
