@@ -20,7 +20,7 @@ import torch
 
 from graphexec.engine.plan import BatchPlan
 from graphexec.request import GraphKey
-from graphexec.speculative.ngram import TokenHistory
+from graphexec.speculative.ngram import TOKEN_WORD, TokenHistory
 from graphexec.speculative.spec_config import SpeculativeConfig
 
 
@@ -62,7 +62,7 @@ class Drafter:
         """n-gram drafting keeps the request's history (a draft model is prefilled with
         the target, by the `Prefiller`)."""
         if self.draft is None:
-            req.history = TokenHistory(prompt, len(prompt) + req.params.max_tokens + 1)
+            req.history = TokenHistory(prompt)
 
     def prepare(self, plan: BatchPlan, key: GraphKey, start: int, n: int, masks,
                 inputs: dict[int, torch.Tensor]) -> GraphKey:  # fmt: skip
@@ -116,8 +116,9 @@ class Drafter:
         """Extend the n-gram histories by a collected step's runs (`counts`: the tokens
         each row goes on with; a row that stops in its run ends, its history with it)."""
         if self.draft is None:
+            words = toks.astype(TOKEN_WORD)  # each row's new tokens as the history's bytes
             for i in np.flatnonzero(counts).tolist():
-                plan.rows[i].history.extend(toks[i, : counts[i]].tolist())
+                plan.rows[i].history.extend_words(words[i, : counts[i]].tobytes())
 
     def count(self, allow: np.ndarray, emitted: np.ndarray) -> None:
         """Count a finished step's drafts (`allow`: its `allowances`) and acceptances

@@ -7,7 +7,7 @@ probabilities: the drafts are deterministic, so strict verification accepts each
 highest possible probability, p(draft).
 
 `ngram_drafts` defines it over an array; `TokenHistory.drafts` gives the same drafts
-from a byte copy of the history searched from the end (`bytes.rfind`, a few microseconds
+from the history kept as bytes, searched from the end (`bytes.rfind`, a few microseconds
 a row, where the array scan costs tens: it runs for every row of every step).
 """
 
@@ -15,48 +15,44 @@ from __future__ import annotations
 
 import numpy as np
 
-_TOKEN = np.dtype("<i4")  # a token's bytes in the searched copy
+TOKEN_WORD = np.dtype("<i4")  # a token's bytes in the searched copy
 
 
 class TokenHistory:
-    """A request's prompt and output in one growing int64 array (appends are amortised
-    O(1), lookups see a numpy view), and the same tokens as 4-byte words in a bytearray
-    for `drafts`."""
+    """A request's prompt and output as 4-byte words in one bytearray (appends are
+    amortised O(1); `drafts` searches it as bytes)."""
 
-    __slots__ = ("_buf", "_n", "_bytes")
+    __slots__ = ("_bytes",)
 
-    def __init__(self, prompt: list[int], capacity: int) -> None:
-        self._buf = np.empty(max(capacity, len(prompt), 1), dtype=np.int64)
-        self._buf[: len(prompt)] = prompt
-        self._n = len(prompt)
-        self._bytes = bytearray(np.asarray(prompt, dtype=_TOKEN).tobytes())
+    def __init__(self, prompt: list[int]) -> None:
+        self._bytes = bytearray(np.asarray(prompt, dtype=TOKEN_WORD).tobytes())
 
-    def extend(self, tokens: list[int]) -> None:
-        end = self._n + len(tokens)
-        if end > self._buf.shape[0]:
-            grown = np.empty(max(end, 2 * self._buf.shape[0]), dtype=np.int64)
-            grown[: self._n] = self._buf[: self._n]
-            self._buf = grown
-        self._buf[self._n : end] = tokens
-        self._n = end
-        self._bytes += np.asarray(tokens, dtype=_TOKEN).tobytes()
+    def extend(self, tokens) -> None:
+        """Append token ids (a list or an integer array)."""
+        self._bytes += np.asarray(tokens, dtype=TOKEN_WORD).tobytes()
+
+    def extend_words(self, words: bytes) -> None:
+        """Append token ids already as `<i4` bytes (a row of a whole step's runs)."""
+        self._bytes += words
 
     @property
     def tokens(self) -> np.ndarray:
-        return self._buf[: self._n]
+        return np.frombuffer(bytes(self._bytes), dtype=TOKEN_WORD).astype(np.int64)
 
     def drafts(self, k: int, ngram_max: int, ngram_min: int) -> list[int]:
         """`ngram_drafts(self.tokens, k, ngram_max, ngram_min)`: for n from the longest,
         the latest occurrence of the last n tokens ending before the last token (a
         backward byte search, kept to token boundaries), and the k tokens after it."""
-        L, data = self._n, self._bytes
+        data = self._bytes
+        L = len(data) // 4
         for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
             suffix = bytes(data[4 * (L - n) :])
             end = 4 * (L - 1)  # an occurrence lies in tokens 0..L-2
             while (at := data.rfind(suffix, 0, end)) >= 0:
                 if at % 4 == 0:
                     start = at // 4 + n
-                    return self._buf[start : min(start + k, L)].tolist()
+                    words = bytes(data[4 * start : 4 * min(start + k, L)])
+                    return np.frombuffer(words, dtype=TOKEN_WORD).tolist()
                 end = at + len(suffix) - 1  # a match across token boundaries: earlier
         return []
 

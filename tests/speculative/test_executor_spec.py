@@ -13,7 +13,7 @@ import torch
 import graphexec as gx
 from graphexec.engine.graphs import GraphKey
 from graphexec.params import SamplerVariant
-from graphexec.speculative.ngram import TokenHistory, ngram_drafts
+from graphexec.speculative.ngram import TOKEN_WORD, TokenHistory, ngram_drafts
 
 V = 300
 
@@ -201,7 +201,7 @@ def test_ngram_drafts_take_the_longest_latest_match():
     assert ngram_drafts(np.array([5]), 4, 4, 1) == []
     assert ngram_drafts(np.array([4, 4]), 4, 4, 1) == [4]
     assert ngram_drafts(np.array([1, 2, 1, 2]), 4, 4, 3) == []  # below ngram_min
-    hist = TokenHistory([1, 2], capacity=2)
+    hist = TokenHistory([1, 2])
     hist.extend([3, 4, 5])
     assert hist.tokens.tolist() == [1, 2, 3, 4, 5]
 
@@ -214,13 +214,17 @@ def test_history_drafts_equal_the_array_definition(alphabet):
     rng = np.random.default_rng(len(alphabet))
     for _ in range(60):
         tokens = rng.choice(alphabet, size=int(rng.integers(1, 12))).tolist()
-        hist = TokenHistory(tokens, capacity=4)
+        hist = TokenHistory(tokens)
         for _ in range(8):
             for k, hi, lo in ((3, 4, 1), (2, 3, 2), (5, 2, 1)):
                 assert hist.drafts(k, hi, lo) == ngram_drafts(hist.tokens, k, hi, lo), (
                     hist.tokens.tolist(), k, hi, lo)  # fmt: skip
-            hist.extend(rng.choice(alphabet, size=int(rng.integers(1, 4))).tolist())
-    h = TokenHistory([1, 0, 0, 0, 0, 1, 5, 256], capacity=8)  # bytes of "256" inside "1, 0"
+            more = rng.choice(alphabet, size=int(rng.integers(1, 4)))
+            if rng.random() < 0.5:
+                hist.extend(more.tolist())
+            else:  # as the executor extends it: a row of a step's runs, as bytes
+                hist.extend_words(more.astype(TOKEN_WORD).tobytes())
+    h = TokenHistory([1, 0, 0, 0, 0, 1, 5, 256])  # bytes of "256" inside "1, 0"
     assert h.drafts(2, 1, 1) == ngram_drafts(h.tokens, 2, 1, 1) == []
 
 
