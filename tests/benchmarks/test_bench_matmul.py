@@ -25,6 +25,7 @@ def test_candidates_keep_the_split_the_model_runs() -> None:
     for t in bm.large_candidates(4, True, 8192, ws=True):
         assert t.split == 4 and t.tma and (8192 // 4) % t.block_k == 0
     assert {t.ws for t in bm.large_candidates(4, True, 8192, ws=True)} == {False, True}
+    assert all(t.num_warps == 8 for t in bm.large_candidates(4, True, 8192, ws=True) if t.ws)
     assert not any(t.ws for t in bm.large_candidates(4, True, 8192))
     one, four = MatmulTile(64, 64, 128, 4, 4, 1), MatmulTile(64, 64, 128, 4, 4, 4)
     assert bm.swept(by["down"], four, gpu, keep_split=True)
