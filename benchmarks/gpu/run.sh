@@ -47,9 +47,12 @@
 #       primitives: scans, sums, histograms, sorts); log: $OUT/row-primitives.log
 #   bash benchmarks/gpu/run.sh serve [bench_serve args...]
 #       benchmarks/bench_serve.py --out $OUT (the server's load test); log: $OUT/bench-serve.log
+#   bash benchmarks/gpu/run.sh pack
+#       everything under $OUT into $OUT/out.tgz, the rest removed: the device tool brings
+#       back 8 files at most (a command that writes more loses the others); run it last
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases prims)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases prims pack)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -216,6 +219,8 @@ for phase in ${phases//,/ }; do
     serve) serve "$@" || rc=1 ;;
     phases) phases "$@" || rc=1 ;;
     prims) prims "$@" || rc=1 ;;
+    pack) tar czf /tmp/out.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+        && mv /tmp/out.tgz "$OUT"/ || rc=1 ;;
     *) echo "$usage"; exit 2 ;;
     esac
 done
