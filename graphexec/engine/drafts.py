@@ -118,7 +118,7 @@ class Drafter:
         if self.draft is None:
             words = toks.astype(TOKEN_WORD)  # each row's new tokens as the history's bytes
             for i in np.flatnonzero(counts).tolist():
-                plan.rows[i].history.extend_words(words[i, : counts[i]].tobytes())
+                plan.rows[i].history.extend(words[i, : counts[i]])
 
     def count(self, allow: np.ndarray, emitted: np.ndarray) -> None:
         """Count a finished step's drafts (`allow`: its `allowances`) and acceptances

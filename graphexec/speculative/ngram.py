@@ -28,12 +28,9 @@ class TokenHistory:
         self._bytes = bytearray(np.asarray(prompt, dtype=TOKEN_WORD).tobytes())
 
     def extend(self, tokens) -> None:
-        """Append token ids (a list or an integer array)."""
+        """Append token ids (a list or an integer array; a TOKEN_WORD array is not
+        converted again)."""
         self._bytes += np.asarray(tokens, dtype=TOKEN_WORD).tobytes()
-
-    def extend_words(self, words: bytes) -> None:
-        """Append token ids already as `<i4` bytes (a row of a whole step's runs)."""
-        self._bytes += words
 
     @property
     def tokens(self) -> np.ndarray:

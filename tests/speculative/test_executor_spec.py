@@ -222,8 +222,8 @@ def test_history_drafts_equal_the_array_definition(alphabet):
             more = rng.choice(alphabet, size=int(rng.integers(1, 4)))
             if rng.random() < 0.5:
                 hist.extend(more.tolist())
-            else:  # as the executor extends it: a row of a step's runs, as bytes
-                hist.extend_words(more.astype(TOKEN_WORD).tobytes())
+            else:  # as the executor extends it: a row of a step's runs, as words
+                hist.extend(more.astype(TOKEN_WORD))
     h = TokenHistory([1, 0, 0, 0, 0, 1, 5, 256])  # bytes of "256" inside "1, 0"
     assert h.drafts(2, 1, 1) == ngram_drafts(h.tokens, 2, 1, 1) == []
 
