@@ -61,7 +61,8 @@ mkdir -p "$OUT"
 # would each reinstall it, and pip's --target upgrade removes the packages another's
 # Python has loaded
 stamp="/tmp/site/.bundle-$(ls -l .gpu-bundle | cksum | cut -d' ' -f1)"
-flock /tmp/gpu-bundle.lock bash -c "[ -f $stamp ] || { bash .gpu-bundle/install.sh && touch $stamp; }" \
+lock=() && command -v flock >/dev/null && lock=(flock /tmp/gpu-bundle.lock)  # util-linux
+"${lock[@]}" bash -c "[ -f $stamp ] || { bash .gpu-bundle/install.sh && touch $stamp; }" \
     >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
     FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1 || { echo "bundle install failed"; exit 1; }
 [ -f .gpu-bundle/commit ] && export GRAPHEXEC_COMMIT=$(cat .gpu-bundle/commit)
