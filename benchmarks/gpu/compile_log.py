@@ -1,0 +1,32 @@
+"""A pytest plugin (`-p compile_log`, with benchmarks/gpu on PYTHONPATH) that writes one
+line per Triton compile to the file named by $COMPILE_LOG: the wall seconds the compile
+took (a disk-cache hit takes milliseconds), the kernel, and the constexprs and argument
+specialisations that made it a new variant. For a GPU test that spends its time compiling:
+which kernels, how many variants of each, and what tells them apart."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import triton
+
+_started: dict[int, float] = {}
+
+
+def _pre(*, key, fn, **_: object) -> bool:
+    _started[id(key)] = time.perf_counter()
+    return False  # compile as usual
+
+
+def _post(*, key, fn, compile, **_: object) -> None:  # noqa: A002 (Triton's keyword)
+    took = time.perf_counter() - _started.pop(id(key), time.perf_counter())
+    with open(os.environ["COMPILE_LOG"], "a") as f:
+        spec = compile["specialization_data"]
+        f.write(f"{time.strftime('%H:%M:%S')} {took:8.2f}s {fn.name} {spec}\n")
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("COMPILE_LOG"):
+        triton.knobs.runtime.jit_cache_hook = _pre
+        triton.knobs.runtime.jit_post_compile_hook = _post
