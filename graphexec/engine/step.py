@@ -185,25 +185,28 @@ class StepFn:
         slots, draft, k = self.slots, self.draft, key.spec_k
         b = slot_ids.shape[0]
         inp = slots.last_token[slot_ids]
-        drafts, probs = [], []
+        probs = []
         out = SamplerOutput.allocate(b, slot_ids.device, None)
+        # the drafts so far, -1 (counted nowhere) past them: one shape for every offset, and
+        # each offset's mask copied whole, so that every draw compiles the same kernels (a
+        # narrower count or a mask slice off 16 bytes is a new compile of each, minutes)
+        drafts = torch.full((b, k), -1, dtype=torch.int64, device=slot_ids.device)
         for j in range(k + 1):
             logits = draft.decode(inp, model_pos + j, slot_ids)
             if j == k:
                 break  # this call only wrote the cache entry of the last draft
             logits = check_logits(logits, (b, draft.vocab_size), draft, "decode")
             logits = logits[:, : slots.vocab_size]
-            before = torch.stack(drafts, dim=1) if drafts else None
             if self.method == "strict":
-                self.sampler(logits, slot_ids, pos + j, slots.tensors, out, masks[:, j],
-                             key.variant, count_ids=before)  # fmt: skip
-                d = out.token_ids.clone()
+                self.sampler(logits, slot_ids, pos + j, slots.tensors, out,
+                             masks[:, j].contiguous(), key.variant, count_ids=drafts)  # fmt: skip
+                d = out.token_ids
             else:
-                d, q = draw_q(logits, slot_ids, pos + j, slots, key, before)
+                d, q = draw_q(logits, slot_ids, pos + j, slots, key, drafts[:, :j])
                 probs.append(q)
-            drafts.append(d)
+            drafts[:, j] = d
             inp = d.clamp(min=0)
-        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if probs else None)
+        return drafts, (torch.stack(probs, dim=1) if probs else None)
 
 
 def draw_q(logits, slot_ids, pos, slots: SlotTable, key: GraphKey, before):

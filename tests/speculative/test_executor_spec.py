@@ -159,6 +159,37 @@ def test_requests_without_drafts_ride_in_the_same_step():
     assert stats.drafted > 0
 
 
+def test_every_draft_draw_takes_one_argument_layout():
+    """A strict draft model's K draws per step pass the sampler the same layout at every
+    offset: the drafts so far as one [b, K] id block (-1 past them) and a contiguous mask.
+    On the GPU a narrower block or a mask slice is another specialisation of each Triton
+    kernel, compiled anew (about a minute each for the row kernels)."""
+    k = 3
+    ex = gx.DecodeExecutor(_model(), max_batch_size=4, device="cpu", seed=0,
+                           speculative=gx.SpeculativeConfig(k, drafter=_model(0)))  # fmt: skip
+    step = ex.runner.step
+    calls = []
+
+    def spy(logits, slot_ids, positions, table, out, bitmask, *args, count_ids=None, **kw):
+        calls.append((None if count_ids is None else tuple(count_ids.shape[1:]),
+                      None if count_ids is None else count_ids.stride(),
+                      bitmask.is_contiguous()))  # fmt: skip
+        return inner(logits, slot_ids, positions, table, out, bitmask, *args,
+                     count_ids=count_ids, **kw)  # fmt: skip
+
+    inner = step.sampler.sample_fn
+    object.__setattr__(step.sampler, "sample_fn", spy)
+    ex.capture(progress=False)
+    ex.add_request("a", [1, 2, 3, 1, 2, 3], gx.SamplingParams(
+        temperature=0.8, seed=1, max_tokens=12, frequency_penalty=0.5))  # fmt: skip
+    while not ex.idle:
+        ex.step("eager")
+    drafts = [c for c in calls if c[0] is not None]
+    assert len(drafts) >= 2 * k  # every offset of two draft steps at least
+    assert {(w, stride[1]) for w, stride, _ in drafts} == {((k,), 1)}
+    assert all(contiguous for *_, contiguous in calls)
+
+
 def test_graph_keys_carry_spec_k():
     ex = gx.DecodeExecutor(_model(), max_batch_size=4, device="cpu",
                            speculative=gx.SpeculativeConfig(2))  # fmt: skip
