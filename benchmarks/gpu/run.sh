@@ -99,9 +99,12 @@ run_tests() {
         fi
         [ -s "$dir/ids.$i" ] || continue
         # each group under TEST_TIMEOUT s (default 500), so that the log below still comes
-        # back inside one device command's limit when a group overruns or hangs
+        # back inside one device command's limit when a group overruns or hangs; without
+        # pytest's 240 s traceback dump, which segfaulted a compiling test there (Python
+        # 3.12, in a "<shim>" frame)
         (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout -k 10 "${TEST_TIMEOUT:-500}" \
             xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
+            -o faulthandler_timeout=0 \
             --durations=5 >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
