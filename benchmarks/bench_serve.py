@@ -355,11 +355,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per point")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of a point not measured")
-    ap.add_argument("--workers", type=int, default=8, help="HTTP client processes")
-    ap.add_argument("--api-servers", type=int, default=2, help="serve's --api-servers")
+    ap.add_argument("--workers", type=int, default=12, help="HTTP client processes")
+    ap.add_argument("--api-servers", type=int, default=8, help="serve's --api-servers")
     ap.add_argument("--dp", type=int, default=0, metavar="N",
                     help="also serve with --data-parallel N (N GPUs) at --dp-clients")  # fmt: skip
-    ap.add_argument("--dp-clients", type=int, nargs="+", default=[256])
+    ap.add_argument("--dp-clients", type=int, nargs="+", default=[1024])
     ap.add_argument("--engine-nice", type=int, default=0, metavar="N",
                     help="serve's --engine-nice (default 0: the engines as started)")  # fmt: skip
     ap.add_argument("--no-ready", dest="ready", action="store_false",
