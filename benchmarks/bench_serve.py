@@ -153,8 +153,9 @@ def window(args) -> tuple[float, float, float]:
     return t, t + args.warmup, t + args.duration
 
 
-async def direct_points(ex, args, wl: Workload) -> dict[int, dict]:
-    out = {}
+async def direct_points(ex, args, wl: Workload, out: dict, saved) -> None:
+    """Each N of `args.clients` against the executor driven directly, into `out`;
+    `saved()` after each point."""
     for n in args.clients:
         aex = gx.AsyncDecodeExecutor(ex)
         _, t0, t1 = window(args)
@@ -162,7 +163,7 @@ async def direct_points(ex, args, wl: Workload) -> dict[int, dict]:
         await aex.close()
         out[n] = summarize(recs, t0, t1)
         print(f"direct N={n}: {out[n]['tokens_per_s']:.0f} tok/s", flush=True)
-    return out
+        saved()
 
 
 class ServeProcess:
@@ -214,12 +215,13 @@ class ServeProcess:
             self.proc.kill()
 
 
-async def server_points(args, wl: Workload, pool, engines: int, clients: list[int]) -> dict:
+async def server_points(args, wl: Workload, pool, engines: int, clients: list[int], out: dict,
+                        saved) -> None:  # fmt: skip
     """Each N of `clients` against a serve process of `engines` engines, max(clients) /
-    engines slots each."""
+    engines slots each, into `out`; `saved()` after each point."""
     srv = ServeProcess(args, engines, -(-max(clients) // engines))
     print(f"serve with {engines} engine(s) ready in {srv.ready_s:.0f} s", flush=True)
-    out, loop = {}, asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
     try:
         for n in clients:
             w = min(args.workers, n)
@@ -242,9 +244,9 @@ async def server_points(args, wl: Workload, pool, engines: int, clients: list[in
                           server_log=dict(lines=len(logged), first=logged[:20]))  # fmt: skip
             print(f"server ({engines} engine(s)) N={n}: {out[n]['tokens_per_s']:.0f} tok/s",
                   flush=True)  # fmt: skip
+            saved()
     finally:
         srv.stop()
-    return out
 
 
 def ready_time(args) -> dict:
@@ -374,31 +376,43 @@ def main(argv=None) -> dict:
         raise SystemExit("--max-seq-len must hold --prompt-len + --max-tokens")
     ex, info = build(args)
     wl = Workload(args.prompt_len, args.max_tokens, min(ex.vocab_size, 50_000))
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    direct, server, dp, ready = {}, {}, {}, {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{dev.lower().replace(' ', '-')}-{datetime.date.today().isoformat()}"
+
+    def saved(complete: bool = False) -> dict:
+        # after every point: a run cut short (a device command's time limit) keeps the
+        # points it measured, marked incomplete
+        result = dict(device=dev, date=datetime.date.today().isoformat(),
+                      torch=torch.__version__, triton=triton.__version__,
+                      graphexec=gx.__version__, model=info, workload=dataclasses.asdict(wl),
+                      duration_s=args.duration, warmup_s=args.warmup, workers=args.workers,
+                      max_batch_size=max(args.clients), clients=args.clients,
+                      api_servers=args.api_servers, dp_engines=args.dp,
+                      engine_nice=args.engine_nice, complete=complete,
+                      direct={str(k): v for k, v in direct.items()},
+                      server={str(k): v for k, v in server.items()},
+                      data_parallel={str(k): v for k, v in dp.items()}, ready=ready,
+                      targets=TARGETS, judged=judge(direct, server, dp, ready))  # fmt: skip
+        if os.environ.get("GRAPHEXEC_COMMIT"):
+            result["commit"] = os.environ["GRAPHEXEC_COMMIT"]
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        return result
+
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
         list(pool.map(time.sleep, [0] * args.workers))  # start the workers before timing
-        direct = asyncio.run(direct_points(ex, args, wl))
+        asyncio.run(direct_points(ex, args, wl, direct, saved))
         del ex  # the server's engines get the GPU to themselves
         torch.cuda.empty_cache() if args.device == "cuda" else None
-        server = asyncio.run(server_points(args, wl, pool, 1, args.clients))
-        dp = asyncio.run(server_points(args, wl, pool, args.dp, args.dp_clients)) if args.dp else {}
-    ready = ready_time(args) if args.ready else {}
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = dict(device=dev, date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  triton=triton.__version__, graphexec=gx.__version__, model=info,
-                  workload=dataclasses.asdict(wl), duration_s=args.duration, warmup_s=args.warmup,
-                  workers=args.workers, max_batch_size=max(args.clients), clients=args.clients,
-                  api_servers=args.api_servers, dp_engines=args.dp, engine_nice=args.engine_nice,
-                  direct={str(k): v for k, v in direct.items()},
-                  server={str(k): v for k, v in server.items()},
-                  data_parallel={str(k): v for k, v in dp.items()}, ready=ready,
-                  targets=TARGETS, judged=judge(direct, server, dp, ready))  # fmt: skip
-    if os.environ.get("GRAPHEXEC_COMMIT"):
-        result["commit"] = os.environ["GRAPHEXEC_COMMIT"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"serve-{dev.lower().replace(' ', '-')}-{result['date']}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        asyncio.run(server_points(args, wl, pool, 1, args.clients, server, saved))
+        if args.dp:
+            asyncio.run(server_points(args, wl, pool, args.dp, args.dp_clients, dp, saved))
+    if args.ready:
+        ready.update(ready_time(args))
+    result = saved(complete=True)
     plot(result, out / f"{stem}.png")
     print(markdown(result))
     print(json.dumps(result["judged"]))

@@ -2,6 +2,8 @@
 point counts in its window, lost and duplicated streams, and the targets' verdicts. The
 load test itself runs on the GPU host; its numbers are not measured here."""
 
+import json
+
 import bench_serve  # noqa: E402
 import pytest
 from serve_clients import Record, Workload  # noqa: E402
@@ -36,6 +38,50 @@ def test_judge_holds_every_point_to_the_targets_and_the_engines_ratio() -> None:
     assert j["met"] == dict(tokens_ratio=True, gap_ratio=False, dp=True, lost=False,
                             duplicated=True, ready=True)  # fmt: skip
     assert bench_serve.judge(direct, server, {}, {})["met"]["dp"] is None
+
+
+POINT = dict(tokens_per_s=1.0, gap_p99_us=1.0, ttft_p99_us=1.0, lost=0, errors=0, duplicated=0,
+             usage_mismatch=0)  # fmt: skip
+
+
+async def _all(args, wl, pool, engines, clients, out, saved):
+    for n in clients:
+        out[n] = dict(POINT)
+        saved()
+
+
+def test_a_run_cut_short_keeps_the_points_it_measured(tmp_path, monkeypatch) -> None:
+    """The JSON is written after every point: a run killed mid-way (a device command's time
+    limit) keeps what it measured, marked incomplete; a whole run is marked complete."""
+    class Ex:
+        vocab_size = 100
+
+    async def direct(ex, args, wl, out, saved):
+        for n in args.clients:
+            out[n] = dict(POINT)
+            saved()
+
+    async def cut(args, wl, pool, engines, clients, out, saved):
+        out[clients[0]] = dict(POINT)
+        saved()
+        raise KeyboardInterrupt  # as a kill after the server's first point
+
+    monkeypatch.setattr(bench_serve, "build", lambda args: (Ex(), {"name": "stub"}))
+    monkeypatch.setattr(bench_serve, "direct_points", direct)
+    monkeypatch.setattr(bench_serve, "server_points", cut)
+    argv = ["--device", "cpu", "--clients", "4", "8", "--workers", "1", "--no-ready",
+            "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        bench_serve.main(argv)
+    (path,) = tmp_path.glob("serve-cpu-*.json")
+    got = json.loads(path.read_text())
+    assert got["complete"] is False
+    assert list(got["direct"]) == ["4", "8"] and list(got["server"]) == ["4"]
+    monkeypatch.setattr(bench_serve, "server_points", _all)
+    monkeypatch.setattr(bench_serve, "plot", lambda result, path: None)
+    bench_serve.main(argv)
+    got = json.loads(path.read_text())
+    assert got["complete"] is True and list(got["server"]) == ["4", "8"]
 
 
 def test_workload_requests_are_seeded_and_exact_length() -> None:
