@@ -6,6 +6,7 @@ which kernels, how many variants of each, and what tells them apart."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -22,8 +23,20 @@ def _pre(*, key, fn, **_: object) -> bool:
 def _post(*, key, fn, compile, **_: object) -> None:  # noqa: A002 (Triton's keyword)
     took = time.perf_counter() - _started.pop(id(key), time.perf_counter())
     with open(os.environ["COMPILE_LOG"], "a") as f:
-        spec = compile["specialization_data"]
+        spec = _with_tuple_types(compile["specialization_data"], compile["signature"])
         f.write(f"{time.strftime('%H:%M:%S')} {took:8.2f}s {fn.name} {spec}\n")
+
+
+def _with_tuple_types(spec: str, signature: dict) -> str:
+    """Triton's serialised specialisation, plus the class of each named-tuple argument
+    (JSON keeps only its values; `precompile.py` rebuilds it from this)."""
+    named = {p: f"{type(v).__module__}.{type(v).__qualname__}" for p, v in signature.items()
+             if isinstance(v, tuple) and hasattr(v, "_fields")}  # fmt: skip
+    if not named:
+        return spec
+    d = json.loads(spec)
+    d["tuple_types"] = named
+    return json.dumps(d)
 
 
 def pytest_configure(config) -> None:

@@ -15,6 +15,14 @@
 #       of JOBS (the tests that compile for minutes: on a fresh 2 x H200 host with JOBS=28,
 #       test_every_arrangement_gives_the_same_streams and test_memory_is_flat_over_20000_
 #       churn_steps ran past 540 s beside four others and not alone)
+#       Each process logs its Triton compiles (`gpu/compile_log.py`); all of them end up in
+#       $OUT/compiles.log, to refresh benchmarks/gpu/compiles.log.gz with
+#   bash benchmarks/gpu/run.sh precompile
+#       every kernel variant in benchmarks/gpu/compiles.log.gz (and the logs named in
+#       PRECOMPILE_LOGS) compiled into Triton's disk cache side by side, in PRECOMPILE_JOBS
+#       processes (default: the host's cores), before `test` on a fresh host: there each
+#       variant of the sampler's row kernels takes 60-100 s, one after another inside a
+#       test; log: $OUT/precompile.log
 #   bash benchmarks/gpu/run.sh multigpu
 #       python -m pytest -m "gpu and multigpu" on every visible GPU, one file at a time
 #       (MULTIGPU_FILES, default every test file with such tests), each under `timeout`
@@ -52,7 +60,7 @@
 #       back 8 files at most (a command that writes more loses the others); run it last
 set -uo pipefail
 
-usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test multigpu tpsample tpstep bench verify step matmul check serve phases prims pack)"
+usage="usage: bash benchmarks/gpu/run.sh PHASE[,PHASE...] [ARGS...] (test precompile multigpu tpsample tpstep bench verify step matmul check serve phases prims pack)"
 phases=${1:?$usage}
 shift
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -63,7 +71,7 @@ mkdir -p "$OUT"
 stamp="/tmp/site/.bundle-$(ls -l .gpu-bundle | cksum | cut -d' ' -f1)"
 lock=() && command -v flock >/dev/null && lock=(flock /tmp/gpu-bundle.lock)  # util-linux
 "${lock[@]}" bash -c "[ -f $stamp ] || { bash .gpu-bundle/install.sh && touch $stamp; }" \
-    >/dev/null && export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16 \
+    >/dev/null && export PYTHONPATH=/tmp/site:$PWD:$PWD/benchmarks/gpu MAX_JOBS=16 \
     FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1 || { echo "bundle install failed"; exit 1; }
 [ -f .gpu-bundle/commit ] && export GRAPHEXEC_COMMIT=$(cat .gpu-bundle/commit)
 ngpu=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
@@ -102,9 +110,10 @@ run_tests() {
         # back inside one device command's limit when a group overruns or hangs; without
         # pytest's 240 s traceback dump, which segfaulted a compiling test there (Python
         # 3.12, in a "<shim>" frame)
-        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout -k 10 "${TEST_TIMEOUT:-500}" \
+        (CUDA_VISIBLE_DEVICES=$((i % ngpu)) COMPILE_LOG="$dir/compiles.$i" \
+            timeout -k 10 "${TEST_TIMEOUT:-500}" \
             xargs -a "$dir/ids.$i" -d '\n' python -m pytest -q -p no:cacheprovider -rA \
-            -o faulthandler_timeout=0 \
+            -o faulthandler_timeout=0 -p compile_log \
             --durations=5 >"$dir/log.$i" 2>&1; echo "exit code: $?" >>"$dir/log.$i") &
     done
     wait
@@ -115,8 +124,19 @@ run_tests() {
         grep -E "^(FAILED|ERROR) " "$dir/log.$i" | cut -c1-200
         grep -q "exit code: 0$" "$dir/log.$i" || rc=1
     done
+    cat "$dir"/compiles.* >"$OUT/compiles.log" 2>/dev/null
     echo "pytest -m gpu exit code: $rc" | tee -a "$log"
     return "$rc"
+}
+
+precompile() {
+    local log="$OUT/precompile.log" code
+    python benchmarks/gpu/precompile.py --jobs "${PRECOMPILE_JOBS:-$(nproc)}" \
+        benchmarks/gpu/compiles.log.gz ${PRECOMPILE_LOGS:-} >"$log" 2>&1
+    code=$?
+    echo "precompile exit code: $code"
+    grep -E "^precompiled|not compiled" "$log" | head -n 12 | cut -c1-200
+    [ "$code" = 0 ]
 }
 
 run_multigpu() {
@@ -212,6 +232,7 @@ rc=0
 for phase in ${phases//,/ }; do
     case "$phase" in
     test) run_tests || rc=1 ;;
+    precompile) precompile || rc=1 ;;
     multigpu) run_multigpu || rc=1 ;;
     tpsample) tpsample || rc=1 ;;
     tpstep) tpstep || rc=1 ;;
