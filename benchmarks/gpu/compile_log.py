@@ -40,6 +40,11 @@ def _with_tuple_types(spec: str, signature: dict) -> str:
 
 
 def pytest_configure(config) -> None:
-    if os.environ.get("COMPILE_LOG"):
-        triton.knobs.runtime.jit_cache_hook = _pre
-        triton.knobs.runtime.jit_post_compile_hook = _post
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if not os.environ.get("COMPILE_LOG"):
+        return
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        print(f"compile_log: Triton {triton.__version__} has no compile hooks; nothing logged")
+        return
+    runtime.jit_cache_hook = _pre
+    runtime.jit_post_compile_hook = _post
