@@ -10,9 +10,12 @@ Triton serialises it; plain or gzipped). Each distinct specialisation is compile
 longer fits its kernel (its parameters changed) is reported and skipped.
 
     python benchmarks/gpu/precompile.py [--jobs N] LOG [LOG ...]
+    python benchmarks/gpu/precompile.py --write OUT.log.gz LOG [LOG ...]
 
 `benchmarks/gpu/compiles.log.gz` holds the GPU suite's variants as last recorded; `gpu/run.sh
-test` writes the run's own log ($OUT/compiles.log) to refresh it.
+test` writes the run's own log ($OUT/compiles.log). `--write` compiles nothing: it writes
+the distinct variants of the logs (the longest recorded time of each) to one log, e.g.
+the committed one merged with a run's.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ from pathlib import Path
 LINE = re.compile(r"^\S+\s+([\d.]+)s (\S+) (\{.*\})\s*$")
 
 
+def _open(path: Path, mode: str):
+    return gzip.open(path, mode) if path.suffix == ".gz" else open(path, mode)
+
+
 def read_specs(paths) -> list[tuple[float, str]]:
     """(seconds, specialisation JSON) of each distinct variant in the logs `paths`, the
     longest recorded compile first (so that the long ones start first)."""
     seen: dict[str, float] = {}
     for p in map(Path, paths):
-        opener = gzip.open if p.suffix == ".gz" else open
-        with opener(p, "rt") as f:
+        with _open(p, "rt") as f:
             for line in f:
                 m = LINE.match(line)
                 if m is None:
@@ -46,6 +52,13 @@ def read_specs(paths) -> list[tuple[float, str]]:
                 secs, spec = float(m.group(1)), m.group(3)
                 seen[spec] = max(secs, seen.get(spec, 0.0))
     return sorted(((s, spec) for spec, s in seen.items()), key=lambda t: -t[0])
+
+
+def write_specs(path, specs: list[tuple[float, str]]) -> None:
+    """`specs` as a compile log (`read_specs` reads it back the same)."""
+    with _open(Path(path), "wt") as f:
+        for secs, spec in specs:
+            f.write(f"- {secs:8.2f}s {json.loads(spec)['name'].rpartition('.')[2]} {spec}\n")
 
 
 def compile_one(spec: str) -> tuple[str, float, str | None]:
@@ -101,8 +114,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--write", metavar="OUT", help="write the logs' variants to OUT; no compile")
     args = ap.parse_args(argv)
     specs = read_specs(args.logs)
+    if args.write:
+        write_specs(args.write, specs)
+        print(f"wrote {len(specs)} kernel variants to {args.write}")
+        return 0
     t = time.perf_counter()
     failed: collections.Counter = collections.Counter()
     ctx = multiprocessing.get_context("spawn")  # a fresh CUDA context in each

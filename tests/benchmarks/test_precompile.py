@@ -76,6 +76,15 @@ def test_logs_are_read_once_per_variant_longest_first(tmp_path) -> None:
     assert [json.loads(spec)["constant_vals"][1]["constexpr"] for _, spec in got] == [2, 1]
 
 
+def test_logs_merge_into_one_that_reads_back_the_same(tmp_path) -> None:
+    a = _write(tmp_path / "a.log", _log_line(tmp_path, "fake_kernels.k", 1, 2.0))
+    b = _write(tmp_path / "b.log.gz", _log_line(tmp_path, "fake_kernels.k", 2, 70.0))
+    merged = tmp_path / "merged.log.gz"
+    assert precompile.main(["--write", str(merged), str(a), str(b)]) == 0
+    assert precompile.read_specs([merged]) == precompile.read_specs([a, b])
+    assert len(precompile.read_specs([merged, a])) == 2  # merging again adds nothing
+
+
 def test_a_variant_is_rebuilt_as_triton_preload_does_with_its_named_tuples(monkeypatch) -> None:
     import triton.runtime.driver  # noqa: F401 (the module, which `driver` shadows as a name)
 
