@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import triton
 
 _started: dict[int, float] = {}
+# a line of the log: when (or "-"), the compile's seconds, the kernel, its specialisation
+LINE = re.compile(r"^\S+\s+([\d.]+)s (\S+) (\{.*\})\s*$")
+
+
+def line(stamp: str, seconds: float, kernel: str, spec: str) -> str:
+    """A log line (`LINE` reads it back)."""
+    return f"{stamp} {seconds:8.2f}s {kernel} {spec}\n"
 
 
 def _pre(*, key, fn, **_: object) -> bool:
@@ -24,7 +32,7 @@ def _post(*, key, fn, compile, **_: object) -> None:  # noqa: A002 (Triton's key
     took = time.perf_counter() - _started.pop(id(key), time.perf_counter())
     with open(os.environ["COMPILE_LOG"], "a") as f:
         spec = _with_tuple_types(compile["specialization_data"], compile["signature"])
-        f.write(f"{time.strftime('%H:%M:%S')} {took:8.2f}s {fn.name} {spec}\n")
+        f.write(line(time.strftime("%H:%M:%S"), took, fn.name, spec))
 
 
 def _with_tuple_types(spec: str, signature: dict) -> str:

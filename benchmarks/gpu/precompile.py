@@ -28,11 +28,10 @@ import importlib
 import json
 import multiprocessing
 import os
-import re
 import time
 from pathlib import Path
 
-LINE = re.compile(r"^\S+\s+([\d.]+)s (\S+) (\{.*\})\s*$")
+import compile_log  # beside this file: the log's line format
 
 
 def _open(path: Path, mode: str):
@@ -46,7 +45,7 @@ def read_specs(paths) -> list[tuple[float, str]]:
     for p in map(Path, paths):
         with _open(p, "rt") as f:
             for line in f:
-                m = LINE.match(line)
+                m = compile_log.LINE.match(line)
                 if m is None:
                     continue
                 secs, spec = float(m.group(1)), m.group(3)
@@ -58,7 +57,7 @@ def write_specs(path, specs: list[tuple[float, str]]) -> None:
     """`specs` as a compile log (`read_specs` reads it back the same)."""
     with _open(Path(path), "wt") as f:
         for secs, spec in specs:
-            f.write(f"- {secs:8.2f}s {json.loads(spec)['name'].rpartition('.')[2]} {spec}\n")
+            f.write(compile_log.line("-", secs, json.loads(spec)["name"].rpartition(".")[2], spec))
 
 
 def compile_one(spec: str) -> tuple[str, float, str | None]:
