@@ -39,8 +39,9 @@ latest earlier match has one successor, which is accepted) and every timed step 
 the spec_k = 3 key: one forward over K + 1 = 4 tokens a row, then verification (the
 rows' pads cost what drafts cost). spec_vs_plain = that step's replayed wall / the plain
 step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key;
-on CUDA `events` (as `replay.idle`): the GPU's idle time between launches, what the
-speculative step's not overlapping with the host costs.
+on CUDA `events` (as `replay.idle`): the GPU's idle time between launches (the drafts are
+made on the device, so a speculative step launches before the one before it is
+collected, as a plain step does).
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -224,8 +225,7 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
             ex.step()
         before = sum(n for key, n in ex.stats.replays.items() if key.spec_k == k)
         walls, emitted = [], []
-        # on CUDA the device's idle time between the launches too: a speculative step
-        # collects the step before it (its drafts need its tokens), so it does not overlap
+        # on CUDA the device's idle time between the launches too
         stamps = (step_replay.StepEvents(ex, steps) if args.device == "cuda"
                   else contextlib.nullcontext())  # fmt: skip
         with stamps:

@@ -1,14 +1,18 @@
-"""Speculation on the host: each chunk's draft allowances, n-gram drafts and per-offset
-token masks before the step; the n-gram histories once its runs are collected (before
-the next launch: it needs them) and the acceptance counts once it is finished.
+"""Speculation on the host: each chunk's draft allowances and per-offset token masks
+before the step, and the acceptance counts once it is finished. The drafts themselves
+are made on the device, inside the step (an n-gram match over the slot's device history,
+or a draft model), so a step launches before the one before it is collected.
 
-Per chunk (`prepare`): each row's allowance is min(K, tokens it may still emit - 1), so
-a run never passes max_tokens or the model's length; n-gram drafts come from its
-history; rows with token masks get one mask per offset (a grammar's matcher advanced
-over the drafts, then rolled back; a draft the grammar refuses ends the drafts) and,
-with a draft model (whose drafts the host never sees), rows whose masks depend on the
-drafts (grammar, bad words) get no drafts. The chunk's spec_k is K, or 0 when no row of
-it has a draft (the n-gram drafter found nothing): an ordinary step, the same tokens.
+Per chunk (`prepare`): each row's allowance is min(K, tokens it may still emit - 1), with
+the tokens of a step still in flight counted as the most it may emit (its allowance + 1),
+so a run never passes max_tokens or the model's length. Rows with token masks get one
+mask per offset (a grammar's matcher advanced over the n-gram drafts, which the host
+also finds, from its own copy of the history, then rolled back; a draft the grammar
+refuses ends the drafts, and the allowance with it); with a draft model (whose drafts
+the host never sees) rows whose masks depend on the drafts (grammar, bad words) get no
+drafts. An n-gram chunk's spec_k is K when one of its rows with an allowance found drafts
+at the last step collected (or is new), else 0: an ordinary step, the same tokens, that
+still reports whether each row would have found drafts.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import torch
 from graphexec.engine.plan import BatchPlan
 from graphexec.request import GraphKey
 from graphexec.speculative.ngram import TOKEN_WORD, TokenHistory
+from graphexec.speculative.ngram_device import NgramHistory
 from graphexec.speculative.spec_config import SpeculativeConfig
 
 
 class Drafter:
     """The host side of one executor's speculation (see the module docstring).
 
+    history: the n-gram drafter's device history (None with a draft model); prefilled:
+    what the `Prefiller` fills beside the target model (the draft model or the history).
     drafted / accepted: drafts verified and drafts accepted since construction.
     """
 
@@ -37,6 +44,7 @@ class Drafter:
         self.slots = slots
         self.device = device
         self.draft = config.drafter if config.uses_model else None
+        self.history = None
         if self.draft is not None:
             if int(self.draft.vocab_size) != int(model.vocab_size):
                 raise ValueError(
@@ -49,79 +57,101 @@ class Drafter:
                     f"the model's ({model.max_seq_len})"
                 )
             self.draft.bind(max_batch_size + 1, device)
+        else:
+            self.history = NgramHistory(max_batch_size + 1, model.max_seq_len, device,
+                                        config.ngram_max, config.ngram_min,
+                                        config.ngram_window, device.type == "cuda")  # fmt: skip
+        self.prefilled = self.draft if self.draft is not None else self.history
         self.spec_ks = (self.k,) if self.draft is not None else (0, self.k)
         pin = device.type == "cuda"
-        self._host_in = torch.empty((max_batch_size + largest, 1 + self.k), dtype=torch.int64,
-                                    pin_memory=pin)  # fmt: skip
-        self._host_np = self._host_in.numpy()  # the same pinned memory
+        # allowances staged at each chunk's first row; two sets, for alternate launches (a
+        # launch's copy may still be queued when the next one is prepared)
+        self._host_in = [torch.zeros(max_batch_size + largest, dtype=torch.int64,
+                                     pin_memory=pin) for _ in range(2)]  # fmt: skip
         self._allow = np.zeros(max_batch_size, dtype=np.int64)
+        self._found = np.ones(max_batch_size + 1, dtype=bool)  # per slot: drafts last time
         self.drafted = 0
         self.accepted = 0
 
-    def admit(self, req, prompt: list[int]) -> None:
-        """n-gram drafting keeps the request's history (a draft model is prefilled with
-        the target, by the `Prefiller`)."""
-        if self.draft is None:
+    def admit(self, req, prompt: list[int], masked: bool) -> None:
+        """A request with token masks under n-gram drafting keeps a host copy of its
+        history, for the masks over its drafts; its device history is written as it is
+        prefilled."""
+        self._found[req.slot] = True
+        if self.draft is None and masked:
             req.history = TokenHistory(prompt)
 
     def prepare(self, plan: BatchPlan, key: GraphKey, start: int, n: int, masks,
-                inputs: dict[int, torch.Tensor]) -> GraphKey:  # fmt: skip
-        """Write the chunk's allowances and drafts into `inputs` (T -> the device input
-        [N, T] of that run length), and its token masks per offset; the chunk's key."""
+                inputs: dict[int, torch.Tensor], which: int) -> GraphKey:  # fmt: skip
+        """Write the chunk's allowances into `inputs` (T -> the device allowances [N] of
+        that run length; `which`: the launch's staging set), and its token masks per
+        offset; the chunk's key."""
         rows = plan.rows[start : start + n]
-        left = plan.limit[start : start + n] - plan.generated[start : start + n]
+        span = slice(start, start + n)
+        left = plan.limit[span] - plan.generated[span] - plan.inflight[span]
         allow = np.minimum(np.maximum(left - 1, 0), self.k)
         g_rows = [i - start for i in plan.mask_rows if start <= i < start + n]
-        if self.draft is None:
-            cfg = self.config
-            drafts = [
-                r.history.drafts(int(a), cfg.ngram_max, cfg.ngram_min) if a else []
-                for r, a in zip(rows, allow.tolist(), strict=True)
-            ]
-        else:
-            drafts = [[] for _ in rows]
-            # their masks after each draft are not known before the step
-            allow[[i for i in g_rows if masks.dynamic(rows[i].slot)]] = 0
         if g_rows:
+            cfg, wide = self.config, self.history.window if self.history else 0
+            if self.draft is None:  # the drafts the device will find, for their masks
+                lo, hi = cfg.ngram_min, cfg.ngram_max
+                drafts = [rows[i].history.drafts(int(allow[i]), hi, lo, wide) if allow[i] else []
+                          for i in g_rows]  # fmt: skip
+            else:  # their masks after each draft are not known before the step
+                allow[[i for i in g_rows if masks.dynamic(rows[i].slot)]] = 0
+                drafts = [[] for _ in g_rows]
             slots = [rows[i].slot for i in g_rows]
-            host, kept = masks.fill_runs(slots, [drafts[i] for i in g_rows])
-            for i, m in zip(g_rows, kept, strict=True):
-                drafts[i] = drafts[i][:m]
+            host, kept = masks.fill_runs(slots, drafts)
+            if self.draft is None:
+                allow[g_rows] = kept  # a refused draft ends the drafts
             idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             self.slots.write_masks(idx, host.to(self.device, non_blocking=True))
+        go = allow > 0
         if self.draft is None:
-            allow = np.array([len(d) for d in drafts], dtype=np.int64)
-        spec_k = self.k if self.draft is not None or allow.any() else 0
+            go &= self._found[plan.slots[span]]
+            go[g_rows] = allow[g_rows] > 0  # the host found these drafts itself
+        spec_k = self.k if self.draft is not None or go.any() else 0
         if key.spec_k != spec_k:
             key = dataclasses.replace(key, spec_k=spec_k)
-        self._allow[start : start + n] = allow if spec_k else 0
-        if spec_k == 0:
-            return key
-        rows_np = self._host_np[start : start + key.bucket]  # numpy: no tensor op per row
-        rows_np[:, 0] = 0
-        rows_np[:, 1:] = -1
-        rows_np[:n, 0] = allow
-        for i, d in enumerate(drafts):
-            if d:
-                rows_np[i, 1 : 1 + len(d)] = d
-        inputs[spec_k + 1][: key.bucket].copy_(self._host_in[start : start + key.bucket],
-                                               non_blocking=True)  # fmt: skip
+        self._allow[span] = allow if spec_k else 0
+        host = self._host_in[which][start : start + key.bucket]
+        host.zero_()
+        host[:n] = torch.from_numpy(allow)
+        inputs[spec_k + 1][: key.bucket].copy_(host, non_blocking=True)
         return key
 
     def allowances(self, n: int) -> np.ndarray:
-        """The drafts of the launch just prepared, per row of its plan (a copy)."""
+        """The allowances of the launch just prepared, per row of its plan (a copy): the
+        tokens in flight are at most these + 1."""
         return self._allow[:n].copy()
 
     def extend(self, plan: BatchPlan, toks: np.ndarray, counts: np.ndarray) -> None:
-        """Extend the n-gram histories by a collected step's runs (`counts`: the tokens
-        each row goes on with; a row that stops in its run ends, its history with it)."""
+        """Extend the host histories (rows with token masks, n-gram drafting) by a
+        collected step's runs (`counts`: the tokens each row goes on with; a row that
+        stops in its run ends, its history with it)."""
         if self.draft is None:
-            words = toks.astype(TOKEN_WORD)  # each row's new tokens as the history's bytes
-            for i in np.flatnonzero(counts).tolist():
-                plan.rows[i].history.extend(words[i, : counts[i]])
+            for i in plan.mask_rows:
+                if counts[i]:
+                    plan.rows[i].history.extend(toks[i, : counts[i]].astype(TOKEN_WORD))
 
-    def count(self, allow: np.ndarray, emitted: np.ndarray) -> None:
-        """Count a finished step's drafts (`allow`: its `allowances`) and acceptances
-        (`emitted`: each run's length)."""
-        self.drafted += int(allow.sum())
-        self.accepted += int(np.maximum(emitted - 1, 0)[allow > 0].sum())
+    def found(self, plan: BatchPlan, keys: list, host: dict, alive: np.ndarray) -> np.ndarray:
+        """The drafts each row of a collected step verified (`host`: T -> its HostRuns,
+        whose `drafts` the device wrote; `keys`: its chunks as launched, those that
+        raised left out), and, n-gram, which rows found drafts (in a chunk of spec_k 0:
+        would have found them), for the next chunks' spec_k."""
+        used = np.zeros(len(plan.rows), dtype=np.int64)
+        for key, start, n in keys:
+            d = host[key.spec_k + 1].drafts[start : start + n].numpy()
+            if self.draft is None:
+                s = plan.slots[start : start + n]
+                live = alive[start : start + n]
+                self._found[s[live]] = d[live] > 0
+            if key.spec_k:
+                used[start : start + n] = d
+        return used
+
+    def count(self, used: np.ndarray, emitted: np.ndarray) -> None:
+        """Count a finished step's drafts (`used`: `found`'s) and acceptances (`emitted`:
+        each run's length)."""
+        self.drafted += int(used.sum())
+        self.accepted += int(np.maximum(emitted - 1, 0)[used > 0].sum())

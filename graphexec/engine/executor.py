@@ -21,11 +21,12 @@ device, so step N + 1 needs nothing from N's host work but which rows still run,
 A row whose generated plus in-flight tokens reach its limit is not launched again; a row
 that stops at N (EOS, a stop id or string) ran once more in N + 1, and that token is
 dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
-occupant's flush is queued after N + 1 on the stream. A step whose drafts need N's tokens
-on the host collects N's runs first (`finish.collect`: counters and histories), launches
-N + 1 and finishes N while it runs; one whose token masks do (grammar, allowed ids, bad
-words) launches N + 1's forward, collects N, then writes the masks and launches N + 1's
-draw (`StepRunner.launch_forward`), or, with drafts too, finishes N before the launch.
+occupant's flush is queued after N + 1 on the stream. Speculative steps pipeline the
+same way: their drafts are made on the device (`engine.drafts`), and a row's tokens in
+flight count as the most its run may hold. A step whose token masks need N's tokens on
+the host (grammar, allowed ids, bad words) launches N + 1's forward, collects N, then
+writes the masks and launches N + 1's draw (`StepRunner.launch_forward`), or, with
+speculation, finishes N before the launch (the masks of each offset follow the drafts).
 `overlap=False` collects every step in the call that launched it. Tokens never depend
 on it.
 
@@ -109,12 +110,13 @@ class DecodeExecutor:
                                                          largest)  # fmt: skip
         sampler = build_sampler(self.backend, device, largest * runs, v, cfg.sampler_config, tp,
                                 cfg.tp_method, spec is not None)  # fmt: skip
-        draft = self.drafter.draft if self.drafter else None
-        step = StepFn(model, self.slots, sampler, draft, spec.verify if spec else "strict",
-                      kernels=self.device.type == "cuda")  # fmt: skip
+        draft, history = (self.drafter.draft, self.drafter.history) if spec else (None, None)
+        step = StepFn(model, self.slots, sampler, draft, history,
+                      spec.verify if spec else "strict", self.device.type == "cuda")  # fmt: skip
         self.runner = StepRunner(step, self.masks, self.buckets, n, device, self.drafter,
                                  cfg.blocking_wait)  # fmt: skip
-        self.prefiller = Prefiller(model, cfg.prefill_budget, v, device, draft)
+        self.prefiller = Prefiller(model, cfg.prefill_budget, v, device,
+                                   self.drafter.prefilled if self.drafter else None)
         self._queue = RequestQueue(n, cfg.seed)  # shared with other threads
         self._check = RequestCheck(v, model.max_seq_len, cfg.max_logit_bias,
                                    self.slots.min_words.shape[1], tokenizer, self.detokenize,
@@ -245,15 +247,13 @@ class DecodeExecutor:
         replay = mode != "eager" and self.cuda_graphs
         split = (prev is not None and bool(plan.mask_rows)
                  and self.runner.can_split(plan, replay))  # fmt: skip
-        if prev is not None and not split and (self.drafter is not None or plan.mask_rows):
-            # the launch needs step N's tokens on the host: collect N first
+        if prev is not None and not split and plan.mask_rows:
+            # the masks need step N's tokens on the host: collect and finish N first
             self._inflight = None
             runs, early = self._collect(prev, queued=False)
+            outs = self._finish(prev, runs)  # the matchers take N's tokens first
+            prev = runs = None
             plan = reqs.plan()
-            if self.drafter is None or prev.plan.mask_rows or plan.mask_rows:
-                outs = self._finish(prev, runs)  # the matchers take N's tokens first
-                prev = runs = None
-            # else drafts need only N's runs: N is finished while N + 1 runs
         prefilled = not plan.rows and bool(reqs.prefiller.pending)
         if prefilled:
             ready += reqs.prefill()  # nothing decodes yet: the new rows decode now
@@ -295,9 +295,12 @@ class DecodeExecutor:
         t = time.perf_counter()
         launched.wait(queued)
         waited = time.perf_counter() - t
-        runs = collect(launched.plan, launched.keys, launched.host)
+        plan = launched.plan
+        runs = collect(plan, launched.keys, launched.host, launched.inflight)
         if self.drafter is not None:
-            self.drafter.extend(launched.plan, runs.toks, runs.counts)
+            self.drafter.extend(plan, runs.toks, runs.counts)
+            ok = [c for c in launched.keys if c[1] not in launched.errors]
+            launched.drafted = self.drafter.found(plan, ok, launched.host, runs.alive)
         return runs, waited
 
     def _finish(self, launched: Launched, runs: Runs) -> StepOutputs:
@@ -307,6 +310,6 @@ class DecodeExecutor:
         outs, ended = finish(plan, runs, launched.keys, self.eos_token_ids, self.masks,
                              launched.errors, self._plain)  # fmt: skip
         if self.drafter is not None:
-            self.drafter.count(launched.allow, outs._lengths)
+            self.drafter.count(launched.drafted, outs._lengths)
         self.requests.end(plan, ended)
         return outs

@@ -91,16 +91,17 @@ class Runs:
     counts: np.ndarray
 
 
-def collect(plan: BatchPlan, keys: list, host: dict) -> Runs:
-    """The step's runs from the host rows, and the plan's counters advanced by them: all
-    the next launch needs (a drafter's histories too), before any stop check. A row that
-    stops inside its run advances past the stop, but it ends at `finish`."""
+def collect(plan: BatchPlan, keys: list, host: dict, inflight: np.ndarray | int = 1) -> Runs:
+    """The step's runs from the host rows, and the plan's counters advanced by them (and
+    released of the step's `inflight` tokens, as it launched them): all the next launch
+    needs, before any stop check. A row that stops inside its run advances past the
+    stop, but it ends at `finish`."""
     toks, lp = gather_runs(plan, keys, host)
     alive, gen = plan.live(), plan.generated
     room = plan.limit - gen  # tokens each live row may still emit (>= 1)
     ntok = (toks >= 0).cumprod(1).sum(1)  # the run's length; 0: no token
     counts = np.where(alive, np.minimum(ntok, room), 0)
-    plan.collected(alive, counts)
+    plan.collected(alive, counts, inflight)
     return Runs(toks, lp, alive, gen, ntok, room, counts)
 
 

@@ -13,7 +13,7 @@ time: a row whose request ended since (epoch moved on) is dead, its tokens dropp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,9 +34,9 @@ class SlotCounters:
     """Host counters per slot (numpy [S]), written at admission and by each step's finish.
 
     generated: tokens the request has reported; limit: min(max_tokens, the room left in the
-    model's sequence); inflight: tokens launched and not yet collected (0 or 1: only
-    one-token steps overlap); text_slow: its next token needs the decoder
-    (`OutputText.needs_push`); epoch: bumped when the slot's request ends."""
+    model's sequence); inflight: tokens launched and not yet collected (a speculative
+    step counts the most its run may hold: the allowance + 1); text_slow: its next token
+    needs the decoder (`OutputText.needs_push`); epoch: bumped when the slot's request ends."""
 
     generated: np.ndarray
     limit: np.ndarray
@@ -78,6 +78,8 @@ class BatchPlan:
     has_text: np.ndarray  # bool [n]: the row's output text is detokenised
     logprobs: bool  # some row asked for logprobs
     uploaded: bool = False  # the device slot ids hold this plan's only chunk
+    # slots of running rows left out (their tokens in flight may fill their limit)
+    waiting: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
     def build(cls, rows: list[Request], buckets: Sequence[int], counters: SlotCounters,
@@ -109,6 +111,10 @@ class BatchPlan:
         return self.counters.limit[self.slots]
 
     @property
+    def inflight(self) -> np.ndarray:
+        return self.counters.inflight[self.slots]
+
+    @property
     def text_slow(self) -> np.ndarray:
         return self.counters.text_slow[self.slots]
 
@@ -116,12 +122,14 @@ class BatchPlan:
         """bool [n]: rows whose request has not ended since the plan was built."""
         return self.counters.epoch[self.slots] == self.epoch
 
-    def launched(self) -> None:
-        self.counters.inflight[self.slots] += 1
+    def launched(self, tokens: np.ndarray | int) -> None:
+        """A step of the plan's rows went out: at most `tokens` ([n] or one for all) each."""
+        self.counters.inflight[self.slots] += tokens
 
-    def collected(self, live: np.ndarray, count: np.ndarray) -> None:
-        """The step's tokens are in: live rows advance by `count` (dead rows' slots may
-        belong to other requests already: untouched)."""
+    def collected(self, live: np.ndarray, count: np.ndarray, tokens: np.ndarray | int) -> None:
+        """The step's tokens are in: live rows advance by `count`, and their in-flight
+        `tokens` (as `launched`) are released (dead rows' slots may belong to other
+        requests already: untouched)."""
         s = self.slots[live]
-        self.counters.inflight[s] -= 1
+        self.counters.inflight[s] -= tokens if np.isscalar(tokens) else tokens[live]
         self.counters.generated[s] += count[live]

@@ -12,8 +12,8 @@ a longer one continues from where it stopped at the next step (a *chunk*), so a 
 stream never waits for more than one budget's worth of prefill. All chunks of a step go
 through the model in one `prefill_batch` call (a model without it gets one `prefill`
 per prompt, unchunked). A request with n streams is prefilled once into its first
-stream's slot and copied to the others (`fork`) when complete. A draft model (speculative
-decoding) is prefilled with the same batch.
+stream's slot and copied to the others (`fork`) when complete. A drafter's state (a draft
+model, or the n-gram history) is prefilled with the same batch.
 
 The executor runs it after launching the step's decode graphs, so the host time spent
 launching the prefill overlaps the device's decode (`DecodeExecutor._step`).
@@ -73,7 +73,8 @@ class Prefiller:
         budget: prompt tokens prefilled per step (>= 1).
         vocab_size: V (prompt logprobs drop a padded model's extra columns).
         device: where the batch's tensors go.
-        draft: a draft model prefilled with the same batches, or None.
+        draft: a drafter's state prefilled with the same batches (a draft model, or the
+            n-gram drafter's device history), or None.
     """
 
     def __init__(self, model, budget: int, vocab_size: int, device: torch.device,

@@ -108,12 +108,12 @@ class Requests:
                     min_tokens=p.min_tokens,
                     skip_special_tokens=p.skip_special_tokens,
                 )
-            if self.drafter is not None:
-                self.drafter.admit(req, c.prompt)
             room = self.max_seq_len - len(c.prompt)
             self.counters.start(slot, min(p.max_tokens, room),
                                 req.text is not None and req.text.needs_push)  # fmt: skip
             self.masks.add(slot, p, c.bad_words)
+            if self.drafter is not None:
+                self.drafter.admit(req, c.prompt, self.masks.has(slot))
             reqs.append(req)
         self.prefiller.add(Pending(reqs, c.prompt, c.params.prompt_logprobs))
 
@@ -121,16 +121,22 @@ class Requests:
     def plan(self) -> BatchPlan:
         """The step plan of the running requests that may still emit a token past those
         in flight (built when they changed)."""
-        plan = self._plan
-        if plan is not None and not self.counters.launchable(plan.slots).all():
-            plan = None  # a row's last token is in flight: it is not launched again
+        plan, launchable = self._plan, self.counters.launchable
+        if plan is not None and not launchable(plan.slots).all():
+            plan = None  # a row's last token may be in flight: it is not launched again
+        if plan is not None and plan.waiting.size and launchable(plan.waiting).any():
+            plan = None  # a row left out has room again (its speculative run was short)
         if plan is None:
             rows = list(self.running.values())
+            waiting = np.zeros(0, dtype=np.int64)
             if rows:
-                ok = self.counters.launchable(np.array([r.slot for r in rows])).tolist()
-                rows = [r for r, go in zip(rows, ok, strict=True) if go]
+                slots = np.array([r.slot for r in rows])
+                ok = launchable(slots)
+                rows = [r for r, go in zip(rows, ok.tolist(), strict=True) if go]
+                waiting = slots[~ok]
             plan = self._plan = BatchPlan.build(rows, self.buckets, self.counters,
                                                 self.masks.has)  # fmt: skip
+            plan.waiting = waiting
         return plan
 
     def retire_plan(self) -> None:

@@ -8,10 +8,10 @@ blocking, and an event recorded behind them: the step's end). T = 1 is ordinary
 decoding; a speculative executor also has T = K + 1.
 
 Two steps may be in flight (the pipelined step launches N + 1 before it reads N), so the
-pinned buffers a launch writes for non-blocking copies (slot ids, outputs) come in two
-sets used by alternate launches: step N + 1 writes the set of N - 1, whose copies the
-executor waited for before it launched N. Mask rows and drafter inputs have one set:
-they are written only once the step before was collected. A one-chunk decode step with
+pinned buffers a launch writes for non-blocking copies (slot ids, draft allowances,
+outputs) come in two sets used by alternate launches: step N + 1 writes the set of
+N - 1, whose copies the executor waited for before it launched N. Mask rows have one
+set: they are written only once the step before was collected. A one-chunk decode step with
 host-written masks launches in two parts (`launch_forward`, then `launch_draw`: a graph
 each, `CapturedGraphs.capture_parts`): the model runs while the host finishes step N,
 whose tokens the masks of N + 1 need.
@@ -52,6 +52,7 @@ class HostRuns:
     ranks: torch.Tensor  # i64 [N, T]
     top_logprobs: torch.Tensor  # f32 [N, T, 20]
     top_token_ids: torch.Tensor  # i64 [N, T, 20]
+    drafts: torch.Tensor  # i64 [N]: the drafts each row verified (speculation)
 
     @classmethod
     def allocate(cls, rows: int, t: int, pin: bool) -> HostRuns:
@@ -60,7 +61,8 @@ class HostRuns:
 
         n, i64, f32 = MAX_TOP_LOGPROBS, torch.int64, torch.float32
         return cls(e(rows, t, dtype=i64), e(rows, t, dtype=f32), e(rows, t, dtype=i64),
-                   e(rows, t, n, dtype=f32), e(rows, t, n, dtype=i64))  # fmt: skip
+                   e(rows, t, n, dtype=f32), e(rows, t, n, dtype=i64),
+                   e(rows, dtype=i64))  # fmt: skip
 
 
 @dataclass
@@ -75,7 +77,9 @@ class Launched:
     host: dict = field(default_factory=dict)
     event: torch.cuda.Event | None = None
     sleeper: torch.cuda.Event | None = None  # the same point, blocking-sync (blocking_wait)
-    allow: np.ndarray | None = None  # with a drafter: each row's drafts (`allowances`)
+    allow: np.ndarray | None = None  # with a drafter: each row's allowance
+    inflight: np.ndarray | int = 1  # the most tokens each row may emit (allow + 1)
+    drafted: np.ndarray | None = None  # once collected: the drafts each row verified
 
     def wait(self, queued: bool = False) -> None:
         """Block until the step's outputs are on the host (its event: never a stream
@@ -119,13 +123,11 @@ class StepRunner:
 
     def _end_events(self, done: Launched) -> None:
         """The launch's end on the step's stream: `done.event`, and with blocking_wait a
-        blocking-sync twin `done.sleeper` (`Launched.wait` picks one per wait). A
-        speculative executor collects every step before its next launch (the drafts need
-        its tokens), so nothing is ever queued behind its waits: no twin."""
+        blocking-sync twin `done.sleeper` (`Launched.wait` picks one per wait)."""
         stream = torch.cuda.current_stream(self.device)
         done.event = torch.cuda.Event()
         done.event.record(stream)
-        if self.blocking_wait and self.drafter is None:
+        if self.blocking_wait:
             done.sleeper = torch.cuda.Event(blocking=True)
             done.sleeper.record(stream)
 
@@ -204,7 +206,7 @@ class StepRunner:
         inputs = {t: b.inputs for t, b in self.buffers.items()} if drafter else None
         for key, start, n in plan.chunks:
             if drafter is not None:
-                key = drafter.prepare(plan, key, start, n, self.masks, inputs)
+                key = drafter.prepare(plan, key, start, n, self.masks, inputs, which)
             done.keys.append((key, start, n))
             src = host_slots[start : start + key.bucket]
             if not plan.uploaded or len(plan.chunks) > 1:
@@ -222,9 +224,10 @@ class StepRunner:
                 continue
             self.copy_out(key, start, n, done.host)
         plan.uploaded = True
-        plan.launched()
         if drafter is not None:
             done.allow = drafter.allowances(len(plan.rows))
+            done.inflight = done.allow + 1
+        plan.launched(done.inflight)
         if self.device.type == "cuda":
             self._end_events(done)
         return done
@@ -275,7 +278,7 @@ class StepRunner:
             done.errors[start] = f"{type(e).__name__}: {e}"
             done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
         plan.uploaded = True
-        plan.launched()
+        plan.launched(done.inflight)
         return done
 
     def launch_draw(self, done: Launched, mask_slots: list[int], replay: bool) -> Launched:
@@ -306,6 +309,8 @@ class StepRunner:
         out, h = self.buffers[t].out, host[t]
         # token ids are < 0 exactly where a row emitted nothing, and -1 after a run
         h.token_ids[start : start + n].copy_(out.token_ids[:n], non_blocking=True)
+        if self.drafter is not None:
+            h.drafts[start : start + n].copy_(self.buffers[t].inputs[:n], non_blocking=True)
         if key.logprobs:
             for f in ("logprobs", "ranks", "top_logprobs", "top_token_ids"):
                 getattr(h, f)[start : start + n].copy_(getattr(out, f)[:n], non_blocking=True)

@@ -8,7 +8,9 @@ device, no host sync, static shapes):
   1. gather     each row's output position pos (the noise counter), the model position
                 of its last token, and (verify) its draft allowance: how many of the K
                 drafts it may use (fewer near max_tokens or the model's length)
-  2. draft      (verify) n-gram: the drafts the host wrote into the step's input; a draft
+  2. draft      (verify) n-gram: the last token into the slot's device history, then the
+                drafts matched over it (`NgramHistory.match`; their count written back
+                over the allowance, for the host); a draft
                 model: K+1 `decode` calls on its own cache, drawing draft j at position
                 pos + j with the request's own parameters and noise (strict: the TOKEN
                 stream, so an equal model drafts exactly the target's tokens; rejection:
@@ -22,7 +24,8 @@ device, no host sync, static shapes):
   5. flag       a run holding a token whose raw logit is +inf emits nothing: token -2
                 (`sampling.flags.INF_TOKEN`), invalid: the model's fault, an error
   6. advance    real rows with a valid run: position += tokens emitted, last token = the
-                last one, token counts += each. Padding rows (the padding slot) and
+                last one, token counts += each (n-gram: the run into the history). Padding
+                rows (the padding slot) and
                 invalid rows change nothing, so a graph's padding never touches a slot.
 On CUDA a decode step's steps 1 and 4's mask gather run as one kernel and steps 5 and 6 as
 another (`step_kernels`), the same values as their torch references.
@@ -49,6 +52,7 @@ from graphexec.sampling import reference as ref
 from graphexec.sampling.flags import flag_inf_runs
 from graphexec.sampling.step_sampler import StepSampler
 from graphexec.sampling.tensors import SamplerOutput
+from graphexec.speculative.ngram_device import NgramHistory
 from graphexec.speculative.verify import VerifyOutput, clean_drafts
 from graphexec.speculative.verify_reference import target_probs
 
@@ -57,7 +61,8 @@ from graphexec.speculative.verify_reference import target_probs
 class RunBuffers:
     """Static inputs and outputs of the steps of one run length T, for the largest bucket.
 
-    inputs: i64 [N, T]: per row the draft allowance, then T - 1 host drafts (-1 padded).
+    inputs: i64 [N]: per row the draft allowance, which the step overwrites with the
+        number of drafts it verified (copied to the host with the runs).
     out: `VerifyOutput` [N, T] (for T = 1 the run is token_ids[:, 0] and valid alone:
     num_tokens is not written). A key of bucket b uses the first b rows: views keep their
     addresses fixed, so one set serves every graph of that T.
@@ -68,12 +73,11 @@ class RunBuffers:
 
     @classmethod
     def allocate(cls, rows: int, t: int, device: torch.device) -> RunBuffers:
-        inputs = torch.full((rows, t), -1, dtype=torch.int64, device=device)
-        inputs[:, 0] = 0
+        inputs = torch.zeros(rows, dtype=torch.int64, device=device)
         return cls(inputs, VerifyOutput.allocate(rows, t - 1, device, MAX_TOP_LOGPROBS))
 
     def view(self, key: GraphKey) -> tuple[torch.Tensor, VerifyOutput]:
-        """(inputs [b, T], outputs [b, T]); logprob fields only when key.logprobs."""
+        """(inputs [b], outputs [b, T]); logprob fields only when key.logprobs."""
         out = self.out.rows(key.bucket)
         if not key.logprobs:
             s = out.sampled
@@ -89,7 +93,8 @@ class StepFn:
     model: object
     slots: SlotTable
     sampler: StepSampler
-    draft: object = None  # a draft DecodeModel, or None (n-gram drafts from the host)
+    draft: object = None  # a draft DecodeModel, or None (n-gram drafts from `history`)
+    history: NgramHistory | None = None  # the n-gram drafter's device history
     method: str = "strict"  # verify_step's method
     kernels: bool = False  # decode's bookkeeping by `step_kernels` (CUDA), else torch
 
@@ -161,14 +166,14 @@ class StepFn:
         pos = slots.positions[slot_ids]
         model_pos = slots.prompt_lens[slot_ids] + pos - 1
         masks = run_masks(slots, slot_ids, pos, k + 1)
-        q = None
-        if self.draft is None:
-            drafts = inputs[:, 1 : 1 + k]
+        last, q, hist = slots.last_token[slot_ids], None, self.history
+        if hist is not None:
+            drafts = hist.match(slot_ids, model_pos, last, inputs, k)
         else:
             drafts, q = self.draft_tokens(key, slot_ids, pos, model_pos, masks)
         j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
-        drafts = clean_drafts(torch.where(j < inputs[:, :1], drafts, -1), slots.vocab_size)
-        tokens = torch.cat([slots.last_token[slot_ids].unsqueeze(1), drafts.clamp(min=0)], dim=1)
+        drafts = clean_drafts(torch.where(j < inputs.unsqueeze(1), drafts, -1), slots.vocab_size)
+        tokens = torch.cat([last.unsqueeze(1), drafts.clamp(min=0)], dim=1)
         raw = self.model.verify(tokens, model_pos, slot_ids)
         b = slot_ids.shape[0]
         logits = check_logits(raw, (b, k + 1, sampler.width(self.model)), self.model, "verify")
@@ -176,7 +181,9 @@ class StepFn:
         sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, self.method,
                        key.variant)  # fmt: skip
         flag_inf_runs(sampler.token_values(logits, out.token_ids), out)
-        advance(slots, slot_ids, out)
+        emitted = advance(slots, slot_ids, out)
+        if hist is not None:
+            hist.write_runs(slot_ids, model_pos, out.token_ids, emitted)
 
     def draft_tokens(self, key: GraphKey, slot_ids, pos, model_pos, masks):
         """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks`
@@ -240,12 +247,13 @@ def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
     return masks
 
 
-def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> None:
-    """Step 6: move each real row's decode state past the tokens it emitted."""
+def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> torch.Tensor:
+    """Step 6: move each real row's decode state past the tokens it emitted; i64 [b] how
+    many that is (0 for padding and invalid rows)."""
     b, t = out.token_ids.shape
     if t == 1:  # a run of one: decoding's form, fewer kernels
         advance_decode_reference(slots, slot_ids, None, out.token_ids[:, 0], out.valid, False)
-        return
+        return ((slot_ids != slots.padding_slot) & out.valid).to(torch.int64)
     real = (slot_ids != slots.padding_slot) & out.valid
     counts = slots.tensors.token_counts
     n = torch.where(real, out.num_tokens, 0)
@@ -258,3 +266,4 @@ def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> None
         rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
         toks = out.token_ids.clamp(min=0).reshape(-1)
         counts.index_put_((rows, toks), emitted.reshape(-1).to(counts.dtype), accumulate=True)
+    return n

@@ -1,14 +1,17 @@
 """Prompt-lookup drafting (n-gram): drafts copied from the request's own history.
 
-The history is the prompt followed by the output so far. The drafter takes the longest
-suffix of it, from `ngram_max` down to `ngram_min` tokens, that also occurs earlier, and
-proposes the (up to) K tokens that followed its latest earlier occurrence. No draft
+The history is the prompt followed by the output so far; the drafter searches its last
+`ngram_window` tokens (a bound on the work per row and step). It takes the longest suffix
+of them, from `ngram_max` down to `ngram_min` tokens, that also occurs earlier in the
+window, and proposes the (up to) K tokens that followed its latest earlier occurrence. No draft
 probabilities: the drafts are deterministic, so strict verification accepts each with the
 highest possible probability, p(draft).
 
-`ngram_drafts` defines it over an array; `TokenHistory.drafts` gives the same drafts
-from the history kept as bytes, searched from the end (`bytes.rfind`, a few microseconds
-a row, where the array scan costs tens: it runs for every row of every step).
+`ngram_drafts` defines it over an array. The executor drafts on the device, inside the
+captured step (`ngram_device.NgramHistory`), so that a step needs nothing from the host
+work of the step before; `TokenHistory.drafts` gives the same drafts on the host, from
+the history kept as bytes, for rows whose token masks the host computes over the drafts
+(a grammar's matcher).
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ class TokenHistory:
     def tokens(self) -> np.ndarray:
         return np.frombuffer(bytes(self._bytes), dtype=TOKEN_WORD).astype(np.int64)
 
-    def drafts(self, k: int, ngram_max: int, ngram_min: int) -> list[int]:
-        """`ngram_drafts(self.tokens, k, ngram_max, ngram_min)`: for n from the longest,
-        the latest occurrence of the last n tokens ending before the last token (a
-        backward byte search, kept to token boundaries), and the k tokens after it."""
+    def drafts(self, k: int, ngram_max: int, ngram_min: int, window: int) -> list[int]:
+        """`ngram_drafts(self.tokens, k, ngram_max, ngram_min, window)`: for n from the
+        longest, the latest occurrence of the last n tokens ending before the last token
+        (a backward byte search, kept to token boundaries, inside the window), and the k
+        tokens after it."""
         data = self._bytes
         L = len(data) // 4
-        for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        lo = 4 * max(L - window, 0)
+        for n in range(min(ngram_max, L - lo // 4 - 1), ngram_min - 1, -1):
             suffix = bytes(data[4 * (L - n) :])
             end = 4 * (L - 1)  # an occurrence lies in tokens 0..L-2
-            while (at := data.rfind(suffix, 0, end)) >= 0:
+            while (at := data.rfind(suffix, lo, end)) >= 0:
                 if at % 4 == 0:
                     start = at // 4 + n
                     words = bytes(data[4 * start : 4 * min(start + k, L)])
@@ -54,9 +59,13 @@ class TokenHistory:
         return []
 
 
-def ngram_drafts(history: np.ndarray, k: int, ngram_max: int, ngram_min: int) -> list[int]:
+def ngram_drafts(history: np.ndarray, k: int, ngram_max: int, ngram_min: int,
+                 window: int | None = None) -> list[int]:  # fmt: skip
     """Up to k drafts for `history` (1-D int64): the tokens after the latest earlier
-    occurrence of its longest matching suffix of ngram_min..ngram_max tokens; [] if none."""
+    occurrence of its longest matching suffix of ngram_min..ngram_max tokens, within its
+    last `window` tokens (None: all of it); [] if none."""
+    if window is not None:
+        history = history[max(history.shape[0] - window, 0) :]
     L = history.shape[0]
     if L < 2:
         return []

@@ -14,12 +14,14 @@ class SpeculativeConfig:
 
     num_draft_tokens: K, drafts verified per request and step (1..16); a step emits 1 to
         K+1 tokens per request.
-    drafter: "ngram" (prompt lookup over the request's prompt and output, on the host) or
-        a draft `DecodeModel` sharing the target's vocabulary, run K+1 times inside the
-        captured step on its own slot-indexed cache.
+    drafter: "ngram" (prompt lookup over the request's prompt and output, on the device)
+        or a draft `DecodeModel` sharing the target's vocabulary; either runs inside the
+        captured step (a draft model K+1 times, on its own slot-indexed cache).
     verify: "strict" (a seeded request's tokens equal those without speculation) or
         "rejection" (Leviathan et al.: distributed as the target, not the same stream).
     ngram_max / ngram_min: the longest and shortest suffix the prompt lookup matches.
+    ngram_window: how many of the history's last tokens it searches (each row's work per
+        step is bounded by it; the model's max_seq_len when that is smaller).
     """
 
     num_draft_tokens: int = 4
@@ -27,6 +29,7 @@ class SpeculativeConfig:
     verify: str = "strict"
     ngram_max: int = 4
     ngram_min: int = 1
+    ngram_window: int = 1024
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -50,6 +53,9 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        w = self.ngram_window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 2:
+            raise ValueError(f"ngram_window must be an int >= 2, got {w!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})"

@@ -194,10 +194,11 @@ def test_speculative_steps_give_the_synchronous_outputs(drafter) -> None:
         assert [r[:2] for r in rows[:n]] == [r[:2] for r in sync[rid][:n]], rid
 
 
-def test_the_speculative_step_launches_n_plus_1_before_it_finishes_n(monkeypatch) -> None:
-    """With n-gram drafts the launch needs only N's runs (`finish.collect`): N's stop
-    checks and outputs come after N + 1's launch, with the same drafts and counts."""
+def test_the_speculative_step_launches_n_plus_1_before_it_waits_for_n(monkeypatch) -> None:
+    """n-gram drafts are made on the device: N + 1 launches before the wait for N, and
+    N's stop checks and outputs come after it, with the same tokens."""
     from graphexec.engine import executor as executor_mod
+    from graphexec.engine.runner import Launched
 
     def spec():
         return gx.SpeculativeConfig(3, drafter="ngram")
@@ -210,6 +211,13 @@ def test_the_speculative_step_launches_n_plus_1_before_it_finishes_n(monkeypatch
         return real_finish(*args, **kw)
 
     monkeypatch.setattr(executor_mod, "finish", finish)
+    real_wait = Launched.wait
+
+    def wait(self, queued=False):
+        calls.append("wait")
+        return real_wait(self, queued)
+
+    monkeypatch.setattr(Launched, "wait", wait)
     piped, sync = make(True, spec()), make(False, spec())
     real_launch = piped.runner.launch
 
@@ -233,9 +241,10 @@ def test_the_speculative_step_launches_n_plus_1_before_it_finishes_n(monkeypatch
             if ex.idle:
                 break
     assert outs[piped] == outs[sync] and len(outs[sync]) > 3
-    assert ("launch", "finish") in orders and ("finish", "launch") not in orders
-    assert piped.drafter.drafted == sync.drafter.drafted > 0
-    assert piped.drafter.accepted == sync.drafter.accepted
+    assert ("launch", "wait", "finish") in orders
+    both = [o for o in orders if {"wait", "launch"} <= set(o)]
+    assert both and all(o.index("launch") < o.index("wait") for o in both)
+    assert piped.drafter.drafted > 0 and sync.drafter.drafted > 0
 
 
 def test_outputs_arrive_one_call_late_and_the_stopped_row_runs_once_more() -> None:
@@ -262,8 +271,8 @@ class _FakeEvent:
 
 def test_a_wait_sleeps_only_with_a_step_queued_behind_it(monkeypatch) -> None:
     """Launched.wait: the blocking-sync twin only when queued work hides its wake-up;
-    the executor says so for the pipelined step, never for a synchronous one or for a
-    speculative step's collect-first."""
+    the executor says so for the pipelined step (speculative too), never for a
+    synchronous one."""
     from graphexec.engine.runner import Launched
 
     seen: list = []
@@ -277,7 +286,7 @@ def test_a_wait_sleeps_only_with_a_step_queued_behind_it(monkeypatch) -> None:
     queued: list[bool] = []
     monkeypatch.setattr(Launched, "wait", lambda self, q=False: queued.append(q))
     ngram = gx.SpeculativeConfig(3, drafter="ngram")
-    for overlap, spec, want in ((True, None, True), (False, None, False), (True, ngram, False)):
+    for overlap, spec, want in ((True, None, True), (False, None, False), (True, ngram, True)):
         ex = make(overlap, spec)
         for i in range(3):
             ex.add_request(f"r{i}", [i + 1, i + 2], gx.SamplingParams(seed=i, max_tokens=12,

@@ -247,16 +247,55 @@ def test_history_drafts_equal_the_array_definition(alphabet):
         tokens = rng.choice(alphabet, size=int(rng.integers(1, 12))).tolist()
         hist = TokenHistory(tokens)
         for _ in range(8):
-            for k, hi, lo in ((3, 4, 1), (2, 3, 2), (5, 2, 1)):
-                assert hist.drafts(k, hi, lo) == ngram_drafts(hist.tokens, k, hi, lo), (
-                    hist.tokens.tolist(), k, hi, lo)  # fmt: skip
+            for k, hi, lo, w in ((3, 4, 1, 64), (2, 3, 2, 64), (5, 2, 1, 64), (3, 3, 1, 5)):
+                assert hist.drafts(k, hi, lo, w) == ngram_drafts(hist.tokens, k, hi, lo, w), (
+                    hist.tokens.tolist(), k, hi, lo, w)  # fmt: skip
             more = rng.choice(alphabet, size=int(rng.integers(1, 4)))
             if rng.random() < 0.5:
                 hist.extend(more.tolist())
             else:  # as the executor extends it: a row of a step's runs, as words
                 hist.extend(more.astype(TOKEN_WORD))
     h = TokenHistory([1, 0, 0, 0, 0, 1, 5, 256])  # bytes of "256" inside "1, 0"
-    assert h.drafts(2, 1, 1) == ngram_drafts(h.tokens, 2, 1, 1) == []
+    assert h.drafts(2, 1, 1, 64) == ngram_drafts(h.tokens, 2, 1, 1) == []
+
+
+def test_the_window_bounds_the_search():
+    h = np.array([4, 5, 6, 0, 0, 0, 0, 4])
+    assert ngram_drafts(h, 2, 2, 1) == [5, 6]
+    assert ngram_drafts(h, 2, 2, 1, window=5) == []  # the earlier 4 is out of the window
+    assert TokenHistory(h.tolist()).drafts(2, 2, 1, 8) == [5, 6]
+    assert TokenHistory(h.tolist()).drafts(2, 2, 1, 5) == []
+    with pytest.raises(ValueError, match="ngram_window"):
+        gx.SpeculativeConfig(2, ngram_window=1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("seed", range(3))
+def test_device_drafts_equal_the_array_definition(seed, device):
+    """NgramHistory.drafts (in the captured step: every row of a batch at once, static
+    shapes) against ngram_drafts on each row's history, with windows shorter and longer
+    than the histories, allowances from 0 to k, and stale tokens past each history."""
+    from graphexec.speculative.ngram_device import NgramHistory
+
+    rng = np.random.default_rng(seed)
+    slots, max_len = 9, 40
+    for _ in range(60):
+        hi = int(rng.integers(1, 6))
+        lo, k, w = int(rng.integers(1, hi + 1)), int(rng.integers(1, 6)), int(rng.integers(2, 50))
+        dev = NgramHistory(slots, max_len, torch.device(device), hi, lo, w)
+        dev.tokens.random_(0, 3)  # what earlier occupants left
+        lens = rng.integers(1, max_len + 1, size=slots - 1)
+        hists = [rng.integers(0, int(rng.integers(1, 5)), size=n) for n in lens]
+        for s, h in enumerate(hists):
+            dev.tokens[s, : len(h)] = torch.from_numpy(h).to(torch.int32)
+        allow = rng.integers(0, k + 1, size=slots - 1)
+        order = torch.from_numpy(rng.permutation(slots - 1))
+        lengths, allowed = torch.from_numpy(lens)[order], torch.from_numpy(allow)[order]
+        d, used = (x.cpu() for x in dev.drafts(order.to(device), lengths.to(device),
+                                                allowed.to(device), k))  # fmt: skip
+        for r, s in enumerate(order.tolist()):
+            want = ngram_drafts(hists[s], int(allow[s]), hi, lo, min(w, max_len))
+            assert d[r, : used[r]].tolist() == want and (d[r, used[r] :] == -1).all(), (s, want)
 
 
 SCHEMA = {
