@@ -64,7 +64,7 @@ class SlotTable:
         min_words   i64 [S, M]  word of the bitmask holding them (grouped per word)
         min_bits    i32 [S, M]  the bits to clear in that word
 
-    Decode state, advanced inside the step by `graphexec.engine.step.advance`:
+    Decode state, advanced inside the step (`engine.step_state`, `engine.step_kernels`):
         positions   i64 [S]  output position of the next token (the noise counter)
         last_token  i64 [S]  the last sampled token (the next decode input); a flush sets
                              it to the prompt's last token (0 for an empty prompt)

@@ -42,14 +42,17 @@ from dataclasses import dataclass
 import torch
 
 from graphexec.engine.slots import SlotTable
-from graphexec.engine.step_state import advance_decode_reference, gather_inputs_reference
+from graphexec.engine.step_state import (
+    advance_decode_reference,
+    advance_runs_reference,
+    gather_inputs_reference,
+)
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import GraphKey
 from graphexec.rng import Stream, gumbel
 from graphexec.sampling import processing
 from graphexec.sampling import reference as ref
-from graphexec.sampling.flags import flag_inf_runs
 from graphexec.sampling.step_sampler import StepSampler
 from graphexec.sampling.tensors import SamplerOutput
 from graphexec.speculative.ngram_device import NgramHistory
@@ -101,7 +104,7 @@ class StepFn:
     def make(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
              out: VerifyOutput) -> Callable[[], None]:  # fmt: skip
         if self.sampler.verify_fn is None:  # no speculation: every step decodes
-            gather, advance = self._bookkeeping()
+            gather, advance, _ = self._bookkeeping()
             return lambda: self.decode(key, slot_ids, out, gather, advance)
         return lambda: self.verify(key, slot_ids, inputs, out)
 
@@ -113,7 +116,7 @@ class StepFn:
         The buffer keeps the model's full row, so the sampler sees the row stride of the
         whole step: Triton specialises strides by alignment, and a kernel compiled for
         another alignment may sum a row in another order (last-bit logprobs)."""
-        gather, advance = self._bookkeeping()
+        gather, advance, _ = self._bookkeeping()
         b = slot_ids.shape[0]
         v = self.slots.vocab_size
 
@@ -126,12 +129,13 @@ class StepFn:
 
         return forward, draw
 
-    def _bookkeeping(self) -> tuple[Callable, Callable]:
+    def _bookkeeping(self) -> tuple[Callable, Callable, Callable]:
+        """(gather inputs, advance a decode, advance a speculative step's runs)."""
         if self.kernels:  # (imported here: triton loads when a CUDA executor builds)
-            from graphexec.engine import step_kernels
+            from graphexec.engine import step_kernels as k
 
-            return step_kernels.gather_inputs, step_kernels.advance_decode
-        return gather_inputs_reference, advance_decode_reference
+            return k.gather_inputs, k.advance_decode, k.advance_runs
+        return gather_inputs_reference, advance_decode_reference, advance_runs_reference
 
     def decode(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput, gather: Callable,
                advance: Callable) -> None:  # fmt: skip
@@ -180,10 +184,8 @@ class StepFn:
         logits = sampler.clip(logits, slots.vocab_size)
         sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, self.method,
                        key.variant)  # fmt: skip
-        flag_inf_runs(sampler.token_values(logits, out.token_ids), out)
-        emitted = advance(slots, slot_ids, out)
-        if hist is not None:
-            hist.write_runs(slot_ids, model_pos, out.token_ids, emitted)
+        values = sampler.token_values(logits, out.token_ids)
+        self._bookkeeping()[2](slots, slot_ids, values, out, hist, model_pos)
 
     def draft_tokens(self, key: GraphKey, slot_ids, pos, model_pos, masks):
         """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks`
@@ -245,25 +247,3 @@ def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
     flat = masks.view(b * t, -1)
     slots.min_token_masks(flat, rows, (pos.unsqueeze(1) + j).reshape(-1))
     return masks
-
-
-def advance(slots: SlotTable, slot_ids: torch.Tensor, out: VerifyOutput) -> torch.Tensor:
-    """Step 6: move each real row's decode state past the tokens it emitted; i64 [b] how
-    many that is (0 for padding and invalid rows)."""
-    b, t = out.token_ids.shape
-    if t == 1:  # a run of one: decoding's form, fewer kernels
-        advance_decode_reference(slots, slot_ids, None, out.token_ids[:, 0], out.valid, False)
-        return ((slot_ids != slots.padding_slot) & out.valid).to(torch.int64)
-    real = (slot_ids != slots.padding_slot) & out.valid
-    counts = slots.tensors.token_counts
-    n = torch.where(real, out.num_tokens, 0)
-    slots.positions.index_add_(0, slot_ids, n)
-    last = out.token_ids.gather(1, (n - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    # padding rows write back the value already there, so duplicates agree
-    slots.last_token[slot_ids] = torch.where(real, last, slots.last_token[slot_ids])
-    if counts is not None:
-        emitted = torch.arange(t, device=n.device).unsqueeze(0) < n.unsqueeze(1)
-        rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
-        toks = out.token_ids.clamp(min=0).reshape(-1)
-        counts.index_put_((rows, toks), emitted.reshape(-1).to(counts.dtype), accumulate=True)
-    return n

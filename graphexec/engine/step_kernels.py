@@ -1,8 +1,9 @@
-"""The decode step's bookkeeping in two launches instead of ~20 small torch kernels.
+"""The step's bookkeeping in a launch each instead of ~20 small torch kernels.
 
 Around the model and the sampler a decode step (T = 1) gathers each row's state from
-the slot table and, after the draw, writes it back. In torch that is a dozen gathers,
-compares and scatters on each side, each its own kernel in the captured graph. Here:
+the slot table and, after the draw, writes it back; a speculative step writes back runs
+of up to K + 1 tokens. In torch that is a dozen gathers, compares and scatters on each
+side, each its own kernel in the captured graph. Here:
 
     _inputs_kernel  grid (b,): steps 1 and 4's mask of `step.py` for one row: its
         output position pos, the model position of its last token (prompt_len + pos -
@@ -12,12 +13,17 @@ compares and scatters on each side, each its own kernel in the captured graph. H
         +inf gets INF_TOKEN and valid = False (unless the draw already flags them); a
         real row (not the padding slot, valid) advances: position + 1, last token, and
         its token count + 1.
+    _runs_kernel    grid (b,): steps 5 and 6 of a speculative step: a run holding a
+        token whose raw logit is +inf emits nothing (INF_TOKEN at offset 0, invalid, no
+        tokens); a real row with a valid run advances past its n tokens: position + n,
+        last token, each token's count + 1 (atomic: a run may repeat a token), and the
+        tokens into its n-gram history after its model position.
 
 Each has a torch reference (`step_state.*_reference`, the CPU route and the tests'
-definition); both are integer work, so the two give the same values, bit for bit. Both
-launch with programmatic dependent launch where the device has it (each waits for the
-kernel before it before touching anything). A row touches
-only its own slot (real rows hold distinct slots; padding rows write nothing).
+definition); all are integer work (and a compare with +inf), so they give the same
+values, bit for bit. They launch with programmatic dependent launch where the device has
+it (each waits for the kernel before it before touching anything). A row touches only
+its own slot (real rows hold distinct slots; padding rows write nothing).
 """
 
 from __future__ import annotations
@@ -108,6 +114,46 @@ def _advance_kernel(
             tl.store(COUNTS + slot * V + tok, tl.load(COUNTS + slot * V + tok) + 1)
 
 
+@triton.jit
+def _runs_kernel(
+    SLOT,  # [b] i64
+    TOKEN,  # [b, T] i64 (row stride s_tok): the runs (-1 past them); offset 0 flagged
+    VALUE,  # [b, T] float (row stride s_val): the raw logits at the tokens
+    NUM_TOKENS, NUM_ACCEPTED,  # [b] i64: zeroed when flagged
+    VALID,  # [b] bool
+    POSITIONS, LAST_TOKEN,  # [S] i64
+    COUNTS,  # [S, V] i32; written only with HAS_COUNTS
+    HISTORY,  # [S, M + 1] i32 (row stride s_hist); written only with HAS_HISTORY
+    MODEL_POS,  # [b] i64: sequence index of each row's last token; read with HAS_HISTORY
+    s_tok, s_val, s_hist, V, padding_slot,
+    T: tl.constexpr, T_PAD: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    HAS_HISTORY: tl.constexpr, INF: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    dependent_start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOT + r)
+    n = tl.load(NUM_TOKENS + r)
+    valid = tl.load(VALID + r) != 0
+    j = tl.arange(0, T_PAD)
+    run = (j < T) & (j < n)
+    value = tl.load(VALUE + r * s_val + j, mask=run, other=0).to(tl.float32)
+    hit = (tl.max((value == float("inf")).to(tl.int32), 0) > 0) & valid
+    if hit:
+        tl.store(TOKEN + r * s_tok, INF)
+        tl.store(NUM_TOKENS + r, 0)
+        tl.store(NUM_ACCEPTED + r, 0)
+        tl.store(VALID + r, False)
+    if valid & (hit == 0) & (slot != padding_slot):
+        tok = tl.load(TOKEN + r * s_tok + j, mask=run, other=0)
+        tl.store(POSITIONS + slot, tl.load(POSITIONS + slot) + n)
+        tl.store(LAST_TOKEN + slot, tl.sum(tl.where(j == n - 1, tok, 0), 0))
+        if HAS_COUNTS:
+            tl.atomic_add(COUNTS + slot * V + tok, tl.full([T_PAD], 1, tl.int32), mask=run)
+        if HAS_HISTORY:
+            at = tl.load(MODEL_POS + r) + 1 + j
+            tl.store(HISTORY + slot * s_hist + at, tok.to(tl.int32), mask=run)
+
+
 def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
     """`_inputs_kernel` over `slots` (a SlotTable) for rows `slot_ids` [b] (Triton)."""
     b, bm = slot_ids.shape[0], slots.bitmask
@@ -140,4 +186,25 @@ def advance_decode(slots, slot_ids: torch.Tensor, logits: torch.Tensor, token_id
         token_ids.stride(0), valid.stride(0), logits.stride(0), slots.vocab_size,
         slots.padding_slot, FLAG_INF=flag, HAS_COUNTS=counts is not None, INF=INF_TOKEN,
         num_warps=1, **kernel_options(True, slot_ids.device),
+    )  # fmt: skip
+
+
+def advance_runs(slots, slot_ids: torch.Tensor, values: torch.Tensor, out, history=None,
+                 model_pos: torch.Tensor | None = None) -> None:  # fmt: skip
+    """`_runs_kernel` (Triton): `step_state.advance_runs_reference`'s values. out: the
+    step's `VerifyOutput` [b, T] (flagged rows rewritten in place); values [b, T] the raw
+    logits at its tokens; history: an `NgramHistory` or None."""
+    b, t = out.token_ids.shape
+    if not b:
+        return
+    counts = slots.tensors.token_counts
+    hist = history.tokens if history is not None else slot_ids
+    _runs_kernel[(b,)](
+        slot_ids, out.token_ids, values, out.num_tokens, out.num_accepted, out.valid,
+        slots.positions, slots.last_token, counts if counts is not None else slot_ids, hist,
+        model_pos if history is not None else slot_ids, out.token_ids.stride(0),
+        values.stride(0), hist.stride(0), slots.vocab_size, slots.padding_slot, T=t,
+        T_PAD=triton.next_power_of_2(t), HAS_COUNTS=counts is not None,
+        HAS_HISTORY=history is not None, INF=INF_TOKEN, num_warps=1,
+        **kernel_options(True, slot_ids.device),
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """A decode step's gathered slot state, and its bookkeeping in torch: the CPU route and
-the definition that `step_kernels` (one CUDA launch each side) computes bit for bit."""
+the definition that `step_kernels` (one CUDA launch each) computes bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphexec.sampling.flags import flag_inf
+from graphexec.sampling.flags import flag_inf, flag_inf_runs
 from graphexec.sampling.tensors import SamplerOutput
 
 
@@ -47,3 +47,30 @@ def advance_decode_reference(slots, slot_ids: torch.Tensor, logits: torch.Tensor
     counts = slots.tensors.token_counts
     if counts is not None:
         counts.index_put_((slot_ids, tok), real.to(counts.dtype), accumulate=True)
+
+
+def advance_runs_reference(slots, slot_ids: torch.Tensor, values: torch.Tensor, out,
+                           history=None, model_pos=None) -> None:  # fmt: skip
+    """Steps 5 and 6 of a speculative step, runs of T = K + 1 (on CUDA
+    `step_kernels.advance_runs`): a run holding a +inf token emits nothing
+    (`flags.flag_inf_runs`; values [b, T]: the raw logits at its tokens), then each real
+    row with a valid run moves past the tokens it emitted: position += them, last token =
+    the last, token counts += each, and with an n-gram `history` (an `NgramHistory`) they
+    go into it after `model_pos` [b]. Padding rows (the padding slot) and invalid rows
+    change nothing."""
+    flag_inf_runs(values, out)
+    b, t = out.token_ids.shape
+    real = (slot_ids != slots.padding_slot) & out.valid
+    n = torch.where(real, out.num_tokens, 0)
+    slots.positions.index_add_(0, slot_ids, n)
+    last = out.token_ids.gather(1, (n - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    # padding rows write back the value already there, so duplicates agree
+    slots.last_token[slot_ids] = torch.where(real, last, slots.last_token[slot_ids])
+    counts = slots.tensors.token_counts
+    if counts is not None:
+        emitted = torch.arange(t, device=n.device).unsqueeze(0) < n.unsqueeze(1)
+        rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
+        toks = out.token_ids.clamp(min=0).reshape(-1)
+        counts.index_put_((rows, toks), emitted.reshape(-1).to(counts.dtype), accumulate=True)
+    if history is not None:
+        history.write_runs(slot_ids, model_pos, out.token_ids, n)

@@ -93,3 +93,54 @@ def test_advance_decode_is_the_reference(penalties, flag, device) -> None:
     assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
     assert (t1[1] == INF_TOKEN) == flag and (st.positions[1] != s1[0][1]) != flag
     assert torch.equal(s1[0][6], st.positions[6])  # the padding slot never moves
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("penalties", [True, False])
+@pytest.mark.parametrize("history", [True, False])
+@pytest.mark.parametrize("t", [1, 4])
+def test_advance_runs_is_the_reference(penalties, history, t, device) -> None:
+    """A speculative step's runs: full, short and empty runs, a run repeating a token
+    (its count + 2), padding rows, an invalid row, and a run with a +inf token inside it
+    (flagged) beside one whose +inf lies past its end (not flagged): the same runs,
+    counts, validity, positions, last tokens, token counts and n-gram histories as the
+    torch reference."""
+    from graphexec.speculative.ngram_device import NgramHistory
+    from graphexec.speculative.verify import VerifyOutput
+
+    g = torch.Generator().manual_seed(t)
+    slot_ids = torch.tensor([0, 1, 2, 3, 6, 6, 4, 5], device=device)
+    b = slot_ids.shape[0]
+    toks = torch.randint(0, V, (b, t), generator=g).to(device)
+    n = torch.tensor([t, 1, 0, t, t, 1, max(t - 1, 1), t], device=device)
+    toks[torch.arange(t, device=device).unsqueeze(0) >= n.unsqueeze(1)] = -1
+    if t > 1:
+        toks[0, 1] = toks[0, 0]  # a repeated token
+    valid = n > 0
+    values = torch.randn(b, t, generator=g).to(device)
+    values[3, t - 1] = float("inf")  # inside row 3's run: flagged
+    values[6, t - 1] = float("inf")  # past row 6's run (t > 1): not flagged
+    model_pos = torch.tensor([3, 0, 5, 9, -1, -1, 20, 1], device=device)
+    stale = torch.randint(0, V, (7, 31), generator=g, dtype=torch.int32)
+    results = []
+    for fn in (sk.advance_runs, ss.advance_runs_reference):
+        st = table(penalties, 1, 5, device)
+        out = VerifyOutput.allocate(b, t - 1, torch.device(device), None)
+        out.token_ids.copy_(toks)
+        out.num_tokens.copy_(n)
+        out.num_accepted.copy_((n - 1).clamp(min=0))
+        out.valid.copy_(valid)
+        hist = None
+        if history:
+            hist = NgramHistory(7, 30, torch.device(device), 3, 1, 16)
+            hist.tokens.copy_(stale)
+        fn(st, slot_ids, values, out, hist, model_pos)
+        results.append((out, state(st), hist))
+    (o1, s1, h1), (o2, s2, h2) = results
+    for f in ("token_ids", "num_tokens", "num_accepted", "valid"):
+        assert torch.equal(getattr(o1, f), getattr(o2, f)), f
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+    if history:  # (the reference also writes the tokens past a run to the dump column)
+        assert torch.equal(h1.tokens[:, :-1], h2.tokens[:, :-1])
+    assert o1.token_ids[3, 0] == INF_TOKEN and not o1.valid[3]
+    assert o1.valid[6] == (t > 1)
