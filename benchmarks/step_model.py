@@ -41,7 +41,9 @@ rows' pads cost what drafts cost). spec_vs_plain = that step's replayed wall / t
 step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key;
 on CUDA `events` (as `replay.idle`): the GPU's idle time between launches (the drafts are
 made on the device, so a speculative step launches before the one before it is
-collected, as a plain step does).
+collected, as a plain step does). `spec.masked`: the same with allowed_token_ids on every
+row (all ids but 0): rows with a token mask the host writes per offset, whose steps wait
+for the step before (what the synchronous path costs).
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -204,9 +206,11 @@ def run_paired(args, models: dict, prompts: torch.Tensor) -> dict[int, dict[str,
     return out
 
 
-def run_spec(args, model, batches: list[int]) -> list[dict]:
+def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict]:
     """The speculative step (module docstring): replayed wall per step and tokens per
-    step, at each B of `batches`."""
+    step, at each B of `batches`. `masked`: every row also has allowed_token_ids (all ids
+    but 0), a token mask the host writes per offset, so each step waits for the one
+    before it (the synchronous path of rows with token masks)."""
     k, steps = 3, min(args.steps, 40)
     mb = max(batches)
     ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,
@@ -215,11 +219,13 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
     ex.capture([GraphKey(SV("no_filter"), b, False, s) for b in sorted(set(batches))
                 for s in (0, k)], progress=False)  # fmt: skip
     rows = []
+    allowed = tuple(range(1, model.vocab_size)) if masked else None
     for B in batches:
         for i in range(B):
             t = 1 + 37 * i % (model.vocab_size - 1)
             p = gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True, logit_bias={t: 100.0},
-                                  max_tokens=(steps + 8) * (k + 1))  # fmt: skip
+                                  max_tokens=(steps + 8) * (k + 1),
+                                  allowed_token_ids=allowed)  # fmt: skip
             ex.add_request(f"s{i}", [t] * args.prompt_len, p)
         for _ in range(3):
             ex.step()
@@ -247,7 +253,7 @@ def run_spec(args, model, batches: list[int]) -> list[dict]:
                 r["events"] = stamps.stats()
         rows.append(r)
         idle = f"; GPU idle {r['events']['idle_us']:.0f} us a launch" if "events" in r else ""
-        print(f"spec   B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
+        print(f"spec{'+mask' if masked else '     '} B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
               f"step, {(k + 1) * B} rows verified; {spec_steps}/{steps} steps on the spec_k={k} "
               f"key{idle}", flush=True)  # fmt: skip
     info = dict(drafted=ex.stats.drafted, accepted=ex.stats.accepted)
@@ -320,6 +326,7 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
     rows, info = run_ours(args, measure, model, prompts, bandwidth)
     spec_batches = [b for b in args.batches if b <= args.spec_max_batch]
     spec = run_spec(args, model, spec_batches) if spec_batches else []
+    spec_masked = run_spec(args, model, spec_batches, masked=True) if spec_batches else []
     free(args.device)
     cublas, _ = load(cfg, folder, args.device, dtype, args.max_seq_len, args.seed, state,
                      batch_invariant=False)  # fmt: skip
@@ -329,12 +336,15 @@ def run(args, measure, header: dict) -> tuple[str, dict]:
     for r in rows:
         p = paired.get(r["batch"])
         sp = next((x for x in spec if x["batch"] == r["batch"]), None)
+        sm = next((x for x in spec_masked if x["batch"] == r["batch"]), None)
         if p is not None and "replay" in r:
             r["cublas"] = dict(wall_us=p["cublas"], tokens_per_s=r["batch"] / p["cublas"] * 1e6,
                                invariant_wall_us=p["invariant"])  # fmt: skip
             r["invariant_cost"] = p["invariant"] / p["cublas"]
         if sp is not None and "replay" in r:
             r["spec"] = dict(sp, vs_plain=sp["wall_us"] / r["replay"]["wall_us"])
+            if sm is not None:
+                r["spec"]["masked"] = dict(sm, vs_plain=sm["wall_us"] / r["replay"]["wall_us"])
     result.update(rows=rows, ours=info)
     os.makedirs(args.out, exist_ok=True)
     dev = header["device"].lower().replace(" ", "-")

@@ -150,6 +150,9 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
         assert sp["spec_key_steps"] == sp["steps"] == 3
         assert r["spec"]["vs_plain"] == pytest.approx(r["spec"]["wall_us"]
                                                       / r["replay"]["wall_us"])  # fmt: skip
+        sm = sp["masked"]  # the same with a token mask on every row: the same tokens
+        assert sm["tokens_per_step"] == sp["tokens_per_step"] and sm["spec_key_steps"] == 3
+        assert sm["vs_plain"] == pytest.approx(sm["wall_us"] / r["replay"]["wall_us"])
         for mode in ("default", "eager"):
             hf = r["transformers"][mode]
             assert "error" not in hf, hf

@@ -295,3 +295,53 @@ def test_a_wait_sleeps_only_with_a_step_queued_behind_it(monkeypatch) -> None:
         for _ in range(6):
             ex.step()
         assert queued and set(queued[1:-1]) == {want}, (overlap, spec, queued)
+
+
+def random_workload(seed: int) -> list[Event]:
+    """Requests whose prompts repeat a few ids (the n-gram drafter finds drafts), with
+    limits from 1 to 14 tokens and prompts up to the context (max_seq_len 40), stop ids,
+    EOS, greedy and sampled rows, logprobs, n = 2; admitted as earlier streams report,
+    some aborted mid-run."""
+    import random
+
+    rng = random.Random(seed)
+    events: list[Event] = []
+    streams: list[str] = []  # ids that report outputs (each reports one at least)
+    for i in range(10):
+        prompt = [rng.choice([5, 6, 7, 97]) for _ in range(rng.choice([1, 3, 8, 20, 38]))]
+        kw = dict(seed=i, max_tokens=rng.randint(1, 14), ignore_eos=rng.random() < 0.5,
+                  temperature=rng.choice([0.0, 0.7, 1.2]), logit_bias={5: 2.0, 6: 2.0})
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = (rng.choice([5, 6, 97]),)
+        if rng.random() < 0.3:
+            kw["logprobs"] = rng.choice([0, 2])
+        if rng.random() < 0.2:
+            kw.update(n=2)
+        after = None if i < 3 else (rng.choice(streams), 1)
+        events.append(add(f"w{i}", prompt, after, **kw))
+        first = f"w{i}/0" if kw.get("n") else f"w{i}"
+        streams.append(first)
+        if rng.random() < 0.25:  # aborted once it reported (it may have ended already)
+            events.append(Event((first, 1), abort=f"w{i}"))
+    return events
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_speculative_workloads_give_the_synchronous_outputs(seed) -> None:
+    """The pipelined speculative step (tokens in flight counted as the most a run may
+    hold, rows sitting a step out near their limits, drafts made on the device) against
+    the synchronous one, and speculation against none: the same outputs."""
+
+    def spec():
+        return gx.SpeculativeConfig(3, drafter="ngram", ngram_max=3)
+
+    events = random_workload(seed)
+    sync = run(make(False, spec()), events)
+    piped = make(True, spec())
+    assert run(piped, random_workload(seed)) == sync
+    assert piped.drafter.drafted > 0
+    plain = run(make(False), random_workload(seed))
+    assert set(plain) == set(sync)
+    for rid, rows in plain.items():  # the same tokens (a run may pass an abort's point)
+        n = min(len(rows), len(sync[rid])) - 1
+        assert [r[:2] for r in rows[:n]] == [r[:2] for r in sync[rid][:n]], rid
