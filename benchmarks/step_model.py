@@ -253,7 +253,8 @@ def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict
                 r["events"] = stamps.stats()
         rows.append(r)
         idle = f"; GPU idle {r['events']['idle_us']:.0f} us a launch" if "events" in r else ""
-        print(f"spec{'+mask' if masked else '     '} B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
+        what = "spec+mask" if masked else "spec  "
+        print(f"{what} B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
               f"step, {(k + 1) * B} rows verified; {spec_steps}/{steps} steps on the spec_k={k} "
               f"key{idle}", flush=True)  # fmt: skip
     info = dict(drafted=ex.stats.drafted, accepted=ex.stats.accepted)
