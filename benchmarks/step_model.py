@@ -41,9 +41,9 @@ rows' pads cost what drafts cost). spec_vs_plain = that step's replayed wall / t
 step's at the same B; `spec_key_steps` counts the timed steps that ran the spec_k = 3 key;
 on CUDA `events` (as `replay.idle`): the GPU's idle time between launches (the drafts are
 made on the device, so a speculative step launches before the one before it is
-collected, as a plain step does). `spec.masked`: the same with allowed_token_ids on every
-row (all ids but 0): rows with a token mask the host writes per offset, whose steps wait
-for the step before (what the synchronous path costs).
+collected, as a plain step does). `spec.masked`: the same with a bad word on every row
+(token 0 twice): rows whose token mask the host rewrites per offset from their last
+tokens, as a grammar's, so each step waits for the step before (what that path costs).
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -208,9 +208,10 @@ def run_paired(args, models: dict, prompts: torch.Tensor) -> dict[int, dict[str,
 
 def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict]:
     """The speculative step (module docstring): replayed wall per step and tokens per
-    step, at each B of `batches`. `masked`: every row also has allowed_token_ids (all ids
-    but 0), a token mask the host writes per offset, so each step waits for the one
-    before it (the synchronous path of rows with token masks)."""
+    step, at each B of `batches`. `masked`: every row also has a bad word (token 0
+    twice), a token mask the host rewrites per offset from the row's last tokens, so
+    each step waits for the one before it (the synchronous path of rows with a grammar
+    or bad words)."""
     k, steps = 3, min(args.steps, 40)
     mb = max(batches)
     ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,
@@ -219,13 +220,12 @@ def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict
     ex.capture([GraphKey(SV("no_filter"), b, False, s) for b in sorted(set(batches))
                 for s in (0, k)], progress=False)  # fmt: skip
     rows = []
-    allowed = tuple(range(1, model.vocab_size)) if masked else None
+    bad = [[0, 0]] if masked else []
     for B in batches:
         for i in range(B):
             t = 1 + 37 * i % (model.vocab_size - 1)
             p = gx.SamplingParams(temperature=0.0, seed=i, ignore_eos=True, logit_bias={t: 100.0},
-                                  max_tokens=(steps + 8) * (k + 1),
-                                  allowed_token_ids=allowed)  # fmt: skip
+                                  max_tokens=(steps + 8) * (k + 1), bad_words=bad)  # fmt: skip
             ex.add_request(f"s{i}", [t] * args.prompt_len, p)
         for _ in range(3):
             ex.step()

@@ -98,7 +98,7 @@ class Drafter:
                 drafts = [rows[i].history.drafts(int(allow[i]), hi, lo, wide) if allow[i] else []
                           for i in g_rows]  # fmt: skip
             else:  # their masks after each draft are not known before the step
-                allow[[i for i in g_rows if masks.dynamic(rows[i].slot)]] = 0
+                allow[g_rows] = 0
                 drafts = [[] for _ in g_rows]
             slots = [rows[i].slot for i in g_rows]
             host, kept = masks.fill_runs(slots, drafts)

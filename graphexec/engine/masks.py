@@ -4,16 +4,19 @@ Every step's sampler applies each row's bitmask (1 = allowed, int32 words, xgram
 layout) inside the captured step; the host writes the rows of requests that need one:
 
 - grammar: the xgrammar matcher's next-token mask (`GrammarSlots`), refreshed every step;
-- allowed_token_ids: a fixed row, ANDed in;
+- allowed_token_ids: a fixed row, ANDed in; alone (no grammar, no bad words) it is
+  *static*: written once, at every offset, right after the flush that resets the slot
+  (`write_static`), and the row is not a mask row of the step plan, so its steps pipeline
+  as unmasked ones do;
 - bad_words: a word of L tokens bans its last token wherever the request's last L - 1
   output tokens equal its first L - 1 (vLLM's rule: output tokens only), so the row is
   refreshed every step from the request's recent output.
 
 min_tokens is not here: it is a per-slot count applied inside the step
 (`SlotTable.min_token_masks`). Under speculation, masks come per offset (`fill_runs`):
-offset j's mask is the one after drafts 0..j-1. Rows whose masks depend on the drafts
-(grammar, bad words) are `dynamic`: a draft model's drafts, unknown to the host, cannot
-be masked for them, so they ride with zero drafts.
+offset j's mask is the one after drafts 0..j-1. The rows the host rewrites every step
+(`has`: grammar, bad words) depend on the tokens before them: a draft model's drafts,
+unknown to the host, cannot be masked for them, so they ride with zero drafts.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class TokenMasks:
         self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
         self._host_runs = torch.full((max_rows, offsets, self.words), -1, dtype=torch.int32,
                                      pin_memory=pin)  # fmt: skip
-        self._slots: dict[int, _SlotMasks] = {}
+        self._slots: dict[int, _SlotMasks] = {}  # rows rewritten every step
+        self._static: dict[int, np.ndarray] = {}  # static rows (u32 [W]) not yet written
+        self.offsets = offsets
 
     def add(self, slot: int, params: SamplingParams, bad: list[tuple[int, ...]]) -> None:
         if params.grammar is not None:
@@ -76,6 +81,9 @@ class TokenMasks:
             allowed[list(params.allowed_token_ids)] = True
             allowed = np.packbits(allowed.reshape(-1, 8), axis=1, bitorder="little")
             allowed = allowed.reshape(-1).view(np.uint32)
+            if params.grammar is None and not bad:
+                self._static[slot] = allowed
+                return
         keep = max((len(w) for w in bad), default=1) - 1
         self._slots[slot] = _SlotMasks(allowed, bad, deque(maxlen=max(keep, 1)))
 
@@ -83,16 +91,31 @@ class TokenMasks:
         if self.grammar is not None:
             self.grammar.remove(slot)
         self._slots.pop(slot, None)
+        self._static.pop(slot, None)
 
     def has(self, slot: int) -> bool:
+        """The host rewrites the slot's mask every step (a grammar or bad words): it
+        depends on the tokens before it."""
         return slot in self._slots or (self.grammar is not None and self.grammar.has(slot))
 
-    def dynamic(self, slot: int) -> bool:
-        """The slot's mask depends on the tokens before it (grammar or bad words)."""
-        m = self._slots.get(slot)
-        return (m is not None and bool(m.bad)) or (
-            self.grammar is not None and self.grammar.has(slot)
-        )
+    def write_static(self, slots) -> None:
+        """Write the static rows of the slots admitted since the last call into `slots`
+        (a SlotTable), at every offset: after its flush, which reset those slots' rows
+        (from a fresh pinned buffer, which the caching host allocator keeps until the
+        copy is done)."""
+        if not self._static:
+            return
+        ids = list(self._static)
+        pin = torch.cuda.is_available()
+        shape = (len(ids), self.offsets, self.words) if self.offsets > 1 else (len(ids), self.words)
+        rows = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+        u32 = rows.numpy().view(np.uint32).reshape(len(ids), -1, self.words)
+        for b, s in enumerate(ids):
+            u32[b] = self._static[s]
+        self._static.clear()
+        dev = slots.bitmask.device
+        idx = torch.tensor(ids, dtype=torch.int64, pin_memory=pin)
+        slots.write_masks(idx.to(dev, non_blocking=True), rows.to(dev, non_blocking=True))
 
     def _apply(self, row: np.ndarray, m: _SlotMasks, tail: list[int]) -> None:
         """AND the allowed ids into `row` (u32 [W]) and clear the bad words' completions

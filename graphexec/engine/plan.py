@@ -74,7 +74,7 @@ class BatchPlan:
     epoch: np.ndarray  # i64 [n]: its slot's epoch when the plan was built
     own_stops: list[int]  # rows with stop_token_ids of their own
     eos_stops: np.ndarray  # bool [n]: EOS stops the row (not ignore_eos)
-    mask_rows: list[int]  # rows with a host-written token mask (grammar, allowed, bad words)
+    mask_rows: list[int]  # rows whose token mask the host rewrites each step (grammar, bad words)
     has_text: np.ndarray  # bool [n]: the row's output text is detokenised
     logprobs: bool  # some row asked for logprobs
     uploaded: bool = False  # the device slot ids hold this plan's only chunk

@@ -165,6 +165,7 @@ class Requests:
         """Flush the staged slot writes and run the step's prefill; completed prompts
         join the decode rows. The ends of requests whose prefill failed."""
         self.slots.flush()
+        self.masks.write_static(self.slots)  # (after the flush that reset their rows)
         if not self.prefiller.pending:
             return []
         res = self.prefiller.run()

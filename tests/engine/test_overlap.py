@@ -345,3 +345,40 @@ def test_random_speculative_workloads_give_the_synchronous_outputs(seed) -> None
     for rid, rows in plain.items():  # the same tokens (a run may pass an abort's point)
         n = min(len(rows), len(sync[rid])) - 1
         assert [r[:2] for r in rows[:n]] == [r[:2] for r in sync[rid][:n]], rid
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "model"])
+def test_static_masks_pipeline_and_leave_the_slot_clean(drafter) -> None:
+    """allowed_token_ids alone is a static mask: written once after the flush, not a mask
+    row of the plan, so its steps pipeline (no split step, no collect-first) and give
+    the synchronous outputs; a request that takes its slot afterwards is unmasked."""
+    allowed = [97, 98, 99, EOS]
+
+    def events():
+        # fmt: off
+        return [
+            add("a", [1, 2], seed=1, allowed_token_ids=allowed, max_tokens=9, ignore_eos=True),
+            add("b", [3], seed=2, max_tokens=30, ignore_eos=True),
+            add("c", [4], ("a", 9), seed=3, max_tokens=8, ignore_eos=True),  # a's slot
+        ]
+        # fmt: on
+
+    def ex(overlap: bool):
+        spec = None
+        if drafter is not None:
+            d = "ngram" if drafter == "ngram" else gx.models.TableModel(V, seed=3, max_seq_len=40)
+            spec = gx.SpeculativeConfig(3, drafter=d)
+        e = gx.DecodeExecutor(gx.models.TableModel(V, seed=3, max_seq_len=40),
+                              max_batch_size=2, device="cpu", seed=0,
+                              tokenizer=byte_tokenizer(), overlap=overlap,
+                              speculative=spec)  # fmt: skip
+        e.capture(progress=False)
+        return e
+
+    piped = ex(True)
+    sync = run(ex(False), events())
+    assert run(piped, events()) == sync
+    assert piped.runner.split_steps == 0 and not piped.masks.has(0)
+    toks = {rid: [r[0] for r in rows if r[0] is not None] for rid, rows in sync.items()}
+    assert set(toks["a"]) <= set(allowed) and len(toks["a"]) == 9
+    assert not set(toks["c"]) <= set(allowed)  # the slot's mask was reset
