@@ -95,6 +95,9 @@ run_tests() {
     grep -v -E "${TEST_ALONE:-^$}" "$dir/ids" >"$dir/rest"
     local alone=$(wc -l <"$dir/alone")
     local rest=$(( jobs > alone ? jobs - alone : 1 ))
+    # TEST_ALONE is for single ids: matching whole files leaves the rest few processes
+    (( alone > jobs / 2 )) && echo "warning: TEST_ALONE matches $alone ids; the other" \
+        "$(wc -l <"$dir/rest") share $rest process(es)" | tee -a "$log"
     local per=$(( ($(wc -l <"$dir/rest") + rest - 1) / rest ))
     [ "${TEST_SPREAD:-}" = rr ] && per=0
     local groups=$(( jobs > alone ? jobs : alone + 1 ))

@@ -27,8 +27,9 @@ device, no host sync, static shapes):
                 last one, token counts += each (n-gram: the run into the history). Padding
                 rows (the padding slot) and
                 invalid rows change nothing, so a graph's padding never touches a slot.
-On CUDA a decode step's steps 1 and 4's mask gather run as one kernel and steps 5 and 6 as
-another (`step_kernels`), the same values as their torch references.
+On CUDA steps 1 and 4's mask gather run as one kernel, steps 5 and 6 as another
+(`step_kernels`), and n-gram drafting as a third (`ngram_kernel`), the same values as
+their torch references (`step_state`, `NgramHistory`).
 
 Terms: a *bucket* is the static batch size of a graph; its first n rows are the real
 requests and the rest are *padding rows* pointing at the table's padding slot.
@@ -167,10 +168,10 @@ class StepFn:
     def verify(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
                out: VerifyOutput) -> None:  # fmt: skip
         slots, sampler, k = self.slots, self.sampler, key.spec_k
-        pos = slots.positions[slot_ids]
-        model_pos = slots.prompt_lens[slot_ids] + pos - 1
-        masks = run_masks(slots, slot_ids, pos, k + 1)
-        last, q, hist = slots.last_token[slot_ids], None, self.history
+        gather, _, advance_runs = self._bookkeeping()
+        inp = gather(slots, slot_ids, k + 1)
+        pos, model_pos, masks, last = inp.pos, inp.model_pos, inp.masks, inp.last
+        q, hist = None, self.history
         if hist is not None:
             drafts = hist.match(slot_ids, model_pos, last, inputs, k)
         else:
@@ -185,7 +186,7 @@ class StepFn:
         sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, self.method,
                        key.variant)  # fmt: skip
         values = sampler.token_values(logits, out.token_ids)
-        self._bookkeeping()[2](slots, slot_ids, values, out, hist, model_pos)
+        advance_runs(slots, slot_ids, values, out, hist, model_pos)
 
     def draft_tokens(self, key: GraphKey, slot_ids, pos, model_pos, masks):
         """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks`
@@ -231,19 +232,3 @@ def draw_q(logits, slot_ids, pos, slots: SlotTable, key: GraphKey, before):
     score = torch.where(q > 0, torch.log(q) + g, -torch.inf)
     d = torch.where((q > 0).any(dim=1), ref.first_argmax(score), -1)
     return d, q.to(torch.float32)
-
-
-def run_masks(slots: SlotTable, slot_ids, pos, t: int) -> torch.Tensor:
-    """The rows' token masks per offset [b, t, W] (a gathered copy: the slot rows stay
-    as the host wrote them), min_tokens applied at output position pos + j."""
-    b = slot_ids.shape[0]
-    bm = slots.bitmask
-    if t == 1:  # decoding: offset 0 only
-        masks = bm[slot_ids, 0] if bm.dim() == 3 else bm[slot_ids]
-        return slots.min_token_masks(masks, slot_ids, pos).unsqueeze(1)
-    masks = bm[slot_ids, :t]
-    j = torch.arange(t, device=pos.device)
-    rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
-    flat = masks.view(b * t, -1)
-    slots.min_token_masks(flat, rows, (pos.unsqueeze(1) + j).reshape(-1))
-    return masks

@@ -5,10 +5,10 @@ the slot table and, after the draw, writes it back; a speculative step writes ba
 of up to K + 1 tokens. In torch that is a dozen gathers, compares and scatters on each
 side, each its own kernel in the captured graph. Here:
 
-    _inputs_kernel  grid (b,): steps 1 and 4's mask of `step.py` for one row: its
-        output position pos, the model position of its last token (prompt_len + pos -
-        1), the last token, and its token mask row copied from the slot table with the
-        min_tokens bits cleared while pos < min_tokens.
+    _inputs_kernel  grid (b, T): steps 1 and 4's mask of `step.py` for one row and
+        offset j: (j = 0) its output position pos, the model position of its last token
+        (prompt_len + pos - 1) and the last token; its token mask row of offset j copied
+        from the slot table with the min_tokens bits cleared while pos + j < min_tokens.
     _advance_kernel grid (b,): steps 5 and 6: a row that drew a token whose raw logit is
         +inf gets INF_TOKEN and valid = False (unless the draw already flags them); a
         real row (not the padding slot, valid) advances: position + 1, last token, and
@@ -47,41 +47,45 @@ def _inputs_kernel(
     POSITIONS,  # [S] i64: output position per slot
     PROMPT_LENS,  # [S] i64
     LAST_TOKEN,  # [S] i64
-    BITMASK,  # [S, ..., W] i32: offset 0 of each slot's row (slot stride s_bm)
+    BITMASK,  # [S, (T,) W] i32: each slot's rows (slot stride s_bm, offset stride s_off)
     MIN_TOKENS,  # [S] i64
     MIN_WORDS,  # [S, M] i64: words holding held-back ids (entries may repeat)
     MIN_BITS,  # [S, M] i32
     POS_OUT, MODEL_POS_OUT, LAST_OUT,  # [b] i64
-    MASK_OUT,  # [b, W] i32 contiguous
-    s_bm, W, M,
+    MASK_OUT,  # [b, T, W] i32 contiguous
+    s_bm, s_off, W, M,
     BLOCK: tl.constexpr, M_PAD: tl.constexpr,
     PDL: tl.constexpr = False,  # programmatic dependent launch (`dependent_launch`)
 ):  # fmt: skip
     dependent_start(PDL)
     r = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
     slot = tl.load(SLOT + r)
     pos = tl.load(POSITIONS + slot)
-    tl.store(POS_OUT + r, pos)
-    tl.store(MODEL_POS_OUT + r, tl.load(PROMPT_LENS + slot) + pos - 1)
-    tl.store(LAST_OUT + r, tl.load(LAST_TOKEN + slot))
+    if j == 0:
+        tl.store(POS_OUT + r, pos)
+        tl.store(MODEL_POS_OUT + r, tl.load(PROMPT_LENS + slot) + pos - 1)
+        tl.store(LAST_OUT + r, tl.load(LAST_TOKEN + slot))
+    src = BITMASK + slot * s_bm + j * s_off
+    dst = MASK_OUT + (r * tl.num_programs(1) + j) * W
     for w0 in range(0, W, BLOCK):
         c = w0 + tl.arange(0, BLOCK)
-        row = tl.load(BITMASK + slot * s_bm + c, mask=c < W)
-        tl.store(MASK_OUT + r * W + c, row, mask=c < W)
+        row = tl.load(src + c, mask=c < W)
+        tl.store(dst + c, row, mask=c < W)
     # then only the M held-back words are rewritten: comparing each word with the M entries
     # inside the copy loop made W x M compares a row (~25 us a step on an H200)
     m = tl.arange(0, M_PAD)
     # the held-back entries while pos < min_tokens (pos as a vector: the interpreter
     # refuses a scalar in a vector mask)
-    live = (m < M) & (m * 0 + pos < tl.load(MIN_TOKENS + slot))
+    live = (m < M) & (m * 0 + pos + j < tl.load(MIN_TOKENS + slot))
     words = tl.load(MIN_WORDS + slot * M + m, mask=live, other=-1)
     bits = tl.load(MIN_BITS + slot * M + m, mask=live, other=0)
     # a word may repeat (the row format pads with the first entry): each entry clears the
     # OR of its word's bits, so repeats store the same value
     clear = tl.reduce(tl.where(words[:, None] == words[None, :], bits[None, :], 0), 1, _or)
-    held = tl.load(BITMASK + slot * s_bm + words, mask=live, other=0)
+    held = tl.load(src + words, mask=live, other=0)
     tl.debug_barrier()  # the copy's stores of these words land first
-    tl.store(MASK_OUT + r * W + words, held & ~clear, mask=live)
+    tl.store(dst + words, held & ~clear, mask=live)
 
 
 @triton.jit
@@ -154,21 +158,24 @@ def _runs_kernel(
             tl.store(HISTORY + slot * s_hist + at, tok.to(tl.int32), mask=run)
 
 
-def gather_inputs(slots, slot_ids: torch.Tensor) -> StepInputs:
-    """`_inputs_kernel` over `slots` (a SlotTable) for rows `slot_ids` [b] (Triton)."""
+def gather_inputs(slots, slot_ids: torch.Tensor, t: int | None = None) -> StepInputs:
+    """`_inputs_kernel` over `slots` (a SlotTable) for rows `slot_ids` [b] (Triton): t None,
+    a decode's masks [b, W]; t, a speculative step's [b, t, W]
+    (`step_state.gather_inputs_reference`)."""
     b, bm = slot_ids.shape[0], slots.bitmask
     W, M = bm.shape[-1], slots.min_words.shape[1]
     dev = slot_ids.device
     pos, model_pos, last = (torch.empty(b, dtype=torch.int64, device=dev) for _ in range(3))
-    masks = torch.empty((b, W), dtype=torch.int32, device=dev)
+    masks = torch.empty((b, t or 1, W), dtype=torch.int32, device=dev)
     if b:
-        _inputs_kernel[(b,)](
+        _inputs_kernel[(b, t or 1)](
             slot_ids, slots.positions, slots.prompt_lens, slots.last_token, bm,
             slots.min_tokens, slots.min_words, slots.min_bits, pos, model_pos, last, masks,
-            bm.stride(0), W, M, BLOCK=min(1024, triton.next_power_of_2(W)),
-            M_PAD=triton.next_power_of_2(M), num_warps=4, **kernel_options(True, dev),
+            bm.stride(0), bm.stride(1) if bm.dim() == 3 else 0, W, M,
+            BLOCK=min(1024, triton.next_power_of_2(W)), M_PAD=triton.next_power_of_2(M),
+            num_warps=4, **kernel_options(True, dev),
         )  # fmt: skip
-    return StepInputs(pos, model_pos, last, masks)
+    return StepInputs(pos, model_pos, last, masks if t else masks.view(b, W))
 
 
 def advance_decode(slots, slot_ids: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor,

@@ -13,8 +13,9 @@ from graphexec.sampling.tensors import SamplerOutput
 
 @dataclass
 class StepInputs:
-    """The gathered state of a decode step's b rows: pos [b] i64 (output position),
-    model_pos [b] i64, last [b] i64 (the input token), masks [b, W] i32."""
+    """The gathered state of a step's b rows: pos [b] i64 (output position), model_pos
+    [b] i64, last [b] i64 (the input token), masks [b, W] i32 (a speculative step's: [b,
+    K+1, W], one per offset)."""
 
     pos: torch.Tensor
     model_pos: torch.Tensor
@@ -22,15 +23,26 @@ class StepInputs:
     masks: torch.Tensor
 
 
-def gather_inputs_reference(slots, slot_ids: torch.Tensor) -> StepInputs:
-    """The decode rows' state from `slots` (a SlotTable) for rows `slot_ids` [b]: steps
-    1 and 4's mask of `step.py` (`step_kernels.gather_inputs` on CUDA)."""
+def gather_inputs_reference(slots, slot_ids: torch.Tensor, t: int | None = None) -> StepInputs:
+    """The rows' state from `slots` (a SlotTable) for rows `slot_ids` [b]: steps 1 and 4's
+    mask of `step.py` (`step_kernels.gather_inputs` on CUDA). t None: a decode's masks [b,
+    W] (offset 0); t: a speculative step's [b, t, W], offset j's min_tokens applied at
+    output position pos + j. The masks are a gathered copy: the slot rows stay as the
+    host wrote them."""
     pos = slots.positions[slot_ids]
     model_pos = slots.prompt_lens[slot_ids] + pos - 1
     bm = slots.bitmask
-    masks = bm[slot_ids, 0] if bm.dim() == 3 else bm[slot_ids]
-    return StepInputs(pos, model_pos, slots.last_token[slot_ids],
-                      slots.min_token_masks(masks, slot_ids, pos))  # fmt: skip
+    if t is None or t == 1:
+        masks = slots.min_token_masks(bm[slot_ids, 0] if bm.dim() == 3 else bm[slot_ids],
+                                      slot_ids, pos)  # fmt: skip
+        masks = masks if t is None else masks.unsqueeze(1)
+    else:
+        b = slot_ids.shape[0]
+        masks = bm[slot_ids, :t]
+        j = torch.arange(t, device=pos.device)
+        rows = slot_ids.unsqueeze(1).expand(b, t).reshape(-1)
+        slots.min_token_masks(masks.view(b * t, -1), rows, (pos.unsqueeze(1) + j).reshape(-1))
+    return StepInputs(pos, model_pos, slots.last_token[slot_ids], masks)
 
 
 def advance_decode_reference(slots, slot_ids: torch.Tensor, logits: torch.Tensor,

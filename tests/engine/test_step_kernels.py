@@ -49,23 +49,30 @@ def state(st: SlotTable) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("offsets", [1, 3])
+@pytest.mark.parametrize("offsets, t", [(1, None), (3, None), (3, 1), (3, 3)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_gather_inputs_is_the_reference(offsets, seed, device) -> None:
+def test_gather_inputs_is_the_reference(offsets, t, seed, device) -> None:
     """Positions before, at and past min_tokens (3); every slot, the padding slot, and a
     slot twice: the same positions, model positions, inputs and masks (and the table
-    untouched)."""
+    untouched); a decode's masks (t None) and a speculative step's per offset, whose
+    min_tokens counts the offset (pos + j)."""
     st = table(True, offsets, seed, device)
     slot_ids = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 2], device=device)
     before = state(st)
-    got = sk.gather_inputs(st, slot_ids)
-    want = ss.gather_inputs_reference(st, slot_ids)
+    got = sk.gather_inputs(st, slot_ids, t)
+    want = ss.gather_inputs_reference(st, slot_ids, t)
     for name in ("pos", "model_pos", "last", "masks"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert all(torch.equal(a, b) for a, b in zip(state(st), before, strict=True))
+    masks = want.masks if t is None else want.masks[:, 0]
+    assert masks.shape == (9, st.bitmask.shape[-1]) and want.masks.dim() == (2 if t is None else 3)
     active = want.pos < st.min_tokens[slot_ids]
     raw = st.bitmask[slot_ids, 0] if offsets > 1 else st.bitmask[slot_ids]
-    assert active.any() and not torch.equal(want.masks[active], raw[active])
+    assert active.any() and not torch.equal(masks[active], raw[active])
+    if t == 3:  # the last offset holds back fewer rows (pos + 2 reaches min_tokens sooner)
+        late = want.pos + 2 < st.min_tokens[slot_ids]
+        assert torch.equal(want.masks[~late, 2], st.bitmask[slot_ids, 2][~late])
+        assert (active & ~late).any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
