@@ -127,9 +127,9 @@ def _runs_kernel(
     VALID,  # [b] bool
     POSITIONS, LAST_TOKEN,  # [S] i64
     COUNTS,  # [S, V] i32; written only with HAS_COUNTS
-    HISTORY,  # [S, M + 1] i32 (row stride s_hist); written only with HAS_HISTORY
+    HISTORY,  # [S, L + 1] i32 (row stride s_hist, L = hist_len); written with HAS_HISTORY
     MODEL_POS,  # [b] i64: sequence index of each row's last token; read with HAS_HISTORY
-    s_tok, s_val, s_hist, V, padding_slot,
+    s_tok, s_val, s_hist, hist_len, V, padding_slot,
     T: tl.constexpr, T_PAD: tl.constexpr, HAS_COUNTS: tl.constexpr,
     HAS_HISTORY: tl.constexpr, INF: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -154,7 +154,8 @@ def _runs_kernel(
         if HAS_COUNTS:
             tl.atomic_add(COUNTS + slot * V + tok, tl.full([T_PAD], 1, tl.int32), mask=run)
         if HAS_HISTORY:
-            at = tl.load(MODEL_POS + r) + 1 + j
+            # past the sequence (never, for a row within its limits): the dump column
+            at = tl.minimum(tl.load(MODEL_POS + r) + 1 + j, hist_len)
             tl.store(HISTORY + slot * s_hist + at, tok.to(tl.int32), mask=run)
 
 
@@ -210,7 +211,8 @@ def advance_runs(slots, slot_ids: torch.Tensor, values: torch.Tensor, out, histo
         slot_ids, out.token_ids, values, out.num_tokens, out.num_accepted, out.valid,
         slots.positions, slots.last_token, counts if counts is not None else slot_ids, hist,
         model_pos if history is not None else slot_ids, out.token_ids.stride(0),
-        values.stride(0), hist.stride(0), slots.vocab_size, slots.padding_slot, T=t,
+        values.stride(0), hist.stride(0), hist.shape[-1] - 1, slots.vocab_size,
+        slots.padding_slot, T=t,
         T_PAD=triton.next_power_of_2(t), HAS_COUNTS=counts is not None,
         HAS_HISTORY=history is not None, INF=INF_TOKEN, num_warps=1,
         **kernel_options(True, slot_ids.device),

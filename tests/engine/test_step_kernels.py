@@ -127,7 +127,8 @@ def test_advance_runs_is_the_reference(penalties, history, t, device) -> None:
     values = torch.randn(b, t, generator=g).to(device)
     values[3, t - 1] = float("inf")  # inside row 3's run: flagged
     values[6, t - 1] = float("inf")  # past row 6's run (t > 1): not flagged
-    model_pos = torch.tensor([3, 0, 5, 9, -1, -1, 20, 1], device=device)
+    # the last row's run passes the history's end (30): those writes go to its dump column
+    model_pos = torch.tensor([3, 0, 5, 9, -1, -1, 20, 28], device=device)
     stale = torch.randint(0, V, (7, 31), generator=g, dtype=torch.int32)
     results = []
     for fn in (sk.advance_runs, ss.advance_runs_reference):
