@@ -120,10 +120,10 @@ class Drafter:
         inputs[spec_k + 1][: key.bucket].copy_(host, non_blocking=True)
         return key
 
-    def allowances(self, n: int) -> np.ndarray:
-        """The allowances of the launch just prepared, per row of its plan (a copy): the
-        tokens in flight are at most these + 1."""
-        return self._allow[:n].copy()
+    def inflight(self, n: int) -> np.ndarray:
+        """The most tokens each row of the launch just prepared may emit, per row of its
+        plan: its allowance + 1 (a new array)."""
+        return self._allow[:n] + 1
 
     def extend(self, plan: BatchPlan, toks: np.ndarray, counts: np.ndarray) -> None:
         """Extend the host histories (rows with token masks, n-gram drafting) by a

@@ -24,7 +24,7 @@ dropped (`BatchPlan.live`); its slot is freed when N is collected, and the next
 occupant's flush is queued after N + 1 on the stream. Speculative steps pipeline the
 same way: their drafts are made on the device (`engine.drafts`), and a row's tokens in
 flight count as the most its run may hold. A step whose token masks need N's tokens on
-the host (grammar, allowed ids, bad words) launches N + 1's forward, collects N, then
+the host (grammar, bad words) launches N + 1's forward, collects N, then
 writes the masks and launches N + 1's draw (`StepRunner.launch_forward`), or, with
 speculation, finishes N before the launch (the masks of each offset follow the drafts).
 `overlap=False` collects every step in the call that launched it. Tokens never depend

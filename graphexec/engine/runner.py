@@ -77,8 +77,7 @@ class Launched:
     host: dict = field(default_factory=dict)
     event: torch.cuda.Event | None = None
     sleeper: torch.cuda.Event | None = None  # the same point, blocking-sync (blocking_wait)
-    allow: np.ndarray | None = None  # with a drafter: each row's allowance
-    inflight: np.ndarray | int = 1  # the most tokens each row may emit (allow + 1)
+    inflight: np.ndarray | int = 1  # the most tokens each row may emit (a drafter's: allowance + 1)
     drafted: np.ndarray | None = None  # once collected: the drafts each row verified
 
     def wait(self, queued: bool = False) -> None:
@@ -225,8 +224,7 @@ class StepRunner:
             self.copy_out(key, start, n, done.host)
         plan.uploaded = True
         if drafter is not None:
-            done.allow = drafter.allowances(len(plan.rows))
-            done.inflight = done.allow + 1
+            done.inflight = drafter.inflight(len(plan.rows))
         plan.launched(done.inflight)
         if self.device.type == "cuda":
             self._end_events(done)

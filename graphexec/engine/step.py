@@ -10,11 +10,11 @@ device, no host sync, static shapes):
                 drafts it may use (fewer near max_tokens or the model's length)
   2. draft      (verify) n-gram: the last token into the slot's device history, then the
                 drafts matched over it (`NgramHistory.match`; their count written back
-                over the allowance, for the host); a draft
-                model: K+1 `decode` calls on its own cache, drawing draft j at position
-                pos + j with the request's own parameters and noise (strict: the TOKEN
-                stream, so an equal model drafts exactly the target's tokens; rejection:
-                SPEC_DRAFT, passing its distributions as q)
+                over the allowance, for the host); a draft model: K+1 `decode` calls on
+                its own cache, drawing draft j at position pos + j with the request's
+                own parameters and noise (strict: the TOKEN stream, so an equal model
+                drafts exactly the target's tokens; rejection: SPEC_DRAFT, passing its
+                distributions as q)
   3. forward    decode: model.decode(last token) -> logits [b, W]; verify:
                 model.verify([last token, d_0 .. d_{K-1}]) -> [b, K+1, W]; shapes checked
                 (host metadata only), padding columns past V dropped
@@ -24,9 +24,9 @@ device, no host sync, static shapes):
   5. flag       a run holding a token whose raw logit is +inf emits nothing: token -2
                 (`sampling.flags.INF_TOKEN`), invalid: the model's fault, an error
   6. advance    real rows with a valid run: position += tokens emitted, last token = the
-                last one, token counts += each (n-gram: the run into the history). Padding
-                rows (the padding slot) and
-                invalid rows change nothing, so a graph's padding never touches a slot.
+                last one, token counts += each (n-gram: the run into the history).
+                Padding rows (the padding slot) and invalid rows change nothing, so a
+                graph's padding never touches a slot.
 On CUDA steps 1 and 4's mask gather run as one kernel, steps 5 and 6 as another
 (`step_kernels`), and n-gram drafting as a third (`ngram_kernel`), the same values as
 their torch references (`step_state`, `NgramHistory`).
@@ -100,7 +100,7 @@ class StepFn:
     draft: object = None  # a draft DecodeModel, or None (n-gram drafts from `history`)
     history: NgramHistory | None = None  # the n-gram drafter's device history
     method: str = "strict"  # verify_step's method
-    kernels: bool = False  # decode's bookkeeping by `step_kernels` (CUDA), else torch
+    kernels: bool = False  # the bookkeeping by `step_kernels` (CUDA), else by `step_state`
 
     def make(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
              out: VerifyOutput) -> Callable[[], None]:  # fmt: skip

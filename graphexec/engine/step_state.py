@@ -1,5 +1,6 @@
-"""A decode step's gathered slot state, and its bookkeeping in torch: the CPU route and
-the definition that `step_kernels` (one CUDA launch each) computes bit for bit."""
+"""A step's gathered slot state, and its bookkeeping in torch (decode and speculative):
+the CPU route and the definition that `step_kernels` (one CUDA launch each) computes bit
+for bit."""
 
 from __future__ import annotations
 

@@ -38,8 +38,9 @@ class NgramHistory:
                  ngram_min: int, window: int, kernels: bool = False) -> None:  # fmt: skip
         self.max_seq_len = int(max_seq_len)
         self.tokens = torch.zeros((slots, self.max_seq_len + 1), dtype=torch.int32, device=device)
-        self.ngram_max, self.ngram_min = ngram_max, ngram_min
         self.window = min(window, self.max_seq_len)
+        # a run ends at i <= W - 2, so it is never longer than W - 1
+        self.ngram_max, self.ngram_min = min(ngram_max, self.window - 1), ngram_min
         self.kernels = kernels
 
     # ---- the prompt, written as the Prefiller prefills it -----------------------------
@@ -64,7 +65,7 @@ class NgramHistory:
             from graphexec.speculative.ngram_kernel import ngram_match  # triton: CUDA only
 
             return ngram_match(self.tokens, slot_ids, model_pos, last, allow, k, self.window,
-                               min(self.ngram_max, self.window - 1), self.ngram_min)  # fmt: skip
+                               self.ngram_max, self.ngram_min)  # fmt: skip
         self.write_last(slot_ids, model_pos, last)
         drafts, used = self.drafts(slot_ids, model_pos + 1, allow, k)
         allow.copy_(used)
@@ -91,8 +92,7 @@ class NgramHistory:
                k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """([b, k] i64 drafts, -1 past each row's count; [b] i64 counts) for rows whose
         histories hold `length` [b] tokens, at most `allow` [b] each."""
-        b, W = slot_ids.shape[0], self.window
-        nmax = min(self.ngram_max, W - 1)  # a run ends at i <= W - 2: never longer
+        b, W, nmax = slot_ids.shape[0], self.window, self.ngram_max
         dev = slot_ids.device
         col = length.unsqueeze(1) - W + torch.arange(W, device=dev)  # [b, W]
         w = self.tokens[slot_ids.unsqueeze(1), col.clamp(min=0)].to(torch.int64)
