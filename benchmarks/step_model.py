@@ -43,7 +43,8 @@ on CUDA `events` (as `replay.idle`): the GPU's idle time between launches (the d
 made on the device, so a speculative step launches before the one before it is
 collected, as a plain step does). `spec.masked`: the same with a bad word on every row
 (token 0 twice): rows whose token mask the host rewrites per offset from their last
-tokens, as a grammar's, so each step waits for the step before (what that path costs).
+tokens and drafts, as a grammar's: split steps (the forward launched before the step
+before is collected, the masks written while it runs, then the draw).
 
 transformers: `AutoModelForCausalLM.from_config` on the device, `load_state_dict` of the
 same weights (or `from_pretrained` of the same folder); per B, the same prompts,
@@ -209,9 +210,8 @@ def run_paired(args, models: dict, prompts: torch.Tensor) -> dict[int, dict[str,
 def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict]:
     """The speculative step (module docstring): replayed wall per step and tokens per
     step, at each B of `batches`. `masked`: every row also has a bad word (token 0
-    twice), a token mask the host rewrites per offset from the row's last tokens, so
-    each step waits for the one before it (the synchronous path of rows with a grammar
-    or bad words)."""
+    twice), a token mask the host rewrites per offset from the row's last tokens and
+    drafts (the split step of rows with a grammar or bad words)."""
     k, steps = 3, min(args.steps, 40)
     mb = max(batches)
     ex = gx.DecodeExecutor(model, max_batch_size=mb, device=args.device, seed=0,

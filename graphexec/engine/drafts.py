@@ -85,13 +85,14 @@ class Drafter:
                 inputs: dict[int, torch.Tensor], which: int) -> GraphKey:  # fmt: skip
         """Write the chunk's allowances into `inputs` (T -> the device allowances [N] of
         that run length; `which`: the launch's staging set), and its token masks per
-        offset; the chunk's key."""
+        offset (masks None: a split step's forward, whose masks `run_masks` writes once
+        the step before is finished); the chunk's key."""
         rows = plan.rows[start : start + n]
         span = slice(start, start + n)
         left = plan.limit[span] - plan.generated[span] - plan.inflight[span]
         allow = np.minimum(np.maximum(left - 1, 0), self.k)
         g_rows = [i - start for i in plan.mask_rows if start <= i < start + n]
-        if g_rows:
+        if g_rows and masks is not None:
             cfg, wide = self.config, self.history.window if self.history else 0
             if self.draft is None:  # the drafts the device will find, for their masks
                 lo, hi = cfg.ngram_min, cfg.ngram_max
@@ -109,7 +110,8 @@ class Drafter:
         go = allow > 0
         if self.draft is None:
             go &= self._found[plan.slots[span]]
-            go[g_rows] = allow[g_rows] > 0  # the host found these drafts itself
+            if masks is not None:
+                go[g_rows] = allow[g_rows] > 0  # the host found these drafts itself
         spec_k = self.k if self.draft is not None or go.any() else 0
         if key.spec_k != spec_k:
             key = dataclasses.replace(key, spec_k=spec_k)
@@ -119,6 +121,25 @@ class Drafter:
         host[:n] = torch.from_numpy(allow)
         inputs[spec_k + 1][: key.bucket].copy_(host, non_blocking=True)
         return key
+
+    def run_masks(self, plan: BatchPlan, rows: list[int], masks, n: int) -> np.ndarray:
+        """A split step's masks per offset for its mask rows `rows` (plan rows, live once
+        the step before is finished: their host histories hold its tokens), over the
+        drafts the device matched at the allowances `prepare` staged; the drafts each of
+        the n rows may keep (K, or where its mask refused one)."""
+        cut = np.full(n, self.k, dtype=np.int64)
+        if not rows:
+            return cut
+        cfg, wide = self.config, self.history.window
+        drafts = [plan.rows[i].history.drafts(int(self._allow[i]), cfg.ngram_max,
+                                              cfg.ngram_min, wide) if self._allow[i] else []
+                  for i in rows]  # fmt: skip
+        slots = [plan.rows[i].slot for i in rows]
+        host, kept = masks.fill_runs(slots, drafts)
+        cut[rows] = kept
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.slots.write_masks(idx, host.to(self.device, non_blocking=True))
+        return cut
 
     def inflight(self, n: int) -> np.ndarray:
         """The most tokens each row of the launch just prepared may emit, per row of its

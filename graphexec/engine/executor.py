@@ -25,8 +25,9 @@ occupant's flush is queued after N + 1 on the stream. Speculative steps pipeline
 same way: their drafts are made on the device (`engine.drafts`), and a row's tokens in
 flight count as the most its run may hold. A step whose token masks need N's tokens on
 the host (grammar, bad words) launches N + 1's forward, collects N, then
-writes the masks and launches N + 1's draw (`StepRunner.launch_forward`), or, with
-speculation, finishes N before the launch (the masks of each offset follow the drafts).
+writes the masks and launches N + 1's draw (`StepRunner.launch_forward`; with n-gram
+speculation the masks of each offset follow the drafts, which the host finds from N's
+tokens as the forward did), or, with a draft model, finishes N before the launch.
 `overlap=False` collects every step in the call that launched it. Tokens never depend
 on it.
 
@@ -163,7 +164,7 @@ class DecodeExecutor:
     def stats(self) -> ExecutorStats:
         g, d = self.runner.graphs, self.drafter
         return ExecutorStats(
-            replays={k: s.replays for k, s in g.steps.items()},
+            replays={k: s.replays + g.part_replays(k) for k, s in g.steps.items()},
             eager_steps=Counter(self.runner.eager),
             capture_s={k: s.capture_s for k, s in g.steps.items()},
             failed=dict(g.failed),
@@ -266,7 +267,7 @@ class DecodeExecutor:
             runs, early = self._collect(prev, queued=True)
             outs = self._finish(prev, runs)
             prev, live = None, plan.live()
-            masked = [plan.rows[i].slot for i in plan.mask_rows if live[i]]
+            masked = [i for i in plan.mask_rows if live[i]]
             launched = self.runner.launch_draw(part, masked, replay)
         elif plan.rows:
             self._steps += 1

@@ -127,7 +127,7 @@ class CapturedGraphs:
         self.cuda = device.type == "cuda"
         self.debug = debug and self.cuda
         self.steps: dict[GraphKey, CapturedStep] = {}
-        # split steps (`capture_parts`): ("forward", bucket) and ("draw", key)
+        # split steps (`capture_parts`): ("forward", bucket, spec_k) and ("draw", key)
         self.parts: dict[tuple, CapturedStep] = {}
         self.failed: dict[GraphKey, str] = {}
         self._dots: dict[GraphKey, str] = {}
@@ -148,9 +148,9 @@ class CapturedGraphs:
     def capture_parts(self, key: GraphKey, forward: Callable[[], None],
                       draw: Callable[[], None]) -> bool:  # fmt: skip
         """Capture `key`'s step as two graphs (`StepFn.make_parts`): its bucket's forward
-        (once per bucket) and the key's draw. False (logged) when either fails: the key's
-        steps then run whole."""
-        fkey = ("forward", key.bucket)
+        (once per bucket and speculative width) and the key's draw. False (logged) when
+        either fails: the key's steps then run whole."""
+        fkey = ("forward", key.bucket, key.spec_k)
         if fkey not in self.parts:
             step = self._record(key, forward, part=True)
             if step is None:
@@ -162,12 +162,18 @@ class CapturedGraphs:
         return step is not None
 
     def has_parts(self, key: GraphKey) -> bool:
-        return ("draw", key) in self.parts and ("forward", key.bucket) in self.parts
+        return ("draw", key) in self.parts and ("forward", key.bucket, key.spec_k) in self.parts
+
+    def part_replays(self, key: GraphKey) -> int:
+        """The split steps of `key` replayed (its draw graph's replays)."""
+        step = self.parts.get(("draw", key))
+        return 0 if step is None else step.replays
 
     def replay_part(self, key: GraphKey, part: str) -> None:
-        """Replay "forward" (of key's bucket) or "draw" (of key), captured by
+        """Replay "forward" (of key's bucket and width) or "draw" (of key), captured by
         `capture_parts`."""
-        step = self.parts[(part, key.bucket if part == "forward" else key)]
+        fwd = part == "forward"
+        step = self.parts[("forward", key.bucket, key.spec_k) if fwd else ("draw", key)]
         if step.graph is not None:
             step.graph.replay()
         else:

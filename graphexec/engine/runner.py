@@ -11,10 +11,12 @@ Two steps may be in flight (the pipelined step launches N + 1 before it reads N)
 pinned buffers a launch writes for non-blocking copies (slot ids, draft allowances,
 outputs) come in two sets used by alternate launches: step N + 1 writes the set of
 N - 1, whose copies the executor waited for before it launched N. Mask rows have one
-set: they are written only once the step before was collected. A one-chunk decode step with
+set: they are written only once the step before was collected. A one-chunk step with
 host-written masks launches in two parts (`launch_forward`, then `launch_draw`: a graph
 each, `CapturedGraphs.capture_parts`): the model runs while the host finishes step N,
-whose tokens the masks of N + 1 need.
+whose tokens the masks of N + 1 need. With n-gram speculation the forward part also
+matches the drafts, which the host finds too once N is collected: the masks per offset
+follow them, and the draw cuts each row's drafts where its mask refused one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tqdm.auto import tqdm
 
 from graphexec.engine.graphs import CapturedGraphs, all_keys
 from graphexec.engine.plan import BatchPlan
-from graphexec.engine.step import RunBuffers, StepFn
+from graphexec.engine.step import RunBuffers, SplitBuffers, StepFn
 from graphexec.models.protocol import check_logits
 from graphexec.params import MAX_TOP_LOGPROBS
 from graphexec.request import GraphKey
@@ -116,7 +118,10 @@ class StepRunner:
         self._host_mask_idx = torch.empty(max_batch_size, dtype=torch.int64, pin_memory=pin)
         self.graphs = CapturedGraphs(device)
         self.eager: Counter = Counter()
-        self.split_logits: torch.Tensor | None = None  # [largest, W]: split steps' logits
+        self.split_logits: dict[int, torch.Tensor] = {}  # T -> [largest, (T,) W]: split steps'
+        self.split: dict[int, SplitBuffers] = {}  # T -> a split speculative step's buffers
+        self._host_cut = [torch.zeros(largest, dtype=torch.int64, pin_memory=pin)
+                          for _ in range(2)]  # fmt: skip
         self.split_steps = 0
         self.blocking_wait = blocking_wait  # EngineConfig.blocking_wait
 
@@ -163,7 +168,7 @@ class StepRunner:
                 self.graphs.fail(key, bad)
             else:
                 self.graphs.capture(key, self.fn(key))
-        if bad is None and self.drafter is None:  # split steps: see `launch_forward`
+        if bad is None and self.splits:  # split steps: see `launch_forward`
             for key in tqdm(keys, desc="capture (split)", unit="key", disable=not progress):
                 if key in self.graphs.steps and not self.graphs.has_parts(key):
                     self.graphs.capture_parts(key, *self.parts(key))
@@ -230,21 +235,35 @@ class StepRunner:
             self._end_events(done)
         return done
 
+    @property
+    def splits(self) -> bool:
+        """Whether steps may split (`launch_forward`): not under a draft model, which
+        drafts under the masks before the forward."""
+        return self.drafter is None or self.drafter.history is not None
+
     def parts(self, key: GraphKey):
         """The (forward, draw) functions of `key`'s split step (`StepFn.make_parts`)."""
-        if self.split_logits is None:  # its width and dtype: one decode of a padding row
+        t = key.spec_k + 1
+        if t not in self.split_logits:  # width and dtype: the model's whole row (make_parts)
             m, pad = self.step.model, self.slots.padding_slot
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             slot = torch.full((1,), pad, dtype=torch.int64, device=self.device)
-            row = m.decode(ids, ids, slot)  # the model's whole row: `StepFn.make_parts`
-            self.split_logits = row.new_empty((self.buckets[-1], row.shape[-1]))
+            row = m.decode(ids, ids, slot)
             self.slots.reset_padding()
-        _, out = self.buffers[1].view(key)
-        return self.step.make_parts(key, self.slot_ids[: key.bucket], out, self.split_logits)
+            spec = self.drafter is not None
+            shape = (self.buckets[-1], t, row.shape[-1])
+            self.split_logits[t] = row.new_empty(shape if spec else shape[::2])
+            if spec:
+                inputs = self.buffers[t].inputs
+                self.split[t] = SplitBuffers(inputs, inputs.new_zeros((inputs.shape[0], t - 1)),
+                                             torch.zeros_like(inputs))  # fmt: skip
+        _, out = self.buffers[t].view(key)
+        return self.step.make_parts(key, self.slot_ids[: key.bucket], out, self.split_logits[t],
+                                    self.split.get(t))  # fmt: skip
 
     def can_split(self, plan: BatchPlan, replay: bool) -> bool:
         """Whether `plan`'s step may launch as forward, then draw (`launch_forward`)."""
-        if self.drafter is not None or len(plan.chunks) != 1:
+        if not self.splits or len(plan.chunks) != 1:
             return False  # (one chunk: the parts share the slot ids buffer)
         key = plan.chunks[0][0]  # its parts' graphs, or no graph at all (eager)
         return self.graphs.has_parts(key) or not (replay and key in self.graphs.steps)
@@ -259,6 +278,10 @@ class StepRunner:
         self.split_steps += 1
         done = Launched(plan, host=self._hosts[which])
         key, start, n = plan.chunks[0]
+        drafter = self.drafter
+        if drafter is not None:  # allowances only: the masks wait for step N
+            inputs = {t: b.inputs for t, b in self.buffers.items()}
+            key = drafter.prepare(plan, key, start, n, None, inputs, which)
         done.keys.append((key, start, n))
         if not plan.uploaded:
             src = self._host_slot_sets[which][: key.bucket]
@@ -274,19 +297,29 @@ class StepRunner:
         except Exception as e:
             log.exception("step of %s failed; its %d requests end with 'error'", key, n)
             done.errors[start] = f"{type(e).__name__}: {e}"
-            done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
+            done.host[key.spec_k + 1].token_ids[start : start + n, 0] = CHUNK_FAILED
         plan.uploaded = True
+        if drafter is not None:
+            done.inflight = drafter.inflight(len(plan.rows))
         plan.launched(done.inflight)
         return done
 
-    def launch_draw(self, done: Launched, mask_slots: list[int], replay: bool) -> Launched:
-        """The rest of a split step: `mask_slots`' masks up (rows still live after the step
-        before), the draw, the output copies and the step's event."""
+    def launch_draw(self, done: Launched, mask_rows: list[int], replay: bool) -> Launched:
+        """The rest of a split step: the masks of `mask_rows` (plan rows still live after
+        the step before) up, with speculation each row's cut too (`Drafter.run_masks`),
+        the draw, the output copies and the step's event."""
         key, start, n = done.keys[0]
+        t = key.spec_k + 1
         if start not in done.errors:
             try:
-                if mask_slots:
-                    self.upload_masks(mask_slots)
+                if self.drafter is not None:
+                    cut = self._host_cut[(self._launches - 1) % 2][: key.bucket]
+                    cut.zero_()
+                    cut[:n] = torch.from_numpy(self.drafter.run_masks(done.plan, mask_rows,
+                                                                      self.masks, n))  # fmt: skip
+                    self.split[t].cut[: key.bucket].copy_(cut, non_blocking=True)
+                elif mask_rows:
+                    self.upload_masks([done.plan.rows[i].slot for i in mask_rows])
                 if replay and self.graphs.has_parts(key):
                     self.graphs.replay_part(key, "draw")
                 else:
@@ -295,7 +328,7 @@ class StepRunner:
             except Exception as e:
                 log.exception("step of %s failed; its %d requests end with 'error'", key, n)
                 done.errors[start] = f"{type(e).__name__}: {e}"
-                done.host[1].token_ids[start : start + n, 0] = CHUNK_FAILED
+                done.host[t].token_ids[start : start + n, 0] = CHUNK_FAILED
         if self.device.type == "cuda":
             self._end_events(done)
         return done

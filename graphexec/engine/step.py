@@ -90,6 +90,18 @@ class RunBuffers:
         return self.inputs[: key.bucket], out
 
 
+@dataclass
+class SplitBuffers:
+    """A split speculative step's state between its two parts, for the largest bucket:
+    inputs i64 [N] (the run length's allowances, `RunBuffers.inputs`), drafts i64 [N, K]
+    (the forward's, cleaned), cut i64 [N] (the drafts each row may keep, written by the
+    host between the parts)."""
+
+    inputs: torch.Tensor
+    drafts: torch.Tensor
+    cut: torch.Tensor
+
+
 @dataclass(frozen=True)
 class StepFn:
     """Makes the step function of a key (see the module docstring)."""
@@ -110,13 +122,19 @@ class StepFn:
         return lambda: self.verify(key, slot_ids, inputs, out)
 
     def make_parts(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput,
-                   logits: torch.Tensor) -> tuple[Callable[[], None], ...]:  # fmt: skip
-        """A decode step as two functions, for steps whose token masks the host writes
-        while the model runs: (forward: steps 1-3 into `logits` [>= b, model width], a
-        static buffer; draw: steps 1, 4-6 from it). Together the same values as `make`'s.
-        The buffer keeps the model's full row, so the sampler sees the row stride of the
-        whole step: Triton specialises strides by alignment, and a kernel compiled for
-        another alignment may sum a row in another order (last-bit logprobs)."""
+                   logits: torch.Tensor, split: SplitBuffers | None = None,
+                   ) -> tuple[Callable[[], None], ...]:  # fmt: skip
+        """A step as two functions, for steps whose token masks the host writes while the
+        model runs: (forward: steps 1-3 into `logits` [>= b, model width] (a speculative
+        step's [>= b, T, model width]), a static buffer; draw: steps 1, 4-6 from it).
+        Together the same values as `make`'s. The buffer keeps the model's full row, so the
+        sampler sees the row stride of the whole step: Triton specialises strides by
+        alignment, and a kernel compiled for another alignment may sum a row in another
+        order (last-bit logprobs). A speculative step (n-gram drafts only: a draft model
+        drafts under the masks) needs `split`: its forward matches the drafts the host
+        also finds, its draw cuts each row's at `split.cut` (the drafts its masks kept)."""
+        if self.sampler.verify_fn is not None:
+            return self._verify_parts(key, slot_ids, out, logits, split)
         gather, advance, _ = self._bookkeeping()
         b = slot_ids.shape[0]
         v = self.slots.vocab_size
@@ -167,26 +185,59 @@ class StepFn:
 
     def verify(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
                out: VerifyOutput) -> None:  # fmt: skip
+        inp, drafts, q, logits = self._verify_forward(key, slot_ids, inputs)
+        self._verify_draw(key, slot_ids, inputs, out, inp, drafts, q, logits)
+
+    def _verify_forward(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor):
+        """Steps 1-3 of a speculative step: (its inputs, the drafts [b, K] (-1 past a row's),
+        the draft model's q or None, the logits [b, K+1, model width])."""
         slots, sampler, k = self.slots, self.sampler, key.spec_k
-        gather, _, advance_runs = self._bookkeeping()
-        inp = gather(slots, slot_ids, k + 1)
-        pos, model_pos, masks, last = inp.pos, inp.model_pos, inp.masks, inp.last
+        inp = self._bookkeeping()[0](slots, slot_ids, k + 1)
         q, hist = None, self.history
         if hist is not None:
-            drafts = hist.match(slot_ids, model_pos, last, inputs, k)
+            drafts = hist.match(slot_ids, inp.model_pos, inp.last, inputs, k)
         else:
-            drafts, q = self.draft_tokens(key, slot_ids, pos, model_pos, masks)
+            drafts, q = self.draft_tokens(key, slot_ids, inp.pos, inp.model_pos, inp.masks)
         j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
         drafts = clean_drafts(torch.where(j < inputs.unsqueeze(1), drafts, -1), slots.vocab_size)
-        tokens = torch.cat([last.unsqueeze(1), drafts.clamp(min=0)], dim=1)
-        raw = self.model.verify(tokens, model_pos, slot_ids)
+        tokens = torch.cat([inp.last.unsqueeze(1), drafts.clamp(min=0)], dim=1)
+        raw = self.model.verify(tokens, inp.model_pos, slot_ids)
         b = slot_ids.shape[0]
         logits = check_logits(raw, (b, k + 1, sampler.width(self.model)), self.model, "verify")
+        return inp, drafts, q, logits
+
+    def _verify_draw(self, key: GraphKey, slot_ids: torch.Tensor, inputs: torch.Tensor,
+                     out: VerifyOutput, inp, drafts: torch.Tensor, q,
+                     logits: torch.Tensor) -> None:  # fmt: skip
+        """Steps 4-6 of a speculative step from its logits."""
+        slots, sampler = self.slots, self.sampler
         logits = sampler.clip(logits, slots.vocab_size)
-        sampler.verify(logits, drafts, slot_ids, pos, slots.tensors, out, masks, q, self.method,
-                       key.variant)  # fmt: skip
+        sampler.verify(logits, drafts, slot_ids, inp.pos, slots.tensors, out, inp.masks, q,
+                       self.method, key.variant)  # fmt: skip
         values = sampler.token_values(logits, out.token_ids)
-        advance_runs(slots, slot_ids, values, out, hist, model_pos)
+        self._bookkeeping()[2](slots, slot_ids, values, out, self.history, inp.model_pos)
+
+    def _verify_parts(self, key: GraphKey, slot_ids: torch.Tensor, out: VerifyOutput,
+                      logits: torch.Tensor, split: SplitBuffers | None):  # fmt: skip
+        if self.history is None or split is None:
+            raise ValueError("a speculative step splits with n-gram drafts and SplitBuffers")
+        b, k = slot_ids.shape[0], key.spec_k
+        inputs = split.inputs[:b]
+
+        def forward() -> None:
+            _, drafts, _, raw = self._verify_forward(key, slot_ids, inputs)
+            split.drafts[:b, :k].copy_(drafts)
+            logits[:b].copy_(raw)
+
+        def draw() -> None:
+            inp = self._bookkeeping()[0](self.slots, slot_ids, k + 1)  # the masks written since
+            cut = split.cut[:b]
+            j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
+            drafts = torch.where(j < cut.unsqueeze(1), split.drafts[:b, :k], -1)
+            inputs.copy_(torch.minimum(inputs, cut))  # the drafts verified, for the host
+            self._verify_draw(key, slot_ids, inputs, out, inp, drafts, None, logits[:b])
+
+        return forward, draw
 
     def draft_tokens(self, key: GraphKey, slot_ids, pos, model_pos, masks):
         """Step 2 with a draft model: ([b, K] drafts, [b, K, V] q or None). `masks`

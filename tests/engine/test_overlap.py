@@ -162,21 +162,63 @@ def test_the_pipelined_step_is_the_default() -> None:
         gx.EngineConfig(overlap=1)
 
 
-@pytest.mark.parametrize("drafter", [None, "ngram"])
-def test_rows_with_token_masks_give_the_synchronous_outputs(drafter) -> None:
-    def spec():
-        return drafter and gx.SpeculativeConfig(3, drafter=drafter)
-
-    sync = run(make(False, spec()), masked())
-    piped = make(True, spec())
-    assert run(piped, masked()) == sync
-    # without drafts, mask rows' steps launched in two parts: masks written while the
-    # model ran (`StepRunner.launch_forward`); eager too
-    assert (piped.runner.split_steps > 0) == (drafter is None)
+def spec_config(drafter):
     if drafter is None:
-        assert run(make(True), masked(), "eager") == sync
+        return None
+    d = gx.models.TableModel(V, seed=3, max_seq_len=40) if drafter == "model" else drafter
+    return gx.SpeculativeConfig(3, drafter=d)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "model"])
+def test_rows_with_token_masks_give_the_synchronous_outputs(drafter) -> None:
+    sync = run(make(False, spec_config(drafter)), masked())
+    piped = make(True, spec_config(drafter))
+    assert run(piped, masked()) == sync
+    # mask rows' steps launched in two parts: masks written while the model ran
+    # (`StepRunner.launch_forward`); eager too. A draft model drafts under the masks:
+    # its steps collect first
+    assert (piped.runner.split_steps > 0) == (drafter != "model")
+    if drafter != "model":
+        assert run(make(True, spec_config(drafter)), masked(), "eager") == sync
     assert sync["gram2"][-1][5] == "stop" and sync["gram"][-1][5] == "abort"
     assert all(t in (97, 98, 99, EOS) for t, *_ in sync["allowed"] if t is not None)
+
+
+def drafted_masks() -> list[Event]:
+    """Mask rows whose prompts the n-gram drafter continues, and whose masks refuse some
+    of those drafts: bad words [97, 98] after a prompt of 97 98 pairs (the drafts propose
+    98 after 97), a grammar that allows 97 / 98 pairs only twice, beside a plain row."""
+    ab = {97: 6.0, 98: 6.0}
+    pairs = [97, 98] * 6
+    # fmt: off
+    return [
+        add("bad", pairs, seed=1, bad_words=[[97, 98]], logit_bias=ab, max_tokens=14,
+            ignore_eos=True),
+        add("gram", pairs, seed=2, grammar=gx.Grammar.regex("(ab){2}[a-c]{0,8}x"),
+            logit_bias=ab, max_tokens=14),
+        add("plain", pairs, seed=3, logit_bias=ab, max_tokens=14, ignore_eos=True),
+        add("bad2", [5, 97, 98, 97, 98], ("plain", 4), seed=4, bad_words=[[98, 97]],
+            logit_bias=ab, max_tokens=10, ignore_eos=True),
+    ]
+    # fmt: on
+
+
+@pytest.mark.parametrize("mode", [None, "eager"])
+def test_split_speculative_steps_cut_the_drafts_their_masks_refuse(mode) -> None:
+    """Pipelined n-gram steps with mask rows split (forward with the drafts matched, the
+    masks per offset written from the drafts the host finds, then the draw, cutting each
+    row's drafts where its mask refused one): the synchronous outputs, drafts verified on
+    the mask rows, and no banned pair emitted."""
+    sync_ex = make(False, spec_config("ngram"))
+    sync = run(sync_ex, drafted_masks(), mode)
+    piped = make(True, spec_config("ngram"))
+    assert run(piped, drafted_masks(), mode) == sync
+    assert piped.runner.split_steps > 0 and piped.drafter.drafted > 0
+    assert piped.drafter.accepted == sync_ex.drafter.accepted
+    for rid, banned in (("bad", (97, 98)), ("bad2", (98, 97))):
+        toks = [r[0] for r in sync[rid] if r[0] is not None]
+        assert toks and all(p != banned for p in zip(toks[:-1], toks[1:], strict=True)), rid
+    assert "".join(r[7] for r in sync["gram"]).startswith("abab")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphexec as gx
-from tests.engine.test_overlap import V, make, masked, mixed, run
+from tests.engine.test_overlap import V, drafted_masks, make, masked, mixed, run
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +34,19 @@ def test_a_blocking_wait_gives_the_spinning_waits_outputs() -> None:
     assert run(ex(True), mixed()) == run(ex(False), mixed())
 
 
-def test_speculative_overlap_on_cuda() -> None:
+@pytest.mark.parametrize("mode", [None, "eager"])
+def test_speculative_overlap_on_cuda(mode) -> None:
+    """Plain rows, and mask rows whose n-gram steps split (replayed: the forward and draw
+    graphs of `CapturedGraphs.capture_parts`): overlap on = off."""
+
     def ex(overlap):
         return make(overlap, gx.SpeculativeConfig(3, drafter="ngram"), device="cuda",
                     model=tiny())  # fmt: skip
 
-    assert run(ex(True), mixed()) == run(ex(False), mixed())
+    assert run(ex(True), mixed(), mode) == run(ex(False), mixed(), mode)
+    piped = ex(True)
+    assert run(piped, drafted_masks(), mode) == run(ex(False), drafted_masks(), mode)
+    assert piped.runner.split_steps > 0 and piped.drafter.drafted > 0
 
 
 def test_the_pipelined_step_never_synchronizes_the_stream(monkeypatch) -> None:
