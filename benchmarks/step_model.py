@@ -23,8 +23,8 @@ of the batch's key alone, and `replay.forward_us`, the model's forward alone (it
 on the same inputs, captured in its own graph), each the median of `--replays` replays
 queued back to back and timed by CUDA events; `floor_us`, the bytes the step must read
 (GEMM weights, LM head, the rows' live keys and values: step_floor.py) at the read
-bandwidth measured at the start of the run (`read_gb_s`), and `forward_over_floor` =
-forward_us / floor_us; `replay.idle` (means in `replay.idle_us`): the GPU's idle time
+bandwidth measured at the start of the run (`read_gb_s`: its fastest read), and
+`forward_over_floor` = forward_us / floor_us; `replay.idle` (means in `replay.idle_us`): the GPU's idle time
 between steps (`step_replay.StepEvents`), mean, median and p90, and the wall per step, with
 EngineConfig.overlap on and off (`on`, `off`) and on with the other blocking_wait (`on_spin`
 or `on_block`), then again beside `--cpu-load` busy Python processes (`on_loaded`,
