@@ -27,10 +27,10 @@ bandwidth measured at the start of the run (`read_gb_s`: its fastest read), and
 `forward_over_floor` = forward_us / floor_us; `replay.idle` (means in `replay.idle_us`):
 the GPU's idle time between steps (`step_replay.StepEvents`), mean, median and p90, and
 the wall per step, with EngineConfig.overlap on and off (`on`, `off`) and on with the
-other blocking_wait (`on_spin` or `on_block`), then again beside `--cpu-load` busy Python processes (`on_loaded`,
-`off_loaded`, `on_loaded_spin`; default: one per core of the host), and once more with
-this process at nice `--engine-nice` (`on_loaded_nice`; where the OS allows it); each
-loaded pass `--idle-repeats` loops of `--steps`, since a few multi-ms stalls make its mean.
+other blocking_wait (`on_spin` or `on_block`), then again beside `--cpu-load` busy
+Python processes (`on_loaded`, `off_loaded`, `on_loaded_spin`; default: one per core of
+the host), and once more with this process at nice `--engine-nice` (`on_loaded_nice`;
+where the OS allows it); each loaded pass `--idle-repeats` loops of `--steps`, since a few multi-ms stalls make its mean.
 
 Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
 K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,
