@@ -30,7 +30,8 @@ the wall per step, with EngineConfig.overlap on and off (`on`, `off`) and on wit
 other blocking_wait (`on_spin` or `on_block`), then again beside `--cpu-load` busy
 Python processes (`on_loaded`, `off_loaded`, `on_loaded_spin`; default: one per core of
 the host), and once more with this process at nice `--engine-nice` (`on_loaded_nice`;
-where the OS allows it); each loaded pass `--idle-repeats` loops of `--steps`, since a few multi-ms stalls make its mean.
+where the OS allows it); each loaded pass `--idle-repeats` loops of `--steps`, since a
+few multi-ms stalls make its mean.
 
 Speculative (B <= `--spec-max-batch`, 32): the invariant model with n-gram speculation,
 K = 3; each request repeats one token (a prompt of that token, a +100 logit bias on it,
