@@ -8,8 +8,11 @@ the tokens of a step still in flight counted as the most it may emit (its allowa
 so a run never passes max_tokens or the model's length. Rows with token masks get one
 mask per offset (a grammar's matcher advanced over the n-gram drafts, which the host
 also finds, from its own copy of the history, then rolled back; a draft the grammar
-refuses ends the drafts, and the allowance with it); with a draft model (whose drafts
-the host never sees) rows whose masks depend on the drafts (grammar, bad words) get no
+refuses ends the drafts, and the allowance with it). A pipelined step with such rows
+splits (`StepRunner.launch_forward`): its allowances go up with the forward, which
+matches the drafts, and its masks (`run_masks`) once the step before is finished, with
+each row's cut, which ends the drafts in the draw instead. With a draft model (whose
+drafts the host never sees) rows whose masks depend on the drafts (grammar, bad words) get no
 drafts. An n-gram chunk's spec_k is K when one of its rows with an allowance found drafts
 at the last step collected (or is new), else 0: an ordinary step, the same tokens, that
 still reports whether each row would have found drafts.
