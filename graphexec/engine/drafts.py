@@ -96,20 +96,11 @@ class Drafter:
         allow = np.minimum(np.maximum(left - 1, 0), self.k)
         g_rows = [i - start for i in plan.mask_rows if start <= i < start + n]
         if g_rows and masks is not None:
-            cfg, wide = self.config, self.history.window if self.history else 0
-            if self.draft is None:  # the drafts the device will find, for their masks
-                lo, hi = cfg.ngram_min, cfg.ngram_max
-                drafts = [rows[i].history.drafts(int(allow[i]), hi, lo, wide) if allow[i] else []
-                          for i in g_rows]  # fmt: skip
-            else:  # their masks after each draft are not known before the step
+            if self.draft is not None:  # their masks after each draft are not known before
                 allow[g_rows] = 0
-                drafts = [[] for _ in g_rows]
-            slots = [rows[i].slot for i in g_rows]
-            host, kept = masks.fill_runs(slots, drafts)
+            kept = self._write_run_masks([rows[i] for i in g_rows], allow[g_rows], masks)
             if self.draft is None:
                 allow[g_rows] = kept  # a refused draft ends the drafts
-            idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.slots.write_masks(idx, host.to(self.device, non_blocking=True))
         go = allow > 0
         if self.draft is None:
             go &= self._found[plan.slots[span]]
@@ -131,18 +122,23 @@ class Drafter:
         drafts the device matched at the allowances `prepare` staged; the drafts each of
         the n rows may keep (K, or where its mask refused one)."""
         cut = np.full(n, self.k, dtype=np.int64)
-        if not rows:
-            return cut
-        cfg, wide = self.config, self.history.window
-        drafts = [plan.rows[i].history.drafts(int(self._allow[i]), cfg.ngram_max,
-                                              cfg.ngram_min, wide) if self._allow[i] else []
-                  for i in rows]  # fmt: skip
-        slots = [plan.rows[i].slot for i in rows]
+        if rows:
+            cut[rows] = self._write_run_masks([plan.rows[i] for i in rows], self._allow[rows],
+                                              masks)  # fmt: skip
+        return cut
+
+    def _write_run_masks(self, reqs: list, allow: np.ndarray, masks) -> list[int]:
+        """Write the masks per offset of requests `reqs` over the n-gram drafts their host
+        histories give at allowances `allow` (the drafts the device matches; none where
+        the allowance is 0) into the slot table; the drafts each mask kept."""
+        cfg = self.config
+        drafts = [r.history.drafts(int(a), cfg.ngram_max, cfg.ngram_min, self.history.window)
+                  if a else [] for r, a in zip(reqs, allow.tolist(), strict=True)]  # fmt: skip
+        slots = [r.slot for r in reqs]
         host, kept = masks.fill_runs(slots, drafts)
-        cut[rows] = kept
         idx = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         self.slots.write_masks(idx, host.to(self.device, non_blocking=True))
-        return cut
+        return kept
 
     def inflight(self, n: int) -> np.ndarray:
         """The most tokens each row of the launch just prepared may emit, per row of its

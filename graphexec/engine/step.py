@@ -222,7 +222,7 @@ class StepFn:
         if self.history is None or split is None:
             raise ValueError("a speculative step splits with n-gram drafts and SplitBuffers")
         b, k = slot_ids.shape[0], key.spec_k
-        inputs = split.inputs[:b]
+        inputs, gather = split.inputs[:b], self._bookkeeping()[0]
 
         def forward() -> None:
             _, drafts, _, raw = self._verify_forward(key, slot_ids, inputs)
@@ -230,7 +230,7 @@ class StepFn:
             logits[:b].copy_(raw)
 
         def draw() -> None:
-            inp = self._bookkeeping()[0](self.slots, slot_ids, k + 1)  # the masks written since
+            inp = gather(self.slots, slot_ids, k + 1)  # with the masks written since
             cut = split.cut[:b]
             j = torch.arange(k, device=slot_ids.device).unsqueeze(0)
             drafts = torch.where(j < cut.unsqueeze(1), split.drafts[:b, :k], -1)
