@@ -77,8 +77,9 @@ import step_profile
 import torch
 import triton
 from step_churn import CHURN_VARIANTS, CHURNS, REF_PROMPT, churn_markdown, churn_section
+from step_events import StepEvents, p90
 from step_prefill import prefill_markdown, prefill_section
-from step_replay import StepEvents, admit_batch, end_batch, p90
+from step_replay import admit_batch, end_batch
 
 import graphexec as gx
 from graphexec.engine.graphs import GraphKey
@@ -100,7 +101,7 @@ def measure(ex: gx.DecodeExecutor, B: int, make, steps: int, mode: str | None,
     host_us (host_p90_us): on CUDA, the host time the device waits for: the device's idle
         time between consecutive timed steps, from the end of step N's device work (its
         graph replay and output copies) to the start of step N + 1's graph replay, by
-        CUDA events (step_replay.StepEvents; `events` holds their stats). Host work that
+        CUDA events (step_events.StepEvents; `events` holds their stats). Host work that
         runs while the device is busy (with `overlap`, finishing N while N + 1 runs)
         counts nothing; the caller's loop, the executor's host work before the replay and
         any other host delay count when the device has run dry. Eager steps: the gaps

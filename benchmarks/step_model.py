@@ -25,7 +25,7 @@ queued back to back and timed by CUDA events; `floor_us`, the bytes the step mus
 (GEMM weights, LM head, the rows' live keys and values: step_floor.py) at the read
 bandwidth measured at the start of the run (`read_gb_s`: its fastest read), and
 `forward_over_floor` = forward_us / floor_us; `replay.idle` (means in `replay.idle_us`):
-the GPU's idle time between steps (`step_replay.StepEvents`), mean, median and p90, and
+the GPU's idle time between steps (`step_events.StepEvents`), mean, median and p90, and
 the wall per step, with EngineConfig.overlap on and off (`on`, `off`) and on with the
 other blocking_wait (`on_spin` or `on_block`), then again beside `--cpu-load` busy
 Python processes (`on_loaded`, `off_loaded`, `on_loaded_spin`; default: one per core of
@@ -75,6 +75,7 @@ import statistics
 import time
 from pathlib import Path
 
+import step_events
 import step_replay
 import torch
 from step_floor import read_bandwidth
@@ -233,7 +234,7 @@ def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict
         before = sum(n for key, n in ex.stats.replays.items() if key.spec_k == k)
         walls, emitted = [], []
         # on CUDA the device's idle time between the launches too
-        stamps = (step_replay.StepEvents(ex, steps) if args.device == "cuda"
+        stamps = (step_events.StepEvents(ex, steps) if args.device == "cuda"
                   else contextlib.nullcontext())  # fmt: skip
         with stamps:
             for _ in range(steps):
@@ -249,11 +250,13 @@ def run_spec(args, model, batches: list[int], masked: bool = False) -> list[dict
         r = dict(batch=B, k=k, wall_us=wall, tokens_per_step=statistics.median(emitted),
                  tokens_per_s=statistics.median(emitted) / wall * 1e6, steps=steps,
                  spec_key_steps=spec_steps)  # fmt: skip
-        if isinstance(stamps, step_replay.StepEvents):
+        if isinstance(stamps, step_events.StepEvents):
             with contextlib.suppress(ValueError):  # fewer than 2 launches stamped
                 r["events"] = stamps.stats()
         rows.append(r)
         idle = f"; GPU idle {r['events']['idle_us']:.0f} us a launch" if "events" in r else ""
+        if r.get("events", {}).get("split_gap_us") is not None:
+            idle += f" ({r['events']['split_gap_us']:.0f} between a split step's parts)"
         what = "spec+mask" if masked else "spec  "
         print(f"{what} B={B:4d} K={k} step {wall:9.1f} us, {r['tokens_per_step']:.0f} tokens a "
               f"step, {(k + 1) * B} rows verified; {spec_steps}/{steps} steps on the spec_k={k} "

@@ -1,12 +1,6 @@
 """The decode step on the device, per batch of `bench_step.py --model` (step_model.py):
 what the GPU runs and how long it waits for the host.
 
-- `StepEvents`: while `ex.step()` runs in a loop, one CUDA event right before each step's
-  first graph replay (eager: before its step function) and one right after its launch
-  returns (behind its output copies), recorded by wrapping the executor's runner for the
-  loop's duration only: a benchmark-side hook, the library pays nothing per step. Per
-  step: busy = end(N) - start(N); idle = start(N+1) - end(N), the time the device had
-  nothing of the loop to run, i.e. waited for the host (`idle_stats`).
 - `queued_replay`: a CUDA graph's device time alone: `reps` replays, each between two
   events, queued behind a spin kernel that outlasts the host's launching of them all, so
   the host's launch cost never shows (median); and the host's time per launch.
@@ -32,115 +26,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 from host_load import busy_processes, raised_priority
+from step_events import StepEvents
 from step_floor import floor_bytes, floor_us
 from step_parts import step_parts
 
 from graphexec.runtime.capture import GraphCapture
-
-
-def p90(xs: Sequence[float]) -> float:
-    """The 90th percentile, interpolated within the data (never past its max)."""
-    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=10, method="inclusive")[-1]
-
-
-def idle_stats(starts: Sequence[float], ends: Sequence[float]) -> dict:
-    """Per-step device times (us) from each step's start and end stamps (us, one clock, in
-    launch order): busy = end - start, idle = start(N+1) - end(N). idle_us is the mean (the
-    device time lost per step: a few long stalls under load hide below a median), then the
-    idle median, p90 and max, busy's median and the cycle (start to start, mean)."""
-    n = len(starts)
-    if n != len(ends) or n < 2:
-        raise ValueError(f"need matching start and end stamps of >= 2 steps, got {n} and "
-                         f"{len(ends)}")  # fmt: skip
-    busy = [e - s for s, e in zip(starts, ends, strict=True)]
-    idle = [starts[i + 1] - ends[i] for i in range(n - 1)]
-    if min(busy) < 0 or min(idle) < 0:
-        raise ValueError("stamps out of order: a step ends before it starts or starts "
-                         "before the previous one ended")  # fmt: skip
-    return dict(idle_us=statistics.fmean(idle), idle_median_us=statistics.median(idle),
-                idle_p90_us=p90(idle), idle_max_us=max(idle), busy_us=statistics.median(busy),
-                cycle_us=(starts[-1] - starts[0]) / (n - 1), steps=n)  # fmt: skip
-
-
-class StepEvents:
-    """Stamps each launch's device work with CUDA events while the block runs (module
-    docstring). `event` makes an event (default: a timing CUDA event); `steps` events of
-    each kind are made and recorded once up front, so the timed loop creates none."""
-
-    def __init__(self, ex, steps: int, event: Callable[[], object] | None = None) -> None:
-        self.runner = ex.runner
-        self._make = event or functools.partial(torch.cuda.Event, enable_timing=True)
-        self._pool = [self._make() for _ in range(2 * steps)]
-        for e in self._pool:
-            e.record()
-        self.starts: list = []
-        self.ends: list = []
-        self.last_keys: list = []  # (key, first row, rows) of the last launch's chunks
-        self._started = False
-
-    def _stamp(self):
-        e = self._pool.pop() if self._pool else self._make()
-        e.record()
-        return e
-
-    def _start(self) -> None:
-        if not self._started:  # the launch's first graph replay or eager step
-            self._started = True
-            self.starts.append(self._stamp())
-
-    def __enter__(self) -> StepEvents:
-        runner, graphs = self.runner, self.runner.graphs
-        launch, replay, fn = runner.launch, graphs.replay, runner.fn
-
-        def timed_replay(key):
-            self._start()
-            return replay(key)
-
-        def timed_fn(key):
-            step = fn(key)
-
-            def run():
-                self._start()
-                return step()
-
-            return run
-
-        def timed_launch(plan, replay_graphs):
-            self._started = False
-            done = launch(plan, replay_graphs)
-            if self._started:
-                self.ends.append(self._stamp())
-            self._started = False
-            self.last_keys = list(done.keys)
-            return done
-
-        hooks = ((runner, "launch", timed_launch), (graphs, "replay", timed_replay),
-                 (runner, "fn", timed_fn))  # fmt: skip
-        # what to put back: an attribute of the instance itself, or none (the class's)
-        self._saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in hooks]
-        for obj, name, hook in hooks:
-            setattr(obj, name, hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for obj, name, old in self._saved:
-            if old is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-    def times(self) -> tuple[list[float], list[float]]:
-        """(starts, ends) in us from the first start; waits for the last end."""
-        if not self.starts:
-            return [], []
-        self.ends[-1].synchronize()
-        t0 = self.starts[0]
-        return ([t0.elapsed_time(e) * 1e3 for e in self.starts],
-                [t0.elapsed_time(e) * 1e3 for e in self.ends])  # fmt: skip
-
-    def stats(self) -> dict:
-        return idle_stats(*self.times())
-
 
 # ------------------------------------------------------------------ a graph alone
 

@@ -13,6 +13,7 @@ ensure_interpreter()  # step_floor imports triton (floor_kernel): the interprete
 
 import bench_step  # noqa: E402
 import pytest
+import step_events
 import step_floor
 import step_model
 import step_replay
@@ -28,19 +29,30 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 def test_idle_is_the_gap_from_one_steps_end_to_the_next_ones_start():
     starts = [0.0, 110.0, 230.0, 330.0, 480.0]
     ends = [100.0, 200.0, 300.0, 400.0, 560.0]
-    s = step_replay.idle_stats(starts, ends)
+    s = step_events.idle_stats(starts, ends)
     # gaps 10, 30, 30, 80; busy 100, 90, 70, 70, 80
     assert s["idle_us"] == 37.5 and s["idle_median_us"] == 30.0 and s["idle_max_us"] == 80.0
     assert s["idle_p90_us"] == pytest.approx(65.0)  # within the data: 30 + 0.7 * (80 - 30)
     assert s["busy_us"] == 80.0 and s["cycle_us"] == 120.0 and s["steps"] == 5
-    assert step_replay.p90([7.0]) == 7.0
+    assert s["split_gap_us"] is None and step_events.p90([7.0]) == 7.0
 
 
-@pytest.mark.parametrize("starts, ends", [([0, 50], [40, 60, 70]), ([0], [10]),
-                                          ([0, 30], [40, 60]), ([0, 50], [40, 45])])  # fmt: skip
-def test_idle_refuses_stamps_that_cannot_be_one_stream(starts, ends):
+def test_a_split_steps_gap_moves_from_its_busy_time_to_the_idle_time():
+    # the same stamps, steps 1 and 3 split, waiting 20 and 6 us between forward and draw
+    s = step_events.idle_stats([0.0, 110.0, 230.0, 330.0, 480.0],
+                               [100.0, 200.0, 300.0, 400.0, 560.0], [None, 20.0, None, 6.0, None])
+    assert s["idle_us"] == pytest.approx((30 + 30 + 36 + 80) / 4) and s["idle_max_us"] == 80.0
+    assert s["busy_us"] == 70.0 and s["split_gap_us"] == 13.0  # busy 100, 70, 70, 64, 80
+
+
+@pytest.mark.parametrize("starts, ends, gaps", [
+    ([0, 50], [40, 60, 70], None), ([0], [10], None), ([0, 30], [40, 60], None),
+    ([0, 50], [40, 45], None), ([0, 50], [40, 60], [None]), ([0, 50], [40, 60], [None, 11]),
+    ([0, 50], [40, 60], [-1, None]),
+])  # fmt: skip
+def test_idle_refuses_stamps_that_cannot_be_one_stream(starts, ends, gaps):
     with pytest.raises(ValueError):
-        step_replay.idle_stats(starts, ends)
+        step_events.idle_stats(starts, ends, gaps)
 
 
 class FakeEvent:
@@ -58,9 +70,9 @@ class FakeEvent:
         return (other.t - self.t) / 1e3
 
 
-def executor(capture: bool) -> gx.DecodeExecutor:
+def executor(capture: bool, overlap: bool | None = None) -> gx.DecodeExecutor:
     ex = gx.DecodeExecutor(gx.models.TableModel(512, seed=0), max_batch_size=4, device="cpu",
-                           buckets=[2, 4])  # fmt: skip
+                           buckets=[2, 4], overlap=overlap)  # fmt: skip
     if capture:  # emulated on the CPU: replay calls the recorded step
         ex.capture(progress=False)
     return ex
@@ -81,19 +93,49 @@ def test_each_launch_gets_one_start_before_its_step_and_one_end_after(capture, m
     calls = []
     replay = ex.runner.graphs.replay
     ex.runner.graphs.replay = lambda key: calls.append(key) or replay(key)
-    with step_replay.StepEvents(ex, 4, event=FakeEvent) as ev:
+    with step_events.StepEvents(ex, 4, event=FakeEvent) as ev:
         for _ in range(4):
             ex.step(mode)
     assert len(ev.starts) == len(ev.ends) == 4
     ticks = [e.t for pair in zip(ev.starts, ev.ends, strict=True) for e in pair]
     assert ticks == sorted(ticks)
-    starts, ends = ev.times()
-    assert starts[0] == 0.0 and min(step_replay.idle_stats(starts, ends).values()) >= 0
+    starts, ends, gaps = ev.times()
+    s = step_events.idle_stats(starts, ends)
+    assert gaps == [None] * 4 and starts[0] == 0.0 and s["split_gap_us"] is None
+    assert min(v for v in s.values() if v is not None) >= 0
     ((key, first, rows),) = ev.last_keys
     assert (key.bucket, first, rows) == (4, 0, 3)
     assert len(calls) == (0 if mode == "eager" else 4)  # the wrapper called through
     assert "launch" not in vars(ex.runner) and "fn" not in vars(ex.runner)
     assert ex.runner.graphs.replay.__name__ == "<lambda>"  # ours, not the hook's
+    step_replay.end_batch(ex, 3)
+    assert ex.idle
+
+
+@pytest.mark.parametrize("capture, mode", [(True, None), (False, None), (True, "eager")])
+def test_a_split_step_is_stamped_at_its_forward_and_its_draw(capture, mode, one_thread):
+    """Rows with bad words split each pipelined step (forward, the host's masks, draw):
+    one start before the forward, one stamp after its launch, one before the draw and one
+    end after it, in stream order; the gap between the middle two counts as idle."""
+    ex = executor(capture, overlap=True)  # (the CPU's default is synchronous)
+    bad = gx.SamplingParams(temperature=0.0, seed=1, ignore_eos=True, bad_words=((5, 6),))
+    step_replay.admit_batch(ex, 3, lambda i: bad if i == 1 else greedy(i), None, 10, mode)
+    before = ex.runner.split_steps
+    with step_events.StepEvents(ex, 4, event=FakeEvent) as ev:
+        for _ in range(4):
+            ex.step(mode)
+    assert ex.runner.split_steps - before == 4
+    assert len(ev.starts) == len(ev.ends) == len(ev.gaps) == 4 and None not in ev.gaps
+    ticks = [e.t for s, g, e in zip(ev.starts, ev.gaps, ev.ends, strict=True)
+             for e in (s, *g, e)]  # fmt: skip
+    assert ticks == sorted(ticks)
+    starts, ends, gaps = ev.times()
+    s = step_events.idle_stats(starts, ends, gaps)
+    assert s["split_gap_us"] == pytest.approx(sum(gaps) / 4) and min(gaps) > 0
+    assert s["idle_us"] > step_events.idle_stats(starts, ends)["idle_us"]
+    for name in ("launch", "fn", "launch_forward", "launch_draw", "parts"):
+        assert name not in vars(ex.runner)
+    assert "replay_part" not in vars(ex.runner.graphs)
     step_replay.end_batch(ex, 3)
     assert ex.idle
 
