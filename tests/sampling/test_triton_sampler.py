@@ -116,29 +116,6 @@ def test_batch_position_and_split_change_no_token() -> None:
     assert torch.equal(shuf.tri.token_ids, outs[0][perm])
 
 
-@pytest.mark.parametrize("variant", list(SamplerVariant))
-def test_the_row_tail_in_the_stats_pass_draws_the_same_rows(variant) -> None:
-    """A batch of at most fused_tail_rows rows runs each row's tail in its last stats
-    program (one launch): the reference's tokens, and the same outputs as the tail apart,
-    in every variant, with logprobs, biases, penalties and a row split over programs."""
-    B, V = 6, 3000
-    logits = logits_of("mixed", B, V, seed=11)
-    params = mixed(B, 7, V=V)
-    if variant is not SamplerVariant.DEFAULT:  # rows the variant serves
-        keep = {} if variant is SamplerVariant.NO_FILTER else dict(top_k=40, top_p=0.9)
-        params = [P(seed=p.seed, temperature=p.temperature, logprobs=p.logprobs, **keep)
-                  for p in params]  # fmt: skip
-    outs = []
-    for rows in (0, B):
-        cfg = CONFIGS["interp16_short"].replace(fused_tail_rows=rows, programs=4 * B)
-        both = run_both(params, logits, cfg, variant=variant, num_top=2)
-        assert_same(both.ref, both.tri)
-        outs.append(both.tri)
-    for f in ("token_ids", "valid", "logprobs", "ranks", "top_token_ids", "top_logprobs"):
-        torch.testing.assert_close(getattr(outs[0], f), getattr(outs[1], f), rtol=0, atol=0,
-                                   equal_nan=True)  # fmt: skip
-
-
 def test_rows_with_bad_data() -> None:
     """+inf in several blocks, NaN, masked blocks, nothing or one token samplable, in every
     route: equal to the reference; an +inf row draws among its +inf tokens only."""

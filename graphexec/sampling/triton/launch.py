@@ -21,7 +21,7 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, s
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
-from graphexec.sampling.triton.tail import _stats_tail_kernel, _tail_kernel, _topk_kernel
+from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -58,34 +58,24 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
+    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
+                            num_warps=cfg.num_warps, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                   ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip
-    # the row tail's constants: top-k first's short sort within the gather buffer
-    # (short_tokens may pass gather_cap where the short route is off)
-    every = variant is SamplerVariant.TOP_K_TOP_P  # top-k first: the whole row in the tail
-    tail = dict(NBINS=cfg.bins, R=r, ST=min(cfg.short_tokens, cfg.gather_cap),
-                WCAP=cfg.gather_cap, INTERP=interpreter_enabled(), PROF=cfg.phase_clock,
-                **search)  # fmt: skip
-    if not every:
-        tail.update(CB=cfg.check_blocks, TKF=cfg.top_k_first if filters else 0)
-    if B <= cfg.fused_tail_rows:  # one launch: each row's last stats program runs its tail
-        # (filtered rows: the row kernels' warps, which their tails need to keep registers)
-        warps = cfg.tail_warps if filters else cfg.num_warps
-        fused = dict(base, NBLK_P2=nblk_p2, num_warps=warps, **tail)
-        if every:
-            fused.update(CB=0, TKF=0)
-        _stats_tail_kernel[(B * S,)](P, W, out.token_ids, out.valid, S, per, nblk, XN=filters,
-                                     RAW_LP=need_lp, RS=rs, FILTERS=filters, EVERY=every,
-                                     **fused)  # fmt: skip
+    # top-k first's short sort, within the gather buffer (short_tokens may pass gather_cap
+    # where the short route is off)
+    tkst = min(cfg.short_tokens, cfg.gather_cap)
+    if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
+        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r, ST=tkst,
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
     else:
-        _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
-                                num_warps=cfg.num_warps, **base)  # fmt: skip
-        if every:
-            _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, **tail, **rows)
-        else:
-            _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters, **tail,
-                               **rows)  # fmt: skip
+        _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
+                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
+                           TKF=cfg.top_k_first if filters else 0, ST=tkst,
+                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,

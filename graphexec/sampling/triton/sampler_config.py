@@ -77,10 +77,6 @@ class SamplerConfig:
     top_k_first: the largest top-k that the default variant's row tail serves top-k first,
         as the top_k_top_p variant does every row (`topk`); 0: every top-k row takes the
         candidate's check and the cut's passes (for tests of them).
-    fused_tail_rows: the largest batch whose row tails run in the stats pass, each in its
-        row's last program (`tail._stats_tail_kernel`): one launch less, which is most of a
-        small batch's time; a large batch runs the tail apart, so its streaming loop keeps
-        its registers low. 0: never.
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
@@ -107,7 +103,6 @@ class SamplerConfig:
     short_tokens: int = 128
     check_blocks: int = 16
     top_k_first: int = TOP_K_FIRST_MAX
-    fused_tail_rows: int = 8
     logprobs_cap: int = 256
     num_warps: int = 4
     tail_warps: int = 8
@@ -126,7 +121,7 @@ class SamplerConfig:
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
-        for name in ("check_blocks", "top_k_first", "fused_tail_rows"):
+        for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.draw_block < 4:

@@ -191,11 +191,18 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
                      RAW_LP, XN)  # fmt: skip
 
 
-@triton.jit
-def stats_program(P, W, row, sp, PER, NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr,
-                  NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-                  FL: tl.constexpr):  # fmt: skip
-    """Program (row, sp) of the stats pass: the stats of blocks [sp * PER, ...)."""
+@triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
+def _stats_kernel(
+    P, W,
+    B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
+    NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
+    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
+    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
+    dependent_start(PDL)
+    row = tl.program_id(0) // S
+    sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)
     s = tl.where(tl.load(P.temperature + slot) == 0.0, 1.0, tl.load(P.inv_temperature + slot))
     ids = bias_ids(P, slot, NB_P2)
@@ -209,20 +216,6 @@ def stats_program(P, W, row, sp, PER, NBLK, XN: tl.constexpr, RAW_LP: tl.constex
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
                      RAW_LP, FL, False, XN)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
-def _stats_kernel(
-    P, W,
-    B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
-    NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
-    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
-    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
-    dependent_start(PDL)
-    stats_program(P, W, tl.program_id(0) // S, tl.program_id(0) % S, PER, NBLK, XN, RAW_LP,
-                  NB_P2, R, DB, FL)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["S", "NBLK"])

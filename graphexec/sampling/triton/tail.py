@@ -21,7 +21,7 @@ from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
 from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
 from graphexec.sampling.triton.process import bias_ids, row_params
-from graphexec.sampling.triton.stats import _plan, arrive, stats_program
+from graphexec.sampling.triton.stats import _plan
 from graphexec.sampling.triton.topk import topk_first
 
 
@@ -151,29 +151,3 @@ def _topk_kernel(
              NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
 
 
-
-
-@triton.jit(do_not_specialize=["S", "PER", "NBLK"])
-def _stats_tail_kernel(
-    P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
-    S, PER,  # programs per row, blocks per program (a multiple of R)
-    NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, RS: tl.constexpr,
-    FILTERS: tl.constexpr, EVERY: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
-    DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
-    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B * S,): the stats pass (`stats._stats_kernel`, tiles of RS blocks), then the
-    row tail in the row's last program to finish (`stats.arrive`): `_tail_kernel`'s with
-    EVERY False, `_topk_kernel`'s with EVERY True. The same stores as those two launches."""
-    dependent_start(PDL)
-    row = tl.program_id(0) // S
-    if FILTERS and not EVERY:
-        if tl.program_id(0) == 0:
-            tl.store(W.refine, 0)
-    stats_program(P, W, row, tl.program_id(0) % S, PER, NBLK, XN, RAW_LP, NB_P2, RS, DB, FL)
-    if arrive(W, row, 0, S):
-        tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, EVERY, NB_P2, NBLK_P2, DB, NBINS,
-                 FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
