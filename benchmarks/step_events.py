@@ -87,6 +87,16 @@ class StepEvents:
         if self._draw_start is None and self._forward_end is not None:
             self._draw_start = self._stamp()
 
+    @staticmethod
+    def _after(mark: Callable[[], None], run: Callable[[], object]) -> Callable[[], object]:
+        """`run` with `mark` stamped right before it (an eager step or part)."""
+
+        def marked():
+            mark()
+            return run()
+
+        return marked
+
     def _end(self, done, gap=None) -> None:
         if self._started:
             self.ends.append(self._stamp())
@@ -105,13 +115,7 @@ class StepEvents:
             return replay(key)
 
         def timed_fn(key):
-            step = fn(key)
-
-            def run():
-                self._start()
-                return step()
-
-            return run
+            return self._after(self._start, fn(key))
 
         def timed_launch(plan, replay_graphs):
             self._started = False
@@ -120,21 +124,12 @@ class StepEvents:
             return done
 
         def timed_part(key, name):
-            self._start() if name == "forward" else self._draw()
+            (self._start if name == "forward" else self._draw)()
             return part(key, name)
 
         def timed_parts(key):
             fwd, rest = parts(key)
-
-            def run_forward():
-                self._start()
-                return fwd()
-
-            def run_draw():
-                self._draw()
-                return rest()
-
-            return run_forward, run_draw
+            return self._after(self._start, fwd), self._after(self._draw, rest)
 
         def timed_forward(plan, replay_graphs):
             self._started, self._forward_end, self._draw_start = False, None, None

@@ -62,7 +62,7 @@ class TokenMasks:
     def __init__(self, vocab_size: int, max_rows: int, offsets: int, grammar=None) -> None:
         self.words = (vocab_size + 31) // 32
         self.grammar = grammar
-        pin = torch.cuda.is_available()
+        self._pin = pin = torch.cuda.is_available()
         self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
         self._host_runs = torch.full((max_rows, offsets, self.words), -1, dtype=torch.int32,
                                      pin_memory=pin)  # fmt: skip
@@ -106,7 +106,7 @@ class TokenMasks:
         if not self._static:
             return
         ids = list(self._static)
-        pin = torch.cuda.is_available()
+        pin = self._pin
         shape = (len(ids), self.offsets, self.words) if self.offsets > 1 else (len(ids), self.words)
         rows = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
         u32 = rows.numpy().view(np.uint32).reshape(len(ids), -1, self.words)
