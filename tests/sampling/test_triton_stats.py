@@ -7,6 +7,7 @@ from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -139,6 +140,50 @@ def test_mass_halves_from_one_conversion() -> None:
     want = torch.where(z.isnan(), 2**32, torch.floor(e.double() * 2.0**32).long())
     assert torch.equal(got, want)
     assert got[0] == 2**32 and (lo < 65536).all() and (hi <= 65536).all()
+
+
+def _rm32(x: np.ndarray) -> np.ndarray:
+    """float64 x rounded toward -inf to float32 (an fma.rm of exact result x)."""
+    r = x.astype(np.float32)
+    low = r.astype(np.float64) > x
+    r[low] = np.nextafter(r[low], np.float32(-np.inf))
+    return r
+
+
+def _mass_bits_after_ex2(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`keys.mass_bits`'s PTX after its ex2 on float32 e: min.f32 (NaN gives 1), fma.rm,
+    sub.f32, fma.rm. float64 holds t = e * 2**32 exactly and rounds a sum only below 2**-13
+    (t + 2**39) or 2**-29 (t + d), short of any multiple of 2**16 (or 1) t does not reach
+    (24 significant bits): rounding the float64 sum down to float32 is the fma's."""
+    e = np.fmin(e.astype(np.float32), np.float32(1.0))
+    t = e.astype(np.float64) * 2.0**32
+    h = _rm32(t + 2.0**39)
+    d = np.float32(2.0**39 + 2.0**23) - h
+    return h.view(np.int32), _rm32(t + d.astype(np.float64)).view(np.int32)
+
+
+def test_mass_bits_give_the_masses_of_mass_hi_lo() -> None:
+    """The GPU's `block_mass` (`mass_bits`: three fp32 operations, no conversion) against
+    `mass_hi_lo`'s definition: trunc(e * 2**32), 2**32 at e = 1 and NaN. Each half is its
+    bias (a multiple of 2**24) plus the half, so int32 sums of up to 255 of them, wrapped,
+    keep the halves' sums in their low 24 bits. Every float32 e in [0, 1] was checked offline
+    (this sweep: every 61st, and the ends of every exponent)."""
+    pats = np.arange(0, 0x3F800001, 61, dtype=np.int64)
+    ends = (np.arange(255, dtype=np.int64)[:, None] << 23) + np.r_[0:512, (1 << 23) - 512:1 << 23]
+    pats = np.concatenate([pats, ends.ravel()])
+    e = pats[pats <= 0x3F800000].astype(np.uint32).view(np.float32)
+    e = np.concatenate([e, np.float32([np.nan, 1.0000001, 2.0, np.inf])])
+    hb, lb = _mass_bits_after_ex2(e)
+    assert ((hb >> 24) == 0x53).all() and ((lb >> 24) == 0x4B).all()
+    t = e.astype(np.float64) * 2.0**32
+    want = np.where(t < 2.0**32, np.floor(np.nan_to_num(t)), 2.0**32).astype(np.int64)
+    assert np.array_equal((hb & 0xFFFFFF).astype(np.int64) * 65536 + (lb & 0xFFFFFF), want)
+    # block sums as the kernel forms them: 128 terms, wrapped int32, masked to 24 bits
+    rng = np.random.default_rng(5)
+    idx = rng.integers(0, e.size, (64, 128))
+    idx[0] = np.flatnonzero(e == 1.0)[0]  # a block of ties: hi sums to 2**23
+    got = [(np.sum(h[idx], axis=1, dtype=np.uint32).astype(np.int64) & 0xFFFFFF) for h in (hb, lb)]
+    assert np.array_equal(got[0] * 65536 + got[1], want[idx].sum(axis=1))
 
 
 KERNELS = ("_stats_kernel", "_tail_kernel", "_topk_kernel", "_check_kernel", "_short_kernel",

@@ -19,7 +19,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
-from graphexec.sampling.triton.keys import mass_hi_lo, pack, sum_halves
+from graphexec.sampling.triton.keys import block_mass, pack
 from graphexec.sampling.triton.process import bias_ids, list_blocks, process_raw, raw_load, widen
 
 
@@ -137,10 +137,9 @@ def _block_stats(W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
     ([R, DB], -inf past V); ok: bid < NBLK (None: a full tile)."""
     xm = tl.max(x, axis=1)
     # z = (x - xm_b) * s is -inf at x = -inf, and at the finite x of a block holding +inf;
-    # NaN at x = xm_b = +inf, which `mass_hi_lo` weighs 2**32 (the collapsed row's mass),
+    # NaN at x = xm_b = +inf, which `block_mass` weighs 2**32 (the collapsed row's mass),
     # and at x = xm_b = -inf (a dead block: q = 0)
-    hi, lo = mass_hi_lo((x - xm[:, None]) * s)
-    q = tl.where(xm > float("-inf"), sum_halves(hi, lo, 1), 0)
+    q = tl.where(xm > float("-inf"), block_mass((x - xm[:, None]) * s), 0)
     dst = row * NBLK + bid
     tl.store(W.xm + dst, xm, mask=ok)
     if XN:  # (a +inf entry cannot be below a finite one: no test for it)
@@ -164,7 +163,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
     token inside V) are read unmasked, each one's loads issued an iteration ahead of their
-    use, one ex2 and one conversion per logit (`keys`); the loop body has no branch. Then
+    use, one ex2 a logit (`keys`); the loop body has no branch. Then
     the program's last tiles, masked."""
     rr = tl.arange(0, R)
     offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
