@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.tensors import SamplingTensors
+from graphexec.sampling.triton.keys import _INTERP
 
 
 class Inputs(NamedTuple):
@@ -74,7 +75,10 @@ class Inputs(NamedTuple):
 def process_value(raw, allowed, bias, count, in_prompt, rep, inv_rep, freq, pres):
     """Processed fp32 logit of one token (broadcasting tensors), as in the reference."""
     x = raw.to(tl.float32)
-    x = tl.where(x != x, float("-inf"), x)  # NaN -> -inf
+    if _INTERP:  # NaN -> -inf
+        x = tl.where(x != x, float("-inf"), x)
+    else:  # max.f32 returns the non-NaN operand: one instruction (numpy's max keeps NaN)
+        x = tl.maximum(x, float("-inf"))
     x = tl.where(allowed, x, float("-inf"))
     x = x + bias
     seen = (count > 0) | in_prompt
