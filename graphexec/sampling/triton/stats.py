@@ -19,7 +19,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
-from graphexec.sampling.triton.keys import block_mass, pack
+from graphexec.sampling.triton.keys import _INTERP, block_mass, pack
 from graphexec.sampling.triton.process import bias_ids, list_blocks, process_raw, raw_load, widen
 
 
@@ -131,30 +131,50 @@ def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.con
 
 
 @triton.jit
-def _block_stats(W, row, raw_mode, x, v, bid, ok, s, NBLK, RAW_LP: tl.constexpr,
-                 XN: tl.constexpr):  # fmt: skip
-    """Stores the stats of one tile's blocks bid [R] from their processed x and raw v
-    ([R, DB], -inf past V); ok: bid < NBLK (None: a full tile)."""
+def _put(ptrs, v, ok):
+    """tl.store of a tile's [R] block stats. A full tile's (ok None) on the GPU from the
+    reduction's layout, each thread its own rows (its warp's lanes store one value to one
+    address): tl.store would first move them to a layout of one owner each, through shared
+    memory and barriers."""
+    if ok is None and not _INTERP:
+        if v.dtype == tl.int64:
+            tl.inline_asm_elementwise("st.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l",
+                                      [ptrs, v], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        else:
+            tl.inline_asm_elementwise("st.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r",
+                                      [ptrs, v.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.store(ptrs, v, mask=ok)
+
+
+@triton.jit
+def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.constexpr):
+    """Stores the stats of one tile's blocks at dst [R] (row * NBLK + block id) from their
+    processed x and raw v ([R, DB], -inf past V); ok: block id < NBLK (None: a full tile)."""
     xm = tl.max(x, axis=1)
     # z = (x - xm_b) * s is -inf at x = -inf, and at the finite x of a block holding +inf;
     # NaN at x = xm_b = +inf, which `block_mass` weighs 2**32 (the collapsed row's mass),
     # and at x = xm_b = -inf (a dead block: q = 0)
     q = tl.where(xm > float("-inf"), block_mass((x - xm[:, None]) * s), 0)
-    dst = row * NBLK + bid
-    tl.store(W.xm + dst, xm, mask=ok)
+    _put(W.xm + dst, xm, ok)
     if XN:  # (a +inf entry cannot be below a finite one: no test for it)
-        tl.store(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1),
-                 mask=ok)  # fmt: skip
-    tl.store(W.q + dst, q, mask=ok)
+        _put(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1), ok)
+    _put(W.q + dst, q, ok)
     if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
         v = tl.where(v == v, v, float("-inf"))
         vm = tl.max(v, axis=1)
         vf = (vm > float("-inf")) & (vm < float("inf"))
         e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
                             v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
-        okr = tl.where(raw_mode, bid < NBLK, False)
-        tl.store(W.raw_max + dst, vm, mask=okr)
-        tl.store(W.raw_sum + dst, tl.sum(e, axis=1), mask=okr)
+        if ok is None:
+            if raw_mode:  # (uniform: one branch, no mask for `_put`)
+                _put(W.raw_max + dst, vm, None)
+                _put(W.raw_sum + dst, tl.sum(e, axis=1), None)
+        else:
+            okr = tl.where(raw_mode, ok, False)
+            tl.store(W.raw_max + dst, vm, mask=okr)
+            tl.store(W.raw_sum + dst, tl.sum(e, axis=1), mask=okr)
 
 
 @triton.jit
@@ -163,31 +183,42 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
     token inside V) are read unmasked, each one's loads issued an iteration ahead of their
-    use, one ex2 a logit (`keys`); the loop body has no branch. Then
-    the program's last tiles, masked."""
+    use, one ex2 a logit (`keys`), their stats stored without a barrier (`_put`); the loop
+    body has no branch (with logprobs: one, on the row's raw mode). Then the program's last
+    tiles, masked."""
     rr = tl.arange(0, R)
-    offs = (t0 + rr)[:, None] * DB + tl.arange(0, DB)[None, :]
+    col = tl.arange(0, DB)
+    offs = (t0 + rr)[:, None] * DB + col[None, :]
     n_full = tl.maximum(tl.minimum(t1, P.vocab // DB) - t0, 0) // R
+    # full tiles load at in-tile int64 offsets, formed once, from a pointer moved a tile at
+    # a time (no per-tile index arithmetic; the last prefetch reads its own tile again,
+    # unmasked: no predicate, no zero fill)
+    inner = (rr[:, None] * DB + col[None, :]).to(tl.int64) * P.logits_sv
+    step = tl.full([], R * DB, tl.int64) * P.logits_sv
+    tile = P.logits + row.to(tl.int64) * P.logits_sb + (t0 * DB).to(tl.int64) * P.logits_sv
+    dst = row * NBLK + t0 + rr
     # (a uniform mask as a vector: the interpreter takes no scalar bool mask)
     every = tl.full(offs.shape, 1, tl.int1)
-    raw = raw_load(P, row, offs, tl.where(n_full > 0, every, False))
+    raw = tl.load(tile + inner, mask=tl.where(n_full > 0, every, False), other=0)
     for i in range(0, n_full):
         t = t0 + i * R
-        nxt = raw_load(P, row, offs + R * DB, tl.where(i + 1 < n_full, every, False))
+        tile += tl.where(i + 1 < n_full, step, 0)
+        nxt = tl.load(tile + inner)
         v = widen(raw, FL)
         x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
-        _block_stats(W, row, raw_mode, x, v, t + rr, None, s, NBLK, RAW_LP, XN)
+        _block_stats(W, dst, raw_mode, x, v, None, s, RAW_LP, XN)
         raw = nxt
         offs += R * DB
+        dst += R
     for t in range(t0 + n_full * R, t1, R):
         bid = t + rr
-        offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+        offs = bid[:, None] * DB + col[None, :]
         ok = offs < P.vocab
         v = widen(raw_load(P, row, offs, ok), FL)
         x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
         x = tl.where(ok, x, float("-inf"))
-        _block_stats(W, row, raw_mode, x, tl.where(ok, v, float("-inf")), bid, bid < NBLK, s, NBLK,
-                     RAW_LP, XN)  # fmt: skip
+        _block_stats(W, row * NBLK + bid, raw_mode, x, tl.where(ok, v, float("-inf")),
+                     bid < NBLK, s, RAW_LP, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "S", "PER", "NBLK"])
