@@ -186,6 +186,17 @@ def test_mass_bits_give_the_masses_of_mass_hi_lo() -> None:
     assert np.array_equal(got[0] * 65536 + got[1], want[idx].sum(axis=1))
 
 
+def test_bf16_pairs_widen_as_their_bits() -> None:
+    """`process.widen`'s GPU form takes a pair of bf16 bits in one register (low half: the
+    first value): shl 16 and and 0xFFFF0000 are each value's bits << 16, as the
+    interpreter's sign-extend-and-shift."""
+    h = np.arange(-(2**15), 2**15, dtype=np.int64)
+    w = (h[:, None] & 0xFFFF) | ((h[None, ::257] & 0xFFFF) << 16)  # every low, some highs
+    want = lambda v: (v << 16) & 0xFFFFFFFF  # noqa: E731
+    assert np.array_equal((w << 16) & 0xFFFFFFFF, np.broadcast_to(want(h)[:, None], w.shape))
+    assert np.array_equal(w & 0xFFFF0000, np.broadcast_to(want(h[::257])[None, :], w.shape))
+
+
 KERNELS = ("_stats_kernel", "_tail_kernel", "_topk_kernel", "_check_kernel", "_short_kernel",
            "_select_kernel", "_kept_kernel", "_finish_kernel", "_raw_logprobs_kernel")  # fmt: skip
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import num_threads
 
 from graphexec.sampling.tensors import SamplingTensors
 from graphexec.sampling.triton.keys import _INTERP
@@ -116,11 +117,19 @@ def raw_load(P, row, offs, ok):
 
 
 @triton.jit
-def widen(raw, FL: tl.constexpr):
-    """`raw_load`'s values as fp32 (bf16 widened exactly from its bits)."""
-    if (FL & 1) != 0:
+def widen(raw, FL: tl.constexpr, PAIRS: tl.constexpr = False):
+    """`raw_load`'s values as fp32 (bf16 widened exactly from its bits). PAIRS: raw's
+    layout gives each thread an even number of values (a tile read a vector a thread)."""
+    if (FL & 1) == 0:
+        return raw.to(tl.float32)
+    elif PAIRS and not _INTERP and raw.numel >= 2 * num_threads():
+        # a thread's pair of values in one register: one instruction a value (the
+        # compiler's split of the pair takes two for the high half)
+        w = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+                                      "=r,=r,r", [raw], dtype=tl.int32, is_pure=True, pack=2)
+        return w.to(tl.float32, bitcast=True)
+    else:
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return raw.to(tl.float32)
 
 
 @triton.jit

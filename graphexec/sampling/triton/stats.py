@@ -204,7 +204,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         t = t0 + i * R
         tile += tl.where(i + 1 < n_full, step, 0)
         nxt = tl.load(tile + inner)
-        v = widen(raw, FL)
+        v = widen(raw, FL, True)
         x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
         _block_stats(W, dst, raw_mode, x, v, None, s, RAW_LP, XN)
         raw = nxt
@@ -214,7 +214,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
         bid = t + rr
         offs = bid[:, None] * DB + col[None, :]
         ok = offs < P.vocab
-        v = widen(raw_load(P, row, offs, ok), FL)
+        v = widen(raw_load(P, row, offs, ok), FL, True)
         x = process_raw(P, row, slot, ids, offs, v, ok, t * DB, (t + R) * DB, FL, BIAS)
         x = tl.where(ok, x, float("-inf"))
         _block_stats(W, row * NBLK + bid, raw_mode, x, tl.where(ok, v, float("-inf")),
