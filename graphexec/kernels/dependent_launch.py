@@ -76,36 +76,6 @@ def prefetch_l2(ptrs):
                               is_pure=False, pack=1)  # fmt: skip
 
 
-def bulk_prefetch_supported(device: torch.device) -> bool:
-    """Whether `bulk_prefetch_l2` assembles for `device`: compiled, compute capability 9.0+."""
-    if device.type != "cuda" or interpreter_enabled():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-@triton.jit
-def first_thread_at(ptr):
-    """True in the program's thread 0 where ptr is 16-byte aligned (`bulk_prefetch_l2`)."""
-    v = tl.inline_asm_elementwise(
-        "{ .reg .b64 a; .reg .b32 t; mov.u32 t, %tid.x; and.b64 a, $1, 15; "
-        "cvt.u32.u64 $0, a; or.b32 $0, $0, t; }",
-        "=r,l", [ptr], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
-    return v == 0
-
-
-@triton.jit
-def bulk_prefetch_l2(ptr, nbytes, ok):
-    """Where ok, ask L2 for nbytes (a multiple of 16) from ptr (16-byte aligned) in one
-    request of the copy engine (Hopper's cp.async.bulk.prefetch): no registers, no wait.
-    ok should hold in one thread (`first_thread_at`)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $3, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptr, nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)  # fmt: skip
-
-
 @triton.jit
 def prefetch_rows(base, rows, nmask, stride, k_lo, k_len,
                   LINE: tl.constexpr, LINES: tl.constexpr):  # fmt: skip

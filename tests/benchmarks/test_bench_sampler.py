@@ -334,7 +334,6 @@ def test_sampler_config_overrides_are_checked_and_reach_the_triton_rows(monkeypa
     for bad, why in (("tile_blocks=3", "tile_blocks must be a power of two"),
                      ("warps=4", "warps"), ("num_warps", "not K=V"),
                      ("num_warps=four", "num_warps: 'four'"),
-                     ("l2_prefetch=-1", "l2_prefetch must be >= 0"),
                      ("draw_block=512", "part of the tokens' definition")):  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse(bad)

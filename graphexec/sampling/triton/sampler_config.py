@@ -84,9 +84,6 @@ class SamplerConfig:
         vectors span a row's blocks and gathered tokens.
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
-    l2_prefetch: tiles ahead of its loads that the stats pass asks L2 for, where the device
-        has bulk prefetch (Hopper); 0: none. The loads' own lead is one tile (registers);
-        these requests hold none.
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
@@ -110,7 +107,6 @@ class SamplerConfig:
     num_warps: int = 4
     tail_warps: int = 8
     pdl: bool = True
-    l2_prefetch: int = 4
     phase_clock: bool = False
 
     def __post_init__(self) -> None:
@@ -125,7 +121,7 @@ class SamplerConfig:
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
-        for name in ("check_blocks", "top_k_first", "l2_prefetch"):
+        for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.draw_block < 4:

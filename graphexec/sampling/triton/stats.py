@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphexec.kernels.dependent_launch import bulk_prefetch_l2, dependent_start, first_thread_at
+from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
@@ -180,13 +180,12 @@ def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.con
 @triton.jit
 def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexpr,
                  DB: tl.constexpr, RAW_LP: tl.constexpr, FL: tl.constexpr,
-                 BIAS: tl.constexpr, XN: tl.constexpr, PF: tl.constexpr):  # fmt: skip
+                 BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
     token inside V) are read unmasked, each one's loads issued an iteration ahead of their
     use, one ex2 a logit (`keys`), their stats stored without a barrier (`_put`); the loop
     body has no branch (with logprobs: one, on the row's raw mode). Then the program's last
-    tiles, masked. PF > 0: L2 is asked for the full tiles PF ahead of the loads (a copy
-    engine request a tile, no registers: the loads then wait on L2, not on memory)."""
+    tiles, masked."""
     rr = tl.arange(0, R)
     col = tl.arange(0, DB)
     offs = (t0 + rr)[:, None] * DB + col[None, :]
@@ -201,15 +200,9 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
     # (a uniform mask as a vector: the interpreter takes no scalar bool mask)
     every = tl.full(offs.shape, 1, tl.int1)
     raw = tl.load(tile + inner, mask=tl.where(n_full > 0, every, False), other=0)
-    if PF > 0:  # contiguous rows only: one request reads a tile's bytes in a run
-        lead = first_thread_at(tile) & (P.logits_sv == 1)
-        nbytes = R * DB * (P.logits.dtype.element_ty.primitive_bitwidth // 8)
-        bulk_prefetch_l2(tile + step, tl.minimum(n_full - 1, PF) * nbytes, lead & (n_full > 1))
     for i in range(0, n_full):
         t = t0 + i * R
         tile += tl.where(i + 1 < n_full, step, 0)
-        if PF > 0:
-            bulk_prefetch_l2(tile + PF * step, nbytes, lead & (i + 1 + PF < n_full))
         nxt = tl.load(tile + inner)
         v = widen(raw, FL, True)
         x = process_raw(P, row, slot, ids, offs, v, None, t * DB, (t + R) * DB, FL, BIAS)
@@ -233,11 +226,10 @@ def _stats_kernel(
     P, W,
     B, S, PER,  # rows, programs per row, blocks per program (a multiple of R)
     NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr, NB_P2: tl.constexpr, R: tl.constexpr,
-    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False, PF: tl.constexpr = 0,
+    DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
-    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read; PF:
-    `_stats_tiles`' L2 requests, tiles ahead)."""
+    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
     dependent_start(PDL)
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
@@ -250,10 +242,10 @@ def _stats_kernel(
     # a row with a logit bias looks its entries up per tile; the others never do
     if tl.max(ids, axis=0) >= 0:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, True, XN, PF)  # fmt: skip
+                     RAW_LP, FL, True, XN)  # fmt: skip
     else:
         _stats_tiles(P, W, row, slot, ids, s, raw_mode, sp * PER, sp * PER + PER, NBLK, R, DB,
-                     RAW_LP, FL, False, XN, PF)  # fmt: skip
+                     RAW_LP, FL, False, XN)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["S", "NBLK"])
