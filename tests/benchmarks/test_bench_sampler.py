@@ -334,6 +334,7 @@ def test_sampler_config_overrides_are_checked_and_reach_the_triton_rows(monkeypa
     for bad, why in (("tile_blocks=3", "tile_blocks must be a power of two"),
                      ("warps=4", "warps"), ("num_warps", "not K=V"),
                      ("num_warps=four", "num_warps: 'four'"),
+                     ("stats_registers=8", "stats_registers must be 0 or in 16..255"),
                      ("draw_block=512", "part of the tokens' definition")):  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse(bad)

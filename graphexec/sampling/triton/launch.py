@@ -58,8 +58,10 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
+    regs = {} if interpreter_enabled() or not cfg.stats_registers else {
+        "maxnreg": cfg.stats_registers}
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
-                            num_warps=cfg.num_warps, **base)  # fmt: skip
+                            num_warps=cfg.num_warps, **regs, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                   ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip

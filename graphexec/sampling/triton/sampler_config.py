@@ -84,6 +84,11 @@ class SamplerConfig:
         vectors span a row's blocks and gathered tokens.
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
+    stats_registers: most registers a thread of the stats pass holds (the compiler's
+        maxnreg; 0: its own choice, 64 for no_filter on sm_90). The pass issues an
+        instruction about every 10 cycles a warp at 8 CTAs an SM (ncu, H200): fewer
+        registers, more resident warps to issue; what does not fit spills outside the
+        loop first.
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
@@ -107,6 +112,7 @@ class SamplerConfig:
     num_warps: int = 4
     tail_warps: int = 8
     pdl: bool = True
+    stats_registers: int = 0
     phase_clock: bool = False
 
     def __post_init__(self) -> None:
@@ -124,6 +130,9 @@ class SamplerConfig:
         for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.stats_registers and not 16 <= self.stats_registers <= 255:
+            raise ValueError("SamplerConfig.stats_registers must be 0 or in 16..255, got "
+                             f"{self.stats_registers}")  # fmt: skip
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "stats_programs", "late_programs", "num_warps", "tail_warps"):
