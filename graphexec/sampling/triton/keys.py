@@ -74,30 +74,32 @@ def mass_hi_lo(z):
 
 
 @triton.jit
-def mass_bits(z):
+def mass_bits(w):
     """GPU: (2**39 + hi * 2**16, 2**23 + lo) as int32 bits, hi * 2**16 + lo the mass of
-    `mass_hi_lo`, in fp32 arithmetic: e = min(exp(z), 1) (NaN z: 1), then
+    `mass_hi_lo` at w = z log2(e), in fp32 arithmetic: e = min(2**w, 1) (NaN w: 1), then
     2**39 + t rounded down is 2**39 + hi * 2**16 (t = e * 2**32 exact inside the fma, ulp
     2**16 there), and 2**23 + (t - hi * 2**16) rounded down is 2**23 + lo (ulp 1): three
     fp32 operations, no conversion. `tests/sampling/test_triton_stats.py` emulates them."""
     return tl.inline_asm_elementwise(
-        "{ .reg .f32 w, e, d; mul.ftz.f32 w, $2, 0f3FB8AA3B; ex2.approx.ftz.f32 e, w; "
+        "{ .reg .f32 e, d; ex2.approx.ftz.f32 e, $2; "
         "min.f32 e, e, 0f3F800000; fma.rm.f32 $0, e, 0f4F800000, 0f53000000; "
         "sub.f32 d, 0f53000080, $0; fma.rm.f32 $1, e, 0f4F800000, d; }",
-        "=f,=f,r", [z], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)  # fmt: skip
+        "=f,=f,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
-def block_mass(z):
-    """Exact int64 sum along axis 1 (at most 255 terms) of `mass_hi_lo`'s masses. On the
-    GPU from `mass_bits`: the int32 sums of its biased halves, wrapped, keep each half's sum
-    (below 2**24) in their low 24 bits, the biases being multiples of 2**24."""
+def block_mass(d, s):
+    """Exact int64 sum along axis 1 (at most 255 terms) of the masses of z = d * s (d <= 0,
+    s > 0 a scalar). The interpreter: `mass_hi_lo`'s. The GPU: `mass_bits` at d times s
+    log2(e) (rounded once, held below the float max: one multiply a value, not two);
+    the int32 sums of its biased halves, wrapped, keep each half's sum (below 2**24) in
+    their low 24 bits, the biases being multiples of 2**24."""
     if _INTERP:
-        hi, lo = mass_hi_lo(z)
+        hi, lo = mass_hi_lo(d * s)
         return sum_halves(hi, lo, 1)
     else:
-        tl.static_assert(z.shape[1] <= 255)
-        hb, lb = mass_bits(z)
+        tl.static_assert(d.shape[1] <= 255)
+        hb, lb = mass_bits(d * tl.minimum(s * 1.4426950408889634, 3.4028234663852886e38))
         hs = tl.sum(hb.to(tl.int32, bitcast=True), axis=1) & 0xFFFFFF
         ls = tl.sum(lb.to(tl.int32, bitcast=True), axis=1) & 0xFFFFFF
         return hs.to(tl.int64) * 65536 + ls.to(tl.int64)

@@ -156,7 +156,7 @@ def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.con
     # z = (x - xm_b) * s is -inf at x = -inf, and at the finite x of a block holding +inf;
     # NaN at x = xm_b = +inf, which `block_mass` weighs 2**32 (the collapsed row's mass),
     # and at x = xm_b = -inf (a dead block: q = 0)
-    q = tl.where(xm > float("-inf"), block_mass((x - xm[:, None]) * s), 0)
+    q = tl.where(xm > float("-inf"), block_mass(x - xm[:, None], s), 0)
     _put(W.xm + dst, xm, ok)
     if XN:  # (a +inf entry cannot be below a finite one: no test for it)
         _put(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1), ok)
