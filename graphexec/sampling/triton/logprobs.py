@@ -221,13 +221,14 @@ def _raw_logprobs_kernel(  # one program per row
     GR: tl.constexpr, DB: tl.constexpr, CAP: tl.constexpr, YB: tl.constexpr,
     INTERP: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    dependent_start(PDL)
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
+    # the row's parameters before the wait, as `tail.tail_row` reads them
     slot, greedy, inv_t, seed_unused, pos_unused = row_params(P, row)
     served = tl.zeros([], dtype=tl.int32)
     # every raw-mode row, asked or not: the reference writes them all
     raw_mode = tl.load(P.lp_processed + slot).to(tl.int32) == 0
+    dependent_start(PDL)
     b = tl.arange(0, NBLK_P2)
     rxm = tl.load(W.raw_max + r64 * NBLK + b, mask=b < NBLK, other=float("-inf"))
     mr = tl.max(rxm, axis=0)

@@ -31,14 +31,27 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
              ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
              ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
-             PROF: tl.constexpr):  # fmt: skip
+             PROF: tl.constexpr, PDL: tl.constexpr, REFINE: tl.constexpr = False):  # fmt: skip
     """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
     its filters (no later pass runs: a row past the route is served by the exact search),
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
-    (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end)."""
-    stamp(W, row, 0, PROF, 0)
+    (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
+    REFINE: program 0 empties round 2's row list, which the finish of round 1 fills.
+
+    The row's parameters are read before the wait for the stats pass (`dependent_start`):
+    no kernel of the call writes them, and this launch starts only once every stats
+    program has waited for the kernels before it, so their writes are visible here; the
+    chain slot -> parameters then overlaps the pass instead of following it."""
     slot, greedy, s, seed, pos = row_params(P, row)
     ids = bias_ids(P, slot, NB_P2)
+    top_k = tl.load(P.top_k + slot)
+    top_p = tl.load(P.top_p + slot)
+    lnmp = tl.load(P.log_min_p + slot)
+    dependent_start(PDL)
+    if REFINE:
+        if row == 0:
+            tl.store(W.refine, 0)
+    stamp(W, row, 0, PROF, 0)
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
     base = row * NBLK
@@ -51,9 +64,6 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
             tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
         else:
             filt = tl.zeros([], dtype=tl.int1)
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
-            lnmp = tl.load(P.log_min_p + slot)
             if FILTERS:
                 filt = (top_k > 0) | (top_p < 1.0) | (lnmp > float("-inf"))
             if filt:
@@ -125,14 +135,10 @@ def _tail_kernel(
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
-    candidate and plans its next passes (module docstring). Program 0 empties round 2's row
-    list, which the finish of round 1 fills."""
-    dependent_start(PDL)
-    if FILTERS:
-        if tl.program_id(0) == 0:
-            tl.store(W.refine, 0)
+    candidate and plans its next passes (module docstring)."""
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, False, NB_P2, NBLK_P2,
-             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
+             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
+             FILTERS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -146,8 +152,7 @@ def _topk_kernel(
 ):  # fmt: skip
     """Grid (B,) (top_k_top_p: the last launch): the row tail with every filtered row top-k
     first, so that row b is served whole."""
-    dependent_start(PDL)
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, True, NB_P2, NBLK_P2, DB,
-             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF)  # fmt: skip
+             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL)  # fmt: skip
 
 
