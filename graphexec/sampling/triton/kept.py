@@ -32,7 +32,7 @@ from graphexec.sampling.triton.keys import (
     tile_total,
     unpack,
 )
-from graphexec.sampling.triton.process import bias_ids, list_tile, row_params
+from graphexec.sampling.triton.process import list_tile, row_inputs
 from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
 from graphexec.sampling.triton.short import cut_tiles
 
@@ -174,18 +174,15 @@ def _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
 
 
 @triton.jit
-def _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2: tl.constexpr,
-            NB_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr,
-            WAYS: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-            FL: tl.constexpr, ROUND2: tl.constexpr):  # fmt: skip
-    slot, greedy, s_unused, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
+def _finish(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2: tl.constexpr,
+            DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr,
+            ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
+            ROUND2: tl.constexpr):  # fmt: skip
+    """Row `row`'s finish (module docstring); inputs: its `process.row_inputs`."""
+    slot, greedy, s_unused, seed, pos, ids, top_k, top_p, lnmp = inputs
     ri = W.rowi + row * cf.NUM_I
     m, s, lo, top, inv_w, jhi, j1, j2, jlo = load_plan(W, row)
     klo = tl.load(W.rowf + row * 8 + cf.F_KLO)
-    top_k = tl.load(P.top_k + slot)
-    top_p = tl.load(P.top_p + slot)
-    lnmp = tl.load(P.log_min_p + slot)
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
     xm = tl.load(W.xm + row * NBLK + b, mask=bm, other=float("-inf"), cache_modifier=".cg")
@@ -288,18 +285,16 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
 
 
 @triton.jit
-def _kept_row(P, W, row, route, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
-              DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr,
-              FL: tl.constexpr):  # fmt: skip
-    """Slice sp of S of the row's listed blocks."""
+def _kept_row(P, W, row, inputs, route, sp, S, NBLK, R: tl.constexpr, DB: tl.constexpr,
+              NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """Slice sp of S of the row's listed blocks; inputs: the row's `process.row_inputs`."""
+    (slot, greedy_unused, s_unused, seed_unused, pos_unused, ids, top_k_unused, top_p_unused,
+     lnmp) = inputs
     ri = W.rowi + row * cf.NUM_I
-    slot = tl.load(P.slots + row).to(tl.int64)
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
     per = tl.cdiv(tl.cdiv(n_list, R), S) * R
     e0 = sp * per
     e1 = tl.minimum(e0 + per, n_list)
-    ids = bias_ids(P, slot, NB_P2)
-    lnmp = tl.load(P.log_min_p + slot)
     if (e0 < e1) & (route == cf.R_CUT):
         if tl.max(ids, axis=0) >= 0:
             cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R, DB, FL, True)
@@ -324,20 +319,24 @@ def _kept_kernel(
     WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
-    (`select.refine_share`)."""
-    dependent_start(PDL)
+    (`select.refine_share`). Round 1 reads its row's inputs before the wait
+    (`process.row_inputs`)."""
     if ROUND2:
+        dependent_start(PDL)
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
             row = tl.load(W.refine + 1 + e).to(tl.int64)
             route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
             if route == cf.R_ROUND2:
-                _kept_row(P, W, row, route, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL)
+                _kept_row(P, W, row, row_inputs(P, row, NB_P2), route, sp, n_sp, NBLK, R, DB,
+                          NBINS, WCAP, FL)  # fmt: skip
     else:
         row = tl.program_id(0) // S
+        inputs = row_inputs(P, row, NB_P2)
+        dependent_start(PDL)
         route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if (route == cf.R_SELECT) | (route == cf.R_CUT):
-            _kept_row(P, W, row, route, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS,
+            _kept_row(P, W, row, inputs, route, tl.program_id(0) % S, S, NBLK, R, DB, NBINS,
                       WCAP, FL)  # fmt: skip
 
 
@@ -351,17 +350,20 @@ def _finish_kernel(
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,), a launch of its own (the kept pass keeps a streaming loop's registers):
-    round 1, the rows the kept pass summed; round 2, entry i of the refine list."""
-    dependent_start(PDL)
+    round 1, the rows the kept pass summed (their inputs read before the wait:
+    `process.row_inputs`); round 2, entry i of the refine list."""
     if ROUND2:
+        dependent_start(PDL)
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
             route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
-                    WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+            _finish(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route, NBLK,
+                    NBLK_P2, DB, NBINS, WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
     else:
         row = tl.program_id(0)
+        inputs = row_inputs(P, row, NB_P2)
+        dependent_start(PDL)
         route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if route != cf.R_DONE:
-            _finish(P, W, tok_ptr, valid_ptr, row, route, NBLK, NBLK_P2, NB_P2, DB, NBINS, WCAP,
+            _finish(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2, DB, NBINS, WCAP,
                     WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

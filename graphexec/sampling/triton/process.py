@@ -100,6 +100,19 @@ def row_params(P, row):
 
 
 @triton.jit
+def row_inputs(P, row, NB_P2: tl.constexpr):
+    """(slot, greedy, s, seed, pos, ids, top_k, top_p, log_min_p) of a batch row:
+    `row_params`, its bias ids (`bias_ids`) and its filters. No sampler kernel writes them,
+    so a row kernel reads them before its wait for the kernel before it: a dependent
+    launch starts only once every program of that kernel has waited for its own
+    predecessors, whose writes are then visible. Their chain of loads (slot, then the
+    rest) then overlaps the kernel before instead of following it."""
+    slot, greedy, s, seed, pos = row_params(P, row)
+    return (slot, greedy, s, seed, pos, bias_ids(P, slot, NB_P2), tl.load(P.top_k + slot),
+            tl.load(P.top_p + slot), tl.load(P.log_min_p + slot))
+
+
+@triton.jit
 def bias_ids(P, slot, NB_P2: tl.constexpr):
     """[NB_P2] the slot's bias ids, ascending, -1 padded."""
     j = tl.arange(0, NB_P2)

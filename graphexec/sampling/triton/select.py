@@ -231,12 +231,10 @@ def _hist_tiles(P, W, row, slot, ids, e0, e1, n_list, NBLK, R: tl.constexpr, DB:
 
 
 @triton.jit
-def _select_row(P, W, row, sp, S, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
-                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+def _select_row(P, W, row, slot, ids, sp, S, NBLK, R: tl.constexpr, DB: tl.constexpr,
+                NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 ROUND2: tl.constexpr):  # fmt: skip
-    """Slice sp of S of the row's listed blocks."""
-    slot = tl.load(P.slots + row).to(tl.int64)
-    ids = bias_ids(P, slot, NB_P2)
+    """Slice sp of S of the row's listed blocks (slot, ids: its table slot and bias ids)."""
     ri = W.rowi + row * cf.NUM_I
     n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
     per = tl.cdiv(tl.cdiv(n_list, R), S) * R
@@ -266,16 +264,22 @@ def _select_kernel(
 ):  # fmt: skip
     """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
     the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the
-    refine list (`refine_share`)."""
-    dependent_start(PDL)
+    refine list (`refine_share`). Round 1 reads its row's slot and bias ids before the wait
+    (`process.row_inputs`)."""
     if ROUND2:
+        dependent_start(PDL)
         e0, e1, step, sp, n_sp = refine_share(W, S)
         for e in range(e0, e1, step):
             row = tl.load(W.refine + 1 + e).to(tl.int64)
             if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_ROUND2:
-                _select_row(P, W, row, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
+                slot = tl.load(P.slots + row).to(tl.int64)
+                _select_row(P, W, row, slot, bias_ids(P, slot, NB_P2), sp, n_sp, NBLK, R, DB,
+                            NBINS, WCAP, FL, True)  # fmt: skip
     else:
         row = B - 1 - tl.program_id(0) // S
+        slot = tl.load(P.slots + row).to(tl.int64)
+        ids = bias_ids(P, slot, NB_P2)
+        dependent_start(PDL)
         if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_SELECT:
-            _select_row(P, W, row, tl.program_id(0) % S, S, NBLK, NB_P2, R, DB, NBINS, WCAP,
+            _select_row(P, W, row, slot, ids, tl.program_id(0) % S, S, NBLK, R, DB, NBINS, WCAP,
                         FL, False)  # fmt: skip

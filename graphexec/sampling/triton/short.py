@@ -21,7 +21,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
-from graphexec.sampling.triton.process import bias_ids, list_ids, list_tile, row_params
+from graphexec.sampling.triton.process import list_ids, list_tile, row_inputs
 from graphexec.sampling.triton.stats import plan_row
 
 
@@ -143,27 +143,22 @@ def _short_kernel(
     """Grid (B,): program b plans row b when the check pass left it R_REPLAN (`plan_row`);
     then draws it (and marks it R_DONE, so that the selection passes skip it) when its
     plan (R_SELECT or R_CUT) fits SB blocks and ST candidates (SB = 0: plans only)."""
-    dependent_start(PDL)
     row = tl.program_id(0)
+    # the row's inputs before the wait (`process.row_inputs`)
+    slot, greedy_unused, s_unused, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
+    dependent_start(PDL)
     ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
     if route == cf.R_REPLAN:
-        slot = tl.load(P.slots + row).to(tl.int64)
-        route = plan_row(W, row, tl.load(P.top_k + slot), tl.load(P.top_p + slot),
-                         tl.load(P.log_min_p + slot), NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
+        route = plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2, DB, NBINS)
         tl.debug_barrier()  # the plan's stores, read back below
     if (SB > 0) & ((route == cf.R_SELECT) | (route == cf.R_CUT)) & (
             tl.load(ri + cf.I_NLIST) <= SB):  # fmt: skip
-        slot, greedy_unused, s_unused, seed, pos = row_params(P, row)
-        ids = bias_ids(P, slot, NB_P2)
         m = tl.load(W.rowf + row * 8 + cf.F_M)
         s = tl.load(W.rowf + row * 8 + cf.F_S)
         b = tl.arange(0, NBLK_P2)
         xm = tl.load(W.xm + row * NBLK + b, mask=b < NBLK, other=float("-inf"))
         ym = block_y(xm, m, s, False)
-        top_k = tl.load(P.top_k + slot)
-        top_p = tl.load(P.top_p + slot)
-        lnmp = tl.load(P.log_min_p + slot)
         total = tl.load(W.total + row)
         tok = tl.full([], -1, tl.int32)
         tl.debug_barrier()  # the plan's stores, read back by every thread

@@ -20,7 +20,14 @@ from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
 from graphexec.sampling.triton.keys import _INTERP, block_mass, pack
-from graphexec.sampling.triton.process import bias_ids, list_blocks, process_raw, raw_load, widen
+from graphexec.sampling.triton.process import (
+    bias_ids,
+    list_blocks,
+    process_raw,
+    raw_load,
+    row_inputs,
+    widen,
+)
 
 
 @triton.jit
@@ -258,14 +265,15 @@ def _check_kernel(
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
-    (int64 atomics: exact in any order); the row's last program decides."""
-    dependent_start(PDL)
+    (int64 atomics: exact in any order); the row's last program decides. The row's
+    inputs are read before the wait (`process.row_inputs`)."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
+    (slot, greedy_unused, s_unused, seed_unused, pos_unused, ids, top_k, top_p,
+     lnmp_unused) = row_inputs(P, row, NB_P2)
+    dependent_start(PDL)
     ri = W.rowi + row * cf.NUM_I
     if tl.load(ri + cf.I_ROUTE) == cf.R_CHECK:
-        slot = tl.load(P.slots + row).to(tl.int64)
-        ids = bias_ids(P, slot, NB_P2)
         n_list = tl.load(ri + cf.I_NLIST).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n_list, R), S) * R
         e0 = sp * per
@@ -284,8 +292,6 @@ def _check_kernel(
             tl.atomic_add(ri + cf.I_CCNT, cnt, sem="relaxed")
             tl.atomic_add(ri + cf.I_CMASS, before, sem="relaxed")
         if arrive(W, row, 2, S):  # the row's last program decides
-            top_k = tl.load(P.top_k + slot)
-            top_p = tl.load(P.top_p + slot)
             yc = tl.load(W.rowf + row * 8 + cf.F_YC)
             cnt = tl.load(ri + cf.I_CCNT, cache_modifier=".cg")
             before = tl.load(ri + cf.I_CMASS, cache_modifier=".cg")

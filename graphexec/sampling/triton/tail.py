@@ -20,7 +20,7 @@ from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
 from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
-from graphexec.sampling.triton.process import bias_ids, row_params
+from graphexec.sampling.triton.process import row_inputs
 from graphexec.sampling.triton.stats import _plan
 from graphexec.sampling.triton.topk import topk_first
 
@@ -36,17 +36,9 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     its filters (no later pass runs: a row past the route is served by the exact search),
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
-    REFINE: program 0 empties round 2's row list, which the finish of round 1 fills.
-
-    The row's parameters are read before the wait for the stats pass (`dependent_start`):
-    no kernel of the call writes them, and this launch starts only once every stats
-    program has waited for the kernels before it, so their writes are visible here; the
-    chain slot -> parameters then overlaps the pass instead of following it."""
-    slot, greedy, s, seed, pos = row_params(P, row)
-    ids = bias_ids(P, slot, NB_P2)
-    top_k = tl.load(P.top_k + slot)
-    top_p = tl.load(P.top_p + slot)
-    lnmp = tl.load(P.log_min_p + slot)
+    REFINE: program 0 empties round 2's row list, which the finish of round 1 fills. The
+    row's inputs are read before the wait for the stats pass (`process.row_inputs`)."""
+    slot, greedy, s, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
     dependent_start(PDL)
     if REFINE:
         if row == 0:
