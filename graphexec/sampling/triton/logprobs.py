@@ -223,7 +223,7 @@ def _raw_logprobs_kernel(  # one program per row
 ):  # fmt: skip
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
-    # the row's parameters before the wait, as `tail.tail_row` reads them
+    # the row's parameters before the wait (`process.row_inputs` says why that is safe)
     slot, greedy, inv_t, seed_unused, pos_unused = row_params(P, row)
     served = tl.zeros([], dtype=tl.int32)
     # every raw-mode row, asked or not: the reference writes them all
