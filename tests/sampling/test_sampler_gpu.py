@@ -287,6 +287,39 @@ def test_config_changes_no_token(knobs):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_top_k_first_parts_leave_the_total_bits(shape):
+    """The top_k_top_p row launch serves a row alone by 16 programs (one draws the
+    candidate, the others gather) and a row of a batch of 128 by one: the same token, and
+    the same bits of the row's one float sum, the top-p total of rows with top-k off
+    (`tail.tail_row`: the parts' code must not change its reduction's layout)."""
+    from graphexec.sampling.triton import launch
+    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, topk_parts
+
+    V, B = 128256, 128
+    logits = shape_logits(shape, B, V, seed=29)
+    params = [P(seed=i, temperature=0.8, top_k=(0, 50, 0, 1000)[i % 4],
+                top_p=(0.9, 0.9, 0.5, 0.95)[i % 4]) for i in range(B)]  # fmt: skip
+    table = SamplingTensors.from_params(params, V, "cuda")
+    cfg = SamplerConfig.gpu()
+    assert topk_parts(cfg, 1) == 16 and topk_parts(cfg, B) == 1
+
+    def run(rows):
+        n = len(rows)
+        out, ws = SamplerOutput.allocate(n, "cuda", None), Workspace.allocate(n, V, "cuda", cfg)
+        launch.sample(logits[rows], torch.tensor(rows, device="cuda"),
+                      torch.tensor(rows, device="cuda"), table, out, None,
+                      SamplerVariant.TOP_K_TOP_P, config=cfg, workspace=ws)  # fmt: skip
+        return out.token_ids, ws.total[:n].clone()
+
+    tok_all, total_all = run(list(range(B)))
+    for r in range(0, B, 7):
+        tok, total = run([r])
+        assert tok.item() == tok_all[r].item(), r
+        if params[r].top_k == 0:
+            assert total.view(torch.int64).item() == total_all[r:r + 1].view(torch.int64).item()
+
+
 @pytest.mark.parametrize("shape", ["peaked", "randn3", "flat", "ties"])
 def test_top_k_first_gives_defaults_tokens_on_gpu(shape):
     """The top_k_top_p variant (stats, then `topk`'s row kernel) against default's kernels

@@ -96,6 +96,37 @@ def test_each_path_serves_its_rows() -> None:
     assert any(c > cfg.gather_cap for c in n)  # narrowed (and row 12)
 
 
+@pytest.mark.parametrize("parts", [2, 5])
+def test_several_programs_a_row_give_one_programs_tokens(parts: int) -> None:
+    """A row served by several programs (part 0 draws the candidate, the others gather
+    slices of the top-k candidates, the last to arrive cuts and draws) gets the tokens and
+    routes of one program a row on every path: short and long sort, narrowing past the
+    gather cap, the exact search; greedy, tied and unfiltered rows; and leaves the gather
+    count at zero for the next call."""
+    B, V = 17, 1024
+    cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=64)
+    ks = (1, 3, 8, 20, 40, 60)
+    params = [P(seed=i, temperature=0.7, top_k=ks[i % 6], top_p=(1.0, 0.9)[i // 6 % 2])
+              for i in range(12)]  # fmt: skip
+    params += [P(seed=12, top_k=30, top_p=0.8), P(seed=13, top_k=2),
+               P(seed=14, temperature=0.0, top_k=5), P(seed=15, temperature=0.9),
+               P(seed=16, top_k=50, top_p=0.9)]  # fmt: skip
+    logits = torch.cat([logits_of("flat", 6, V, seed=9), logits_of("peaked", 6, V, seed=9),
+                        logits_of("flat", 1, V, seed=3), torch.full((1, V), -5.0),
+                        logits_of("randn3", 3, V, seed=5)])  # fmt: skip
+    logits[12, 320:] = -torch.inf
+    logits[13, 0] = 1.0
+    logits[13, 200:300] = 0.0
+    logits[16, 20:] = -torch.inf  # fewer live tokens than k: every one is gathered
+    one = _run(params, logits, cfg.replace(topk_programs=1))
+    many = _run(params, logits, cfg.replace(topk_programs=parts * B))
+    assert_same(one[0], many[1])
+    assert torch.equal(one[1].token_ids, many[1].token_ids)
+    assert one[2].rowi[:, 0].tolist() == many[2].rowi[:, 0].tolist()
+    assert int(R_EXACT) in many[2].rowi[:, 0].tolist()
+    assert many[2].arrive.abs().sum().item() == 0
+
+
 def test_rows_it_does_not_serve_still_get_defaults_token() -> None:
     """The kernel never relies on `SamplerVariant.serves`: top-p alone, min-p, a top-k
     past the gather cap take the exact search and still give default's token."""

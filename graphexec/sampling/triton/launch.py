@@ -17,7 +17,13 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
-from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, split, stats_tile
+from graphexec.sampling.triton.sampler_config import (
+    SamplerConfig,
+    Workspace,
+    split,
+    stats_tile,
+    topk_parts,
+)
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
@@ -69,9 +75,11 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     # where the short route is off)
     tkst = min(cfg.short_tokens, cfg.gather_cap)
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
-        _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r, ST=tkst,
-                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
+        parts = topk_parts(cfg, B)
+        _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
+                                   ST=tkst, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                                   PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
+                                   **rows)  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,

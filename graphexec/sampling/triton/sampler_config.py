@@ -78,6 +78,9 @@ class SamplerConfig:
         as the top_k_top_p variant does every row (`topk`); 0: every top-k row takes the
         candidate's check and the cut's passes (for tests of them).
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
+    topk_programs: programs the top_k_top_p variant's row launch aims for over a small
+        batch: a row gets up to 16 (`topk_parts`), one drawing its candidate while the
+        others gather slices of its top-k candidates; 1 a row from this many rows on.
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
     tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
@@ -109,6 +112,7 @@ class SamplerConfig:
     check_blocks: int = 16
     top_k_first: int = TOP_K_FIRST_MAX
     logprobs_cap: int = 256
+    topk_programs: int = 128
     num_warps: int = 4
     tail_warps: int = 8
     pdl: bool = True
@@ -135,7 +139,8 @@ class SamplerConfig:
                              f"{self.stats_registers}")  # fmt: skip
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "stats_programs", "late_programs", "num_warps", "tail_warps"):
+        for name in ("programs", "stats_programs", "late_programs", "num_warps", "tail_warps",
+                     "topk_programs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -149,7 +154,7 @@ class SamplerConfig:
         per element, never per thread."""
         return cls(programs=16, stats_programs=1, late_programs=16, gather_cap=256, bins=128,
                    search_blocks=4, short_blocks=8, short_tokens=64, check_blocks=8,
-                   logprobs_cap=64, num_warps=4, tail_warps=4)  # fmt: skip
+                   logprobs_cap=64, num_warps=4, tail_warps=4, topk_programs=3)  # fmt: skip
 
     @classmethod
     def default(cls) -> SamplerConfig:
@@ -168,6 +173,12 @@ def stats_tile(config: SamplerConfig, B: int, nblk: int, logprobs: bool) -> int:
     while not logprobs and r > 2 and B * triton.cdiv(nblk, r) < config.stats_programs:
         r //= 2
     return r
+
+
+def topk_parts(config: SamplerConfig, B: int) -> int:
+    """Programs a row of the top_k_top_p row launch (`SamplerConfig.topk_programs`): 1 to
+    16; above 1, one draws the candidate and the others gather (`tail.tail_row`)."""
+    return max(1, min(16, config.topk_programs // max(B, 1)))
 
 
 def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
@@ -195,7 +206,8 @@ class Workspace(NamedTuple):
     rowf: torch.Tensor  # f32 [B, 8]: F_* columns
     rowi: torch.Tensor  # i64 [B, NUM_I]: I_* columns
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
-    arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass
+    arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass (column 0: the
+    # candidates top-k first's programs have gathered, when several serve a row)
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)

@@ -31,13 +31,18 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
              ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
              ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
-             PROF: tl.constexpr, PDL: tl.constexpr, REFINE: tl.constexpr = False):  # fmt: skip
+             PROF: tl.constexpr, PDL: tl.constexpr, REFINE: tl.constexpr = False, part=0,
+             parts=1, MULTI: tl.constexpr = False):  # fmt: skip
     """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
     its filters (no later pass runs: a row past the route is served by the exact search),
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
     REFINE: program 0 empties round 2's row list, which the finish of round 1 fills. The
-    row's inputs are read before the wait for the stats pass (`process.row_inputs`)."""
+    row's inputs are read before the wait for the stats pass (`process.row_inputs`).
+    MULTI (EVERY only): `parts` programs serve the row, this one `part`: the last part
+    draws what one program draws (the candidate, a greedy or tied row's token) and the
+    others gather top-k first's candidates meanwhile (`topk.topk_first`); whoever ends the
+    row stores it."""
     slot, greedy, s, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
     dependent_start(PDL)
     if REFINE:
@@ -51,9 +56,12 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     valid = mx > float("-inf")
     tok = tl.full([], -1, tl.int32)
     route = tl.zeros([], dtype=tl.int32)
+    lead = part == parts - 1
+    done = lead  # whether this program stores the row's outcome
     if valid:
         if greedy:
-            tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
+            if lead:
+                tok = greedy_token(P, row, slot, ids, xm, mx, NBLK_P2, DB, FL)
         else:
             filt = tl.zeros([], dtype=tl.int1)
             if FILTERS:
@@ -75,20 +83,26 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
                 stamp(W, row, 1, PROF)
                 if ties:
-                    tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos,
-                                     NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                    if lead:
+                        tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed,
+                                        pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
                 else:
-                    c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                           NBLK, NBLK_P2, DB, FL)  # fmt: skip
                     ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
-                    tl.store(fr + cf.F_YC, yc)
+                    c = tl.full([], -1, tl.int32)
+                    yc = tl.zeros([], dtype=tl.float32)
+                    if lead:
+                        c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
+                                               NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                        tl.store(fr + cf.F_YC, yc)
+                        if first:
+                            tl.store(ri + cf.I_CAND, c.to(tl.int64))
                     stamp(W, row, 2, PROF)
                     if first:
-                        tl.store(ri + cf.I_CAND, c.to(tl.int64))
-                        tok, exact = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p,
-                                                lnmp, total, seed, pos, NBLK, NBLK_P2, DB, R, ST,
-                                                WCAP, INTERP, ITA, ITB, SB, WAYS, FL,
-                                                PROF)  # fmt: skip
+                        tok, exact, done = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k,
+                                                      top_p, lnmp, total, seed, pos, NBLK,
+                                                      NBLK_P2, DB, R, ST, WCAP, INTERP, ITA,
+                                                      ITB, SB, WAYS, FL, PROF, part, parts,
+                                                      MULTI)  # fmt: skip
                         if EVERY:
                             route = tl.where(exact, cf.R_EXACT, route)
                     else:
@@ -106,10 +120,10 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                         else:
                             route = _plan(W, row, ym, xn, q, top_k, top_p, lnmp, m, s, total,
                                           NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
-            else:
+            elif lead:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
                                                pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
-    if (route == cf.R_DONE) | (route == cf.R_EXACT):
+    if done & ((route == cf.R_DONE) | (route == cf.R_EXACT)):
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, route.to(tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(valid_ptr + row, valid)
@@ -140,11 +154,14 @@ def _topk_kernel(
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
+    WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False, PARTS=1,
+    MULTI: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B,) (top_k_top_p: the last launch): the row tail with every filtered row top-k
-    first, so that row b is served whole."""
-    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, True, True, NB_P2, NBLK_P2, DB,
-             NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL)  # fmt: skip
+    """Grid (B * PARTS,) (top_k_top_p: the last launch): the row tail with every filtered
+    row top-k first, so that row b is served whole, by PARTS programs (MULTI: more than
+    one; `tail_row`)."""
+    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0) // PARTS, NBLK, True, True, NB_P2,
+             NBLK_P2, DB, NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
+             False, tl.program_id(0) % PARTS, PARTS, MULTI)  # fmt: skip
 
 

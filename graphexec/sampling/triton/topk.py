@@ -27,12 +27,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import FLT_MAX, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import okey, okey_to_float
+from graphexec.sampling.triton.keys import okey, okey_to_float, pack
 from graphexec.sampling.triton.process import list_blocks, list_tile
 from graphexec.sampling.triton.short import gather, lo_bin, resolve
+from graphexec.sampling.triton.stats import arrive
 
 
 @triton.jit
@@ -93,14 +95,9 @@ def prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, k, NBLK, R: tl.constexpr
 
 
 @triton.jit
-def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, seed, pos, NBLK,
-               NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, ST: tl.constexpr,
-               WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
-               ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
-               FL: tl.constexpr, PROF: tl.constexpr = False):  # fmt: skip
-    """(token, whether the exact search served it) of a filtered row whose live values
-    are not all tied, its candidate already stored (W.rowi's I_CAND, W.rowf's F_YC):
-    module docstring."""
+def topk_bound(W, row, ym, xn, m, s, top_k, lnmp, top_p, NBLK, NBLK_P2: tl.constexpr):
+    """(lo, ymin, n_list) of a filtered row: the lower bound of its candidates (module
+    docstring), its least live y, and its block list (the blocks that reach lo, stored)."""
     b = tl.arange(0, NBLK_P2)
     live = (b < NBLK) & (ym > float("-inf"))
     yn = tl.where(xn < float("inf"), (xn - m) * s, float("-inf"))
@@ -111,18 +108,106 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         if top_p >= 1.0:  # top-p's total is the top-k mass: every top-k token is needed
             lo = tl.maximum(lo, lnmp)
     lo = tl.maximum(lo, ymin)
-    stamp(W, row, 3, PROF)
     n_list = list_blocks(W, row, live & (ym >= lo), NBLK, NBLK_P2)
     tl.debug_barrier()  # the list, read back by every thread
+    return lo, ymin, n_list
+
+
+@triton.jit
+def gather_part(P, W, row, slot, ids, e0, e1, lo, m, s, CAP, NBLK, R: tl.constexpr,
+                DB: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """`short.gather` of list entries e0 .. e1 - 1 by one of several programs of a row:
+    each tile's candidates take their slots from the row's count (W.arrive column 0) by
+    one atomic add, so the buffer holds the same candidates in some order (the cut sorts
+    them); a program stops once the count passes CAP. Zeroes its blocks' K_b."""
+    e = e0
+    full = tl.zeros([], dtype=tl.int1)
+    while (e < e1) & (full == 0):
+        x, offs, bid = list_tile(P, W, row, slot, ids, e, e1, NBLK, R, DB, FL, True)
+        y = (x - m) * s
+        c = ((y > float("-inf")) & (y >= lo)).to(tl.int32)
+        cnt = tl.sum(c, axis=1)
+        base = tl.atomic_add(W.arrive + row * 4, tl.sum(cnt, axis=0), sem="relaxed")
+        at = base + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
+        put = (c != 0) & (at < CAP)
+        tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
+        tl.store(W.gath_x + row * WCAP + at, x, mask=put)
+        tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+        full = base + tl.sum(cnt, axis=0) > CAP
+        e += R
+
+
+@triton.jit
+def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, seed, pos, NBLK,
+               NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, ST: tl.constexpr,
+               WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
+               ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
+               FL: tl.constexpr, PROF: tl.constexpr = False, part=0, parts=1,
+               MULTI: tl.constexpr = False):  # fmt: skip
+    """(token, whether the exact search served it, whether this program has the token) of
+    a filtered row whose live values are not all tied, its candidate already stored
+    (W.rowi's I_CAND, W.rowf's F_YC) by the last part: module docstring. MULTI: the row's
+    `parts` programs (this one `part`) share the work: the last part drew the candidate,
+    the others find lo and the list and gather its slices (part 0 stores lo for the last
+    part), and the last to arrive cuts and draws. (The interpreter runs programs in
+    order: the candidate's part arrives last there.)"""
+    stamp(W, row, 3, PROF)
+    ri = W.rowi + row * cf.NUM_I
+    lo = tl.zeros([], dtype=tl.float32)
+    lomin = tl.zeros([], dtype=tl.int1)
+    n_list = tl.zeros([], dtype=tl.int32)
+    if (MULTI == 0) | (part < parts - 1):
+        lo, ymin, n_list = topk_bound(W, row, ym, xn, m, s, top_k, lnmp, top_p, NBLK, NBLK_P2)
+        lomin = lo <= ymin
     stamp(W, row, 4, PROF)
-    # a row without a logit bias gathers without looking its entries up per tile (which
-    # costs each tile several cross-warp reductions)
-    if tl.max(ids, axis=0) >= 0:
-        n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+    last = tl.full([], 1, tl.int1)
+    if MULTI:
+        if part < parts - 1:
+            if part == 0:
+                tl.store(W.rowf + row * 8 + cf.F_LO, lo)
+                tl.store(ri + cf.I_LOMIN, lomin.to(tl.int64))
+                tl.store(ri + cf.I_NLIST, n_list.to(tl.int64))
+            per = tl.cdiv(tl.cdiv(n_list, R), parts - 1) * R
+            e0 = part * per
+            gather_part(P, W, row, slot, ids, e0, tl.minimum(e0 + per, n_list), lo, m, s, WCAP,
+                        NBLK, R, DB, WCAP, FL)  # fmt: skip
+        last = arrive(W, row, 3, parts)
+        n = tl.zeros([], dtype=tl.int32)
+        if last:
+            n = tl.atomic_add(W.arrive + row * 4, 0, sem="acq_rel")
+            tl.store(W.arrive + row * 4, 0)
+            if part == parts - 1:
+                lo = tl.load(W.rowf + row * 8 + cf.F_LO, cache_modifier=".cg")
+                lomin = tl.load(ri + cf.I_LOMIN, cache_modifier=".cg") != 0
+                n_list = tl.load(ri + cf.I_NLIST, cache_modifier=".cg").to(tl.int32)
     else:
-        n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL, BIAS=False)
+        # a row without a logit bias gathers without looking its entries up per tile (which
+        # costs each tile several cross-warp reductions)
+        if tl.max(ids, axis=0) >= 0:
+            n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL)
+        else:
+            n = gather(P, W, row, slot, ids, n_list, lo, m, s, WCAP, NBLK, R, DB, WCAP, FL,
+                       BIAS=False)  # fmt: skip
     stamp(W, row, 5, PROF)
-    lomin = lo <= ymin
+    tok = tl.full([], -1, tl.int32)
+    resolved = tl.zeros([], dtype=tl.int1)
+    if last:
+        tok, resolved = _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total,
+                                      seed, pos, lo, lomin, n_list, n, NBLK, NBLK_P2, DB, R, ST,
+                                      WCAP, INTERP, ITA, ITB, SB, WAYS, FL, PROF)  # fmt: skip
+    return tok, resolved == 0, last
+
+
+@triton.jit
+def _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, seed, pos, lo,
+                  lomin, n_list, n, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
+                  ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr,
+                  ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
+                  FL: tl.constexpr, PROF: tl.constexpr):  # fmt: skip
+    """(token, resolved) of a top-k-first row from its n gathered candidates (lomin: no
+    live token lies below lo): narrowed past the gather cap, cut (`short.resolve`) or found
+    by the exact search, then drawn."""
+    b = tl.arange(0, NBLK_P2)
     if (n > WCAP) & (top_k > 0) & (lo < 0.0):
         # too many: narrow them to the prefix of bins that holds the k-th (one more read)
         inv_w, j = prefix_bins(P, W, row, slot, ids, n_list, lo, m, s, top_k, NBLK, R, DB,
@@ -152,4 +237,4 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
                         FL)  # fmt: skip
     stamp(W, row, 8, PROF)
-    return tok, resolved == 0
+    return tok, resolved
