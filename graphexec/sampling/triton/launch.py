@@ -64,8 +64,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
-    regs = {} if interpreter_enabled() or not cfg.stats_registers else {
-        "maxnreg": cfg.stats_registers}
+    # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
+    capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
+    regs = {"maxnreg": cfg.stats_registers} if capped else {}
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
                             num_warps=cfg.num_warps, **regs, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
