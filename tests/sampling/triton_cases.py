@@ -21,8 +21,8 @@ P = gx.SamplingParams
 # filtered rows reach the selection passes the tests of those passes look at
 # Round 2 launches late_programs programs (2,048 on the GPU preset) unless round 1's grid is
 # smaller: the interpreter pays about 2 ms for each, even one that leaves at once.
-# 128 still splits each of round 2's few rows over many programs (the same code path; the
-# rows' round-1 split, min(tiles, late_programs / B), is unchanged for these tests' shapes).
+# 128 still splits each of round 2's few rows over many programs (round 1's rows share B x
+# min(tiles, late_programs / B) programs the same way).
 GPU_LATE = 128
 CONFIGS = {
     "interp16": SamplerConfig.interpreter().replace(

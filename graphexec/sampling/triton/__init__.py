@@ -24,7 +24,9 @@ row):
                           streaming loop); with logprobs, stats then tail
     top_k_top_p           stats, topk (one program a row serves it whole: top-k first)
     default               stats, tail, check, short, select, kept, finish, then round 2's
-                          select, kept, finish (rows not in a launch's route leave at once)
+                          select, kept, finish (rows not in a launch's route leave at once;
+                          select and kept serve a row list, the short kernel's, then round
+                          2's, whose rows share all of the launch's programs)
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate

@@ -33,7 +33,7 @@ from graphexec.sampling.triton.keys import (
     unpack,
 )
 from graphexec.sampling.triton.process import list_tile, row_inputs
-from graphexec.sampling.triton.select import load_plan, plan_round2, refine_share
+from graphexec.sampling.triton.select import list_entry, list_share, load_plan, plan_round2
 from graphexec.sampling.triton.short import cut_tiles
 
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
@@ -314,30 +314,37 @@ def _kept_row(P, W, row, inputs, route, sp, S, NBLK, R: tl.constexpr, DB: tl.con
 @triton.jit(do_not_specialize=["S", "NBLK"])
 def _kept_kernel(
     P, W,
-    S,  # programs per row (round 2: programs in all)
+    S,  # programs in all, shared by the list's rows
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Round 1: grid (B * S,), rows in order. Round 2: grid (S,) over the refine list
-    (`select.refine_share`). Round 1 reads its row's inputs before the wait
-    (`process.row_inputs`)."""
+    """Grid (S,) over a row list (`select.list_share`): round 1's (`W.listed`) or round
+    2's (`W.refine`)."""
+    dependent_start(PDL)
     if ROUND2:
-        dependent_start(PDL)
-        e0, e1, step, sp, n_sp = refine_share(W, S)
+        e0, e1, step, sp, n_sp = list_share(W.refine, S)
         for e in range(e0, e1, step):
-            row = tl.load(W.refine + 1 + e).to(tl.int64)
-            route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            if route == cf.R_ROUND2:
-                _kept_row(P, W, row, row_inputs(P, row, NB_P2), route, sp, n_sp, NBLK, R, DB,
-                          NBINS, WCAP, FL)  # fmt: skip
+            _kept_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
     else:
-        row = tl.program_id(0) // S
-        inputs = row_inputs(P, row, NB_P2)
-        dependent_start(PDL)
-        route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-        if (route == cf.R_SELECT) | (route == cf.R_CUT):
-            _kept_row(P, W, row, inputs, route, tl.program_id(0) % S, S, NBLK, R, DB, NBINS,
-                      WCAP, FL)  # fmt: skip
+        e, sp, n_sp = list_entry(W.listed, S)
+        if e >= 0:
+            _kept_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
+
+
+@triton.jit
+def _kept_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+                ROUND2: tl.constexpr):  # fmt: skip
+    """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
+    row = tl.load(lst + 1 + e).to(tl.int64)
+    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
+    if ROUND2:
+        ok = route == cf.R_ROUND2
+    else:
+        ok = (route == cf.R_SELECT) | (route == cf.R_CUT)
+    if ok:
+        _kept_row(P, W, row, row_inputs(P, row, NB_P2), route, sp, n_sp, NBLK, R, DB, NBINS,
+                  WCAP, FL)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NBLK"])

@@ -98,18 +98,18 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
                                      **common)  # fmt: skip
-        if cfg.short_blocks or cfg.check_blocks:  # the short route; the check's plans
-            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
-                                R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
-                                ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                                INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
+        # the short route, the check's plans, and round 1's row list
+        _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
+                            R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
+                            ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                            INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
         finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps)
         G = min(cfg.late_programs, B * S2)  # round 2's programs, shared by its rows
-        for round2, grid, spr in ((False, B * S2, S2), (True, G, G)):
-            _select_kernel[(grid,)](P, W, B, spr, nblk, ROUND2=round2, **late)
-            _kept_kernel[(grid,)](P, W, spr, nblk, ROUND2=round2, **kept)
+        for round2, grid in ((False, B * S2), (True, G)):
+            _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
+            _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **kept)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
         # the raw-mode writer, then the general one for the rows it leaves (`logprobs`)

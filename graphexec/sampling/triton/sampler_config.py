@@ -213,6 +213,7 @@ class Workspace(NamedTuple):
     total: torch.Tensor  # f64 [B]: top-p total of rows with top-k off
     arrive: torch.Tensor  # i32 [B, 4]: programs of the row done, per pass (column 0: the
     # candidates top-k first's programs have gathered, when several serve a row)
+    listed: torch.Tensor  # i32 [B + 1]: how many rows round 1's passes serve, then those rows
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
@@ -235,7 +236,8 @@ class Workspace(NamedTuple):
             gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
-            refine=e(B + 1, dtype=torch.int32), raw_max=e(*raw), raw_sum=e(*raw),
+            listed=e(B + 1, dtype=torch.int32), refine=e(B + 1, dtype=torch.int32),
+            raw_max=e(*raw), raw_sum=e(*raw),
             clock=torch.zeros((B, 16), dtype=i64, device=d),
         )  # fmt: skip
 
@@ -250,4 +252,4 @@ class Workspace(NamedTuple):
     def rows(self, B: int) -> Workspace:
         """The first B rows (views: a persistent workspace serves every bucket)."""
         cut = {name: t[:B] for name, t in self._asdict().items()}
-        return Workspace(**{**cut, "refine": self.refine[: B + 1]})
+        return Workspace(**{**cut, "listed": self.listed[: B + 1], "refine": self.refine[: B + 1]})

@@ -187,11 +187,24 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
 
 
 @triton.jit
-def refine_share(W, G):
-    """How round 2's rows share its G programs: (first entry of the refine list, end, step,
-    slice, slices). n <= G rows: program p serves entry p % n as slice p // n of
-    cdiv(G - entry, n); more rows: entries p, p + G, ..., each whole."""
-    n = tl.load(W.refine)
+def list_entry(lst, G):
+    """`list_share` where the rows never outnumber the G programs (round 1's: B x S >= B):
+    (entry, slice, slices) of this program, entry -1 when the list is empty."""
+    n = tl.load(lst)
+    p = tl.program_id(0)
+    nn = tl.maximum(n, 1)
+    e = p % nn
+    return tl.where(n > 0, e, -1), p // nn, tl.cdiv(G - e, nn)
+
+
+@triton.jit
+def list_share(lst, G):
+    """How the rows of a row list (lst: i32 [B + 1], their number, then the rows) share G
+    programs: (first entry, end, step, slice, slices). n <= G rows: program p serves entry
+    p % n as slice p // n of cdiv(G - entry, n); more rows: entries p, p + G, ..., each
+    whole. A block never straddles two slices and the passes' sums are integers, so no
+    sharing changes a result."""
+    n = tl.load(lst)
     p = tl.program_id(0)
     few = n <= G
     nn = tl.maximum(n, 1)
@@ -255,31 +268,35 @@ def _select_row(P, W, row, slot, ids, sp, S, NBLK, R: tl.constexpr, DB: tl.const
             _bracket(P, W, row, slot, WCAP, NBINS, ROUND2)
 
 
-@triton.jit(do_not_specialize=["B", "S", "NBLK"])
+@triton.jit(do_not_specialize=["S", "NBLK"])
 def _select_kernel(
     P, W,
-    B, S,  # rows, programs per row (round 2: programs in all)
+    S,  # programs in all, shared by the list's rows
     NBLK, NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
     WCAP: tl.constexpr, FL: tl.constexpr, ROUND2: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Round 1: grid (B * S,), rows in reverse order (the first rows' logits, read last by
-    the stats pass, are still in L2 when this pass starts). Round 2: grid (S,) over the
-    refine list (`refine_share`). Round 1 reads its row's slot and bias ids before the wait
-    (`process.row_inputs`)."""
+    """Grid (S,) over a row list (`list_share`): round 1's (`W.listed`: the rows the short
+    kernel left on the select or cut route) or round 2's (`W.refine`). A batch's few rows
+    that need the pass then get all of its programs, not S / B each."""
+    dependent_start(PDL)
     if ROUND2:
-        dependent_start(PDL)
-        e0, e1, step, sp, n_sp = refine_share(W, S)
+        e0, e1, step, sp, n_sp = list_share(W.refine, S)
         for e in range(e0, e1, step):
-            row = tl.load(W.refine + 1 + e).to(tl.int64)
-            if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_ROUND2:
-                slot = tl.load(P.slots + row).to(tl.int64)
-                _select_row(P, W, row, slot, bias_ids(P, slot, NB_P2), sp, n_sp, NBLK, R, DB,
-                            NBINS, WCAP, FL, True)  # fmt: skip
+            _select_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
     else:
-        row = B - 1 - tl.program_id(0) // S
+        e, sp, n_sp = list_entry(W.listed, S)
+        if e >= 0:
+            _select_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
+
+
+@triton.jit
+def _select_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+                  DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+                  ROUND2: tl.constexpr):  # fmt: skip
+    """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
+    row = tl.load(lst + 1 + e).to(tl.int64)
+    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
+    if route == (cf.R_ROUND2 if ROUND2 else cf.R_SELECT):
         slot = tl.load(P.slots + row).to(tl.int64)
-        ids = bias_ids(P, slot, NB_P2)
-        dependent_start(PDL)
-        if tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE) == cf.R_SELECT:
-            _select_row(P, W, row, slot, ids, tl.program_id(0) % S, S, NBLK, R, DB, NBINS, WCAP,
-                        FL, False)  # fmt: skip
+        _select_row(P, W, row, slot, bias_ids(P, slot, NB_P2), sp, n_sp, NBLK, R, DB, NBINS,
+                    WCAP, FL, ROUND2)  # fmt: skip

@@ -141,8 +141,9 @@ def _short_kernel(
     INTERP: tl.constexpr, NBINS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,): program b plans row b when the check pass left it R_REPLAN (`plan_row`);
-    then draws it (and marks it R_DONE, so that the selection passes skip it) when its
-    plan (R_SELECT or R_CUT) fits SB blocks and ST candidates (SB = 0: plans only)."""
+    then draws it (and marks it R_DONE) when its plan (R_SELECT or R_CUT) fits SB blocks
+    and ST candidates (SB = 0: plans only); else puts it on round 1's row list
+    (`W.listed`), which the selection and kept passes share out."""
     row = tl.program_id(0)
     # the row's inputs before the wait (`process.row_inputs`)
     slot, greedy_unused, s_unused, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
@@ -190,3 +191,6 @@ def _short_kernel(
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
             tl.store(tok_ptr + row, tok.to(tl.int64))
             tl.store(valid_ptr + row, tok >= 0)
+    if (route == cf.R_SELECT) | (route == cf.R_CUT):  # round 1's rows (`W.listed`)
+        e = tl.atomic_add(W.listed, 1, sem="relaxed")
+        tl.store(W.listed + 1 + e, row.to(tl.int32))

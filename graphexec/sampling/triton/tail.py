@@ -37,7 +37,8 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     its filters (no later pass runs: a row past the route is served by the exact search),
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
-    REFINE: program 0 empties round 2's row list, which the finish of round 1 fills. The
+    REFINE: program 0 empties the row lists of round 1 and round 2, which the short kernel
+    and round 1's finish fill. The
     row's inputs are read before the wait for the stats pass (`process.row_inputs`).
     MULTI (EVERY only): `parts` programs serve the row, this one `part`: the last part
     draws what one program draws (the candidate, a greedy or tied row's token) and the
@@ -47,6 +48,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     dependent_start(PDL)
     if REFINE:
         if row == 0:
+            tl.store(W.listed, 0)
             tl.store(W.refine, 0)
     stamp(W, row, 0, PROF, 0)
     b = tl.arange(0, NBLK_P2)
