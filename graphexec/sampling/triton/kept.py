@@ -33,7 +33,13 @@ from graphexec.sampling.triton.keys import (
     unpack,
 )
 from graphexec.sampling.triton.process import list_tile, row_inputs
-from graphexec.sampling.triton.select import list_entry, list_share, load_plan, plan_round2
+from graphexec.sampling.triton.select import (
+    list_entry,
+    list_share,
+    listed_row,
+    load_plan,
+    plan_round2,
+)
 from graphexec.sampling.triton.short import cut_tiles
 
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
@@ -336,12 +342,7 @@ def _kept_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constex
                 DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
-    row = tl.load(lst + 1 + e).to(tl.int64)
-    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-    if ROUND2:
-        ok = route == cf.R_ROUND2
-    else:
-        ok = (route == cf.R_SELECT) | (route == cf.R_CUT)
+    row, route, ok = listed_row(W, lst, e, ROUND2, True)
     if ok:
         _kept_row(P, W, row, row_inputs(P, row, NB_P2), route, sp, n_sp, NBLK, R, DB, NBINS,
                   WCAP, FL)  # fmt: skip

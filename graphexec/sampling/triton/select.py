@@ -187,6 +187,21 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
 
 
 @triton.jit
+def listed_row(W, lst, e, ROUND2: tl.constexpr, CUT: tl.constexpr):
+    """(row, route, whether the route still asks for the pass) of entry e of a row list:
+    round 2's rows on R_ROUND2; round 1's on R_SELECT, or R_CUT too (CUT: the kept pass)."""
+    row = tl.load(lst + 1 + e).to(tl.int64)
+    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
+    if ROUND2:
+        ok = route == cf.R_ROUND2
+    elif CUT:
+        ok = (route == cf.R_SELECT) | (route == cf.R_CUT)
+    else:
+        ok = route == cf.R_SELECT
+    return row, route, ok
+
+
+@triton.jit
 def list_entry(lst, G):
     """`list_share` where the rows never outnumber the G programs (round 1's: B x S >= B):
     (entry, slice, slices) of this program, entry -1 when the list is empty."""
@@ -294,9 +309,8 @@ def _select_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.const
                   DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                   ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
-    row = tl.load(lst + 1 + e).to(tl.int64)
-    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-    if route == (cf.R_ROUND2 if ROUND2 else cf.R_SELECT):
+    row, route_unused, ok = listed_row(W, lst, e, ROUND2, False)
+    if ok:
         slot = tl.load(P.slots + row).to(tl.int64)
         _select_row(P, W, row, slot, bias_ids(P, slot, NB_P2), sp, n_sp, NBLK, R, DB, NBINS,
                     WCAP, FL, ROUND2)  # fmt: skip
