@@ -63,7 +63,9 @@ class SamplerConfig:
         per 8-block tile of a single row leaves part of the device idle and each program's
         chain long.
     late_programs: the same for the passes that walk a row's block list (check, select, kept:
-        dependent loads, so a flat row needs many); round 2's in all (at most round 1's B x S).
+        dependent loads, so a flat row needs many); select and kept share their B x S
+        among the rows that need them (a row list), round 2's late_programs in all (at
+        most round 1's B x S).
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
