@@ -264,10 +264,10 @@ def test_bench_shapes_take_the_fast_routes(shape):
                                    dict(stats_registers=0), dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps,
-    the short route off, every candidate decided by the cut or by the check pass, a stats
-    pass held to 32 registers (spilling), plain launches (no kernel reading its row's
-    parameters before the wait for the one before it): the same tokens as the GPU preset,
-    on every shape and filter."""
+    the short route off, every candidate decided by the cut or by the check pass, the
+    unfiltered stats pass without its register cap, plain launches (no kernel reading its
+    row's parameters before the wait for the one before it): the same tokens as the GPU
+    preset, on every shape and filter."""
     from graphexec.sampling.triton.sampler_config import SamplerConfig
 
     V, B = 128256, 48

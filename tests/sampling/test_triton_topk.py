@@ -98,11 +98,11 @@ def test_each_path_serves_its_rows() -> None:
 
 @pytest.mark.parametrize("parts", [2, 5])
 def test_several_programs_a_row_give_one_programs_tokens(parts: int) -> None:
-    """A row served by several programs (part 0 draws the candidate, the others gather
-    slices of the top-k candidates, the last to arrive cuts and draws) gets the tokens and
-    routes of one program a row on every path: short and long sort, narrowing past the
-    gather cap, the exact search; greedy, tied and unfiltered rows; and leaves the gather
-    count at zero for the next call."""
+    """A row served by several programs (the last part draws the candidate, the others
+    gather slices of the top-k candidates, the last to arrive cuts and draws) gets the
+    tokens and routes of one program a row on every path: short and long sort, narrowing
+    past the gather cap, the exact search; greedy, tied and unfiltered rows; and leaves the
+    gather count at zero for the next call."""
     B, V = 17, 1024
     cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=64)
     ks = (1, 3, 8, 20, 40, 60)

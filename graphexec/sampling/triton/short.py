@@ -74,6 +74,22 @@ def lo_bin(y, lo, inv_w, NH: tl.constexpr):
 
 
 @triton.jit
+def put_candidates(W, row, x, y, offs, bid, c, cnt, first, CAP, NBLK, R: tl.constexpr,
+                   WCAP: tl.constexpr):  # fmt: skip
+    """A tile's candidates (c [R, DB]: 1 where one; cnt [R]: their number a block) into
+    the row's gather buffers (packs and x) at slots first, first + 1, ... in list order,
+    the slots below CAP only; the tile's blocks' K_b zeroed, for the kept candidates to add
+    to. The slots come from a scan along each block, then over the blocks' counts, in the
+    tile's [R, DB] layout: a scan of the tile as one vector would move its values, masks
+    and pointers between layouts through shared memory, a barrier each."""
+    at = first + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
+    put = (c != 0) & (at < CAP)
+    tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
+    tl.store(W.gath_x + row * WCAP + at, x, mask=put)
+    tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+
+
+@triton.jit
 def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, DB: tl.constexpr,
            WCAP: tl.constexpr, FL: tl.constexpr, inv_w=0.0, J=0, NH: tl.constexpr = 0,
            BIAS: tl.constexpr = True):  # fmt: skip
@@ -97,16 +113,9 @@ def gather(P, W, row, slot, ids, n_list, lo, m, s, CAP, NBLK, R: tl.constexpr, D
         inr = (y > float("-inf")) & (y >= lo)
         if NH > 0:
             inr = inr & (lo_bin(y, lo, inv_w, NH) <= J)
-        # slots in list order, in the tile's [R, DB] layout (a scan along each block, then
-        # over the blocks' counts): a scan of the tile as one vector would move its values,
-        # masks and pointers between layouts through shared memory, a barrier each
         c = inr.to(tl.int32)
         cnt = tl.sum(c, axis=1)
-        at = n + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
-        put = inr & (at < CAP)
-        tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
-        tl.store(W.gath_x + row * WCAP + at, x, mask=put)
-        tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+        put_candidates(W, row, x, y, offs, bid, c, cnt, n, CAP, NBLK, R, WCAP)
         n += tl.sum(cnt, axis=0)
         e0 += R
     tl.debug_barrier()  # the gather, read back by every thread

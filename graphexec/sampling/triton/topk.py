@@ -31,9 +31,9 @@ from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import FLT_MAX, fallback_draw
 from graphexec.sampling.triton.exact import exact_cut
-from graphexec.sampling.triton.keys import okey, okey_to_float, pack
+from graphexec.sampling.triton.keys import okey, okey_to_float
 from graphexec.sampling.triton.process import list_blocks, list_tile
-from graphexec.sampling.triton.short import gather, lo_bin, resolve
+from graphexec.sampling.triton.short import gather, lo_bin, put_candidates, resolve
 from graphexec.sampling.triton.stats import arrive
 
 
@@ -128,11 +128,7 @@ def gather_part(P, W, row, slot, ids, e0, e1, lo, m, s, CAP, NBLK, R: tl.constex
         c = ((y > float("-inf")) & (y >= lo)).to(tl.int32)
         cnt = tl.sum(c, axis=1)
         base = tl.atomic_add(W.arrive + row * 4, tl.sum(cnt, axis=0), sem="relaxed")
-        at = base + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
-        put = (c != 0) & (at < CAP)
-        tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
-        tl.store(W.gath_x + row * WCAP + at, x, mask=put)
-        tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
+        put_candidates(W, row, x, y, offs, bid, c, cnt, base, CAP, NBLK, R, WCAP)
         full = base + tl.sum(cnt, axis=0) > CAP
         e += R
 
