@@ -170,8 +170,7 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
         last = arrive(W, row, 3, parts)
         n = tl.zeros([], dtype=tl.int32)
         if last:
-            n = tl.atomic_add(W.arrive + row * 4, 0, sem="acq_rel")
-            tl.store(W.arrive + row * 4, 0)
+            n = tl.atomic_xchg(W.arrive + row * 4, 0, sem="acq_rel")  # read and reset
             if part == parts - 1:
                 lo = tl.load(W.rowf + row * 8 + cf.F_LO, cache_modifier=".cg")
                 lomin = tl.load(ri + cf.I_LOMIN, cache_modifier=".cg") != 0
