@@ -34,21 +34,16 @@ _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
 _FILTERED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_short_kernel",
              *_SELECT_ROUND, *_SELECT_ROUND)  # fmt: skip
 TRITON_KERNELS: dict[SamplerVariant, tuple[str, ...]] = {
-    NO_FILTER: ("_stats_tail_kernel",),  # the row tail fused into the stats pass
+    NO_FILTER: ("_stats_kernel", "_tail_kernel"),
     TOP_K_TOP_P: ("_stats_kernel", "_topk_kernel"),
     DEFAULT: _FILTERED,
 }
 TRITON_LOGPROBS_KERNELS = ("_raw_logprobs_kernel", "_logprobs_kernel")  # keys with logprobs
-# no_filter with logprobs: the pass that also sums the raw logits, then the tail on its own
-TRITON_NO_FILTER_LOGPROBS = ("_stats_kernel", "_tail_kernel")
 TRITON_VERIFY_KERNELS = ("_flatten_kernel", "_emit_kernel")  # spec_k > 0, strict verify
 
 
 def triton_kernels(variant: SamplerVariant, logprobs: bool, spec_k: int = 0) -> tuple[str, ...]:
     """The Triton kernels a key's sampler launches per `sample_step` call on CUDA (with
     spec_k, `verify_step`'s own too), in order; a name may repeat (round 2)."""
-    if variant is NO_FILTER and logprobs:
-        out = TRITON_NO_FILTER_LOGPROBS + TRITON_LOGPROBS_KERNELS
-    else:
-        out = TRITON_KERNELS[variant] + (TRITON_LOGPROBS_KERNELS if logprobs else ())
+    out = TRITON_KERNELS[variant] + (TRITON_LOGPROBS_KERNELS if logprobs else ())
     return TRITON_VERIFY_KERNELS[:1] + out + TRITON_VERIFY_KERNELS[1:] if spec_k else out

@@ -287,34 +287,6 @@ def test_config_changes_no_token(knobs):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("B", [1, 48])
-def test_no_filter_with_the_tail_fused_gives_the_two_launches_tokens(B):
-    """no_filter without logprobs is one launch (the row tail in each row's last program of
-    the stats pass): the tokens of the stats pass then the tail kernel, and of the fused
-    kernel without the register cap, on every shape, greedy rows too; the rows' arrival
-    counters end at zero after each call (a persistent workspace serves them all)."""
-    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
-
-    V = 128256
-    logits = torch.cat([shape_logits(s, max(1, B // 4), V, seed=31) for s in
-                        ("flat", "peaked", "randn3", "ties")])[:B]  # fmt: skip
-    params = [P(seed=i, temperature=0.0 if i % 5 == 3 else 0.8) for i in range(B)]
-    table = SamplingTensors.from_params(params, V, "cuda")
-    slots, pos = torch.arange(B, device="cuda"), torch.arange(B, device="cuda") * 3
-    ws = Workspace.allocate(B, V, "cuda", SamplerConfig.gpu())
-    outs = []
-    for knobs in (dict(), dict(fused_tail=False), dict(stats_registers=0)):
-        out = SamplerOutput.allocate(B, "cuda", None)
-        gx.sample_step(logits, slots, pos, table, out, variant=SamplerVariant.NO_FILTER,
-                       backend="triton", config=SamplerConfig.gpu().replace(**knobs),
-                       workspace=ws)  # fmt: skip
-        assert not ws.arrive.any()
-        outs.append(out.token_ids)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    ref = gx.sample_logits(logits, params, pos.tolist(), backend="torch").token_ids
-    assert_equal_up_to_near_ties(logits, params, pos.tolist(), ref, outs[0])
-
-
 @pytest.mark.parametrize("shape", ["peaked", "flat"])
 def test_top_k_first_parts_leave_the_total_bits(shape):
     """The top_k_top_p row launch serves a row alone by 16 programs (one draws the

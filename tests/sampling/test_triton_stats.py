@@ -15,14 +15,11 @@ import triton.language as tl  # noqa: E402
 
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import processing, reference  # noqa: E402
-from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
-from graphexec.sampling.triton import launch  # noqa: E402
 from graphexec.sampling.triton.keys import exp_ftz, mass_hi_lo  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_CUT,
     R_DONE,
     R_SELECT,
-    Workspace,
     stats_tile,
 )
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
@@ -95,33 +92,6 @@ def test_row_tail_routes() -> None:
     done, cut, sel = int(R_DONE), int(R_CUT), int(R_SELECT)
     assert both.routes == [done] * 7 + [cut, sel, sel, sel, done]
     assert both.ref.token_ids[5].item() in (7, 300) and both.ref.token_ids[3] < 4
-
-
-@pytest.mark.parametrize("programs", [1, 24, 64])
-def test_no_filter_with_the_tail_fused_equals_two_launches(programs: int) -> None:
-    """no_filter without logprobs is one launch (`tail._stats_tail_kernel`: the row tail
-    in the row's last program): the tokens of the stats pass then `_tail_kernel`, and the
-    reference's, on invalid, greedy, tied, +inf, NaN and plain rows, each row split over 1,
-    2 or 6 programs (24 and 64 over the batch); the arrival counters are back at zero, so
-    a persistent workspace's next call counts from zero (the later calls here reuse it)."""
-    B, V = 12, 700
-    cfg = CONFIGS["interp16"].replace(programs=programs)
-    logits = logits_of("mixed", B, V, seed=4)
-    logits[9] = 0.75  # every token tied (a greedy row: the first id)
-    params = [P(seed=30 + i, temperature=(0.0 if i % 4 == 1 else 0.3 + 0.2 * i)) for i in range(B)]
-    table = SamplingTensors.from_params(params, V, "cpu")
-    slots, pos = torch.arange(B), torch.arange(B) * 3
-    ref = SamplerOutput.allocate(B, "cpu", None)
-    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.NO_FILTER,
-                     draw_block=cfg.draw_block)  # fmt: skip
-    ws = Workspace.allocate(B, V, "cpu", cfg)
-    for fused in (True, False, True):
-        out = SamplerOutput.allocate(B, "cpu", None)
-        launch.sample(logits, slots, pos, table, out, None, SamplerVariant.NO_FILTER,
-                      config=cfg.replace(fused_tail=fused), workspace=ws)  # fmt: skip
-        assert_same(ref, out)
-        assert not ws.arrive.any()
-    assert not bool(out.valid[6]) and int(out.token_ids[9]) == 0
 
 
 @pytest.mark.parametrize("params", [

@@ -19,9 +19,8 @@ Launches per variant (grids of B x S programs, S programs per row, or B row prog
 row's last program of a later pass serves what follows it, through an acq_rel counter per
 row):
 
-    no_filter             stats_tail: the stats pass with the row tail in each row's last
-                          program (fused_tail; its tail's registers sit outside the
-                          streaming loop); with logprobs, stats then tail
+    no_filter             stats, tail (the stats pass streams only: the row tail has a
+                          launch of its own, so the streaming loop keeps its registers low)
     top_k_top_p           stats, topk (one program a row serves it whole: top-k first)
     default               stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once;
@@ -37,7 +36,7 @@ worst case, then the draw's one block):
 
 | route | rows | kernels | passes | set by |
 |---|---|---|---|---|
-| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, tail:_tail_kernel (no_filter: tail:_stats_tail_kernel) | 1 (2 for ties) | tail:tail_row |
+| done | invalid, greedy, no active filter, all live tokens tied (+inf too) | stats:_stats_kernel, tail:_tail_kernel | 1 (2 for ties) | tail:_tail_kernel |
 | top-k first | filtered rows with top-k on: top_k_top_p's, and default's up to top_k_first (the row tail): the candidates (y >= the k-th largest block max, to 16 key bits) gathered from the blocks that reach it, sorted, cut; past gather_cap narrowed to the histogram bins that hold the k-th; a run of ties past it: the exact search | stats:_stats_kernel, tail:_topk_kernel or tail:_tail_kernel | 1 + those blocks (at most 1 more), + 2 reads of them when narrowed; the exact search: + 31 | topk:topk_first |
 | candidate | a filtered row whose candidate is kept: min-p by its value; top-k / top-p by the count and exact mass of the tokens ranked above it, read from the blocks whose max reaches it (at most check_blocks: the tail itself; more: the check pass) | + stats:_check_kernel (more than check_blocks blocks) | 1 + those blocks (at most 1 more) | candidate:decide_in_tail, stats:_check_kernel |
 | short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:_short_kernel |

@@ -27,7 +27,7 @@ from graphexec.sampling.triton.sampler_config import (
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
-from graphexec.sampling.triton.tail import _stats_tail_kernel, _tail_kernel, _topk_kernel
+from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -64,24 +64,17 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
+    # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
+    capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
+    regs = {"maxnreg": cfg.stats_registers} if capped else {}
+    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
+                            num_warps=cfg.num_warps, **regs, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
     search = dict(WAYS=cfg.search_ways, SB=cfg.search_blocks, ITA=-(-32 // bits) + 1,
                   ITB=-(-max(1, (V - 1).bit_length()) // bits) + 1)  # fmt: skip
     # top-k first's short sort, within the gather buffer (short_tokens may pass gather_cap
     # where the short route is off)
     tkst = min(cfg.short_tokens, cfg.gather_cap)
-    # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
-    capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
-    regs = {"maxnreg": cfg.stats_registers} if capped else {}
-    if not filters and not need_lp and cfg.fused_tail:  # one launch: the tail fused in
-        _stats_tail_kernel[(B * S,)](P, W, out.token_ids, out.valid, S, per, nblk,
-                                     NBLK_P2=nblk_p2, NBINS=cfg.bins, R=rs, ST=tkst,
-                                     WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                                     num_warps=cfg.num_warps, **regs, **search,
-                                     **base)  # fmt: skip
-        return out
-    _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
-                            num_warps=cfg.num_warps, **regs, **base)  # fmt: skip
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,

@@ -95,9 +95,6 @@ class SamplerConfig:
         H200): at 40, more warps are resident and it keeps its loop's instructions,
         spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
         filtered passes were slower at 40, so they keep the compiler's choice.
-    fused_tail: no_filter without logprobs in one launch: the row tail runs in the stats
-        pass's last program of each row (`tail._stats_tail_kernel`), not a launch of its
-        own after it (False: two launches; the same tokens).
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
@@ -123,7 +120,6 @@ class SamplerConfig:
     tail_warps: int = 8
     pdl: bool = True
     stats_registers: int = 40
-    fused_tail: bool = True
     phase_clock: bool = False
 
     def __post_init__(self) -> None:

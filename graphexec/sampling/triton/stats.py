@@ -238,15 +238,8 @@ def _stats_kernel(
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
     [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
     dependent_start(PDL)
-    stats_slice(P, W, tl.program_id(0) // S, tl.program_id(0) % S, PER, NBLK, XN, RAW_LP, NB_P2,
-                R, DB, FL)  # fmt: skip
-
-
-@triton.jit
-def stats_slice(P, W, row, sp, PER, NBLK, XN: tl.constexpr, RAW_LP: tl.constexpr,
-                NB_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
-                FL: tl.constexpr):  # fmt: skip
-    """Program (row, sp) of the stats pass: the stats of blocks [sp * PER, ...)."""
+    row = tl.program_id(0) // S
+    sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)
     s = tl.where(tl.load(P.temperature + slot) == 0.0, 1.0, tl.load(P.inv_temperature + slot))
     ids = bias_ids(P, slot, NB_P2)

@@ -21,7 +21,7 @@ from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
 from graphexec.sampling.triton.clock import stamp
 from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
 from graphexec.sampling.triton.process import row_inputs
-from graphexec.sampling.triton.stats import _plan, arrive, stats_slice
+from graphexec.sampling.triton.stats import _plan
 from graphexec.sampling.triton.topk import topk_first
 
 
@@ -167,23 +167,3 @@ def _topk_kernel(
              False, tl.program_id(0) % PARTS, PARTS, MULTI)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["S", "PER", "NBLK"])
-def _stats_tail_kernel(
-    P, W,
-    tok_ptr, valid_ptr,  # [B] i64 / bool out: every row's token and validity
-    S, PER,  # programs per row, blocks per program (a multiple of R)
-    NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
-    INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
-    WAYS: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid (B * S,) (no_filter without logprobs, `SamplerConfig.fused_tail`): the stats
-    pass, then the row tail in the row's last program to finish (`stats.arrive`, column
-    0), so that the variant is one launch. The pass's sums are integers and the tail's
-    code is `_tail_kernel`'s, so its tokens are the two launches'."""
-    dependent_start(PDL)
-    row = tl.program_id(0) // S
-    stats_slice(P, W, row, tl.program_id(0) % S, PER, NBLK, False, False, NB_P2, R, DB, FL)
-    if arrive(W, row, 0, S):
-        tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, False, False, NB_P2, NBLK_P2, DB, NBINS,
-                 FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, False, False)  # fmt: skip
