@@ -182,8 +182,18 @@ def plan_round2(W, row, ym, xn, m, s, lo, inv_w, NBLK, NBLK_P2: tl.constexpr,
     tl.store(ri + cf.I_NLIST, n_list.to(tl.int64))
     tl.store(ri + cf.I_LOMIN, lomin.to(tl.int64))
     tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_ROUND2, tl.int64))
-    e = tl.atomic_add(W.refine, 1, sem="relaxed")
-    tl.store(W.refine + 1 + e, row.to(tl.int32))
+    list_append(W.refine, row, True)
+
+
+@triton.jit
+def list_append(lst, row, on):
+    """Put the row on a row list (lst: i32 [B + 1], their number, then the rows) where on,
+    by one masked lane: with the scalar form of this atomic and store, Triton 3.6's sm_90
+    build of the short kernel faulted on an H200 (peaked top_p rows)."""
+    k = tl.arange(0, 2)
+    put = k == tl.where(on, 0, 2)  # lane 0 or none (the interpreter takes no scalar mask)
+    e = tl.atomic_add(lst + k * 0, put.to(tl.int32), mask=put, sem="relaxed")
+    tl.store(lst + 1 + e, (row + k * 0).to(tl.int32), mask=put)
 
 
 @triton.jit

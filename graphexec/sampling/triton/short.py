@@ -22,6 +22,7 @@ from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
 from graphexec.sampling.triton.process import list_ids, list_tile, row_inputs
+from graphexec.sampling.triton.select import list_append
 from graphexec.sampling.triton.stats import plan_row
 
 
@@ -200,9 +201,4 @@ def _short_kernel(
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
             tl.store(tok_ptr + row, tok.to(tl.int64))
             tl.store(valid_ptr + row, tok >= 0)
-    # round 1's rows (`W.listed`), by one masked lane: with the scalar form of this atomic
-    # and store, Triton 3.6's sm_90 build of this kernel faulted on an H200 (peaked rows)
-    k = tl.arange(0, 2)
-    on = k == tl.where((route == cf.R_SELECT) | (route == cf.R_CUT), 0, 2)  # lane 0 or none
-    e = tl.atomic_add(W.listed + k * 0, on.to(tl.int32), mask=on, sem="relaxed")
-    tl.store(W.listed + 1 + e, (row + k * 0).to(tl.int32), mask=on)
+    list_append(W.listed, row, (route == cf.R_SELECT) | (route == cf.R_CUT))  # round 1's rows
