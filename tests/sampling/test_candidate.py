@@ -122,7 +122,8 @@ CHECKS = {
     "check_no_short": SamplerConfig.interpreter().replace(check_blocks=1, short_blocks=0,
                                                           **_NO_TKF),  # fmt: skip
     "tail": SamplerConfig.interpreter().replace(check_blocks=1 << 12, **_NO_TKF),
-    "gpu_preset": SamplerConfig.gpu().replace(late_programs=GPU_LATE, **_NO_TKF),
+    "gpu_preset": SamplerConfig.gpu().replace(check_programs=GPU_LATE, late_programs=GPU_LATE,
+                                              **_NO_TKF),  # fmt: skip
 }
 EXACT = [P(top_p=0.8, temperature=0.9), P(top_k=7), P(min_p=0.15, temperature=1.2),
          P(top_p=0.95, temperature=1.5)]  # fmt: skip

@@ -16,22 +16,22 @@ from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
 P = gx.SamplingParams
 # the interpreter preset with blocks of 16 tokens (a few hundred tokens make many blocks),
-# and the GPU preset as it runs on a GPU but for round 2's programs (GPU_LATE); the first two
+# and the GPU preset as it runs on a GPU but for the late passes' programs (GPU_LATE); the first two
 # with the short route, the candidate's early decision and top-k first off, so that
 # filtered rows reach the selection passes the tests of those passes look at
-# Round 2 launches late_programs programs (2,048 on the GPU preset) unless round 1's grid is
-# smaller: the interpreter pays about 2 ms for each, even one that leaves at once.
-# 128 still splits each of round 2's few rows over many programs (round 1's rows share B x
-# min(tiles, late_programs / B) programs the same way).
+# The check pass launches B x min(tiles, check_programs / B) programs (2,048 on the GPU
+# preset), select and kept min(late_programs, that) (512): the interpreter pays about 2 ms
+# for each, even one that leaves at once. 128 still splits each listed row over many programs.
 GPU_LATE = 128
 CONFIGS = {
     "interp16": SamplerConfig.interpreter().replace(
         draw_block=16, short_blocks=0, check_blocks=0, top_k_first=0
     ),  # fmt: skip
     "gpu_preset": SamplerConfig.gpu().replace(short_blocks=0, check_blocks=0, top_k_first=0,
+                                              check_programs=GPU_LATE,
                                               late_programs=GPU_LATE),  # fmt: skip
     "interp16_short": SamplerConfig.interpreter().replace(draw_block=16),
-    "gpu_short": SamplerConfig.gpu().replace(late_programs=GPU_LATE),
+    "gpu_short": SamplerConfig.gpu().replace(check_programs=GPU_LATE, late_programs=GPU_LATE),
 }
 
 

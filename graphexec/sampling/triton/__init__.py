@@ -25,7 +25,7 @@ row):
     default               stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once;
                           select and kept serve a row list, the short kernel's, then round
-                          2's, whose rows share all of the launch's programs)
+                          2's, whose rows share the launch's late_programs programs)
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate
@@ -42,7 +42,7 @@ worst case, then the draw's one block):
 | short | candidate out; top-k / top-p with at most short_blocks listed blocks and short_tokens candidates; min-p alone with at most short_blocks / 4 cut blocks | + short:_short_kernel | 2 + the listed blocks | short:_short_kernel |
 | cut | candidate out; min-p alone, more cut blocks | + kept:_kept_kernel, kept:_finish_kernel | 3 (only the blocks min-p cuts) | stats:_plan |
 | select | candidate out or undecided (top-k with top-p between its bounds); more listed blocks or candidates | + select:_select_kernel, kept:_kept_kernel, kept:_finish_kernel | 4 | stats:_plan |
-| round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2: min(late_programs, B x S) programs shared by its rows) | 6 | select:_bracket, kept:_finish |
+| round2 | a select row whose bracket missed its cut or overflowed the gather cap | + the same three again (round 2's rows share the launch's programs as round 1's do) | 6 | select:_bracket, kept:_finish |
 | exact | a round2 row whose second bracket failed (runs of equal values wider than gather_cap) | + kept:_finish_kernel via exact:exact_cut (one program) | 6 + 31 | kept:_finish |
 | + logprobs | rows asking for logprobs (any route) | logprobs:_raw_logprobs_kernel; rows it cannot serve: logprobs:write_logprobs | 1 (block stats from the stats pass), + 1-2 for the general writer | launch:sample |
 
@@ -70,8 +70,8 @@ keys. Every decision is checked against exact counts and masses. A bracket that 
 hold the cut (top-p's crossing is estimated from bin edges: the largest tokens' masses are
 known to a bin's width) sends the row to round 2, the same passes over the bins that surely
 hold every cut, binned anew (hundreds of times finer) with the mass above them counted
-exactly; round 2's rows share `late_programs` programs (or round 1's B x S if fewer), so one
-such row costs the batch two parallel passes over that row, not a serial search. Only a row
+exactly; round 2's rows share `late_programs` programs (as round 1's do), so one such row
+costs the batch two parallel passes over that row, not a serial search. Only a row
 whose second bracket fails too (more than gather_cap tokens of one value at the cut) takes
 the exact search (`exact`: 16-way searches over the 64-bit order keys by one program,
 bounded at 31 passes but serial, so milliseconds for such a row). No estimate changes a token.

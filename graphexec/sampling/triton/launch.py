@@ -53,7 +53,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     nblk = triton.cdiv(V, db)
     rs = stats_tile(cfg, B, nblk, need_lp)
     S = split(cfg.programs, rs, B, nblk)
-    S2 = split(cfg.late_programs, r, B, nblk)
+    S2 = split(cfg.check_programs, r, B, nblk)
     per = triton.cdiv(triton.cdiv(nblk, rs), S) * rs
     filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
@@ -99,8 +99,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
         finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps)
-        G = min(cfg.late_programs, B * S2)  # round 2's programs, shared by its rows
-        for round2, grid in ((False, B * S2), (True, G)):
+        # the programs each round's listed rows share (round 1's: never fewer than its rows)
+        G2 = min(cfg.late_programs, B * S2)
+        for round2, grid in ((False, max(G2, B)), (True, G2)):
             _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
             _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **kept)
             _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)

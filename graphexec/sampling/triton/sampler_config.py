@@ -62,10 +62,13 @@ class SamplerConfig:
         (down to 2 blocks; never with logprobs) until they do (`stats_tile`): one program
         per 8-block tile of a single row leaves part of the device idle and each program's
         chain long.
-    late_programs: the same for the passes that walk a row's block list (check, select, kept:
-        dependent loads, so a flat row needs many); select and kept share their B x S
-        among the rows that need them (a row list), round 2's late_programs in all (at
-        most round 1's B x S).
+    check_programs: the same for the check pass, which walks a row's block list (dependent
+        loads, so a flat row needs many programs).
+    late_programs: the programs that select and kept (rounds 1 and 2) share among the
+        rows that need them (a row list; at most the check's B x S, round 1's at least
+        B): a launch whose rows all leave at once costs about a program's start and wait
+        per program (an H200: some 10 us over four launches of 2,048), while a flat row's
+        passes want many.
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
@@ -105,7 +108,8 @@ class SamplerConfig:
     tile_blocks: int = 8
     programs: int = 4096
     stats_programs: int = 256
-    late_programs: int = 2048
+    check_programs: int = 2048
+    late_programs: int = 512
     bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
@@ -142,8 +146,8 @@ class SamplerConfig:
                              f"{self.stats_registers}")  # fmt: skip
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "stats_programs", "late_programs", "num_warps", "tail_warps",
-                     "topk_programs"):  # fmt: skip
+        for name in ("programs", "stats_programs", "check_programs", "late_programs",
+                     "num_warps", "tail_warps", "topk_programs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -155,7 +159,8 @@ class SamplerConfig:
     def interpreter(cls) -> SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
-        return cls(programs=16, stats_programs=1, late_programs=16, gather_cap=256, bins=128,
+        return cls(programs=16, stats_programs=1, check_programs=16, late_programs=16,
+                   gather_cap=256, bins=128,
                    search_blocks=4, short_blocks=8, short_tokens=64, check_blocks=8,
                    logprobs_cap=64, num_warps=4, tail_warps=4, topk_programs=3)  # fmt: skip
 

@@ -213,8 +213,9 @@ def listed_row(W, lst, e, ROUND2: tl.constexpr, CUT: tl.constexpr):
 
 @triton.jit
 def list_entry(lst, G):
-    """`list_share` where the rows never outnumber the G programs (round 1's: B x S >= B):
-    (entry, slice, slices) of this program, entry -1 when the list is empty."""
+    """`list_share` where the rows never outnumber the G programs (round 1's grid is at
+    least B; a loop over entries would raise its registers): (entry, slice, slices) of this
+    program, entry -1 when the list is empty."""
     n = tl.load(lst)
     p = tl.program_id(0)
     nn = tl.maximum(n, 1)
