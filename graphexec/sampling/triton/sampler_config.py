@@ -160,9 +160,9 @@ class SamplerConfig:
         """Fewer programs and a narrower gather: the CPU interpreter pays per program and
         per element, never per thread."""
         return cls(programs=16, stats_programs=1, check_programs=16, late_programs=16,
-                   gather_cap=256, bins=128,
-                   search_blocks=4, short_blocks=8, short_tokens=64, check_blocks=8,
-                   logprobs_cap=64, num_warps=4, tail_warps=4, topk_programs=3)  # fmt: skip
+                   gather_cap=256, bins=128, search_blocks=4, short_blocks=8, short_tokens=64,
+                   check_blocks=8, logprobs_cap=64, num_warps=4, tail_warps=4,
+                   topk_programs=3)  # fmt: skip
 
     @classmethod
     def default(cls) -> SamplerConfig:

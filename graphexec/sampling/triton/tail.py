@@ -38,8 +38,8 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
     REFINE: program 0 empties the row lists of round 1 and round 2, which the short kernel
-    and round 1's finish fill. The
-    row's inputs are read before the wait for the stats pass (`process.row_inputs`).
+    and round 1's finish fill. The row's inputs are read before the wait for the stats
+    pass (`process.row_inputs`).
     MULTI (EVERY only): `parts` programs serve the row, this one `part`: the last part
     draws what one program draws (the candidate, a greedy or tied row's token) and the
     others gather top-k first's candidates meanwhile (`topk.topk_first`); whoever ends the
