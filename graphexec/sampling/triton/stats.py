@@ -48,8 +48,9 @@ def arrive(W, row, k: tl.constexpr, n):
 def grid_delta(ym, w, target, c, MODE: tl.constexpr):
     """The smallest delta on a grid (4x steps from 1/8 to 2048, refined twice in eighths)
     with f(delta) >= target; +inf when none reaches it. MODE 0: f = sum of w over blocks
-    with ym >= -delta; MODE 1: f = sum of max(0, w - c * exp(-delta)) over them (a lower
-    bound of the mass at y >= -delta when w is a block's mass and c its most tokens)."""
+    with ym >= -delta; MODE 1: f = sum of max(exp(ym), w - c * exp(-delta)) over them (a
+    lower bound of a block's mass at y >= -delta when w is its mass and c its most tokens:
+    its max token lies there, and the tokens below weigh less than exp(-delta) each)."""
     d = tl.arange(0, 8)
     deltas = 0.125 * tl.exp2(2.0 * d.to(tl.float32))
     lo = tl.zeros([], dtype=tl.float32)
@@ -59,8 +60,8 @@ def grid_delta(ym, w, target, c, MODE: tl.constexpr):
         if MODE == 0:
             terms = tl.where(inside, w[:, None], 0.0)
         else:
-            terms = tl.where(inside, tl.maximum(w[:, None] - c * tl.exp(-deltas[None, :]), 0.0),
-                             0.0)  # fmt: skip
+            terms = tl.where(inside, tl.maximum(w[:, None] - c * tl.exp(-deltas[None, :]),
+                                                tl.exp(ym)[:, None]), 0.0)  # fmt: skip
         j = tl.min(tl.where(tl.sum(terms, axis=0) >= target, d, 8), axis=0)
         lo = tl.where((j > 0) & (j < 8), tl.sum(tl.where(d == j - 1, deltas, 0.0), axis=0), lo)
         hi = tl.where(j < 8, tl.sum(tl.where(d == j, deltas, 0.0), axis=0), hi)
