@@ -8,7 +8,10 @@ from tests.interpreter import ensure_interpreter
 
 ensure_interpreter()
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
@@ -83,3 +86,21 @@ def test_config_checks_name_the_field() -> None:
         SamplerConfig(short_tokens=48)
     with pytest.raises(ValueError, match="top_k_first"):
         SamplerConfig(top_k_first=-1)
+
+
+REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "smollm2-logits.pt"
+
+
+def test_real_top_p_rows_fit_the_short_route() -> None:
+    """The top-p plan's lower bound (`stats.grid_delta`, mode 1) is tight enough on real
+    rows (SmolLM2-135M logits, the benchmark's: T 0.8, top-p 0.9) that every one the tail
+    plans fits the short route of the GPU preset (128 blocks, 128 candidates) and none
+    reaches the selection passes; the reference's tokens. check_blocks 0 plans every row.
+    (Without each block's max token in the bound, rows 25 and 30 listed 130 and 81 blocks,
+    314 and 146 candidates: lo near -9.5 where their cuts lie near -4.5.)"""
+    rows = [23, 25, 30, 2, 11]  # the three with the most blocks past lo, and two others
+    logits = torch.load(REAL, map_location="cpu", weights_only=True)["logits"][rows].float()
+    params = [P(seed=r, temperature=0.8, top_p=0.9) for r in rows]
+    both = run_both(params, logits, SamplerConfig.gpu().replace(check_blocks=0))
+    assert_same(both.ref, both.tri)
+    assert both.routes == [int(R_DONE)] * len(rows)
