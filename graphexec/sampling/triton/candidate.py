@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.keys import mass, mass_hi_lo, pack, tile_mass, tile_total
+from graphexec.sampling.triton.keys import mass, mass_hi_lo, tile_mass, tile_total
 from graphexec.sampling.triton.process import list_blocks, list_tile
 
 KEPT = tl.constexpr(1)
@@ -56,16 +56,17 @@ def decide(cnt, before, yc, top_k, top_p, total):
 
 
 @triton.jit
-def count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s, NBLK, R: tl.constexpr,
+def count_above(P, W, row, slot, ids, e0, e1, n_list, yc, c, m, s, NBLK, R: tl.constexpr,
                 DB: tl.constexpr, FL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-    """(count, exact int64 mass) of the tokens ranked above the candidate (packs above
-    pk_c) in list entries e0 .. e1 - 1; per-token accumulators, reduced once."""
+    """(count, exact int64 mass) of the tokens ranked above the candidate c of value yc
+    (pack order, compared as floats and ids: no 64-bit key a token) in list entries
+    e0 .. e1 - 1; per-token accumulators, reduced once."""
     zero = tl.zeros([R, DB], dtype=tl.int32)
     n, hi, lo = zero, zero, zero
     for e in range(e0, e1, R):
         x, offs, bid_unused = list_tile(P, W, row, slot, ids, e, n_list, NBLK, R, DB, FL, BIAS)
         y = (x - m) * s
-        above = (y > float("-inf")) & (pack(y, offs) > pk_c)
+        above = (y > float("-inf")) & ((y > yc) | ((y == yc) & (offs < c)))
         h, lw = mass_hi_lo(tl.where(above, y, float("-inf")))
         n += above.to(tl.int32)
         hi += h
@@ -109,7 +110,7 @@ def decide_in_tail(P, W, row, slot, ids, ym, c, yc, m, s, top_k, top_p, lnmp, to
                     else:
                         tl.debug_barrier()  # the list, read back by every thread
                         cnt, before = count_above(P, W, row, slot, ids, 0, n_list, n_list,
-                                                  pack(yc, c), m, s, NBLK, R, DB, FL,
+                                                  yc, c, m, s, NBLK, R, DB, FL,
                                                   True)  # fmt: skip
                         state = decide(cnt, before, yc, top_k, top_p, total)
     return state

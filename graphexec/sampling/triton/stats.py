@@ -19,7 +19,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
-from graphexec.sampling.triton.keys import _INTERP, block_mass, pack
+from graphexec.sampling.triton.keys import _INTERP, block_mass
 from graphexec.sampling.triton.process import (
     bias_ids,
     list_blocks,
@@ -283,12 +283,12 @@ def _check_kernel(
             m = tl.load(W.rowf + row * 8 + cf.F_M)
             s = tl.load(W.rowf + row * 8 + cf.F_S)
             yc = tl.load(W.rowf + row * 8 + cf.F_YC)
-            pk_c = pack(yc, tl.load(ri + cf.I_CAND).to(tl.int32))
+            c = tl.load(ri + cf.I_CAND).to(tl.int32)
             if tl.max(ids, axis=0) >= 0:
-                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, yc, c, m, s,
                                           NBLK, R, DB, FL, True)  # fmt: skip
             else:
-                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, pk_c, m, s,
+                cnt, before = count_above(P, W, row, slot, ids, e0, e1, n_list, yc, c, m, s,
                                           NBLK, R, DB, FL, False)  # fmt: skip
             tl.atomic_add(ri + cf.I_CCNT, cnt, sem="relaxed")
             tl.atomic_add(ri + cf.I_CMASS, before, sem="relaxed")
