@@ -86,6 +86,8 @@ def test_config_checks_name_the_field() -> None:
         SamplerConfig(short_tokens=48)
     with pytest.raises(ValueError, match="top_k_first"):
         SamplerConfig(top_k_first=-1)
+    with pytest.raises(ValueError, match="mid_tokens"):
+        SamplerConfig(mid_tokens=200)
 
 
 REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "smollm2-logits.pt"

@@ -71,13 +71,16 @@ def _candidates(logits: torch.Tensor, params, db: int) -> list[int]:
     return out
 
 
-def test_each_path_serves_its_rows() -> None:
-    """Short sort (at most short_tokens candidates), long sort (at most gather_cap), the
-    candidates narrowed by a histogram past the cap (flat rows, a k past the live blocks),
-    and the exact search where even that cannot narrow them (a run of ties at the k-th
-    value wider than the cap): the rows the data sends to each, all of default's tokens."""
+@pytest.mark.parametrize("mid", [0, 32])
+def test_each_path_serves_its_rows(mid: int) -> None:
+    """Short sort (at most short_tokens candidates), middle sort (at most mid_tokens), long
+    sort (at most gather_cap), the candidates narrowed by a histogram past the cap (flat
+    rows, a k past the live blocks), and the exact search where even that cannot narrow
+    them (a run of ties at the k-th value wider than the cap): the rows the data sends to
+    each, all of default's tokens; only the row of ties takes the exact search (a sort
+    that left its rows unresolved would send them there too)."""
     B, V = 14, 1024
-    cfg = CONFIGS["interp16_short"].replace(short_tokens=16, gather_cap=64)
+    cfg = CONFIGS["interp16_short"].replace(short_tokens=16, mid_tokens=mid, gather_cap=64)
     ks = (1, 3, 8, 20, 40, 60)
     params = [P(seed=i, temperature=0.7, top_k=ks[i % 6], top_p=(1.0, 0.9)[i // 6 % 2])
               for i in range(12)]  # fmt: skip
@@ -92,7 +95,9 @@ def test_each_path_serves_its_rows() -> None:
     assert_same(ref, tri)
     routes = ws.rowi[:, 0].tolist()
     assert [r for r in range(B) if routes[r] == int(R_EXACT)] == [13]
-    assert min(n) <= cfg.short_tokens and any(cfg.short_tokens < c <= cfg.gather_cap for c in n)
+    wide = max(mid, cfg.short_tokens)
+    assert min(n) <= cfg.short_tokens and any(wide < c <= cfg.gather_cap for c in n)
+    assert not mid or any(cfg.short_tokens < c <= mid for c in n)
     assert any(c > cfg.gather_cap for c in n)  # narrowed (and row 12)
 
 

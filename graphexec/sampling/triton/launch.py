@@ -75,16 +75,18 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     # top-k first's short sort, within the gather buffer (short_tokens may pass gather_cap
     # where the short route is off)
     tkst = min(cfg.short_tokens, cfg.gather_cap)
+    tkmt = min(cfg.mid_tokens, cfg.gather_cap)
+    sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
-                                   ST=tkst, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                                   **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
                                    **rows)  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
-                           TKF=cfg.top_k_first if filters else 0, ST=tkst,
+                           TKF=cfg.top_k_first if filters else 0, **sorts,
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:

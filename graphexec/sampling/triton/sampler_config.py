@@ -76,6 +76,10 @@ class SamplerConfig:
     short_blocks: most listed blocks of a row the short route serves (min-p alone: a
         quarter of it); 0 turns the short route off.
     short_tokens: most candidates of such a row (16 to gather_cap).
+    mid_tokens: top-k first sorts a row of more candidates than short_tokens but at most
+        this many at this width, not gather_cap's (0: off; clamped to gather_cap). Real
+        rows at top-k 50 gather some 90-150 candidates: a 1,024-slot sort costs them
+        about a third of the call, while peaked rows (~55) keep the short width.
     check_blocks: most blocks the row tail reads to decide a candidate (more: the check
         pass). 0 decides no candidate early: every filtered row takes the cut's passes and
         its candidate is tested against the cut (for tests of them).
@@ -116,6 +120,7 @@ class SamplerConfig:
     search_blocks: int = 4
     short_blocks: int = 128
     short_tokens: int = 128
+    mid_tokens: int = 256
     check_blocks: int = 16
     top_k_first: int = TOP_K_FIRST_MAX
     logprobs_cap: int = 256
@@ -135,6 +140,9 @@ class SamplerConfig:
         sb = self.short_blocks
         if sb < 0 or sb & (sb - 1):
             raise ValueError(f"SamplerConfig.short_blocks must be 0 or a power of two, got {sb}")
+        mt = self.mid_tokens
+        if mt < 0 or mt & (mt - 1):
+            raise ValueError(f"SamplerConfig.mid_tokens must be 0 or a power of two, got {mt}")
         if sb and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
@@ -161,7 +169,7 @@ class SamplerConfig:
         per element, never per thread."""
         return cls(programs=16, stats_programs=1, check_programs=16, late_programs=16,
                    gather_cap=256, bins=128, search_blocks=4, short_blocks=8, short_tokens=64,
-                   check_blocks=8, logprobs_cap=64, num_warps=4, tail_warps=4,
+                   mid_tokens=128, check_blocks=8, logprobs_cap=64, num_warps=4, tail_warps=4,
                    topk_programs=3)  # fmt: skip
 
     @classmethod

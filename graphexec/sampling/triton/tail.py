@@ -29,8 +29,8 @@ from graphexec.sampling.triton.topk import topk_first
 def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: tl.constexpr,
              NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
-             ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
-             ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
+             ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr,
+             ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
              PROF: tl.constexpr, PDL: tl.constexpr, REFINE: tl.constexpr = False, part=0,
              parts=1, MULTI: tl.constexpr = False):  # fmt: skip
     """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
@@ -102,7 +102,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                     if first:
                         tok, exact, done = topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k,
                                                       top_p, lnmp, total, seed, pos, NBLK,
-                                                      NBLK_P2, DB, R, ST, WCAP, INTERP, ITA,
+                                                      NBLK_P2, DB, R, ST, MT, WCAP, INTERP, ITA,
                                                       ITB, SB, WAYS, FL, PROF, part, parts,
                                                       MULTI)  # fmt: skip
                         if EVERY:
@@ -138,14 +138,14 @@ def _tail_kernel(
     tok_ptr, valid_ptr,  # [B] i64 / bool out: rows the tail serves
     NBLK, FILTERS: tl.constexpr, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr,
     DB: tl.constexpr, NBINS: tl.constexpr, FL: tl.constexpr, R: tl.constexpr,
-    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
+    CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
     candidate and plans its next passes (module docstring)."""
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, False, NB_P2, NBLK_P2,
-             DB, NBINS, FL, R, CB, TKF, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
+             DB, NBINS, FL, R, CB, TKF, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
              FILTERS)  # fmt: skip
 
 
@@ -154,7 +154,7 @@ def _topk_kernel(
     P, W,
     tok_ptr, valid_ptr,  # [B] i64 / bool out: every row's token and validity
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
-    FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr,
+    FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False, PARTS=1,
     MULTI: tl.constexpr = False,
@@ -163,7 +163,7 @@ def _topk_kernel(
     row top-k first, so that row b is served whole, by PARTS programs (MULTI: more than
     one; `tail_row`)."""
     tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0) // PARTS, NBLK, True, True, NB_P2,
-             NBLK_P2, DB, NBINS, FL, R, 0, 0, ST, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
+             NBLK_P2, DB, NBINS, FL, R, 0, 0, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
              False, tl.program_id(0) % PARTS, PARTS, MULTI)  # fmt: skip
 
 

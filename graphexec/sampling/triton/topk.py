@@ -136,7 +136,7 @@ def gather_part(P, W, row, slot, ids, e0, e1, lo, m, s, CAP, NBLK, R: tl.constex
 @triton.jit
 def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, seed, pos, NBLK,
                NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr, ST: tl.constexpr,
-               WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
+               MT: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr, ITA: tl.constexpr,
                ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
                FL: tl.constexpr, PROF: tl.constexpr = False, part=0, parts=1,
                MULTI: tl.constexpr = False):  # fmt: skip
@@ -189,14 +189,14 @@ def topk_first(P, W, row, slot, ids, ym, xn, m, s, top_k, top_p, lnmp, total, se
     if last:
         tok, resolved = _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total,
                                       seed, pos, lo, lomin, n_list, n, NBLK, NBLK_P2, DB, R, ST,
-                                      WCAP, INTERP, ITA, ITB, SB, WAYS, FL, PROF)  # fmt: skip
+                                      MT, WCAP, INTERP, ITA, ITB, SB, WAYS, FL, PROF)  # fmt: skip
     return tok, resolved == 0, last
 
 
 @triton.jit
 def _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, seed, pos, lo,
                   lomin, n_list, n, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr, R: tl.constexpr,
-                  ST: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr,
+                  ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr,
                   ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
                   FL: tl.constexpr, PROF: tl.constexpr):  # fmt: skip
     """(token, resolved) of a top-k-first row from its n gathered candidates (lomin: no
@@ -217,8 +217,16 @@ def _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, see
         resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, ST,
                                 WCAP, INTERP)  # fmt: skip
     elif n <= WCAP:
-        resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, WCAP,
-                                WCAP, INTERP)  # fmt: skip
+        if MT > ST:  # (a middle width: `SamplerConfig.mid_tokens`)
+            if n <= MT:
+                resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
+                                        MT, WCAP, INTERP)  # fmt: skip
+            else:
+                resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
+                                        WCAP, WCAP, INTERP)  # fmt: skip
+        else:
+            resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
+                                    WCAP, WCAP, INTERP)  # fmt: skip
     if resolved:
         rd = (b < NBLK) & (ym >= lo)  # every kept token lies in a listed block
     else:
