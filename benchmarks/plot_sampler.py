@@ -8,7 +8,9 @@ against the measured read floor.
 The floor of a (dtype, V, B) point is `floor.read`'s time there (a kernel that reads every
 logit once, timed in the same run under the same protocol), in the metric shown; a file
 without floor.read rows (older runs) falls back to each row's floor_us (bytes over the
-copy bandwidth), and the headings say which floor a table uses.
+copy bandwidth), and the headings say which floor a table uses. A row's ratio divides by
+the floor of its own run (its read_floor_us) where it has one: a file that several runs
+appended to holds each run's floor rows only for the blocks it timed last.
 
 A method's time at (dtype, V, B) is the largest over the logits shapes measured there
 (rows without a "shape" count as one shape). The plot (`<same name>.png`, one subplot per
@@ -101,6 +103,15 @@ def floors(rows: list[dict], metric: str) -> dict[tuple, float]:
     return out
 
 
+def row_floor(r: dict, fl: dict[tuple, float], metric: str) -> float | None:
+    """The floor a row's time is divided by: floor.read as timed in the row's own run (its
+    read_floor_us, a graph time), so that runs of different conditions in one file (an
+    --append of a later run) each compare with their own; else the point's (`floors`)."""
+    if metric == "graph_us" and r.get("read_floor_us"):
+        return r["read_floor_us"]
+    return fl.get((r["dtype"], r["V"], r["B"]))
+
+
 def floor_name(rows: list[dict]) -> str:
     if any(r["method"] == FLOOR and (r.get("graph_us") or r.get("eager_us")) for r in rows):
         return "floor.read"
@@ -138,7 +149,7 @@ def markdown_table(results: dict, V: int, dtype: str = "float32", metric: str | 
             elif r.get(metric) is None:
                 cells.append("error")
             else:
-                f = fl.get((dtype, V, b))
+                f = row_floor(r, fl, metric)
                 ratio = f" ({r[metric] / f:.2f}x)" if f else ""
                 cells.append(f"{_fmt_us(r[metric])}{ratio} {r.get('shape', '')}".strip())
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -166,8 +177,9 @@ def _judge(values: dict, limit: float, fmt, higher_is_better=False) -> tuple[str
 
 def _targets_rows(rows: list[dict], metric: str = "graph_us") -> list[list[str]]:
     """[target, where, limit, measured (worst) and where, met] for rows of one dtype."""
-    t = {(r["method"], r["V"], r["B"], r.get("shape")): r.get(metric) for r in rows}
-    fl = {(V, B): f for (d, V, B), f in floors(rows, metric).items()}
+    by = {(r["method"], r["V"], r["B"], r.get("shape")): r for r in rows}
+    t = {k: r.get(metric) for k, r in by.items()}
+    fl = floors(rows, metric)
     order = {s: i for i, s in enumerate(dict.fromkeys(r.get("shape") for r in rows))}
     points = sorted({(r["V"], r["B"], r.get("shape")) for r in rows if r["method"] != FLOOR},
                     key=lambda p: (p[1], p[0], order[p[2]]))  # fmt: skip
@@ -178,7 +190,7 @@ def _targets_rows(rows: list[dict], metric: str = "graph_us") -> list[list[str]]
 
     def ratio(m: str, base: str | None, V: int, B: int, s) -> float | None:
         a, b = t.get((m, V, B, s)), (t.get((base, V, B, s)) if base else 0.0)
-        f = fl.get((V, B))
+        f = row_floor(by[m, V, B, s], fl, metric) if a is not None else None
         return None if a is None or b is None or not f else (a - b) / f
 
     def x(v: float) -> str:
@@ -246,9 +258,10 @@ def plot(results: dict, png_path: str, metric: str | None = None) -> str:
     for ax, V in zip(axes[0], vocabs, strict=True):
         for m in methods:
             for dtype, ls in LINESTYLES.items():
-                pts = sorted((B, r[metric] / fl[d, VV, B]) for (mm, d, VV, B), r in w.items()
+                pts = sorted((B, r[metric] / row_floor(r, fl, metric))
+                             for (mm, d, VV, B), r in w.items()
                              if (mm, d, VV) == (m, dtype, V) and r.get(metric)
-                             and fl.get((d, VV, B)))  # fmt: skip
+                             and row_floor(r, fl, metric))  # fmt: skip
                 if pts:
                     ax.plot(*zip(*pts, strict=True), ls, marker=style[m][1], markersize=4,
                             color=style[m][0])  # fmt: skip

@@ -278,6 +278,26 @@ def test_old_files_fall_back_to_the_copy_floor():
     assert plot_sampler.targets_table(failed) == text
 
 
+def test_a_row_is_divided_by_the_floor_of_its_own_run():
+    """A later run appended to the file re-timed floor.read at one point (half the first
+    run's) and one method there: that method's ratio uses the later floor, every other row
+    its own run's (with the least floor they would double); the floor line shows the least."""
+    V, B = 49152, 128
+    f = floor(B, V)
+    redone = {(FL, V, B), (GX + "no_filter", V, B)}
+    rows = [r for r in synthetic()["rows"] if (r["method"], r["V"], r["B"]) not in redone]
+    rows += [row(FL, B, V, f / 2, "real"),
+             dict(row(GX + "no_filter", B, V, 0.6 * f, "real"), read_floor_us=f / 2)]
+    res = dict(synthetic(), rows=rows)
+    table = plot_sampler.markdown_table(res, V).splitlines()
+    assert table[4] == f"| floor.read | 0.2 | {f / 2:.1f} |"
+    assert next(x for x in table if x.startswith(f"| {GX}no_filter |")).endswith(
+        "| 4.6 (1.20x) real |")  # fmt: skip
+    assert next(x for x in table if x.startswith(f"| {BASE} |")).endswith("(1.50x) real |")
+    t = parse(plot_sampler.targets_table(res))["float32"]
+    assert t[(f"`{BASE}`", TYP)][1].startswith("1.50x floor at ")
+
+
 def test_markdown_names_the_worst_shape_and_both_floors():
     table = plot_sampler.markdown_table(synthetic(), 151936).splitlines()
     assert table[0] == "float32, V = 151936, graph_us: worst over shapes, us (x floor.read)"
