@@ -53,6 +53,26 @@ SPLITS: dict[str, tuple[int, str]] = {
 }  # fmt: skip
 
 
+BIT_WORLDS = (1, 2, 4)  # the worlds whose logits agree bit for bit (row_parallel's S = 4)
+
+
+def head_pieces(vocab_size: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """[a, b) pieces of a rank's vocabulary slice [lo, hi), local to it: the slice cut at
+    every rank boundary of `vocab_slices` at BIT_WORLDS, so that each piece lies in one
+    rank's slice at each of them. The CPU route runs the LM head a piece a call: a BLAS
+    call's column bits may depend on its width (MKL on an AVX-512 Xeon: the whole [301,
+    32] head took another plan than its halves, some logits a bit apart), and a piece is
+    the same call at every world."""
+    from graphexec.distributed import vocab_slices
+
+    cuts = {lo, hi}
+    for world in BIT_WORLDS:
+        if vocab_size >= world:
+            cuts.update(b for s in vocab_slices(vocab_size, world) for b in s if lo < b < hi)
+    c = sorted(cuts)
+    return tuple((a - lo, b - lo) for a, b in zip(c[:-1], c[1:], strict=True))
+
+
 def check_divisible(cfg: dict[str, Any], world: int) -> None:
     """ValueError naming the field when `cfg` cannot be split over `world` ranks."""
     H = int(cfg["num_attention_heads"])

@@ -11,11 +11,13 @@ import torch
 
 import graphexec as gx
 import graphexec.app.workload as wl
+from graphexec.distributed import vocab_slices
 from graphexec.kernels.cpu_route import RowMM
 from graphexec.kernels.matmul import tree_sum
 from graphexec.kernels.row_parallel import RowSplit, row_linear_reference, row_split_cpu
 from graphexec.models import HFTransformer
 from graphexec.models.hf_random import random_state_dict
+from graphexec.models.hf_shard import BIT_WORLDS, head_pieces
 from tests.distributed.arrangements import same, streams
 from tests.distributed.ranks import run_ranks
 from tests.distributed.test_hf_tp import logits_script, numpy
@@ -102,3 +104,22 @@ def test_row_linear_trees_agree_at_every_world(dtype) -> None:
     ref = row_linear_reference(x, kmajor(w), row_split_cpu(N, K, 1), b, mm=rows.mm)
     assert torch.equal(ref, whole)
     assert row_split_cpu(N, K, 3) is None and row_split_cpu(N, 66, 1) is None
+
+
+@pytest.mark.parametrize("V", [301, 302, 7, 49152])
+def test_head_pieces_are_the_same_calls_at_every_world(V: int) -> None:
+    """The CPU route's LM head pieces: every rank of every world in BIT_WORLDS cuts its
+    vocabulary slice into the same global pieces, so a piece is the same call at each (V =
+    302: T = 2's boundary, 151, is none of T = 4's, 76 / 152 / 227, and is cut at too)."""
+    want = None
+    for world in BIT_WORLDS:
+        got = []
+        for lo, hi in vocab_slices(V, world):
+            pieces = head_pieces(V, lo, hi)
+            assert pieces[0][0] == 0 and pieces[-1][1] == hi - lo
+            ends = [x for p in pieces for x in p]  # a0, b0, a1, b1, ...: b_i == a_i+1
+            assert ends[1:-1:2] == ends[2::2] and all(a < b for a, b in pieces)
+            got += [(lo + a, lo + b) for a, b in pieces]
+        want = want or got
+        assert got == want, world
+    assert len(want) == (5 if V % 4 == 2 else 4)
