@@ -221,9 +221,14 @@ class RowMM(KeyBlockAttention):
     # ---- the ops of `ops.ForwardOps` ----------------------------------------------------
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-               *, config=None) -> torch.Tensor:  # fmt: skip
-        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused."""
-        out = self.mm(x, w.t())
+               *, config=None, pieces=None) -> torch.Tensor:  # fmt: skip
+        """x [M, K] @ w [N, K].T (+ bias, added after the one product); `config` unused.
+        `pieces`: [a, b) ranges of w's rows, a product each: the same call at every world
+        where a call's column bits depend on its width (`hf_shard.head_pieces`)."""
+        if pieces:
+            out = torch.cat([self.mm(x, w[a:b].t()) for a, b in pieces], dim=-1)
+        else:
+            out = self.mm(x, w.t())
         return out if bias is None else out.add_(bias)
 
     def row_linear(self, x: torch.Tensor, w: torch.Tensor, split, bias=None, *,

@@ -96,7 +96,8 @@ def _row_major(w: torch.Tensor) -> torch.Tensor:
 class ForwardOps:
     """The functions of one forward route (module docstring). Signatures:
 
-    linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]
+    linear(x [M, K], w [N, K], bias [N] | None) -> [M, N] (column_pieces: also pieces=,
+        ranges of w's rows a product each)
     linear_silu_mul(x [M, K], w_gate_up [2 I, K]) -> silu(gate) * up [M, I]
     norm(x [M, D], residual [M, D] | None, weight [D], eps) -> (normed, x + residual)
     rope_kv(qkv [M, (H + 2 KV) hd], positions [M], slots [M], cos, sin, kv, H) -> q
@@ -123,6 +124,7 @@ class ForwardOps:
     row_split: Callable | None = None
     row_linear: Callable | None = None
     row_weight: Callable = _row_major  # an o / down weight as row_linear reads it
+    column_pieces: bool = False  # linear takes pieces= (the CPU route: `RowMM.linear`)
 
     @classmethod
     def select(
@@ -177,4 +179,4 @@ class ForwardOps:
                    qkv_rope=qkv_rope, paired_qkv=paired, attend=attend,
                    batch_invariant=batch_invariant, token_rows=cuda or batch_invariant,
                    weight=weight, row_split=row_split, row_linear=row_linear,
-                   row_weight=row_weight)  # fmt: skip
+                   row_weight=row_weight, column_pieces=batch_invariant and not cuda)  # fmt: skip

@@ -210,12 +210,10 @@ class HFTransformer(SlotKVCache):
         w = self.ops.weight
         ow = self.ops.row_weight if self.row_splits["o"] else w
         dw = self.ops.row_weight if self.row_splits["down"] else w
-        # the LM head: on the CPU route a piece a call (`hf_shard.head_pieces`), each piece
-        # its own weight, so that a piece is the same BLAS call at every world
-        head = torch.cat(self.lm_head) if isinstance(self.lm_head, tuple) else self.lm_head
-        head, (lo, hi) = head.to(d), self.tp.vocab
-        self.lm_head = (tuple(w(head[a:b]) for a, b in head_pieces(self.vocab_size, lo, hi))
-                        if d.type == "cpu" else w(head))  # fmt: skip
+        self.lm_head = w(self.lm_head.to(d))
+        # the CPU route: the LM head a piece of its vocabulary slice a call (`head_pieces`)
+        pieces = self.ops.column_pieces and head_pieces(self.vocab_size, *self.tp.vocab)
+        self._head_kw = {"pieces": pieces} if pieces and len(pieces) > 1 else {}
         # (o / down back in the model's dtype first: a CPU bind may have kept float32)
         self.layers = [dataclasses.replace(layer, qkv=w(layer.qkv), o=ow(layer.o.to(self.dtype)),
                                            gate_up=w(layer.gate_up),
@@ -327,7 +325,7 @@ class HFTransformer(SlotKVCache):
             return None
         h, _ = ops.norm(delta.index_select(0, rows), res.index_select(0, rows), self.norm,
                         self.eps)  # fmt: skip
-        return self._logits(h)
+        return ops.linear(h, self.lm_head, **self._head_kw).float()
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor
@@ -382,14 +380,7 @@ class HFTransformer(SlotKVCache):
         elif prefill:
             return None
         h, _ = ops.norm(delta, res, self.norm, self.eps)
-        return self._logits(h)
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits [M, V_r] of the rank's vocabulary slice (the CPU's pieces joined)."""
-        if isinstance(self.lm_head, tuple):
-            parts = [self.ops.linear(h, p) for p in self.lm_head]
-            return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).float()
-        return self.ops.linear(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head, **self._head_kw).float()
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel layer (o, down) over all ranks: with a row split, each rank's

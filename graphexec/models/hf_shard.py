@@ -59,10 +59,10 @@ BIT_WORLDS = (1, 2, 4)  # the worlds whose logits agree bit for bit (row_paralle
 def head_pieces(vocab_size: int, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
     """[a, b) pieces of a rank's vocabulary slice [lo, hi), local to it: the slice cut at
     every rank boundary of `vocab_slices` at BIT_WORLDS, so that each piece lies in one
-    rank's slice at each of them. The CPU route runs the LM head a piece a call: a BLAS
-    call's column bits may depend on its width (MKL on an AVX-512 Xeon: the whole [301,
-    32] head took another plan than its halves, some logits a bit apart), and a piece is
-    the same call at every world."""
+    rank's slice at each of them. The CPU route runs the LM head a piece a call
+    (`RowMM.linear`'s pieces): a BLAS call's column bits may depend on its width (MKL on
+    an AVX-512 Xeon: the whole [301, 32] head took another plan than its halves, some
+    logits a bit apart), and a piece is the same call at every world."""
     from graphexec.distributed import vocab_slices
 
     cuts = {lo, hi}
