@@ -258,10 +258,9 @@ def plot(results: dict, png_path: str, metric: str | None = None) -> str:
     for ax, V in zip(axes[0], vocabs, strict=True):
         for m in methods:
             for dtype, ls in LINESTYLES.items():
-                pts = sorted((B, r[metric] / row_floor(r, fl, metric))
-                             for (mm, d, VV, B), r in w.items()
+                pts = sorted((B, r[metric] / f) for (mm, d, VV, B), r in w.items()
                              if (mm, d, VV) == (m, dtype, V) and r.get(metric)
-                             and row_floor(r, fl, metric))  # fmt: skip
+                             and (f := row_floor(r, fl, metric)))  # fmt: skip
                 if pts:
                     ax.plot(*zip(*pts, strict=True), ls, marker=style[m][1], markersize=4,
                             color=style[m][0])  # fmt: skip
