@@ -84,14 +84,16 @@ def kept_mask(y, pk, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS: t
 def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top, inv_w, jhi, j1,
                    j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
                    NBINS: tl.constexpr, FL: tl.constexpr, BS: tl.constexpr = BLOCK,
-                   TS: tl.constexpr = TOKEN):  # fmt: skip
-    """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise (stream BS), then
-    the kept token of that block with the largest y plus token noise (stream TS; ties to
-    the lower id). ym, kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept).
-    Returns (token, its y)."""
+                   TS: tl.constexpr = TOKEN, gb=None):  # fmt: skip
+    """Step 6's draw: a block by L_b = ym_b + log(K_b) plus block noise (stream BS; gb:
+    that noise, `block_noise`, when the caller drew it already), then the kept token of
+    that block with the largest y plus token noise (stream TS; ties to the lower id). ym,
+    kv: [NBLK_P2] block maxes of y and K_b (0 where nothing is kept). Returns (token, its y)."""
     b = tl.arange(0, NBLK_P2)
     lm = tl.where(kv > 0, ym + tl.log(kv.to(tl.float32)), float("-inf"))
-    key = tl.where(b < NBLK, lm + gumbel(block_bits(seed, pos, 0, NBLK_P2, BS)), float("-inf"))
+    if gb is None:
+        gb = block_noise(seed, pos, NBLK_P2, BS)
+    key = tl.where(b < NBLK, lm + gb, float("-inf"))
     best_key, bstar = first_argmax(key, b, NBLK_P2)
     start = bstar * DB
     offs = start + tl.arange(0, DB)
@@ -104,13 +106,22 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top,
 
 
 @triton.jit
+def block_noise(seed, pos, NBLK_P2: tl.constexpr, BS: tl.constexpr = BLOCK):
+    """[NBLK_P2] a row's block noise on stream BS: a function of its seed and position
+    alone, so a row kernel draws the candidate's before it waits for the stats pass."""
+    return gumbel(block_bits(seed, pos, 0, NBLK_P2, BS))
+
+
+@triton.jit
 def candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos, NBLK,
-                   NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+                   NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr,
+                   gb=None):  # fmt: skip
     """A row's candidate: `two_level_draw` over every live token (K_b = Q_b, all "above":
-    bin 0 < jhi = 1), streams TOKEN and BLOCK; the whole draw of a row without filters.
-    Returns (token, its y)."""
+    bin 0 < jhi = 1), streams TOKEN and BLOCK (gb: its block noise, when drawn already);
+    the whole draw of a row without filters. Returns (token, its y)."""
     return two_level_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos, -FLT_MAX, 0.0, 0.0,
-                          1, 0, 1, 0, 0, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL)  # fmt: skip
+                          1, 0, 1, 0, 0, 0, float("-inf"), NBLK, NBLK_P2, DB, 1, FL, BLOCK, TOKEN,
+                          gb)  # fmt: skip
 
 
 @triton.jit
@@ -146,7 +157,8 @@ def greedy_token(P, row, slot, ids, xm, mx, NBLK_P2: tl.constexpr, DB: tl.conste
 
 @triton.jit
 def ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos, NBLK,
-              NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+              NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr,
+              gb=None):  # fmt: skip
     """A filtered row whose live tokens all share one value (+inf rows included): each
     weighs 2**32, so the kept set is the first L live ids, L from integer arithmetic
     (`reference`, step 5, with every q equal); its candidate where it is one of them, else
@@ -170,7 +182,7 @@ def ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed, pos, NBLK
     m = tl.where(mx == float("inf"), 0.0, mx)
     # the candidate (every live token), kept when it is one of the first L live ids
     tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, 1.0, mx == float("inf"), seed,
-                                   pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                                   pos, NBLK, NBLK_P2, DB, FL, gb)  # fmt: skip
     if tok > last:
         tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, 1.0, mx == float("inf"),
                                        seed, pos, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1,

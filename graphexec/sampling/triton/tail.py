@@ -19,7 +19,13 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, decide_in_tail
 from graphexec.sampling.triton.clock import stamp
-from graphexec.sampling.triton.draw import candidate_draw, greedy_token, row_blocks, ties_draw
+from graphexec.sampling.triton.draw import (
+    block_noise,
+    candidate_draw,
+    greedy_token,
+    row_blocks,
+    ties_draw,
+)
 from graphexec.sampling.triton.process import row_inputs
 from graphexec.sampling.triton.stats import _plan
 from graphexec.sampling.triton.topk import topk_first
@@ -45,6 +51,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     others gather top-k first's candidates meanwhile (`topk.topk_first`); whoever ends the
     row stores it."""
     slot, greedy, s, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
+    gb = block_noise(seed, pos, NBLK_P2)  # the candidate's, while the stats pass runs
     dependent_start(PDL)
     if REFINE:
         if row == 0:
@@ -87,14 +94,14 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                 if ties:
                     if lead:
                         tok = ties_draw(P, row, slot, ids, mx, ym, q, top_k, top_p, total, seed,
-                                        pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                                        pos, NBLK, NBLK_P2, DB, FL, gb)  # fmt: skip
                 else:
                     ri, fr = W.rowi + row * cf.NUM_I, W.rowf + row * 8
                     c = tl.full([], -1, tl.int32)
                     yc = tl.zeros([], dtype=tl.float32)
                     if lead:
                         c, yc = candidate_draw(P, row, slot, ids, ym, q, m, s, False, seed, pos,
-                                               NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                                               NBLK, NBLK_P2, DB, FL, gb)  # fmt: skip
                         tl.store(fr + cf.F_YC, yc)
                         if first:
                             tl.store(ri + cf.I_CAND, c.to(tl.int64))
@@ -124,7 +131,7 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                                           NBLK, NBLK_P2, DB, NBINS)  # fmt: skip
             elif lead:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
-                                               pos, NBLK, NBLK_P2, DB, FL)  # fmt: skip
+                                               pos, NBLK, NBLK_P2, DB, FL, gb)  # fmt: skip
     if done & ((route == cf.R_DONE) | (route == cf.R_EXACT)):
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, route.to(tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
