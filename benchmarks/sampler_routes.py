@@ -75,6 +75,9 @@ def census(logits: torch.Tensor, params, positions: torch.Tensor, config=None) -
     table = SamplingTensors.from_params(params, V, logits.device)
     out = SamplerOutput.allocate(B, logits.device, None)
     ws = Workspace.allocate(B, V, logits.device, cfg)
+    # the default variant's tail empties both lists at each call; the others never touch them
+    ws.listed.zero_()
+    ws.refine.zero_()
     launch.sample(logits, torch.arange(B, device=logits.device), positions, table, out, None,
                   gx.choose_variant(params), config=cfg, workspace=ws)  # fmt: skip
     ri = ws.rowi.cpu()

@@ -9,7 +9,7 @@ import sampler_routes  # noqa: E402
 import torch  # noqa: E402
 
 import graphexec as gx  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_DONE, SamplerConfig  # noqa: E402
+from graphexec.sampling.triton.sampler_config import R_DONE, SamplerConfig, Workspace  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -40,3 +40,22 @@ def test_the_command_line_prints_one_line(capsys) -> None:
     line = capsys.readouterr().out.strip()
     assert line.startswith("min_p peaked V=1024 B=2: 2 rows") and "round 1: " in line
     assert len(c.route) == 2
+
+
+def test_a_variant_without_the_selection_lists_no_rows(monkeypatch) -> None:
+    """top_k_top_p's launch never writes the row lists: a workspace whose memory held old
+    lists still reads back none."""
+    allocate = Workspace.allocate
+
+    def stale(*args, **kw):
+        ws = allocate(*args, **kw)
+        ws.listed.fill_(1)  # one row listed: row 1
+        ws.refine.fill_(1)
+        return ws
+
+    monkeypatch.setattr(Workspace, "allocate", stale)
+    B, V = 2, 1024
+    logits = sampler_routes.make_logits("peaked", B, V, torch.float32, torch.device("cpu"))
+    params = [gx.SamplingParams(seed=b, temperature=0.8, top_k=50, top_p=0.9) for b in range(B)]
+    c = sampler_routes.census(logits, params, torch.arange(B), SamplerConfig.interpreter())
+    assert c.round1 == [] and c.round2 == []
