@@ -10,7 +10,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from graphexec.rng import Stream, gumbel, random_bits, uniform  # noqa: E402
-from graphexec.sampling.triton.philox import block_bits  # noqa: E402
+from graphexec.sampling.triton.philox import block_bits, token_bits  # noqa: E402
 from graphexec.sampling.triton.philox import gumbel as tl_gumbel  # noqa: E402
 from graphexec.sampling.triton.philox import to_uniform as tl_to_uniform  # noqa: E402
 
@@ -86,6 +86,28 @@ def test_uniform_and_gumbel_from_kernels() -> None:
     ref = gumbel(seed[:, None], pos[:, None], tok[None, :])
     # log may differ in the last ulp between backends (DESIGN.md); the uniforms may not
     torch.testing.assert_close(g, ref, rtol=2e-6, atol=1e-6)
+
+
+@triton.jit
+def _ids_kernel(seed_ptr, pos_ptr, ids_ptr, out_ptr, N, STREAM: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """Row r's words of the N token ids at ids_ptr (any order): grid (rows,)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + i, mask=i < N, other=0)
+    bits = token_bits(tl.load(seed_ptr + row), tl.load(pos_ptr + row), ids, STREAM)
+    tl.store(out_ptr + row * N + i, bits.to(tl.int64), mask=i < N)
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+def test_token_bits_equal_block_bits_at_any_ids(stream: int) -> None:
+    # ids out of order, repeated, each residue mod 4, past 2**16 (the vocabularies' range)
+    seed, pos = _grid_rows()
+    ids = torch.tensor([5, 0, 151935, 3, 4, 4, 1027, 65538, 2, 128255, 1, 99], device=DEV)
+    got = torch.empty((len(seed), len(ids)), dtype=torch.int64, device=DEV)
+    _ids_kernel[(len(seed),)](seed, pos, ids.to(torch.int32), got, len(ids), stream, 16)
+    want = random_bits(seed[:, None], pos[:, None], ids[None, :], stream)
+    assert torch.equal(got, want)
 
 
 @triton.jit

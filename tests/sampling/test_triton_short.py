@@ -13,6 +13,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from graphexec.sampling.triton import sampler_config as cf  # noqa: E402
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
@@ -106,3 +107,17 @@ def test_real_top_p_rows_fit_the_short_route() -> None:
     both = run_both(params, logits, SamplerConfig.gpu().replace(check_blocks=0))
     assert_same(both.ref, both.tri)
     assert both.routes == [int(R_DONE)] * len(rows)
+
+
+def test_fallback_draws_from_the_gathered_candidates_equal_the_reference() -> None:
+    """Rows whose candidate is out and whose kept set (several tokens in several blocks)
+    the short route resolves: their fallback draw, taken over the gathered candidates
+    (`draw.gathered_fallback`), is the reference's two-level draw over the row."""
+    B, V = 48, 1024  # the GPU preset's blocks of 128: a few kept tokens in a block
+    params = [P(seed=200 + i, temperature=(1.0, 1.5)[i % 2], top_p=(0.5, 0.7, 0.9)[i % 3])
+              for i in range(B)]  # fmt: skip
+    both = run_both(params, logits_of("peaked", B, V, seed=6), CONFIGS["gpu_short"])
+    assert_same(both.ref, both.tri)
+    selected = set(both.ws.listed[1 : 1 + int(both.ws.listed[0])].tolist())  # round 1's
+    out = [r for r in range(B) if int(both.ws.rowi[r, int(cf.I_CAND)]) == -1 and r not in selected]
+    assert len(out) >= 8, out  # candidate out, drawn by the short route

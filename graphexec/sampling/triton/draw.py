@@ -25,8 +25,15 @@ import triton.language as tl
 
 from graphexec.rng import Stream
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.keys import INT32_MAX, collapse_inf, first_argmax, pack
-from graphexec.sampling.triton.philox import block_bits, gumbel
+from graphexec.sampling.triton.keys import (
+    INT32_MAX,
+    PAD_KEY,
+    collapse_inf,
+    first_argmax,
+    pack,
+    unpack,
+)
+from graphexec.sampling.triton.philox import block_bits, gumbel, token_bits
 from graphexec.sampling.triton.process import tile_x
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -140,6 +147,39 @@ def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w,
         tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top,
                                        inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2,
                                        DB, NBINS, FL, FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
+    return tok
+
+
+@triton.jit
+def gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB: tl.constexpr,
+                      ST: tl.constexpr, WCAP: tl.constexpr):  # fmt: skip
+    """`fallback_draw` of a row whose n <= ST gathered candidates (W.gath) hold its whole
+    kept set (packs >= cut, y >= lnmp; their K_b in W.kept): the same two-level draw, each
+    block's key and each token's noise taken at the gathered tokens themselves, so no
+    block of the row is read again and only ST tokens' noise is drawn."""
+    cand = tl.load(W.rowi + row * cf.NUM_I + cf.I_CAND).to(tl.int32)
+    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+    keep = kept_mask(yc, pack(yc, tl.maximum(cand, 0)), -FLT_MAX, 0.0, 0.0, 0, 1 << 30,
+                     (1 << 30) + 1, 1 << 30, cut, 0, lnmp, 1)  # fmt: skip
+    tok = cand
+    if (cand < 0) | (keep == 0):
+        c = tl.arange(0, ST)
+        keys = tl.load(W.gath + row * WCAP + c, mask=c < n, other=PAD_KEY)
+        y, ids = unpack(keys)
+        kept = (c < n) & (keys >= cut) & (y >= lnmp)
+        b = ids // DB
+        kv = tl.load(W.kept + row * NBLK + b, mask=kept, other=0, cache_modifier=".cg")
+        xm = tl.load(W.xm + row * NBLK + b, mask=kept, other=float("-inf"))
+        lm = tl.where(kv > 0, block_y(xm, m, s, False) + tl.log(kv.to(tl.float32)),
+                      float("-inf"))  # fmt: skip
+        key = tl.where(kept, lm + gumbel(token_bits(seed, pos, b, FALLBACK_BLOCK)),
+                       float("-inf"))  # fmt: skip
+        best = tl.max(key, axis=0)
+        bstar = tl.min(tl.where(kept & (key == best), b, INT32_MAX), axis=0)
+        sc = tl.where(kept & (b == bstar), y + gumbel(token_bits(seed, pos, ids, FALLBACK_TOKEN)),
+                      float("-inf"))  # fmt: skip
+        top = tl.max(sc, axis=0)
+        tok = tl.min(tl.where(sc == top, ids, INT32_MAX), axis=0)
     return tok
 
 

@@ -3,8 +3,8 @@ bit-identical to the torch reference (`graphexec.rng` holds the definition).
 
 `philox4x32` is the raw generator on uint32 tensors; `block_bits` the words of a run of
 consecutive tokens, one Philox call per 4 tokens whose 4 outputs are put back in token
-order (the draw's block noise and token noise); `to_uniform` / `gumbel` the exact
-integer-to-float map and the Gumbel transform.
+order (the draw's block noise and token noise); `token_bits` the same words of any ids;
+`to_uniform` / `gumbel` the exact integer-to-float map and the Gumbel transform.
 """
 
 from __future__ import annotations
@@ -53,6 +53,19 @@ def block_bits(seed, pos, start, BLOCK: tl.constexpr, STREAM: tl.constexpr):
     c3 = tl.zeros((G,), tl.uint32)
     r0, r1, r2, r3 = philox4x32(c0, c1, c2, c3, c3 + k0, c3 + k1)
     return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK,))
+
+
+@triton.jit
+def token_bits(seed, pos, ids, STREAM: tl.constexpr):
+    """The words `block_bits` gives tokens ids (int32, any shape, any order): word ids % 4
+    of the Philox call at counter ids // 4."""
+    seed = seed.to(tl.int64)
+    c0 = (ids // 4).to(tl.uint32)
+    z = c0 * 0
+    r0, r1, r2, r3 = philox4x32(c0, z + pos.to(tl.int64).to(tl.uint32), z + STREAM, z,
+                                z + seed.to(tl.uint32), z + (seed >> 32).to(tl.uint32))  # fmt: skip
+    w = ids % 4
+    return tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
 
 
 @triton.jit

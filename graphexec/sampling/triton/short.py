@@ -19,7 +19,7 @@ import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw
+from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw, gathered_fallback
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
 from graphexec.sampling.triton.process import list_ids, list_tile, row_inputs
 from graphexec.sampling.triton.select import list_append
@@ -178,6 +178,7 @@ def _short_kernel(
         cut = tl.full([], PAD_KEY, tl.int64)
         # min-p alone: K_b of the cut blocks over y >= log_min_p, when they are few (one
         # program reads them here; the kept pass spreads more over several)
+        n = tl.zeros([], dtype=tl.int32)
         resolved = (route == cf.R_CUT) & (n_list <= SB // 4)
         if resolved:
             cut_tiles(P, W, row, slot, ids, 0, n_list, n_list, lnmp, NBLK, R, DB, FL, True)
@@ -188,14 +189,16 @@ def _short_kernel(
                 resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK,
                                         DB, ST, WCAP, INTERP)  # fmt: skip
         if resolved:
-            tl.debug_barrier()
-            # R_CUT's plan stored every block's K_b (Q_b where kept whole); R_SELECT's kept
-            # tokens all lie in the listed blocks (ym_b >= lo)
-            rd = (b < NBLK) & (((b * 0 + route) == cf.R_CUT) | (ym >= lo))  # vectors only
-            kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
-            tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0,
-                                0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB,
-                                1, FL)  # fmt: skip
+            tl.debug_barrier()  # the kept masses, read back by every thread
+            if route == cf.R_CUT:
+                # its plan stored every block's K_b (Q_b where kept whole)
+                kv = tl.load(W.kept + row * NBLK + b, mask=b < NBLK, other=0,
+                             cache_modifier=".cg")  # fmt: skip
+                tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0,
+                                    0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK,
+                                    NBLK_P2, DB, 1, FL)  # fmt: skip
+            else:
+                tok = gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB, ST, WCAP)
             route = route * 0  # R_DONE
         if route == cf.R_DONE:
             tl.store(ri + cf.I_ROUTE, tl.zeros([], dtype=tl.int64))
