@@ -54,7 +54,9 @@ reads only the listed blocks: peaked rows a few dozen (the short route), flat on
 the row. The draw reads one block again (`reference`, step 6: a block by its exact kept
 mass K_b, then a token inside it, whatever the filters kept): greedy, the first block
 holding the max; else the block the two-level draw picks (ties also read the block of
-their last kept id).
+their last kept id). A fallback whose whole kept set the short route or top-k first has
+gathered (at most short_tokens tokens) is drawn over those tokens instead
+(`draw.gathered_fallback`: the same draw, no block read again).
 
 Why it is bounded: the kept set of a filtered row is a prefix of the row's order, so its
 cut is found by counting, never by sorting a set whose size depends on the data. min-p's
