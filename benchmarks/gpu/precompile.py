@@ -33,6 +33,8 @@ from pathlib import Path
 
 import compile_log  # beside this file: the log's line format
 
+from graphexec.runtime.triton_keys import settle
+
 
 def _open(path: Path, mode: str):
     return gzip.open(path, mode) if path.suffix == ".gz" else open(path, mode)
@@ -66,7 +68,10 @@ def compile_one(spec: str) -> tuple[str, float, str | None]:
     t = time.perf_counter()
     try:
         module, _, attr = name.rpartition(".")
-        kernel = getattr(importlib.import_module(module), attr)
+        mod = importlib.import_module(module)
+        # its key as the launchers have it: callees hashed first (`runtime.triton_keys`)
+        settle(mod)
+        kernel = getattr(mod, attr)
         if not hasattr(kernel, "_do_compile"):  # an autotuned kernel: its JITFunction
             kernel = kernel.fn
         _preload(kernel, json.loads(spec))

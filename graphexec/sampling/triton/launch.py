@@ -13,7 +13,9 @@ import triton
 from graphexec.kernels import dependent_launch
 from graphexec.params import SamplerVariant
 from graphexec.runtime.triton_env import interpreter_enabled
+from graphexec.runtime.triton_keys import settle
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
+from graphexec.sampling.triton import kept, logprobs, select, short, stats, tail
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
@@ -28,6 +30,10 @@ from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
 from graphexec.sampling.triton.stats import _check_kernel, _stats_kernel
 from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
+
+# the kernels' Triton cache keys, each after its callees' (`triton_keys`: the same keys
+# whichever kernel a process launches or compiles first)
+settle(kept, logprobs, select, short, stats, tail)
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
