@@ -20,8 +20,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 ROOT = Path(__file__).resolve().parents[2]
 # the row kernels whose callees read constexpr globals of other modules, and their modules
-KERNELS = [("tail", "_topk_kernel"), ("tail", "_tail_kernel"), ("short", "_short_kernel"),
-           ("kept", "_finish_kernel")]  # fmt: skip
+KERNELS = [("tail", "_topk_kernel"), ("kept", "_finish_kernel")]
 
 # the launcher's process: the module that launches them imported, keys read in launch order
 LAUNCHER = """
