@@ -1,5 +1,7 @@
 """Where the row tail's time goes: the Triton sampler's tail kernel run with phase clocks
-(`SamplerConfig.phase_clock`, `graphexec/sampling/triton/clock.py`), one program a row.
+(`SamplerConfig.phase_clock`, `graphexec/sampling/triton/clock.py`), one program a row at
+every B (`topk_programs` 1): the clocks are per SM, so a row that several programs serve
+(top_k_top_p's launch at small B) cannot be clocked, and here is not.
 
     python benchmarks/sampler_phases.py [--batch 1,128] [--vocab 128256,151936]
         [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--reps 20]
@@ -63,7 +65,7 @@ def run_case(shape: str, B: int, V: int, variant, reps: int, timer: Timer) -> di
     from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
 
     dev = timer.device
-    cfg = SamplerConfig.gpu().replace(phase_clock=True)
+    cfg = SamplerConfig.gpu().replace(phase_clock=True, topk_programs=1)
     logits = make_logits(shape, B, V, torch.float32, dev, seed=1)
     params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=i)
               for i in range(B)]  # fmt: skip
