@@ -155,9 +155,12 @@ def test_model_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, one_thread):
         assert sm["vs_plain"] == pytest.approx(sm["wall_us"] / r["replay"]["wall_us"])
         for mode in ("default", "eager"):
             hf = r["transformers"][mode]
-            assert "error" not in hf, hf
             assert hf["compiled"] is False  # transformers compiles on CUDA only
-            assert hf["tokens_per_s"] > 0 and hf["max_cache_len"] == 96
+            assert hf["max_cache_len"] == 96 and hf["t1_s"] > 0 and hf["t2_s"] > 0
+            if "error" in hf:  # one call each: on a loaded CPU t(N2) can come out below t(N1)
+                assert hf["error"].startswith("t(N2) <= t(N1)") and hf["t2_s"] <= hf["t1_s"], hf
+                continue
+            assert hf["tokens_per_s"] > 0
             assert r["vs_transformers"][mode] == pytest.approx(
                 r["tokens_per_s"] / hf["tokens_per_s"]
             )
