@@ -132,18 +132,26 @@ def candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed, pos, NBLK,
 
 
 @triton.jit
+def candidate_kept(W, row, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp,
+                   NBINS: tl.constexpr):  # fmt: skip
+    """(candidate, whether the row's kept set holds it) of a filtered row: W.rowi's I_CAND
+    (-1 once the candidate was known to be out: never kept) tested by `kept_mask`."""
+    cand = tl.load(W.rowi + row * cf.NUM_I + cf.I_CAND).to(tl.int32)
+    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
+    keep = kept_mask(yc, pack(yc, tl.maximum(cand, 0)), lo, top, inv_w, jhi, j1, j2, jlo, cut,
+                     midk, lnmp, NBINS)  # fmt: skip
+    return cand, (cand >= 0) & keep
+
+
+@triton.jit
 def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w, jhi, j1, j2,
                   jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
                   NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """The token of a filtered row once its kept set is known (the arguments of
     `two_level_draw`): its candidate where the set holds it (W.rowi's I_CAND, -1 once the
     candidate was known to be out), else the fallback draw over the set."""
-    cand = tl.load(W.rowi + row * cf.NUM_I + cf.I_CAND).to(tl.int32)
-    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
-    keep = kept_mask(yc, pack(yc, tl.maximum(cand, 0)), lo, top, inv_w, jhi, j1, j2, jlo, cut,
-                     midk, lnmp, NBINS)  # fmt: skip
-    tok = cand
-    if (cand < 0) | (keep == 0):
+    tok, keep = candidate_kept(W, row, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
+    if keep == 0:
         tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top,
                                        inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBLK, NBLK_P2,
                                        DB, NBINS, FL, FALLBACK_BLOCK, FALLBACK_TOKEN)  # fmt: skip
@@ -157,12 +165,9 @@ def gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB: tl.conste
     kept set (packs >= cut, y >= lnmp; their K_b in W.kept): the same two-level draw, each
     block's key and each token's noise taken at the gathered tokens themselves, so no
     block of the row is read again and only ST tokens' noise is drawn."""
-    cand = tl.load(W.rowi + row * cf.NUM_I + cf.I_CAND).to(tl.int32)
-    yc = tl.load(W.rowf + row * 8 + cf.F_YC)
-    keep = kept_mask(yc, pack(yc, tl.maximum(cand, 0)), -FLT_MAX, 0.0, 0.0, 0, 1 << 30,
-                     (1 << 30) + 1, 1 << 30, cut, 0, lnmp, 1)  # fmt: skip
-    tok = cand
-    if (cand < 0) | (keep == 0):
+    tok, keep = candidate_kept(W, row, -FLT_MAX, 0.0, 0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30,
+                               cut, 0, lnmp, 1)  # fmt: skip
+    if keep == 0:
         c = tl.arange(0, ST)
         keys = tl.load(W.gath + row * WCAP + c, mask=c < n, other=PAD_KEY)
         y, ids = unpack(keys)
