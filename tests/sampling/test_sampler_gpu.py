@@ -321,19 +321,27 @@ def test_benchmark_rows_of_the_default_variant(shape, filt):
 @pytest.mark.parametrize("shape", ["peaked", "flat"])
 def test_top_k_first_parts_leave_the_total_bits(shape):
     """The top_k_top_p row launch serves a row alone by 16 programs (one draws the
-    candidate, the others gather) and a row of a batch of 128 by one: the same token, and
-    the same bits of the row's one float sum, the top-p total of rows with top-k off
-    (`tail.tail_row`: the parts' code must not change its reduction's layout)."""
+    candidate, the others gather) and a row of a batch past the SM count by one, under the
+    register cap of such a batch (`SamplerConfig.wide_registers`): the same token, and the
+    same bits of the row's one float sum, the top-p total of rows with top-k off
+    (`tail.tail_row`: neither the parts' code nor the cap may change its reduction)."""
     from graphexec.sampling.triton import launch
-    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, topk_parts
+    from graphexec.sampling.triton.sampler_config import (
+        SamplerConfig,
+        Workspace,
+        topk_parts,
+        topk_registers,
+    )
 
-    V, B = 128256, 128
+    sms = launch.sm_count(torch.device("cuda"))
+    V, B = 128256, max(128, sms + 8)
     logits = shape_logits(shape, B, V, seed=29)
     params = [P(seed=i, temperature=0.8, top_k=(0, 50, 0, 1000)[i % 4],
                 top_p=(0.9, 0.9, 0.5, 0.95)[i % 4]) for i in range(B)]  # fmt: skip
     table = SamplingTensors.from_params(params, V, "cuda")
     cfg = SamplerConfig.gpu()
     assert topk_parts(cfg, 1) == 16 and topk_parts(cfg, B) == 1
+    assert topk_registers(cfg, 16, sms) == 0 < topk_registers(cfg, B, sms)
 
     def run(rows):
         n = len(rows)

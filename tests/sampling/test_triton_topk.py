@@ -18,7 +18,12 @@ from hypothesis import strategies as st  # noqa: E402
 from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
-from graphexec.sampling.triton.sampler_config import R_DONE, R_EXACT  # noqa: E402
+from graphexec.sampling.triton.sampler_config import (  # noqa: E402
+    R_DONE,
+    R_EXACT,
+    SamplerConfig,
+    topk_registers,
+)
 from graphexec.sampling.triton.topk import kth_largest  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
@@ -301,3 +306,20 @@ def test_phase_clocks_change_no_token(variant: SamplerVariant) -> None:
     ref, tri, ws = _run(_params(B, V), logits_of("randn3", B, V, seed=8), cfg, variant=variant)
     assert_same(ref, tri)
     assert not ws.clock.any()
+
+
+def test_the_row_launch_caps_registers_only_past_the_sm_count():
+    """Its programs get `wide_registers` only when they outnumber the SMs (two an SM, not
+    two waves), never off a GPU; 0 turns the cap off; a cap outside 16..255 names the field
+    (GPU: test_sampler_gpu's test_top_k_first_parts_leave_the_total_bits, capped against
+    uncapped, the same tokens and bits)."""
+    from graphexec.sampling.triton import launch
+
+    cfg = SamplerConfig.gpu()
+    assert cfg.wide_registers and topk_registers(cfg, 132, 132) == 0
+    assert topk_registers(cfg, 133, 132) == cfg.wide_registers
+    assert topk_registers(cfg, 10_000, None) == 0
+    assert topk_registers(cfg.replace(wide_registers=0), 133, 132) == 0
+    assert launch.sm_count(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="wide_registers must be 0 or in 16..255"):
+        SamplerConfig(wide_registers=8)

@@ -25,6 +25,7 @@ from graphexec.sampling.triton.sampler_config import (
     split,
     stats_tile,
     topk_parts,
+    topk_registers,
 )
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
@@ -34,6 +35,13 @@ from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
 # the kernels' Triton cache keys, each after its callees' (`triton_keys`: the same keys
 # whichever kernel a process launches or compiles first)
 settle(kept, logprobs, select, short, stats, tail)
+
+
+def sm_count(device: torch.device) -> int | None:
+    """The device's SMs (None: not a GPU, or the interpreter)."""
+    if device.type != "cuda" or interpreter_enabled():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -85,10 +93,11 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
+        cap = topk_registers(cfg, B * parts, sm_count(logits.device))
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
                                    **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
-                                   **rows)  # fmt: skip
+                                   **rows, **({"maxnreg": cap} if cap else {}))  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,

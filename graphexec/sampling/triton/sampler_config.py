@@ -102,6 +102,11 @@ class SamplerConfig:
         H200): at 40, more warps are resident and it keeps its loop's instructions,
         spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
         filtered passes were slower at 40, so they keep the compiler's choice.
+    wide_registers: most registers a thread of the top_k_top_p row launch holds when its
+        programs outnumber the device's SMs (0: the compiler's choice, 225 on sm_90 at 8
+        warps, where one program fills an SM's register file and such a batch runs its rows
+        in two waves; at 128 two programs share an SM). Only registers change, not the code
+        or its reductions' layout: the same bits.
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
@@ -129,6 +134,7 @@ class SamplerConfig:
     tail_warps: int = 8
     pdl: bool = True
     stats_registers: int = 40
+    wide_registers: int = 128
     phase_clock: bool = False
 
     def __post_init__(self) -> None:
@@ -149,9 +155,10 @@ class SamplerConfig:
         for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.stats_registers and not 16 <= self.stats_registers <= 255:
-            raise ValueError("SamplerConfig.stats_registers must be 0 or in 16..255, got "
-                             f"{self.stats_registers}")  # fmt: skip
+        for name in ("stats_registers", "wide_registers"):
+            v = getattr(self, name)
+            if v and not 16 <= v <= 255:
+                raise ValueError(f"SamplerConfig.{name} must be 0 or in 16..255, got {v}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "stats_programs", "check_programs", "late_programs",
@@ -195,6 +202,13 @@ def topk_parts(config: SamplerConfig, B: int) -> int:
     """Programs a row of the top_k_top_p row launch (`SamplerConfig.topk_programs`): 1 to
     16; above 1, one draws the candidate and the others gather (`tail.tail_row`)."""
     return max(1, min(16, config.topk_programs // max(B, 1)))
+
+
+def topk_registers(config: SamplerConfig, programs: int, sms: int | None) -> int:
+    """The top_k_top_p row launch's register cap (`SamplerConfig.wide_registers`) for this
+    many programs on a device of `sms` SMs (None: not a GPU): 0, none, unless they
+    outnumber the SMs."""
+    return config.wide_registers if sms is not None and programs > sms else 0
 
 
 def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
