@@ -257,6 +257,39 @@ def test_bench_shapes_take_the_fast_routes(shape):
     assert_equal_up_to_near_ties(logits, params, pos, ref, out.token_ids)
 
 
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_default_rows_past_the_sm_count_equal_each_row_alone(shape):
+    """The default variant's row launches (tail, short route, finish) under the register cap
+    of a batch past the SM count (`SamplerConfig.wide_registers`) against the same rows
+    alone, uncapped: the same tokens, on rows of each route (unfiltered, top-k first, the
+    candidate's check, the short route, the selection passes, min-p's cut)."""
+    from graphexec.sampling.triton import launch
+    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, row_registers
+
+    sms = launch.sm_count(torch.device("cuda"))
+    V, B = 128256, sms + 8
+    cfg = SamplerConfig.gpu()
+    assert row_registers(cfg, B, sms) > 0 == row_registers(cfg, 1, sms)
+    logits = shape_logits(shape, B, V, seed=31)
+    kinds = BENCH_PARAMS + [dict(top_k=1000, top_p=0.95)]
+    params = [P(seed=i, temperature=(0.7, 1.0)[i % 2], **kinds[i % len(kinds)])
+              for i in range(B)]  # fmt: skip
+    table = SamplingTensors.from_params(params, V, "cuda")
+
+    def run(rows):
+        n = len(rows)
+        out, ws = SamplerOutput.allocate(n, "cuda", None), Workspace.allocate(n, V, "cuda", cfg)
+        launch.sample(logits[rows], torch.tensor(rows, device="cuda"),
+                      torch.tensor(rows, device="cuda"), table, out, config=cfg,
+                      workspace=ws)  # fmt: skip
+        assert out.valid.all()
+        return out.token_ids
+
+    tok_all = run(list(range(B)))
+    for r in range(0, B, 7):
+        assert run([r]).item() == tok_all[r].item(), r
+
+
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
                                    dict(short_blocks=0), dict(check_blocks=0),
@@ -329,8 +362,8 @@ def test_top_k_first_parts_leave_the_total_bits(shape):
     from graphexec.sampling.triton.sampler_config import (
         SamplerConfig,
         Workspace,
+        row_registers,
         topk_parts,
-        topk_registers,
     )
 
     sms = launch.sm_count(torch.device("cuda"))
@@ -341,7 +374,7 @@ def test_top_k_first_parts_leave_the_total_bits(shape):
     table = SamplingTensors.from_params(params, V, "cuda")
     cfg = SamplerConfig.gpu()
     assert topk_parts(cfg, 1) == 16 and topk_parts(cfg, B) == 1
-    assert topk_registers(cfg, 16, sms) == 0 < topk_registers(cfg, B, sms)
+    assert row_registers(cfg, 16, sms) == 0 < row_registers(cfg, B, sms)
 
     def run(rows):
         n = len(rows)

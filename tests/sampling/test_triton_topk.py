@@ -22,7 +22,7 @@ from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_DONE,
     R_EXACT,
     SamplerConfig,
-    topk_registers,
+    row_registers,
 )
 from graphexec.sampling.triton.topk import kth_largest  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
@@ -309,17 +309,18 @@ def test_phase_clocks_change_no_token(variant: SamplerVariant) -> None:
 
 
 def test_the_row_launch_caps_registers_only_past_the_sm_count():
-    """Its programs get `wide_registers` only when they outnumber the SMs (two an SM, not
-    two waves), never off a GPU; 0 turns the cap off; a cap outside 16..255 names the field
-    (GPU: test_sampler_gpu's test_top_k_first_parts_leave_the_total_bits, capped against
-    uncapped, the same tokens and bits)."""
+    """A row launch's programs get `wide_registers` only when they outnumber the SMs (two
+    an SM, not two waves), never off a GPU; 0 turns the cap off; a cap outside 16..255
+    names the field (GPU, capped against uncapped, the same tokens and bits: test_sampler_gpu's
+    test_top_k_first_parts_leave_the_total_bits and
+    test_default_rows_past_the_sm_count_equal_each_row_alone)."""
     from graphexec.sampling.triton import launch
 
     cfg = SamplerConfig.gpu()
-    assert cfg.wide_registers and topk_registers(cfg, 132, 132) == 0
-    assert topk_registers(cfg, 133, 132) == cfg.wide_registers
-    assert topk_registers(cfg, 10_000, None) == 0
-    assert topk_registers(cfg.replace(wide_registers=0), 133, 132) == 0
+    assert cfg.wide_registers and row_registers(cfg, 132, 132) == 0
+    assert row_registers(cfg, 133, 132) == cfg.wide_registers
+    assert row_registers(cfg, 10_000, None) == 0
+    assert row_registers(cfg.replace(wide_registers=0), 133, 132) == 0
     assert launch.sm_count(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="wide_registers must be 0 or in 16..255"):
         SamplerConfig(wide_registers=8)

@@ -22,10 +22,10 @@ from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.sampler_config import (
     SamplerConfig,
     Workspace,
+    row_registers,
     split,
     stats_tile,
     topk_parts,
-    topk_registers,
 )
 from graphexec.sampling.triton.select import _select_kernel
 from graphexec.sampling.triton.short import _short_kernel
@@ -91,9 +91,13 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     tkst = min(cfg.short_tokens, cfg.gather_cap)
     tkmt = min(cfg.mid_tokens, cfg.gather_cap)
     sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
+    # the filtered row launches' register cap past the SM count (`wide_registers`)
+    sms = sm_count(logits.device)
+    cap = row_registers(cfg, B, sms) if variant is SamplerVariant.DEFAULT else 0
+    wrows = dict(rows, **({"maxnreg": cap} if cap else {}))
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
-        cap = topk_registers(cfg, B * parts, sm_count(logits.device))
+        cap = row_registers(cfg, B * parts, sms)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
                                    **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
@@ -103,7 +107,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
                            TKF=cfg.top_k_first if filters else 0, **sorts,
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                           PROF=cfg.phase_clock, **search, **rows)  # fmt: skip
+                           PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
@@ -112,10 +116,11 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
                             R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
                             ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                            INTERP=interpreter_enabled(), NBINS=cfg.bins, **rows)  # fmt: skip
+                            INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps)
+        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps,
+                      **({"maxnreg": cap} if cap else {}))
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)
         for round2, grid in ((False, max(G2, B)), (True, G2)):
