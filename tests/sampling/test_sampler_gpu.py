@@ -257,12 +257,13 @@ def test_bench_shapes_take_the_fast_routes(shape):
     assert_equal_up_to_near_ties(logits, params, pos, ref, out.token_ids)
 
 
-@pytest.mark.parametrize("shape", ["peaked", "flat"])
-def test_default_rows_past_the_sm_count_equal_each_row_alone(shape):
-    """The default variant's row launches (tail, short route, finish) under the register cap
-    of a batch past the SM count (`SamplerConfig.wide_registers`) against the same rows
-    alone, uncapped: the same tokens, on rows of each route (unfiltered, top-k first, the
-    candidate's check, the short route, the selection passes, min-p's cut)."""
+@pytest.mark.parametrize("shape, num_top", [("peaked", None), ("flat", 2)])
+def test_default_rows_past_the_sm_count_equal_each_row_alone(shape, num_top):
+    """The default variant's row launches (tail, short route, finish; the raw logprobs
+    writer) under the register cap of a batch past the SM count
+    (`SamplerConfig.wide_registers`) against the same rows alone, uncapped: the same tokens,
+    on rows of each route (unfiltered, top-k first, the candidate's check, the short route,
+    the selection passes, min-p's cut), and the same logprobs to the bit."""
     from graphexec.sampling.triton import launch
     from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace, row_registers
 
@@ -272,22 +273,26 @@ def test_default_rows_past_the_sm_count_equal_each_row_alone(shape):
     assert row_registers(cfg, B, sms) > 0 == row_registers(cfg, 1, sms)
     logits = shape_logits(shape, B, V, seed=31)
     kinds = BENCH_PARAMS + [dict(top_k=1000, top_p=0.95)]
-    params = [P(seed=i, temperature=(0.7, 1.0)[i % 2], **kinds[i % len(kinds)])
-              for i in range(B)]  # fmt: skip
+    params = [P(seed=i, temperature=(0.7, 1.0)[i % 2], logprobs=num_top,
+                **kinds[i % len(kinds)]) for i in range(B)]  # fmt: skip
     table = SamplingTensors.from_params(params, V, "cuda")
 
     def run(rows):
         n = len(rows)
-        out, ws = SamplerOutput.allocate(n, "cuda", None), Workspace.allocate(n, V, "cuda", cfg)
+        out = SamplerOutput.allocate(n, "cuda", num_top)
+        ws = Workspace.allocate(n, V, "cuda", cfg, num_top is not None)
         launch.sample(logits[rows], torch.tensor(rows, device="cuda"),
                       torch.tensor(rows, device="cuda"), table, out, config=cfg,
                       workspace=ws)  # fmt: skip
         assert out.valid.all()
-        return out.token_ids
+        if num_top is None:
+            return (out.token_ids,)
+        return out.token_ids, out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids
 
-    tok_all = run(list(range(B)))
+    full = run(list(range(B)))
     for r in range(0, B, 7):
-        assert run([r]).item() == tok_all[r].item(), r
+        for a, b in zip(run([r]), full, strict=True):
+            assert torch.equal(a[0], b[r]), r
 
 
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),

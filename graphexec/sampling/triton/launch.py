@@ -132,6 +132,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         n = out.num_top or 0
         cap = cfg.logprobs_cap
         interp = interpreter_enabled()
+        lp_cap = row_registers(cfg, B, sms)  # (184 registers on sm_90: one program an SM)
         y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
         done = torch.empty(B, dtype=torch.int32, device=logits.device)
         _raw_logprobs_kernel[(B,)](
@@ -140,6 +141,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             out.top_token_ids if n else out.ranks, done, nblk, N=n,
             N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
             CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
+            **({"maxnreg": lp_cap} if lp_cap else {}),
         )  # fmt: skip
         write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=pdl)
     return out

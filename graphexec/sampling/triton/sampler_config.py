@@ -102,12 +102,12 @@ class SamplerConfig:
         H200): at 40, more warps are resident and it keeps its loop's instructions,
         spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
         filtered passes were slower at 40, so they keep the compiler's choice.
-    wide_registers: most registers a thread of a filtered variant's row launches holds (one
-        program a row: the row tail, the short route, finish; top_k_top_p's row launch) when
-        their programs outnumber the device's SMs (0: the compiler's choice, 194 to 238 on
-        sm_90 at 8 warps, where one program fills an SM's register file and such a batch
-        runs its rows in two waves; at 128 two programs share an SM). Only registers change,
-        not the code or its reductions' layout: the same bits.
+    wide_registers: most registers a thread of a row launch holds (one program a row: a
+        filtered variant's row tail, short route and finish, top_k_top_p's row launch, the
+        raw logprobs writer) when its programs outnumber the device's SMs (0: the compiler's
+        choice, 184 to 238 on sm_90 at 8 warps, where one program fills an SM's register
+        file and such a batch runs its rows in two waves; at 128 two programs share an SM).
+        Only registers change, not the code or its reductions' layout: the same bits.
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
