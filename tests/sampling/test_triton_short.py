@@ -4,17 +4,21 @@ their route."""
 
 from __future__ import annotations
 
-from tests.interpreter import ensure_interpreter
+from tests.interpreter import ensure_interpreter, interpreter_enabled
 
 ensure_interpreter()
 
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from graphexec.sampling.triton import sampler_config as cf  # noqa: E402
 from graphexec.sampling.triton.sampler_config import R_CUT, R_DONE, R_SELECT, SamplerConfig  # noqa: E402
+from graphexec.sampling.triton.short import put_candidates  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
     CONFIGS,
     P,
@@ -121,3 +125,66 @@ def test_fallback_draws_from_the_gathered_candidates_equal_the_reference() -> No
     selected = set(both.ws.listed[1 : 1 + int(both.ws.listed[0])].tolist())  # round 1's
     out = [r for r in range(B) if int(both.ws.rowi[r, int(cf.I_CAND)]) == -1 and r not in selected]
     assert len(out) >= 8, out  # candidate out, drawn by the short route
+
+
+class _Bufs(NamedTuple):  # the Workspace fields put_candidates writes
+    gath: torch.Tensor
+    gath_x: torch.Tensor
+    kept: torch.Tensor
+
+
+@triton.jit
+def _put_kernel(W, X, Y, C, BID, first, CAP, NBLK, R: tl.constexpr, DB: tl.constexpr,
+                WCAP: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    i = t * R * DB + tl.arange(0, R)[:, None] * DB + tl.arange(0, DB)[None, :]
+    bid = tl.load(BID + t * R + tl.arange(0, R))
+    offs = bid[:, None] * DB + tl.arange(0, DB)[None, :]
+    c = tl.load(C + i)
+    put_candidates(W, t, tl.load(X + i), tl.load(Y + i), offs, bid, c, tl.sum(c, axis=1),
+                   first, CAP, NBLK, R, WCAP)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreter_enabled(), reason="CUDA host")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])  # fmt: skip
+def test_put_candidates_fills_the_slots_in_list_order(device: str) -> None:
+    """A tile's candidates into the gather buffers (each tile a row of its own here): their
+    packs and the bits of their x in list order from slot `first`, cut at CAP, nothing
+    else written, and the tile's blocks' K_b zeroed, against torch; interpreted (tl.store)
+    and on the GPU (`store.put_here`'s predicated PTX stores)."""
+    R, DB, NBLK, WCAP = 4, 32, 9, 16
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, R, DB, generator=g)
+    x[0, 1, 5] = -0.0  # the bits of x kept
+    y = x * 1.25 - 0.5
+    c = torch.zeros(6, R, DB, dtype=torch.int32)
+    for t, per_block in enumerate([(1, 1, 1, 1), (0, 2, 1, 0), (2, 2, 2, 2), (1, 5, 0, 1),
+                                   (0, 0, 0, 0), (3, 1, 1, 1)]):  # fmt: skip
+        for r, n in enumerate(per_block):
+            c[t, r, torch.randperm(DB, generator=g)[:n]] = 1
+    c[0, 1, 5] = 1
+    bid = torch.tensor([[3, 0, 7, 8], [1, 2, 4, 6], [0, 1, 2, 3], [5, 6, 7, 8], [0, 1, 2, 3],
+                        [8, 4, 2, 0]], dtype=torch.int32)  # fmt: skip
+    first, cap = 2, 8
+    W = _Bufs(torch.full((6, WCAP), -7, dtype=torch.int64, device=device),
+              torch.full((6, WCAP), 9.0, device=device),
+              torch.full((6, NBLK), 5, dtype=torch.int64, device=device))  # fmt: skip
+    _put_kernel[(6,)](W, x.to(device), y.to(device), c.to(device), bid.to(device), first, cap,
+                      NBLK, R=R, DB=DB, WCAP=WCAP)  # fmt: skip
+    W = _Bufs(*(t.cpu() for t in W))
+    for t in range(6):
+        sel = c[t].bool()
+        ids = (bid[t, :, None].long() * DB + torch.arange(DB))[sel]
+        bits = y[t][sel].view(torch.int32).long()
+        keys = torch.where(y[t][sel] == 0, 0, torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+        n = min(int(sel.sum()), cap - first)
+        want = (keys << 32) | (0xFFFFFFFF - ids)
+        assert torch.equal(W.gath[t, first:first + n], want[:n]), t
+        assert torch.equal(W.gath_x[t, first:first + n].view(torch.int32),
+                           x[t][sel][:n].view(torch.int32)), t  # fmt: skip
+        assert (W.gath[t, :first] == -7).all() and (W.gath[t, first + n:] == -7).all()
+        touched = torch.zeros(NBLK, dtype=torch.bool)
+        touched[bid[t].long()] = True
+        assert (W.kept[t][touched] == 0).all() and (W.kept[t][~touched] == 5).all()
+    assert int(c[2].sum()) > cap - first and int(c[3].sum()) > cap - first  # (the cap cuts)

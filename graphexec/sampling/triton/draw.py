@@ -107,7 +107,9 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top,
     x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, FL), has_inf)
     y = (x - m) * s
     kept = kept_mask(y, pack(y, offs), lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
-    sc = tl.where(kept, y + gumbel(block_bits(seed, pos, start, DB, TS)), float("-inf"))
+    # each token's own words (`token_bits`: block_bits' words, computed where they are used,
+    # with no interleave to move between layouts while the block's load is in flight)
+    sc = tl.where(kept, y + gumbel(token_bits(seed, pos, offs, TS)), float("-inf"))
     best, tok = first_argmax(sc, offs, INT32_MAX)
     return tok, tl.max(tl.where(offs == tok, y, float("-inf")), axis=0)
 

@@ -41,6 +41,7 @@ from graphexec.sampling.triton.select import (
     plan_round2,
 )
 from graphexec.sampling.triton.short import cut_tiles
+from graphexec.sampling.triton.store import put_here
 
 FEW = tl.constexpr(64)  # gathered tokens resolved pairwise
 
@@ -266,8 +267,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         hz, lz = mass_hi_lo(tl.where((above | mid) & okm, zr, float("-inf")))
         ka = sum_halves(tl.where(above, hz, 0), tl.where(above, lz, 0), 1)
         km = sum_halves(tl.where(mid, hz, 0), tl.where(mid, lz, 0), 1)
-        tl.store(W.kept + row * NBLK + bid, ka, mask=bid < NBLK)
-        tl.store(W.kept_mid + row * NBLK + bid, km, mask=bid < NBLK)
+        put_here(W.kept + row * NBLK + bid, ka, bid < NBLK)  # (`store`: no layout moves)
+        put_here(W.kept_mid + row * NBLK + bid, km, bid < NBLK)
         hy, ly = mass_hi_lo(tl.where(above | mid, y, float("-inf")))
         n_ab += above.to(tl.int32)
         n_abm += (above & okm).to(tl.int32)
@@ -280,8 +281,8 @@ def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexp
         n_belm += (below & okm).to(tl.int32)
         n_bel += below.to(tl.int32)
         slots = tl.atomic_add(ng_ptr, 1, mask=brk, sem="relaxed")
-        tl.store(W.gath + row * WCAP + slots, pack(y, offs), mask=brk & (slots < WCAP))
-        tl.store(W.gath_x + row * WCAP + slots, x, mask=brk & (slots < WCAP))
+        put_here(W.gath + row * WCAP + slots, pack(y, offs), brk & (slots < WCAP))
+        put_here(W.gath_x + row * WCAP + slots, x, brk & (slots < WCAP))
     k = tl.arange(0, 8)
     n = tl.where(k == 0, tile_total(n_ab), tl.where(k == 1, tile_total(n_abm), 0))
     n += tl.where(k == 2, tile_mass(hi_ab, lo_ab), 0)

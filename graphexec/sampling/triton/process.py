@@ -28,6 +28,7 @@ from triton.language.extra.cuda import num_threads
 
 from graphexec.sampling.tensors import SamplingTensors
 from graphexec.sampling.triton.keys import _INTERP
+from graphexec.sampling.triton.store import put_here
 
 
 class Inputs(NamedTuple):
@@ -220,7 +221,7 @@ def list_blocks(W, row, sel, NBLK, NBLK_P2: tl.constexpr):
     """Store the ids of the selected blocks (sel [NBLK_P2]), ascending, as the row's block
     list (`list_tile` reads it); returns how many."""
     b = tl.arange(0, NBLK_P2)
-    tl.store(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, mask=sel)
+    put_here(W.blocks + row * NBLK + tl.cumsum(sel.to(tl.int32), axis=0) - 1, b, sel)
     return tl.sum(sel.to(tl.int32), axis=0)
 
 

@@ -24,6 +24,7 @@ from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_de
 from graphexec.sampling.triton.process import list_ids, list_tile, row_inputs
 from graphexec.sampling.triton.select import list_append
 from graphexec.sampling.triton.stats import plan_row
+from graphexec.sampling.triton.store import put_here
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def cut_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
         xmb = tl.load(W.xm + row * NBLK + bid, mask=bid < NBLK, other=float("-inf"))
         z = (x - tl.where(xmb > float("-inf"), xmb, 0.0)[:, None]) * s
         kb = sum_mass((y > float("-inf")) & (y >= lnmp), z, 1)
-        tl.store(W.kept + row * NBLK + bid, kb, mask=bid < NBLK)
+        put_here(W.kept + row * NBLK + bid, kb, bid < NBLK)
 
 
 @triton.jit
@@ -85,8 +86,9 @@ def put_candidates(W, row, x, y, offs, bid, c, cnt, first, CAP, NBLK, R: tl.cons
     and pointers between layouts through shared memory, a barrier each."""
     at = first + (tl.cumsum(cnt, axis=0) - cnt)[:, None] + tl.cumsum(c, axis=1) - 1
     put = (c != 0) & (at < CAP)
-    tl.store(W.gath + row * WCAP + at, pack(y, offs), mask=put)
-    tl.store(W.gath_x + row * WCAP + at, x, mask=put)
+    # from the tile's layout (`store`): a scatter of a few would move the whole tile
+    put_here(W.gath + row * WCAP + at, pack(y, offs), put)
+    put_here(W.gath_x + row * WCAP + at, x, put)
     tl.store(W.kept + row * NBLK + bid, tl.zeros([R], tl.int64), mask=bid < NBLK)
 
 

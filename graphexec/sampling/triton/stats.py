@@ -19,7 +19,7 @@ from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.candidate import KEPT, OUT, count_above, decide
 from graphexec.sampling.triton.draw import FLT_MAX, row_blocks
-from graphexec.sampling.triton.keys import _INTERP, block_mass
+from graphexec.sampling.triton.keys import block_mass
 from graphexec.sampling.triton.process import (
     bias_ids,
     list_blocks,
@@ -28,6 +28,7 @@ from graphexec.sampling.triton.process import (
     row_inputs,
     widen,
 )
+from graphexec.sampling.triton.store import put_here
 
 
 @triton.jit
@@ -139,24 +140,6 @@ def plan_row(W, row, top_k, top_p, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.con
 
 
 @triton.jit
-def _put(ptrs, v, ok):
-    """tl.store of a tile's [R] block stats. A full tile's (ok None) on the GPU from the
-    reduction's layout, each thread its own rows (its warp's lanes store one value to one
-    address): tl.store would first move them to a layout of one owner each, through shared
-    memory and barriers."""
-    if ok is None and not _INTERP:
-        if v.dtype == tl.int64:
-            tl.inline_asm_elementwise("st.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l",
-                                      [ptrs, v], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-        else:
-            tl.inline_asm_elementwise("st.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                                      [ptrs, v.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-    else:
-        tl.store(ptrs, v, mask=ok)
-
-
-@triton.jit
 def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.constexpr):
     """Stores the stats of one tile's blocks at dst [R] (row * NBLK + block id) from their
     processed x and raw v ([R, DB], -inf past V); ok: block id < NBLK (None: a full tile)."""
@@ -165,10 +148,10 @@ def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.con
     # NaN at x = xm_b = +inf, which `block_mass` weighs 2**32 (the collapsed row's mass),
     # and at x = xm_b = -inf (a dead block: q = 0)
     q = tl.where(xm > float("-inf"), block_mass(x - xm[:, None], s), 0)
-    _put(W.xm + dst, xm, ok)
+    put_here(W.xm + dst, xm, ok)
     if XN:  # (a +inf entry cannot be below a finite one: no test for it)
-        _put(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1), ok)
-    _put(W.q + dst, q, ok)
+        put_here(W.xn + dst, tl.min(tl.where(x > float("-inf"), x, float("inf")), axis=1), ok)
+    put_here(W.q + dst, q, ok)
     if RAW_LP:  # the raw logits' block max and sum of exp, for raw-mode rows
         v = tl.where(v == v, v, float("-inf"))
         vm = tl.max(v, axis=1)
@@ -176,9 +159,9 @@ def _block_stats(W, dst, raw_mode, x, v, ok, s, RAW_LP: tl.constexpr, XN: tl.con
         e = tl.exp(tl.where(vf[:, None] & (v > float("-inf")),
                             v - tl.where(vf, vm, 0.0)[:, None], float("-inf")))  # fmt: skip
         if ok is None:
-            if raw_mode:  # (uniform: one branch, no mask for `_put`)
-                _put(W.raw_max + dst, vm, None)
-                _put(W.raw_sum + dst, tl.sum(e, axis=1), None)
+            if raw_mode:  # (uniform: one branch, no mask for `put_here`)
+                put_here(W.raw_max + dst, vm, None)
+                put_here(W.raw_sum + dst, tl.sum(e, axis=1), None)
         else:
             okr = tl.where(raw_mode, ok, False)
             tl.store(W.raw_max + dst, vm, mask=okr)
@@ -191,7 +174,7 @@ def _stats_tiles(P, W, row, slot, ids, s, raw_mode, t0, t1, NBLK, R: tl.constexp
                  BIAS: tl.constexpr, XN: tl.constexpr):  # fmt: skip
     """The stats of blocks t0 .. t1 - 1, R a tile: the read floor's loop. Full tiles (every
     token inside V) are read unmasked, each one's loads issued an iteration ahead of their
-    use, one ex2 a logit (`keys`), their stats stored without a barrier (`_put`); the loop
+    use, one ex2 a logit (`keys`), their stats stored without a barrier (`put_here`); the loop
     body has no branch (with logprobs: one, on the row's raw mode). Then the program's last
     tiles, masked."""
     rr = tl.arange(0, R)
