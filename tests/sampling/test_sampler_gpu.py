@@ -299,13 +299,14 @@ def test_default_rows_past_the_sm_count_equal_each_row_alone(shape, num_top):
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
-                                   dict(stats_registers=0), dict(pdl=False)])  # fmt: skip
+                                   dict(stats_registers=0), dict(pass_registers=96),
+                                   dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps,
     the short route off, every candidate decided by the cut or by the check pass, the
-    unfiltered stats pass without its register cap, plain launches (no kernel reading its
-    row's parameters before the wait for the one before it): the same tokens as the GPU
-    preset, on every shape and filter."""
+    unfiltered stats pass without its register cap, the passes with one, plain launches
+    (no kernel reading its row's parameters before the wait for the one before it): the
+    same tokens as the GPU preset, on every shape and filter."""
     from graphexec.sampling.triton.sampler_config import SamplerConfig
 
     V, B = 128256, 48

@@ -109,18 +109,20 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
+        passes = dict(common, **({"maxnreg": cfg.pass_registers}
+                                 if cfg.pass_registers and not interpreter_enabled() else {}))
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
-                                     **common)  # fmt: skip
+                                     **passes)  # fmt: skip
         # the short route, the check's plans, and round 1's row list
         _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
                             R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
                             ST=cfg.short_tokens, WCAP=cfg.gather_cap,
                             INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
-        late = dict(common, WCAP=cfg.gather_cap)
+        late = dict(passes, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps,
-                      **({"maxnreg": cap} if cap else {}))
+        finish = dict(common, WCAP=cfg.gather_cap, NBLK_P2=nblk_p2, **search,
+                      num_warps=cfg.tail_warps, **({"maxnreg": cap} if cap else {}))
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)
         for round2, grid in ((False, max(G2, B)), (True, G2)):

@@ -102,6 +102,9 @@ class SamplerConfig:
         H200): at 40, more warps are resident and it keeps its loop's instructions,
         spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
         filtered passes were slower at 40, so they keep the compiler's choice.
+    pass_registers: most registers a thread of the default variant's passes (check, select,
+        kept) holds (0: the compiler's choice, 96 to 255 on sm_90 at 4 warps: 2 to 5
+        programs an SM, for passes whose loads wait on the block list). Only registers.
     wide_registers: most registers a thread of a row launch holds (one program a row: a
         filtered variant's row tail, short route and finish, top_k_top_p's row launch, the
         raw logprobs writer) when its programs outnumber the device's SMs (0: the compiler's
@@ -135,6 +138,7 @@ class SamplerConfig:
     tail_warps: int = 8
     pdl: bool = True
     stats_registers: int = 40
+    pass_registers: int = 0
     wide_registers: int = 128
     phase_clock: bool = False
 
@@ -156,7 +160,7 @@ class SamplerConfig:
         for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("stats_registers", "wide_registers"):
+        for name in ("stats_registers", "pass_registers", "wide_registers"):
             v = getattr(self, name)
             if v and not 16 <= v <= 255:
                 raise ValueError(f"SamplerConfig.{name} must be 0 or in 16..255, got {v}")
