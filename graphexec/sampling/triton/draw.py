@@ -181,12 +181,10 @@ def gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB: tl.conste
                       float("-inf"))  # fmt: skip
         key = tl.where(kept, lm + gumbel(token_bits(seed, pos, b, FALLBACK_BLOCK)),
                        float("-inf"))  # fmt: skip
-        best = tl.max(key, axis=0)
-        bstar = tl.min(tl.where(kept & (key == best), b, INT32_MAX), axis=0)
+        best_unused, bstar = first_argmax(key, tl.where(kept, b, INT32_MAX), INT32_MAX)
         sc = tl.where(kept & (b == bstar), y + gumbel(token_bits(seed, pos, ids, FALLBACK_TOKEN)),
                       float("-inf"))  # fmt: skip
-        top = tl.max(sc, axis=0)
-        tok = tl.min(tl.where(sc == top, ids, INT32_MAX), axis=0)
+        top_unused, tok = first_argmax(sc, ids, INT32_MAX)
     return tok
 
 
