@@ -270,7 +270,7 @@ def test_default_rows_past_the_sm_count_equal_each_row_alone(shape, num_top):
     sms = launch.sm_count(torch.device("cuda"))
     V, B = 128256, sms + 8
     cfg = SamplerConfig.gpu()
-    assert row_registers(cfg, B, sms) > 0 == row_registers(cfg, 1, sms)
+    assert row_registers(cfg, B, sms, 1024) > 0 == row_registers(cfg, 1, sms, 1024)
     logits = shape_logits(shape, B, V, seed=31)
     kinds = BENCH_PARAMS + [dict(top_k=1000, top_p=0.95)]
     params = [P(seed=i, temperature=(0.7, 1.0)[i % 2], logprobs=num_top,
@@ -299,7 +299,7 @@ def test_default_rows_past_the_sm_count_equal_each_row_alone(shape, num_top):
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
-                                   dict(stats_registers=0), dict(pass_registers=96),
+                                   dict(stats_registers=0),
                                    dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps,

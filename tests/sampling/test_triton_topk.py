@@ -310,7 +310,9 @@ def test_phase_clocks_change_no_token(variant: SamplerVariant) -> None:
 
 def test_the_row_launch_caps_registers_only_past_the_sm_count():
     """A row launch's programs get `wide_registers` only when they outnumber the SMs (two
-    an SM, not two waves), never off a GPU; 0 turns the cap off; a cap outside 16..255
+    an SM, not two waves), and a default row's only where its block vector fits
+    `wide_blocks` (past it the capped code spills), never off a GPU; 0 turns the cap off;
+    a cap outside 16..255
     names the field (GPU, capped against uncapped, the same tokens and bits: test_sampler_gpu's
     test_top_k_first_parts_leave_the_total_bits and
     test_default_rows_past_the_sm_count_equal_each_row_alone)."""
@@ -321,6 +323,9 @@ def test_the_row_launch_caps_registers_only_past_the_sm_count():
     assert row_registers(cfg, 133, 132) == cfg.wide_registers
     assert row_registers(cfg, 10_000, None) == 0
     assert row_registers(cfg.replace(wide_registers=0), 133, 132) == 0
+    assert row_registers(cfg, 133, 132, 1024) == cfg.wide_registers
+    assert row_registers(cfg, 133, 132, 2048) == 0
+    assert row_registers(cfg.replace(wide_blocks=0), 133, 132, 2048) == cfg.wide_registers
     assert launch.sm_count(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="wide_registers must be 0 or in 16..255"):
         SamplerConfig(wide_registers=8)

@@ -93,7 +93,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
     # the filtered row launches' register cap past the SM count (`wide_registers`)
     sms = sm_count(logits.device)
-    cap = row_registers(cfg, B, sms) if variant is SamplerVariant.DEFAULT else 0
+    cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
     wrows = dict(rows, **({"maxnreg": cap} if cap else {}))
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
@@ -109,8 +109,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
-        passes = dict(common, **({"maxnreg": cfg.pass_registers}
-                                 if cfg.pass_registers and not interpreter_enabled() else {}))
+        passes = common
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
                                      **passes)  # fmt: skip
@@ -134,7 +133,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         n = out.num_top or 0
         cap = cfg.logprobs_cap
         interp = interpreter_enabled()
-        lp_cap = row_registers(cfg, B, sms)  # (184 registers on sm_90: one program an SM)
+        lp_cap = row_registers(cfg, B, sms, nblk_p2)  # (184 registers on sm_90: one program an SM)
         y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
         done = torch.empty(B, dtype=torch.int32, device=logits.device)
         _raw_logprobs_kernel[(B,)](

@@ -102,15 +102,16 @@ class SamplerConfig:
         H200): at 40, more warps are resident and it keeps its loop's instructions,
         spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
         filtered passes were slower at 40, so they keep the compiler's choice.
-    pass_registers: most registers a thread of the default variant's passes (check, select,
-        kept) holds (0: the compiler's choice, 96 to 255 on sm_90 at 4 warps: 2 to 5
-        programs an SM, for passes whose loads wait on the block list). Only registers.
     wide_registers: most registers a thread of a row launch holds (one program a row: a
         filtered variant's row tail, short route and finish, top_k_top_p's row launch, the
         raw logprobs writer) when its programs outnumber the device's SMs (0: the compiler's
         choice, 184 to 238 on sm_90 at 8 warps, where one program fills an SM's register
         file and such a batch runs its rows in two waves; at 128 two programs share an SM).
         Only registers change, not the code or its reductions' layout: the same bits.
+    wide_blocks: the default variant's row launches and the raw logprobs writer take that
+        cap only where a row's block vector (NBLK rounded up to a power of two) is at most
+        this long: past it their capped code spills (sm_90, V = 151,936: 1,152 B a thread
+        in the row tail against 112 B at V = 128,256) and runs slower. 0: always.
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
@@ -138,8 +139,8 @@ class SamplerConfig:
     tail_warps: int = 8
     pdl: bool = True
     stats_registers: int = 40
-    pass_registers: int = 0
     wide_registers: int = 128
+    wide_blocks: int = 1024
     phase_clock: bool = False
 
     def __post_init__(self) -> None:
@@ -160,7 +161,7 @@ class SamplerConfig:
         for name in ("check_blocks", "top_k_first"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("stats_registers", "pass_registers", "wide_registers"):
+        for name in ("stats_registers", "wide_registers"):
             v = getattr(self, name)
             if v and not 16 <= v <= 255:
                 raise ValueError(f"SamplerConfig.{name} must be 0 or in 16..255, got {v}")
@@ -209,10 +210,16 @@ def topk_parts(config: SamplerConfig, B: int) -> int:
     return max(1, min(16, config.topk_programs // max(B, 1)))
 
 
-def row_registers(config: SamplerConfig, programs: int, sms: int | None) -> int:
+def row_registers(config: SamplerConfig, programs: int, sms: int | None,
+                  nblk_p2: int = 0) -> int:
     """A row launch's register cap (`SamplerConfig.wide_registers`) for this many programs
-    on a device of `sms` SMs (None: not a GPU): 0, none, unless they outnumber the SMs."""
-    return config.wide_registers if sms is not None and programs > sms else 0
+    on a device of `sms` SMs (None: not a GPU): 0, none, unless they outnumber the SMs and
+    the row's block vector of `nblk_p2` (0: top_k_top_p's, none) fits `wide_blocks`."""
+    if sms is None or programs <= sms:
+        return 0
+    if nblk_p2 and config.wide_blocks and nblk_p2 > config.wide_blocks:
+        return 0
+    return config.wide_registers
 
 
 def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:
