@@ -161,6 +161,18 @@ def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w,
 
 
 @triton.jit
+def cut_fallback(P, W, row, slot, ids, ym, rd, m, s, seed, pos, cut, lnmp, NBLK,
+                 NBLK_P2: tl.constexpr, DB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """`fallback_draw` of a kept set given by its cut alone (pack >= cut, y >= lnmp: every
+    live token in bracket 1), its K_b in W.kept over the blocks rd ([NBLK_P2] bool)."""
+    b = tl.arange(0, NBLK_P2)
+    kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
+    return fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
+                         1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
+                         FL)  # fmt: skip
+
+
+@triton.jit
 def gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB: tl.constexpr,
                       ST: tl.constexpr, WCAP: tl.constexpr):  # fmt: skip
     """`fallback_draw` of a row whose n <= ST gathered candidates (W.gath) hold its whole

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.draw import FLT_MAX, block_y, fallback_draw, gathered_fallback
+from graphexec.sampling.triton.draw import block_y, cut_fallback, gathered_fallback
 from graphexec.sampling.triton.keys import BIG_KEY, PAD_KEY, mass, pack, sort_desc, sum_mass, unpack
 from graphexec.sampling.triton.process import list_ids, list_tile, row_inputs
 from graphexec.sampling.triton.select import list_append
@@ -194,11 +194,8 @@ def _short_kernel(
             tl.debug_barrier()  # the kept masses, read back by every thread
             if route == cf.R_CUT:
                 # its plan stored every block's K_b (Q_b where kept whole)
-                kv = tl.load(W.kept + row * NBLK + b, mask=b < NBLK, other=0,
-                             cache_modifier=".cg")  # fmt: skip
-                tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0,
-                                    0.0, 0, 1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK,
-                                    NBLK_P2, DB, 1, FL)  # fmt: skip
+                tok = cut_fallback(P, W, row, slot, ids, ym, b < NBLK, m, s, seed, pos, cut, lnmp,
+                                   NBLK, NBLK_P2, DB, FL)  # fmt: skip
             else:
                 tok = gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB, ST, WCAP)
             route = route * 0  # R_DONE

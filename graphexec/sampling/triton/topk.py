@@ -29,7 +29,7 @@ import triton.language as tl
 
 from graphexec.sampling.triton import sampler_config as cf
 from graphexec.sampling.triton.clock import stamp
-from graphexec.sampling.triton.draw import FLT_MAX, fallback_draw, gathered_fallback
+from graphexec.sampling.triton.draw import FLT_MAX, cut_fallback, gathered_fallback
 from graphexec.sampling.triton.exact import exact_cut
 from graphexec.sampling.triton.keys import okey, okey_to_float
 from graphexec.sampling.triton.process import list_blocks, list_tile
@@ -238,9 +238,7 @@ def _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, see
     if resolved & (n <= ST):
         tok = gathered_fallback(W, row, n, cut, lnmp, m, s, seed, pos, NBLK, DB, ST, WCAP)
     else:
-        kv = tl.load(W.kept + row * NBLK + b, mask=rd, other=0, cache_modifier=".cg")
-        tok = fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, -FLT_MAX, 0.0, 0.0, 0,
-                            1 << 30, (1 << 30) + 1, 1 << 30, cut, 0, lnmp, NBLK, NBLK_P2, DB, 1,
-                            FL)  # fmt: skip
+        tok = cut_fallback(P, W, row, slot, ids, ym, rd, m, s, seed, pos, cut, lnmp, NBLK, NBLK_P2,
+                           DB, FL)  # fmt: skip
     stamp(W, row, 8, PROF)
     return tok, resolved
