@@ -149,13 +149,11 @@ class SamplerConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"SamplerConfig.{name} must be a power of two, got {v}")
-        sb = self.short_blocks
-        if sb < 0 or sb & (sb - 1):
-            raise ValueError(f"SamplerConfig.short_blocks must be 0 or a power of two, got {sb}")
-        mt = self.mid_tokens
-        if mt < 0 or mt & (mt - 1):
-            raise ValueError(f"SamplerConfig.mid_tokens must be 0 or a power of two, got {mt}")
-        if sb and not 16 <= self.short_tokens <= self.gather_cap:
+        for name in ("short_blocks", "mid_tokens"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1):
+                raise ValueError(f"SamplerConfig.{name} must be 0 or a power of two, got {v}")
+        if self.short_blocks and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
         for name in ("check_blocks", "top_k_first"):

@@ -217,13 +217,9 @@ def _cut_and_draw(P, W, row, slot, ids, ym, m, s, top_k, top_p, lnmp, total, see
         resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, ST,
                                 WCAP, INTERP)  # fmt: skip
     elif n <= WCAP:
-        if MT > ST:  # (a middle width: `SamplerConfig.mid_tokens`)
-            if n <= MT:
-                resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
-                                        MT, WCAP, INTERP)  # fmt: skip
-            else:
-                resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
-                                        WCAP, WCAP, INTERP)  # fmt: skip
+        if MT > ST and n <= MT:  # (a middle width: `SamplerConfig.mid_tokens`)
+            resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB, MT,
+                                    WCAP, INTERP)  # fmt: skip
         else:
             resolved, cut = resolve(W, row, n, top_k, top_p, total, lomin, lnmp, s, NBLK, DB,
                                     WCAP, WCAP, INTERP)  # fmt: skip
