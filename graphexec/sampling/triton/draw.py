@@ -107,8 +107,7 @@ def two_level_draw(P, row, slot, ids, ym, kv, m, s, has_inf, seed, pos, lo, top,
     x = collapse_inf(tile_x(P, row, slot, ids, offs, start, start + DB, FL), has_inf)
     y = (x - m) * s
     kept = kept_mask(y, pack(y, offs), lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
-    # each token's own words (`token_bits`: block_bits' words, computed where they are used,
-    # with no interleave to move between layouts while the block's load is in flight)
+    # `token_bits`, where they are used: no interleave moves words while the load is in flight
     sc = tl.where(kept, y + gumbel(token_bits(seed, pos, offs, TS)), float("-inf"))
     best, tok = first_argmax(sc, offs, INT32_MAX)
     return tok, tl.max(tl.where(offs == tok, y, float("-inf")), axis=0)
@@ -150,8 +149,7 @@ def fallback_draw(P, W, row, slot, ids, ym, kv, m, s, seed, pos, lo, top, inv_w,
                   jlo, cut, midk, lnmp, NBLK, NBLK_P2: tl.constexpr, DB: tl.constexpr,
                   NBINS: tl.constexpr, FL: tl.constexpr):  # fmt: skip
     """The token of a filtered row once its kept set is known (the arguments of
-    `two_level_draw`): its candidate where the set holds it (W.rowi's I_CAND, -1 once the
-    candidate was known to be out), else the fallback draw over the set."""
+    `two_level_draw`): its candidate where the set holds it, else the fallback draw over it."""
     tok, keep = candidate_kept(W, row, lo, top, inv_w, jhi, j1, j2, jlo, cut, midk, lnmp, NBINS)
     if keep == 0:
         tok, y_unused = two_level_draw(P, row, slot, ids, ym, kv, m, s, False, seed, pos, lo, top,

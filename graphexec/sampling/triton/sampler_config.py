@@ -97,11 +97,9 @@ class SamplerConfig:
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
     stats_registers: most registers a thread of the unfiltered stats pass holds (no_filter
-        without logprobs; the compiler's maxnreg; 0: its own choice, 64 on sm_90). That
-        pass issues an instruction about every 10 cycles a warp at 8 CTAs an SM (ncu,
-        H200): at 40, more warps are resident and it keeps its loop's instructions,
-        spilling outside the loop only (fp32 B = 128: 5 % faster on an H200); the
-        filtered passes were slower at 40, so they keep the compiler's choice.
+        without logprobs; the compiler's maxnreg; 0: its own choice, 64 on sm_90): that pass
+        waits on its loads, and at 40 more warps are resident while only code outside its
+        loop spills (fp32 B = 128: 5 % faster on an H200); the filtered passes were slower.
     wide_registers: most registers a thread of a row launch holds (one program a row: a
         filtered variant's row tail, short route and finish, top_k_top_p's row launch, the
         raw logprobs writer) when its programs outnumber the device's SMs (0: the compiler's
@@ -115,7 +113,7 @@ class SamplerConfig:
     phase_clock: profiling only: the row tail's programs stamp their phases' SM clocks into
         Workspace.clock (`clock`: a barrier a stamp, same tokens; no effect when interpreted).
     Powers of two: draw_block, tile_blocks, bins, gather_cap, search_ways, search_blocks,
-    short_tokens, logprobs_cap, and short_blocks unless 0.
+    short_tokens, logprobs_cap, and short_blocks and mid_tokens unless 0.
     """
 
     draw_block: int = DRAW_BLOCK
