@@ -44,6 +44,11 @@ def sm_count(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def maxnreg(cap: int) -> dict:
+    """A launch's register cap as its keyword (none for 0: the compiler's choice)."""
+    return {"maxnreg": cap} if cap else {}
+
+
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
            table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
            variant: SamplerVariant = SamplerVariant.DEFAULT, *, config: SamplerConfig | None = None,
@@ -80,7 +85,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
     # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
     capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
-    regs = {"maxnreg": cfg.stats_registers} if capped else {}
+    regs = maxnreg(cfg.stats_registers if capped else 0)
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
                             num_warps=cfg.num_warps, **regs, **base)  # fmt: skip
     bits = int(math.log2(cfg.search_ways))
@@ -93,15 +98,15 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
     # the filtered row launches' register cap past the SM count (`wide_registers`)
     sms = sm_count(logits.device)
-    cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
-    wrows = dict(rows, **({"maxnreg": cap} if cap else {}))
+    row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
+    wrows = dict(rows, **maxnreg(row_cap))
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
-        cap = row_registers(cfg, B * parts, sms)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
                                    **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
-                                   **rows, **({"maxnreg": cap} if cap else {}))  # fmt: skip
+                                   **rows,
+                                   **maxnreg(row_registers(cfg, B * parts, sms)))  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
@@ -109,19 +114,18 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
-        passes = common
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
-                                     **passes)  # fmt: skip
+                                     **common)  # fmt: skip
         # the short route, the check's plans, and round 1's row list
         _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
                             R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
                             ST=cfg.short_tokens, WCAP=cfg.gather_cap,
                             INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
-        late = dict(passes, WCAP=cfg.gather_cap)
+        late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(common, WCAP=cfg.gather_cap, NBLK_P2=nblk_p2, **search,
-                      num_warps=cfg.tail_warps, **({"maxnreg": cap} if cap else {}))
+        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps,
+                      **maxnreg(row_cap))
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)
         for round2, grid in ((False, max(G2, B)), (True, G2)):
@@ -133,7 +137,6 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         n = out.num_top or 0
         cap = cfg.logprobs_cap
         interp = interpreter_enabled()
-        lp_cap = row_registers(cfg, B, sms, nblk_p2)  # (184 registers on sm_90: one program an SM)
         y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
         done = torch.empty(B, dtype=torch.int32, device=logits.device)
         _raw_logprobs_kernel[(B,)](
@@ -142,7 +145,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             out.top_token_ids if n else out.ranks, done, nblk, N=n,
             N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
             CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
-            **({"maxnreg": lp_cap} if lp_cap else {}),
+            **maxnreg(row_registers(cfg, B, sms, nblk_p2)),  # (184 registers on sm_90)
         )  # fmt: skip
         write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=pdl)
     return out
