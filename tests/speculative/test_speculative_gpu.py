@@ -10,7 +10,7 @@ from scipy import stats as sps
 
 import graphexec as gx
 from graphexec.app import workload as wl
-from tests.sampling.test_sampler_gpu import make_inputs, mixed_params, near_tie_ok
+from tests.sampling.gpu_cases import make_inputs, mixed_params, near_tie_ok
 
 pytestmark = pytest.mark.gpu
 ALPHA = 1e-6
