@@ -18,7 +18,6 @@ P = gx.SamplingParams
 NEAR_TIE = 1e-5
 # bench_sampler's filters: none, top-k 50 + top-p 0.9, top-p 0.9, min-p 0.05
 BENCH_PARAMS = [dict(), dict(top_k=50, top_p=0.9), dict(top_p=0.9), dict(min_p=0.05)]
-# bench_sampler's filters: none, top-k 50 + top-p 0.9, top-p 0.9, min-p 0.05
 
 
 def mixed_params(B: int, V: int, seed: int = 0) -> list[gx.SamplingParams]:
