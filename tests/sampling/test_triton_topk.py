@@ -312,9 +312,8 @@ def test_the_row_launch_caps_registers_only_past_the_sm_count():
     """A row launch's programs get `wide_registers` only when they outnumber the SMs (two
     an SM, not two waves), and a default row's only where its block vector fits
     `wide_blocks` (past it the capped code spills), never off a GPU; 0 turns the cap off;
-    a cap outside 16..255
-    names the field (GPU, capped against uncapped, the same tokens and bits: test_routes_gpu's
-    test_top_k_first_parts_leave_the_total_bits and
+    a cap outside 16..255 names the field (GPU, capped against uncapped, the same tokens and
+    bits: test_routes_gpu's test_top_k_first_parts_leave_the_total_bits and
     test_default_rows_past_the_sm_count_equal_each_row_alone)."""
     from graphexec.sampling.triton import launch
 
