@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 # The definition of every seeded stream (`graphexec.sampling.reference`): a seeded request
 # gets the same tokens from every release with the same STREAM_VERSION. 2: a filtered row
 # draws its candidate unfiltered and keeps it when the filters do, else a fallback draw.
-STREAM_VERSION = 2
+# 3: top-p's total of a top-k-off row is fixed point, a sum that no layout changes.
+STREAM_VERSION = 3
 
 __all__ = [
     "AsyncDecodeExecutor",

@@ -46,6 +46,7 @@ from graphexec.sampling.reference import (
     MASS_SCALE,
     effective_inv_t,
     first_argmax,
+    mass_total,
     order_key,
     plain_rows,
     process_logits,
@@ -226,8 +227,7 @@ def sample(shard: torch.Tensor, slot_ids, positions, table: SamplingTensors, out
     # the candidate: the two-level draw over every live token
     tok = _two_level(y, xc, ym, q, live, greedy, seed, positions, CANDIDATE, (lo, hi), V, g)
     if variant is not SamplerVariant.NO_FILTER:
-        terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
-        kept = _filters(y, order_key(y), slot_ids, table, terms.sum(-1), tp)
+        kept = _filters(y, order_key(y), slot_ids, table, mass_total(q, ym), tp)
         plain = plain_rows(slot_ids, table).unsqueeze(1)
         kept = torch.where(plain, live, kept)
         kb, _ = _blocks(kept, lo, hi, nb, False)

@@ -19,9 +19,10 @@ Per batch row b (slot s = slot_ids[b], output position positions[b]):
    integer fixed point, q = trunc(exp(y) * 2**32) (int64, summed exactly, so no split of
    the row changes a decision), compared in float64: keep position j iff
    sum(q before j) < p * total. With top-k on, total is the exact sum of q over the top-k
-   prefix; with top-k off it is the row's mass from its block stats (step 6), summed in
-   float64 in block order, a sum fixed by V alone:
-       total = sum over blocks b of float64(Q_b) * exp(float64(ym_b))
+   prefix; with top-k off it is the row's mass from its block stats (step 6), each
+   block's term truncated to 2**-8 of a unit and summed exactly in int64, so no order or
+   layout of the sum changes it:
+       total = 2**-8 * sum over blocks b of trunc(float64(Q_b) * exp(float64(ym_b)) * 2**8)
    with ym_b = (xm_b - m) * s the block's max of y, so the sampler gets it from one
    read of the row without knowing m in advance.
 6. **Draw.** Greedy rows take the argmax of x. A row whose maximum is -inf has nothing
@@ -74,6 +75,7 @@ from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
 MASS_SCALE = 2.0**32  # fixed-point scale of probability mass relative to the row max
 DRAW_BLOCK = 128  # token ids per block of the two-level draw (part of the definition)
+TOTAL_SCALE = 2.0**8  # fixed point of the top-p total's per-block terms (step 5)
 
 
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -171,12 +173,19 @@ def block_stats(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
 
 def row_mass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
              stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-    """[B] float64 total of step 5 (top-k off): sum_b Q_b * exp(ym_b), in block order
-    (stats: the rows' `block_stats`, when already computed)."""
+    """[B] float64 total of step 5 (top-k off) of collapsed rows xc (stats: the rows'
+    `block_stats`, when already computed)."""
     xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
-    ym = (xm - row_max(xc)) * inv_t.view(-1, 1)
-    terms = torch.where(q > 0, q.to(torch.float64) * torch.exp(ym.to(torch.float64)), 0.0)
-    return terms.sum(dim=-1)
+    return mass_total(q, (xm - row_max(xc)) * inv_t.view(-1, 1))
+
+
+def mass_total(q: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+    """[B] float64 sum_b Q_b * exp(ym_b) of blocks' masses q [B, nblocks] (int64) and
+    maxes ym (y scale): each term truncated to 2**-8 and summed in int64, exact in any
+    order (at most V * 2**40 < 2**63 for V <= MAX_VOCAB)."""
+    terms = q.to(torch.float64) * torch.exp(ym.to(torch.float64)) * TOTAL_SCALE
+    fixed = torch.where(q > 0, terms, 0.0).to(torch.int64)
+    return fixed.sum(dim=-1).to(torch.float64) * (1.0 / TOTAL_SCALE)
 
 
 def block_ymax(xc: torch.Tensor, xm: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import graphexec as gx
 from graphexec.params import SamplerVariant
@@ -114,23 +115,25 @@ def test_benchmark_rows_of_the_default_variant(shape, filt):
     assert torch.equal(toks[0], toks[1])
 
 
-@pytest.mark.parametrize("shape", ["peaked", "flat"])
-def test_top_k_first_parts_leave_the_total_bits(shape):
+@pytest.mark.parametrize("shape, V", [("peaked", 128256), ("flat", 151936)])
+def test_top_k_first_parts_leave_the_total_bits(shape, V):
     """The top_k_top_p row launch serves a row alone by 16 programs (one draws the
     candidate, the others gather) and a row of a batch past the SM count by one, under the
-    register cap of such a batch (`SamplerConfig.wide_registers`): the same token, and the
-    same bits of the row's one float sum, the top-p total of rows with top-k off
-    (`tail.tail_row`: neither the parts' code nor the cap may change its reduction)."""
+    register cap of such a batch (`SamplerConfig.wide_registers`; at V = 151,936 with
+    fewer warps, `row_warps`): the same token, and the same bits of the row's one float
+    sum, the top-p total of rows with top-k off (`tail.tail_row`, fixed point: neither the
+    parts' code, the cap nor the warps may change it), as the default variant's."""
     from graphexec.sampling.triton import launch
     from graphexec.sampling.triton.sampler_config import (
         SamplerConfig,
         Workspace,
         row_registers,
+        row_warps,
         topk_parts,
     )
 
     sms = launch.sm_count(torch.device("cuda"))
-    V, B = 128256, max(128, sms + 8)
+    B = max(128, sms + 8)
     logits = shape_logits(shape, B, V, seed=29)
     params = [P(seed=i, temperature=0.8, top_k=(0, 50, 0, 1000)[i % 4],
                 top_p=(0.9, 0.9, 0.5, 0.95)[i % 4]) for i in range(B)]  # fmt: skip
@@ -138,16 +141,23 @@ def test_top_k_first_parts_leave_the_total_bits(shape):
     cfg = SamplerConfig.gpu()
     assert topk_parts(cfg, 1) == 16 and topk_parts(cfg, B) == 1
     assert row_registers(cfg, 16, sms) == 0 < row_registers(cfg, B, sms)
+    nblk_p2 = triton.next_power_of_2(triton.cdiv(V, cfg.draw_block))
+    if V > 131072:
+        assert row_warps(cfg, nblk_p2, False) > row_warps(cfg, nblk_p2, True)
 
-    def run(rows):
+    def run(rows, variant=SamplerVariant.TOP_K_TOP_P):
         n = len(rows)
         out, ws = SamplerOutput.allocate(n, "cuda", None), Workspace.allocate(n, V, "cuda", cfg)
         launch.sample(logits[rows], torch.tensor(rows, device="cuda"),
-                      torch.tensor(rows, device="cuda"), table, out, None,
-                      SamplerVariant.TOP_K_TOP_P, config=cfg, workspace=ws)  # fmt: skip
+                      torch.tensor(rows, device="cuda"), table, out, None, variant,
+                      config=cfg, workspace=ws)  # fmt: skip
         return out.token_ids, ws.total[:n].clone()
 
     tok_all, total_all = run(list(range(B)))
+    tok_def, total_def = run(list(range(B)), SamplerVariant.DEFAULT)
+    assert torch.equal(tok_all, tok_def)
+    off = torch.tensor([p.top_k == 0 for p in params], device="cuda")
+    assert torch.equal(total_all[off].view(torch.int64), total_def[off].view(torch.int64))
     for r in range(0, B, 7):
         tok, total = run([r])
         assert tok.item() == tok_all[r].item(), r

@@ -62,6 +62,33 @@ def test_block_stats_equal_the_reference(programs: int, variant: str, stats_prog
     assert_same(both.ref, both.tri)
 
 
+def test_the_top_p_total_is_fixed_point_in_any_order() -> None:
+    """The row tail's top-p total of top-k-off rows (`reference.mass_total`): each block's
+    term truncated to 2**-8 and summed as integers, so blocks in any order give the same
+    bits, within 2**-8 a block below the float sum; the interpreted kernel's, to 1e-6 (its
+    Q_b are exp's, numpy's there and torch's here: `test_block_stats_equal_the_reference`)."""
+    B, V, cfg = 5, 700, CONFIGS["interp16"]
+    logits = logits_of("mixed", B, V, seed=3)
+    params = [P(seed=i, temperature=0.5 + 0.3 * i, top_p=0.9) for i in range(B)]
+    both = run_both(params, logits, cfg, variant=SamplerVariant.DEFAULT)
+    x = processing.collapse_inf(processing.process_logits(logits, torch.arange(B), both.table))
+    s = reference.effective_inv_t(torch.arange(B), both.table)
+    xm, q = reference.block_stats(x, s, cfg.draw_block)
+    ym = reference.block_ymax(x, xm, s)
+    want = reference.mass_total(q, ym)
+    assert torch.equal(reference.row_mass(x, s, cfg.draw_block), want)
+    nblk = q.shape[1]
+    torch.testing.assert_close(both.ws.total[:B], want, rtol=1e-6, atol=0)
+    perm = torch.randperm(nblk, generator=torch.Generator().manual_seed(0))
+    again = reference.mass_total(q[:, perm], ym[:, perm])
+    assert torch.equal(again.view(torch.int64), want.view(torch.int64))
+    terms = torch.where(q > 0, q.double() * ym.double().exp(), 0.0)
+    for order in (torch.arange(nblk), perm, torch.arange(nblk).flip(0)):
+        gap = terms[:, order].cumsum(1)[:, -1] - want
+        assert ((gap >= 0) & (gap <= nblk / reference.TOTAL_SCALE)).all()
+    assert (want >= 2.0**32).all()  # (the max's block holds 2**32 at least)
+
+
 def test_row_tail_routes() -> None:
     """Invalid, greedy, no-filter and tied rows (+inf rows too) are drawn by the stats
     pass; min-p alone is a cut; top-k / top-p a selection."""

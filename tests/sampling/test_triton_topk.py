@@ -23,6 +23,7 @@ from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_EXACT,
     SamplerConfig,
     row_registers,
+    row_warps,
 )
 from graphexec.sampling.triton.topk import kth_largest  # noqa: E402
 from tests.sampling.triton_cases import (  # noqa: E402
@@ -306,6 +307,20 @@ def test_phase_clocks_change_no_token(variant: SamplerVariant) -> None:
     ref, tri, ws = _run(_params(B, V), logits_of("randn3", B, V, seed=8), cfg, variant=variant)
     assert_same(ref, tri)
     assert not ws.clock.any()
+
+
+def test_a_long_block_vector_takes_more_row_warps():
+    """An uncapped row launch doubles its warps while a thread would hold more than
+    `row_elems` of the row's block vector (V = 151,936: 2,048 blocks, 16 warps), up to 32;
+    a capped one keeps `tail_warps` (GPU, the same tokens and total bits either way:
+    test_routes_gpu's test_top_k_first_parts_leave_the_total_bits)."""
+    cfg = SamplerConfig.gpu()
+    assert row_warps(cfg, 512, False) == row_warps(cfg, 1024, False) == cfg.tail_warps == 8
+    assert row_warps(cfg, 2048, False) == 16 and row_warps(cfg, 2048, True) == 8
+    assert row_warps(cfg, 1 << 14, False) == 32
+    assert row_warps(cfg.replace(row_elems=8), 2048, False) == 8
+    with pytest.raises(ValueError, match="row_elems must be positive"):
+        SamplerConfig(row_elems=0)
 
 
 def test_the_row_launch_caps_registers_only_past_the_sm_count():

@@ -23,6 +23,7 @@ from graphexec.sampling.triton.sampler_config import (
     SamplerConfig,
     Workspace,
     row_registers,
+    row_warps,
     split,
     stats_tile,
     topk_parts,
@@ -82,7 +83,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     base = dict(NB_P2=nb_p2, DB=db, FL=fl, enable_fp_fusion=False, PDL=pdl,
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
-    rows = dict(base, NBLK_P2=nblk_p2, num_warps=cfg.tail_warps)
+    rows = dict(base, NBLK_P2=nblk_p2)
     # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
     capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
     regs = maxnreg(cfg.stats_registers if capped else 0)
@@ -99,14 +100,15 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     # the filtered row launches' register cap past the SM count (`wide_registers`)
     sms = sm_count(logits.device)
     row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
-    wrows = dict(rows, **maxnreg(row_cap))
+    wrows = dict(rows, num_warps=row_warps(cfg, nblk_p2, row_cap > 0), **maxnreg(row_cap))
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
+        tk_cap = row_registers(cfg, B * parts, sms)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
                                    **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
-                                   **rows,
-                                   **maxnreg(row_registers(cfg, B * parts, sms)))  # fmt: skip
+                                   **rows, num_warps=row_warps(cfg, nblk_p2, tk_cap > 0),
+                                   **maxnreg(tk_cap))  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
@@ -124,7 +126,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                             INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=cfg.tail_warps,
+        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=wrows["num_warps"],
                       **maxnreg(row_cap))
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)

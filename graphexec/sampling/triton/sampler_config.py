@@ -92,8 +92,11 @@ class SamplerConfig:
         others gather slices of its top-k candidates; 1 a row from this many rows on.
     num_warps: warps of the passes' programs (stats, select, kept): a small program
         keeps more of them resident, hiding the loads' latency.
-    tail_warps: warps of the row kernels (the filtered rows' tail and finish), whose
-        vectors span a row's blocks and gathered tokens.
+    tail_warps: warps of the row kernels (the filtered rows' tail, short route and finish,
+        top_k_top_p's row launch), whose vectors span a row's blocks and gathered tokens.
+    row_elems: most elements of a row's block vector a thread of an uncapped row launch
+        holds: past it the launch doubles its warps (`row_warps`; sm_90, V = 151,936, 2,048
+        blocks: 8 warps spill, 16 run 5-15 % faster; at 1,024 blocks 16 were slower).
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
     stats_registers: most registers a thread of the unfiltered stats pass holds (no_filter
@@ -135,6 +138,7 @@ class SamplerConfig:
     topk_programs: int = 128
     num_warps: int = 4
     tail_warps: int = 8
+    row_elems: int = 4
     pdl: bool = True
     stats_registers: int = 40
     wide_registers: int = 128
@@ -164,7 +168,7 @@ class SamplerConfig:
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
         for name in ("programs", "stats_programs", "check_programs", "late_programs",
-                     "num_warps", "tail_warps", "topk_programs"):  # fmt: skip
+                     "num_warps", "tail_warps", "row_elems", "topk_programs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
@@ -216,6 +220,17 @@ def row_registers(config: SamplerConfig, programs: int, sms: int | None,
     if nblk_p2 and config.wide_blocks and nblk_p2 > config.wide_blocks:
         return 0
     return config.wide_registers
+
+
+def row_warps(config: SamplerConfig, nblk_p2: int, capped: bool) -> int:
+    """Warps of a row launch whose block vector is `nblk_p2` long: `tail_warps`, doubled
+    (up to 32) while a thread would hold more than `row_elems`, unless the launch takes the
+    register cap (`row_registers`: two programs an SM only at `tail_warps`). The batch may
+    choose: every sum in a row launch is exact (the top-p total is fixed point)."""
+    w = config.tail_warps
+    while not capped and w < 32 and nblk_p2 > 32 * w * config.row_elems:
+        w *= 2
+    return w
 
 
 def split(programs: int, tile_blocks: int, B: int, nblk: int) -> int:

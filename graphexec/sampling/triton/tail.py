@@ -81,12 +81,14 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                     first = tl.full([], 1, tl.int1)
                 elif TKF > 0:
                     first = (top_k > 0) & (top_k <= TKF)
-                # the top-p total of rows with top-k off: sum_b Q_b exp(ym_b), float64 (a
-                # top-k row's is its top-k mass: every reader takes it only at top-k 0)
+                # the top-p total of rows with top-k off (`reference.mass_total`: fixed
+                # point, so no layout of this sum changes it; a top-k row's is its top-k
+                # mass: every reader takes it only at top-k 0)
                 total = tl.zeros([], dtype=tl.float64)
                 if (top_k <= 0) | (first == 0):
-                    e = tl.exp(ym.to(tl.float64))
-                    total = tl.sum(tl.where(q > 0, q.to(tl.float64) * e, 0.0), axis=0)
+                    t = q.to(tl.float64) * tl.exp(ym.to(tl.float64)) * 256.0
+                    fixed = tl.sum(tl.where(q > 0, t, 0.0).to(tl.int64), axis=0)
+                    total = fixed.to(tl.float64) * 0.00390625
                 tl.store(W.total + row, total)
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
