@@ -124,12 +124,14 @@ def test_batch_invariance_on_gpu():
 
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
+                                   dict(row_elems=2),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
                                    dict(stats_registers=0),
                                    dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
-    """Another split, a gather cap that sends rows to the exact search, other bins or warps,
+    """Another split, a gather cap that sends rows to the exact search, other bins or warps
+    (row_elems 2: the row launches at 16 warps, the top-p total summed in another layout),
     the short route off, every candidate decided by the cut or by the check pass, the
     unfiltered stats pass without its register cap, the passes with one, plain launches
     (no kernel reading its row's parameters before the wait for the one before it): the
