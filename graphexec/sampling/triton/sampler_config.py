@@ -17,7 +17,10 @@ import triton.language as tl
 
 from graphexec.params import TOP_K_FIRST_MAX
 from graphexec.runtime.triton_env import interpreter_enabled
-from graphexec.sampling.reference import DRAW_BLOCK
+from graphexec.sampling.reference import DRAW_BLOCK, TOTAL_SCALE
+
+# the top-p total's fixed point (`reference.mass_total`) and its inverse, for the kernels
+TOTAL_FIX, TOTAL_UNFIX = tl.constexpr(TOTAL_SCALE), tl.constexpr(1.0 / TOTAL_SCALE)
 
 # Row routes (`Workspace.rowi[:, I_ROUTE]`), decided by the stats pass's row tail.
 R_DONE = tl.constexpr(0)  # drawn by the stats pass: invalid, greedy, no filter, all ties

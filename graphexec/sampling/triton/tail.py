@@ -86,9 +86,9 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
                 # mass: every reader takes it only at top-k 0)
                 total = tl.zeros([], dtype=tl.float64)
                 if (top_k <= 0) | (first == 0):
-                    t = q.to(tl.float64) * tl.exp(ym.to(tl.float64)) * 256.0
+                    t = q.to(tl.float64) * tl.exp(ym.to(tl.float64)) * cf.TOTAL_FIX
                     fixed = tl.sum(tl.where(q > 0, t, 0.0).to(tl.int64), axis=0)
-                    total = fixed.to(tl.float64) * 0.00390625
+                    total = fixed.to(tl.float64) * cf.TOTAL_UNFIX
                 tl.store(W.total + row, total)
                 xn = tl.load(W.xn + base + b, mask=bm, other=float("inf"), cache_modifier=".cg")
                 ties = has_inf | (tl.min(tl.where(xm > float("-inf"), xn, float("inf")), 0) == mx)
