@@ -176,7 +176,7 @@ def row_mass(xc: torch.Tensor, inv_t: torch.Tensor, draw_block: int,
     """[B] float64 total of step 5 (top-k off) of collapsed rows xc (stats: the rows'
     `block_stats`, when already computed)."""
     xm, q = stats if stats is not None else block_stats(xc, inv_t, draw_block)
-    return mass_total(q, (xm - row_max(xc)) * inv_t.view(-1, 1))
+    return mass_total(q, block_ymax(xc, xm, inv_t))
 
 
 def mass_total(q: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,11 @@ def maxnreg(cap: int) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
+def row_options(config: SamplerConfig, nblk_p2: int, cap: int) -> dict:
+    """A row launch's warps and register cap (`row_registers`): its warps follow the cap."""
+    return dict(num_warps=row_warps(config, nblk_p2, cap > 0), **maxnreg(cap))
+
+
 def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
            table: SamplingTensors, out: SamplerOutput, bitmask: torch.Tensor | None = None,
            variant: SamplerVariant = SamplerVariant.DEFAULT, *, config: SamplerConfig | None = None,
@@ -100,15 +105,14 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     # the filtered row launches' register cap past the SM count (`wide_registers`)
     sms = sm_count(logits.device)
     row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
-    wrows = dict(rows, num_warps=row_warps(cfg, nblk_p2, row_cap > 0), **maxnreg(row_cap))
+    wrows = dict(rows, **row_options(cfg, nblk_p2, row_cap))
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         tk_cap = row_registers(cfg, B * parts, sms)
         _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
                                    **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
-                                   **rows, num_warps=row_warps(cfg, nblk_p2, tk_cap > 0),
-                                   **maxnreg(tk_cap))  # fmt: skip
+                                   **rows, **row_options(cfg, nblk_p2, tk_cap))  # fmt: skip
     else:
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
                            NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
@@ -126,8 +130,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                             INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
         late = dict(common, WCAP=cfg.gather_cap)
         kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(late, NBLK_P2=nblk_p2, **search, num_warps=wrows["num_warps"],
-                      **maxnreg(row_cap))
+        finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)
         for round2, grid in ((False, max(G2, B)), (True, G2)):
