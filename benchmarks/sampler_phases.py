@@ -4,7 +4,7 @@ every B (`topk_programs` 1): the clocks are per SM, so a row that several progra
 (top_k_top_p's launch at small B) cannot be clocked, and here is not.
 
     python benchmarks/sampler_phases.py [--batch 1,128] [--vocab 128256,151936]
-        [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--reps 20]
+        [--shapes peaked,randn3,flat,ties] [--variant top_k_top_p] [--top-k 50] [--reps 20]
         [--icache cold|warm|hot|both|all] [--out DIR]
 
 Each call runs as `bench_sampler.py` times it (fp32 logits, T 0.8, top-k 50, top-p 0.9, a
@@ -58,7 +58,8 @@ def phase_us(clock: torch.Tensor) -> tuple[list[list[float]], list[float]]:
     return phases, totals
 
 
-def run_case(shape: str, B: int, V: int, variant, reps: int, timer: Timer) -> dict:
+def run_case(shape: str, B: int, V: int, variant, reps: int, timer: Timer,
+             top_k: int = TOP_K) -> dict:
     from graphexec.params import SamplingParams
     from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
     from graphexec.sampling.triton import launch
@@ -67,7 +68,7 @@ def run_case(shape: str, B: int, V: int, variant, reps: int, timer: Timer) -> di
     dev = timer.device
     cfg = SamplerConfig.gpu().replace(phase_clock=True, topk_programs=1)
     logits = make_logits(shape, B, V, torch.float32, dev, seed=1)
-    params = [SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=i)
+    params = [SamplingParams(temperature=TEMPERATURE, top_k=top_k, top_p=TOP_P, seed=i)
               for i in range(B)]  # fmt: skip
     table = SamplingTensors.from_params(params, V, dev)
     out = SamplerOutput.allocate(B, dev, None)
@@ -89,7 +90,8 @@ def run_case(shape: str, B: int, V: int, variant, reps: int, timer: Timer) -> di
         rows += r
         totals += t
     med = [statistics.median(r[i] for r in rows) for i in range(len(PHASES))] if rows else []
-    return {"shape": shape, "B": B, "V": V, "variant": variant.value, "rows": len(rows),
+    return {"shape": shape, "B": B, "V": V, "variant": variant.value, "top_k": top_k,
+            "rows": len(rows),
             "phase_us": dict(zip(PHASES, med, strict=False)),
             "tail_us": statistics.median(totals) if totals else None}  # fmt: skip
 
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=ints, default=[128256, 151936])
     ap.add_argument("--shapes", default="peaked,randn3,flat,ties")
     ap.add_argument("--variant", default="top_k_top_p", choices=("top_k_top_p", "default"))
+    ap.add_argument("--top-k", type=int, default=TOP_K, help="0: top-p rows (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--icache", default="both", choices=("cold", "warm", "hot", "both", "all"))
     ap.add_argument("--out", default=None, help="folder for sampler-phases-*.json")
@@ -120,7 +123,8 @@ def main() -> None:
         for B in args.batch:
             for shape in args.shapes.split(","):
                 for icache, timer in timers.items():
-                    r = run_case(shape, B, V, SamplerVariant(args.variant), args.reps, timer)
+                    r = run_case(shape, B, V, SamplerVariant(args.variant), args.reps, timer,
+                                 args.top_k)
                     r["icache"] = icache
                     results.append(r)
                     cells = " | ".join(f"{r['phase_us'].get(p, 0.0):.1f}" for p in PHASES)
