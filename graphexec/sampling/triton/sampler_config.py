@@ -311,5 +311,4 @@ class Workspace(NamedTuple):
     def rows(self, B: int) -> Workspace:
         """The first B rows (views: a persistent workspace serves every bucket)."""
         cut = {name: t[:B] for name, t in self._asdict().items()}
-        return Workspace(**{**cut, "listed": self.listed[: B + 1], "refine": self.refine[: B + 1],
-                            "more": self.more})  # fmt: skip
+        return Workspace(**{**cut, "listed": self.listed[: B + 1], "refine": self.refine[: B + 1]})
