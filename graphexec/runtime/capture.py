@@ -1,7 +1,6 @@
 """The one capture routine: warm a callable up on a side stream, then capture it into a
 CUDA graph of a shared memory pool. The decode graphs (`engine.graphs.CapturedGraphs`)
-and a model's prefill graphs (`models.prefill_graphs.PrefillGraphs`) both use it. Inside a
-capture, `run_if` puts work that a replay may skip into a conditional node."""
+and a model's prefill graphs (`models.prefill_graphs.PrefillGraphs`) both use it."""
 
 from __future__ import annotations
 
@@ -61,31 +60,3 @@ class GraphCapture:
         if self.pool is None:
             self.pool = graph.pool()
         return graph, out
-
-
-def run_if(pred: torch.Tensor, body: Callable[[], Any], wanted: bool = True) -> None:
-    """Call `body` (it launches work on the current stream). While a CUDA graph captures
-    (and `wanted`), its work goes into a conditional node on `pred` (a bool [1] CUDA
-    tensor, read when a replay reaches that point): a replay runs it only where pred is
-    true. Elsewhere (eager, CPU, a torch or CUDA without conditional nodes) it always runs.
-    Only for work that changes nothing where pred is false: no result may depend on the
-    skip."""
-    graph = _capturing_graph() if wanted else None
-    if graph is None:
-        body()
-        return
-    graph.begin_capture_to_if_node(pred)
-    try:
-        body()
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
-def _capturing_graph() -> torch.cuda.CUDAGraph | None:
-    """The graph the current stream captures, where conditional nodes can go into it."""
-    if not torch.cuda.is_available() or not torch.cuda.is_current_stream_capturing():
-        return None
-    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    if get is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return None
-    return get()

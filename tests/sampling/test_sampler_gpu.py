@@ -99,45 +99,6 @@ def test_cuda_graph_replay_equals_eager(V, variant):
             assert torch.equal(a, b), f"step {t}: replay != eager"
 
 
-@pytest.mark.parametrize("B", [1, 6])
-def test_skipped_passes_replay_equals_eager(B):
-    """skip_passes: in a captured graph the default variant's passes after the row tail sit
-    in a conditional node (where torch and the driver have them; else they always run).
-    Replays of batches the tail serves whole (peaked rows: the node skips them) and of
-    batches a flat top-p 0.5 row needs them for, alternating, give the eager call's tokens
-    and logprobs (eager: every launch, no skip)."""
-    from graphexec.sampling.triton.sampler_config import SamplerConfig
-
-    V = 128256
-    filters = [dict(top_p=0.9), dict(min_p=0.05), dict(top_k=50, top_p=0.9), dict(top_p=0.5),
-               dict(top_k=1000, top_p=0.95), dict()]  # fmt: skip
-    params = [P(seed=i, temperature=0.8, **filters[i % len(filters)]) for i in range(B)]
-    table = SamplingTensors.from_params(params, V, "cuda")
-    slots = torch.arange(B, device="cuda")
-    pos = torch.zeros(B, dtype=torch.int64, device="cuda")
-    static_logits = shape_logits("peaked", B, V, seed=3)
-    out = SamplerOutput.allocate(B, "cuda", 2)
-    skip = SamplerConfig.gpu().replace(skip_passes=True)
-
-    def step(cfg):
-        gx.sample_step(static_logits, slots, pos, table, out, None, SamplerVariant.DEFAULT,
-                       "triton", config=cfg)  # fmt: skip
-
-    step(skip)  # JIT warm-up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(skip)
-    for t in range(24):
-        static_logits.copy_(shape_logits("peaked" if t % 2 else "flat", B, V, seed=40 + t))
-        pos.fill_(t)
-        graph.replay()
-        replay = [o.clone() for o in (out.token_ids, out.logprobs, out.top_token_ids)]
-        step(SamplerConfig.gpu())
-        for a, b in zip(replay, (out.token_ids, out.logprobs, out.top_token_ids), strict=True):
-            assert torch.equal(a, b), f"step {t}: replay != eager"
-
-
 def test_batch_invariance_on_gpu():
     V = 128256
     logits, counts, prompt, bitmask = make_inputs(64, V, torch.bfloat16, seed=2)

@@ -86,50 +86,6 @@ def test_variants_give_the_default_token(variant: SamplerVariant) -> None:
     assert_same(fast.ref, fast.tri)
 
 
-def test_skipping_the_passes_a_call_leaves_idle_changes_no_token(monkeypatch) -> None:
-    """skip_passes: the launches after the row tail run only where the tail set
-    Workspace.more (a CUDA graph's conditional node; here its rule, applied in Python). A
-    batch the tail serves whole (unfiltered, greedy and peaked rows whose candidate is
-    kept) leaves it clear and skips them; with a flat top-p row in it, it is set. Either
-    way the tokens and logprobs are the reference's and those of the launches run always."""
-    from graphexec.runtime import capture
-
-    skipped = []
-
-    def run_if(pred, body, wanted=True):
-        if wanted and not bool(pred.item()):
-            skipped.append(True)
-            return
-        body()
-
-    monkeypatch.setattr(launch, "run_if", run_if)
-    B, V = 6, 750
-    peaked = logits_of("peaked", B, V, seed=13)
-    served = [P(seed=i, temperature=t, **f) for i, (t, f) in enumerate(
-        [(0.8, {}), (0.0, {}), (0.8, dict(top_p=0.9)), (0.8, dict(min_p=0.05)),
-         (0.8, dict(top_k=50, top_p=0.9)), (1.0, dict(top_p=0.95))])]  # fmt: skip
-    flat = peaked.clone()
-    flat[4] = logits_of("flat", 1, V, seed=14)[0]
-    cases = ((peaked, served, False), (flat, [*served[:4], P(seed=4, top_p=0.5),
-                                              served[5]], True))  # fmt: skip
-    for logits, params, more in cases:
-        outs = []
-        for skip in (False, True):
-            skipped.clear()
-            cfg = SamplerConfig.interpreter().replace(skip_passes=skip)
-            both = run_both(params, logits, cfg, num_top=2)
-            assert_same(both.ref, both.tri)
-            assert bool(both.ws.more.item()) == more
-            assert bool(skipped) == (skip and not more)
-            outs.append(both.tri)
-        assert torch.equal(outs[0].token_ids, outs[1].token_ids)
-        torch.testing.assert_close(outs[0].logprobs, outs[1].logprobs, rtol=0, atol=0)
-    # outside a graph capture the launches always run
-    ran = []
-    capture.run_if(torch.zeros(1, dtype=torch.bool), lambda: ran.append(1))
-    assert ran == [1]
-
-
 def test_slots_of_a_larger_table() -> None:
     """Rows read their parameters through slot ids: tokens follow the slot, not the row."""
     B, V = 6, 500

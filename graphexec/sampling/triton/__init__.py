@@ -25,9 +25,7 @@ row):
     default               stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once;
                           select and kept serve a row list, the short kernel's, then round
-                          2's, whose rows share the launch's late_programs programs; in a
-                          graph with `SamplerConfig.skip_passes`, the launches after the
-                          tail run only where a row needs one: `Workspace.more`)
+                          2's, whose rows share the launch's late_programs programs)
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate

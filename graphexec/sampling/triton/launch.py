@@ -12,7 +12,6 @@ import triton
 
 from graphexec.kernels import dependent_launch
 from graphexec.params import SamplerVariant
-from graphexec.runtime.capture import run_if
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.runtime.triton_keys import settle
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
@@ -121,27 +120,23 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                            WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
-        # the passes after the row tail (in a graph: only where a row needs one)
-        def passes() -> None:
-            if cfg.check_blocks:
-                _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
-                                         **common)  # fmt: skip
-            # the short route, the check's plans, and round 1's row list
-            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
-                                R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
-                                ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                                INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
-            late = dict(common, WCAP=cfg.gather_cap)
-            kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-            finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
-            # the programs each round's listed rows share (round 1's: never fewer than its rows)
-            G2 = min(cfg.late_programs, B * S2)
-            for round2, grid in ((False, max(G2, B)), (True, G2)):
-                _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
-                _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **kept)
-                _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
-
-        run_if(W.more, passes, cfg.skip_passes)
+        if cfg.check_blocks:
+            _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
+                                     **common)  # fmt: skip
+        # the short route, the check's plans, and round 1's row list
+        _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
+                            R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
+                            ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                            INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
+        late = dict(common, WCAP=cfg.gather_cap)
+        kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
+        finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
+        # the programs each round's listed rows share (round 1's: never fewer than its rows)
+        G2 = min(cfg.late_programs, B * S2)
+        for round2, grid in ((False, max(G2, B)), (True, G2)):
+            _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
+            _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **kept)
+            _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
     if need_lp:
         # the raw-mode writer, then the general one for the rows it leaves (`logprobs`)
         n = out.num_top or 0

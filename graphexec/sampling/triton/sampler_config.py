@@ -100,12 +100,6 @@ class SamplerConfig:
     row_elems: most elements of a row's block vector a thread of an uncapped row launch
         holds: past it the launch doubles its warps (`row_warps`; sm_90, V = 151,936, 2,048
         blocks: 8 warps spill, 16 run 5-15 % faster; at 1,024 blocks 16 were slower).
-    skip_passes: in a CUDA graph, the default variant's launches after the row tail (check,
-        short, select, kept and finish, twice) sit in a conditional node on Workspace.more,
-        which the tail sets when a row needs one of them: a replay whose rows the tail
-        serves all (at B = 1 most filtered rows: their candidate is kept) skips seven
-        launches that would do nothing (`runtime.capture.run_if`; eager calls launch them).
-        False: they are always launched.
     pdl: programmatic dependent launch where the device has it (`kernels.dependent_launch`):
         a launch whose rows all leave at once then costs little more than its wait.
     stats_registers: most registers a thread of the unfiltered stats pass holds (no_filter
@@ -148,7 +142,6 @@ class SamplerConfig:
     num_warps: int = 4
     tail_warps: int = 8
     row_elems: int = 4
-    skip_passes: bool = False
     pdl: bool = True
     stats_registers: int = 40
     wide_registers: int = 128
@@ -275,7 +268,6 @@ class Workspace(NamedTuple):
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
     clock: torch.Tensor  # i64 [B, 16]: the row tail's phase clocks (`clock`; profiling only)
-    more: torch.Tensor  # bool [1]: a row of the call needs a pass after the row tail
 
     @classmethod
     def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
@@ -297,7 +289,6 @@ class Workspace(NamedTuple):
             listed=e(B + 1, dtype=torch.int32), refine=e(B + 1, dtype=torch.int32),
             raw_max=e(*raw), raw_sum=e(*raw),
             clock=torch.zeros((B, 16), dtype=i64, device=d),
-            more=torch.ones(1, dtype=torch.bool, device=d),
         )  # fmt: skip
 
     def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:

@@ -220,12 +220,8 @@ def _stats_kernel(
     DB: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B * S,): program (row, sp) = divmod(pid, S) writes the stats of blocks
-    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read, and
-    program 0 clears Workspace.more, which their tails set)."""
+    [sp * PER, ...) (XN: the block minima too, which only the filtered variants read)."""
     dependent_start(PDL)
-    if XN:  # a filtered call: no row needs a later pass until its tail says so
-        if tl.program_id(0) == 0:
-            tl.store(W.more, tl.zeros([], dtype=tl.int1))
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     slot = tl.load(P.slots + row).to(tl.int64)

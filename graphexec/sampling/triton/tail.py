@@ -44,8 +44,8 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
     REFINE: program 0 empties the row lists of round 1 and round 2, which the short kernel
-    and round 1's finish fill, and a row that leaves work to a later pass sets W.more. The
-    row's inputs are read before the wait for the stats pass (`process.row_inputs`).
+    and round 1's finish fill. The row's inputs are read before the wait for the stats
+    pass (`process.row_inputs`).
     MULTI (EVERY only): `parts` programs serve the row, this one `part`: the last part
     draws what one program draws (the candidate, a greedy or tied row's token) and the
     others gather top-k first's candidates meanwhile (`topk.topk_first`); whoever ends the
@@ -134,9 +134,6 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
             elif lead:
                 tok, y_unused = candidate_draw(P, row, slot, ids, ym, q, m, s, has_inf, seed,
                                                pos, NBLK, NBLK_P2, DB, FL, gb)  # fmt: skip
-    if REFINE:  # (the default variant) a later pass has work: its launches must run
-        if (route != cf.R_DONE) & (route != cf.R_EXACT):
-            tl.store(W.more, tl.full([], 1, tl.int1))
     if done & ((route == cf.R_DONE) | (route == cf.R_EXACT)):
         tl.store(W.rowi + row * cf.NUM_I + cf.I_ROUTE, route.to(tl.int64))
         tl.store(tok_ptr + row, tok.to(tl.int64))
