@@ -155,6 +155,29 @@ def test_config_changes_no_token(knobs):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("knobs", [dict(unfiltered_programs=64), dict(stats_registers=0)])
+def test_unfiltered_pass_config_changes_no_token(knobs):
+    """The no_filter variant's stats pass (its own split, unfiltered_programs, at its register
+    cap): another split, or no cap, gives the GPU preset's tokens at B = 1 (a split of one
+    tile a program either way), 48 and 256, on every shape."""
+    from graphexec.sampling.triton.sampler_config import SamplerConfig
+
+    V = 128256
+    for B in (1, 48, 256):
+        logits = torch.cat([shape_logits(s, max(1, B // 4), V, seed=23) for s in
+                            ("peaked", "randn3", "flat", "ties")])[:B]  # fmt: skip
+        table = SamplingTensors.from_params([P(seed=i, temperature=0.8) for i in range(B)], V,
+                                            "cuda")  # fmt: skip
+        slots = torch.arange(B, device="cuda")
+        outs = []
+        for cfg in (SamplerConfig.gpu(), SamplerConfig.gpu().replace(**knobs)):
+            out = SamplerOutput.allocate(B, "cuda", None)
+            gx.sample_step(logits, slots, slots, table, out, None, SamplerVariant.NO_FILTER,
+                           "triton", config=cfg)  # fmt: skip
+            outs.append(out.token_ids)
+        assert torch.equal(outs[0], outs[1]), f"B = {B}"
+
+
 def test_bad_rows_on_gpu():
     V = 32000
     logits = torch.randn(5, V, device="cuda")

@@ -76,11 +76,14 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     P, fl = proc_args(logits, slot_ids, positions, table, bitmask, count_ids)
     db, r = cfg.draw_block, cfg.tile_blocks
     nblk = triton.cdiv(V, db)
+    filters = variant is not SamplerVariant.NO_FILTER
+    # the register cap is measured for the unfiltered pass only (the filtered ones slow down
+    # at it), and so is its split
+    capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
     rs = stats_tile(cfg, B, nblk, need_lp)
-    S = split(cfg.programs, rs, B, nblk)
+    S = split(cfg.unfiltered_programs if capped else cfg.programs, rs, B, nblk)
     S2 = split(cfg.check_programs, r, B, nblk)
     per = triton.cdiv(triton.cdiv(nblk, rs), S) * rs
-    filters = variant is not SamplerVariant.NO_FILTER
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     # every launch's constants: the passes' (common) and the row kernels' (rows)
@@ -89,8 +92,6 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                 **dependent_launch.launch_options(pdl))  # fmt: skip
     common = dict(base, R=r, NBINS=cfg.bins, num_warps=cfg.num_warps)
     rows = dict(base, NBLK_P2=nblk_p2)
-    # the cap is measured for the unfiltered pass only (the filtered ones slow down at it)
-    capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
     regs = maxnreg(cfg.stats_registers if capped else 0)
     _stats_kernel[(B * S,)](P, W, B, S, per, nblk, XN=filters, RAW_LP=need_lp, R=rs,
                             num_warps=cfg.num_warps, **regs, **base)  # fmt: skip

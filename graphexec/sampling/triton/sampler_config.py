@@ -60,12 +60,15 @@ class SamplerConfig:
 
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
-    programs: stats-pass programs to aim for over the batch (rows x slices): about one
-        wave of the unfiltered pass on an H200 (132 SMs x 12 programs at its 40 registers).
-        More, shorter programs (4,096) idled a row's last slices (B = 32: 75 of 128 had
-        work) and cost a second partial wave; 1,536 had the best worst point over fp32 and
-        bf16, V = 49,152 / 151,936, B = 32 to 256 (no_filter 1.84x the read floor, 2.07x at
-        4,096; 1,024: 1.88x).
+    programs: stats-pass programs to aim for over the batch (rows x slices), filtered or
+        with logprobs.
+    unfiltered_programs: the same for the unfiltered pass at its register cap
+        (stats_registers): about one wave of it on an H200 (132 SMs x 12 programs at 40
+        registers). More, shorter programs (4,096) idled a row's last slices (B = 32: 75 of
+        128 had work) and cost a second partial wave; over fp32 and bf16, V = 49,152 /
+        151,936, B = 32 to 256, 1,536 had the best worst point (1.84x the read floor; 4,096
+        2.07x, 1,024 1.88x). The filtered pass holds 72 registers (7 programs a SM): not
+        yet measured there.
     stats_programs: at a batch whose tiles number fewer, the stats pass halves its tile
         (down to 2 blocks; never with logprobs) until they do (`stats_tile`): one program
         per 8-block tile of a single row leaves part of the device idle and each program's
@@ -129,7 +132,8 @@ class SamplerConfig:
 
     draw_block: int = DRAW_BLOCK
     tile_blocks: int = 8
-    programs: int = 1536
+    programs: int = 4096
+    unfiltered_programs: int = 1536
     stats_programs: int = 256
     check_programs: int = 2048
     late_programs: int = 512
@@ -175,8 +179,9 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be 0 or in 16..255, got {v}")
         if self.draw_block < 4:
             raise ValueError(f"SamplerConfig.draw_block must be >= 4, got {self.draw_block}")
-        for name in ("programs", "stats_programs", "check_programs", "late_programs",
-                     "num_warps", "tail_warps", "row_elems", "topk_programs"):  # fmt: skip
+        for name in ("programs", "unfiltered_programs", "stats_programs", "check_programs",
+                     "late_programs", "num_warps", "tail_warps", "row_elems",
+                     "topk_programs"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be positive")
 
