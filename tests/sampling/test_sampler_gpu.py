@@ -122,60 +122,56 @@ def test_batch_invariance_on_gpu():
             assert torch.equal(alone.logprobs, full.logprobs[rows])
 
 
+def preset_tokens_and(knobs: dict, logits: torch.Tensor, params: list,
+                      variant: SamplerVariant = SamplerVariant.DEFAULT) -> list[torch.Tensor]:
+    """The tokens of the GPU preset and of the preset with `knobs`, rows at positions 0..B-1."""
+    from graphexec.sampling.triton.sampler_config import SamplerConfig
+
+    B, V = logits.shape
+    table = SamplingTensors.from_params(params, V, "cuda")
+    rows = torch.arange(B, device="cuda")
+    outs = []
+    for cfg in (SamplerConfig.gpu(), SamplerConfig.gpu().replace(**knobs)):
+        out = SamplerOutput.allocate(B, "cuda", None)
+        gx.sample_step(logits, rows, rows, table, out, None, variant, "triton", config=cfg)
+        outs.append(out.token_ids)
+    return outs
+
+
 @pytest.mark.parametrize("knobs", [dict(programs=64), dict(gather_cap=16, short_tokens=16),
                                    dict(bins=128), dict(num_warps=8, tail_warps=4),
                                    dict(row_elems=2),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
-                                   dict(stats_registers=0),
                                    dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps
     (row_elems 2: the row launches at 16 warps, the top-p total summed in another layout),
-    the short route off, every candidate decided by the cut or by the check pass, the
-    unfiltered stats pass without its register cap, the passes with one, plain launches
-    (no kernel reading its row's parameters before the wait for the one before it): the
-    same tokens as the GPU preset, on every shape and filter."""
-    from graphexec.sampling.triton.sampler_config import SamplerConfig
-
+    the short route off, every candidate decided by the cut or by the check pass, plain
+    launches (no kernel reading its row's parameters before the wait for the one before
+    it): the same tokens as the GPU preset, on every shape and filter."""
     V, B = 128256, 48
     logits = torch.cat([shape_logits(s, B // 4, V, seed=22) for s in
                         ("peaked", "randn3", "flat", "ties")])  # fmt: skip
     params = [P(seed=i, temperature=0.8, **[*BENCH_PARAMS, dict(top_k=1000, top_p=0.95)][i % 5])
               for i in range(B)]  # fmt: skip
-    pos = list(range(B))
-    table = SamplingTensors.from_params(params, V, "cuda")
-    slots = torch.arange(B, device="cuda")
-    posd = torch.tensor(pos, device="cuda")
-    outs = []
-    for cfg in (SamplerConfig.gpu(), SamplerConfig.gpu().replace(**knobs)):
-        out = SamplerOutput.allocate(B, "cuda", None)
-        gx.sample_step(logits, slots, posd, table, out, backend="triton", config=cfg)
-        outs.append(out.token_ids)
-    assert torch.equal(outs[0], outs[1])
+    preset, other = preset_tokens_and(knobs, logits, params)
+    assert torch.equal(preset, other)
 
 
 @pytest.mark.parametrize("knobs", [dict(unfiltered_programs=64), dict(stats_registers=0)])
 def test_unfiltered_pass_config_changes_no_token(knobs):
     """The no_filter variant's stats pass (its own split, unfiltered_programs, at its register
-    cap): another split, or no cap, gives the GPU preset's tokens at B = 1 (a split of one
-    tile a program either way), 48 and 256, on every shape."""
-    from graphexec.sampling.triton.sampler_config import SamplerConfig
-
+    cap, stats_registers: neither applies to a filtered variant): another split, or no cap,
+    gives the GPU preset's tokens at B = 1 (a split of one tile a program either way), 48
+    and 256, on every shape."""
     V = 128256
     for B in (1, 48, 256):
         logits = torch.cat([shape_logits(s, max(1, B // 4), V, seed=23) for s in
                             ("peaked", "randn3", "flat", "ties")])[:B]  # fmt: skip
-        table = SamplingTensors.from_params([P(seed=i, temperature=0.8) for i in range(B)], V,
-                                            "cuda")  # fmt: skip
-        slots = torch.arange(B, device="cuda")
-        outs = []
-        for cfg in (SamplerConfig.gpu(), SamplerConfig.gpu().replace(**knobs)):
-            out = SamplerOutput.allocate(B, "cuda", None)
-            gx.sample_step(logits, slots, slots, table, out, None, SamplerVariant.NO_FILTER,
-                           "triton", config=cfg)  # fmt: skip
-            outs.append(out.token_ids)
-        assert torch.equal(outs[0], outs[1]), f"B = {B}"
+        params = [P(seed=i, temperature=0.8) for i in range(B)]
+        preset, other = preset_tokens_and(knobs, logits, params, SamplerVariant.NO_FILTER)
+        assert torch.equal(preset, other), f"B = {B}"
 
 
 def test_bad_rows_on_gpu():
