@@ -20,6 +20,8 @@ from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_CUT,
     R_DONE,
     R_SELECT,
+    slices,
+    split,
     stats_tile,
 )
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, run_both  # noqa: E402
@@ -60,6 +62,17 @@ def test_block_stats_equal_the_reference(programs: int, variant: str, stats_prog
     if variant != "no_filter":
         assert torch.equal(both.ws.xn[plain], xn[plain])
     assert_same(both.ref, both.tri)
+
+
+@pytest.mark.parametrize("programs", [1, 7, 924, 1536, 4096, 100_000])
+@pytest.mark.parametrize("B,nblk,tile", [(1, 594, 8), (32, 594, 4), (128, 502, 8), (7, 3, 2)])
+def test_slices_cover_split_s_partition_with_no_empty_program(programs, B, nblk, tile) -> None:
+    """`slices` keeps `split`'s blocks per program (so its partition of the row) and drops
+    only programs that would start past the row."""
+    S, per = slices(programs, tile, B, nblk)
+    S0 = split(programs, tile, B, nblk)
+    assert per == triton.cdiv(triton.cdiv(nblk, tile), S0) * tile and per % tile == 0
+    assert S <= S0 and (S - 1) * per < nblk <= S * per
 
 
 def test_the_top_p_total_is_fixed_point_in_any_order() -> None:

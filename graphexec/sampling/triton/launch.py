@@ -24,6 +24,7 @@ from graphexec.sampling.triton.sampler_config import (
     Workspace,
     row_registers,
     row_warps,
+    slices,
     split,
     stats_tile,
     topk_parts,
@@ -81,9 +82,8 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     # at it), and so is its split
     capped = cfg.stats_registers and not (filters or need_lp or interpreter_enabled())
     rs = stats_tile(cfg, B, nblk, need_lp)
-    S = split(cfg.unfiltered_programs if capped else cfg.programs, rs, B, nblk)
+    S, per = slices(cfg.unfiltered_programs if capped else cfg.programs, rs, B, nblk)
     S2 = split(cfg.check_programs, r, B, nblk)
-    per = triton.cdiv(triton.cdiv(nblk, rs), S) * rs
     nb_p2 = max(16, triton.next_power_of_2(table.bias_ids.shape[1]))  # one compile up to 16
     nblk_p2 = max(16, triton.next_power_of_2(nblk))
     # every launch's constants: the passes' (common) and the row kernels' (rows)
