@@ -61,14 +61,14 @@ class SamplerConfig:
     draw_block: tokens per block of the two-level draw (part of the definition).
     tile_blocks: blocks per tile of a pass, one load (the kept pass: half, for its registers).
     programs: stats-pass programs to aim for over the batch (rows x slices), filtered or
-        with logprobs.
+        with logprobs (`slices`). That pass holds 72 registers (7 programs a SM on an
+        H200); 1,386, 2,772 and 4,096 timed within 2 % (min-p and top-k/top-p, fp32, B =
+        32 to 256): its split is not what limits it.
     unfiltered_programs: the same for the unfiltered pass at its register cap
         (stats_registers): about one wave of it on an H200 (132 SMs x 12 programs at 40
-        registers). More, shorter programs (4,096) idled a row's last slices (B = 32: 75 of
-        128 had work) and cost a second partial wave; over fp32 and bf16, V = 49,152 /
-        151,936, B = 32 to 256, 1,536 had the best worst point (1.84x the read floor; 4,096
-        2.07x, 1,024 1.88x). The filtered pass holds 72 registers (7 programs a SM): not
-        yet measured there.
+        registers). More, shorter programs (4,096) cost a second partial wave; over fp32
+        and bf16, V = 49,152 / 151,936, B = 32 to 256, 1,536 had the best worst point
+        (1.84x the read floor; 4,096 2.07x, 1,024 1.88x).
     stats_programs: at a batch whose tiles number fewer, the stats pass halves its tile
         (down to 2 blocks; never with logprobs) until they do (`stats_tile`): one program
         per 8-block tile of a single row leaves part of the device idle and each program's
