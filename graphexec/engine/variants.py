@@ -27,7 +27,8 @@ NO_FILTER, TOP_K_TOP_P, DEFAULT = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_
 # The Triton kernels one `sample_step` call launches, per variant, in launch order: the
 # one list of them (`sampling/triton/launch.py` `sample` launches them; its package
 # docstring says why; _check_kernel only while SamplerConfig's check_blocks is on,
-# _short_kernel while check_blocks or short_blocks is, as in both presets). Update it
+# _short_kernel while check_blocks or short_blocks is, as in both presets; with
+# SamplerConfig.topk_launch, default's _topk_kernel before its _tail_kernel). Update it
 # with the kernels; tests/engine/test_variants.py checks it against the launches in
 # launch.py.
 _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")

@@ -143,13 +143,14 @@ def preset_tokens_and(knobs: dict, logits: torch.Tensor, params: list,
                                    dict(row_elems=2),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
-                                   dict(pdl=False)])  # fmt: skip
+                                   dict(topk_launch=True), dict(pdl=False)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps
     (row_elems 2: the row launches at 16 warps, the top-p total summed in another layout),
-    the short route off, every candidate decided by the cut or by the check pass, plain
-    launches (no kernel reading its row's parameters before the wait for the one before
-    it): the same tokens as the GPU preset, on every shape and filter."""
+    the short route off, every candidate decided by the cut or by the check pass, top-k
+    rows in a launch before the tail, plain launches (no kernel reading its row's
+    parameters before the wait for the one before it): the same tokens as the GPU preset,
+    on every shape and filter."""
     V, B = 128256, 48
     logits = torch.cat([shape_logits(s, B // 4, V, seed=22) for s in
                         ("peaked", "randn3", "flat", "ties")])  # fmt: skip

@@ -17,11 +17,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 from graphexec.params import TOP_K_FIRST_MAX, SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
-from graphexec.sampling.tensors import SamplingTensors  # noqa: E402
+from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
+from graphexec.sampling.triton import launch  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_DONE,
     R_EXACT,
     SamplerConfig,
+    Workspace,
     row_registers,
     row_warps,
 )
@@ -206,6 +208,42 @@ def test_the_default_tail_serves_top_k_rows_first() -> None:
     top_k = [r for r, p in enumerate(params) if p.top_k > 0]
     assert all(on.routes[r] == int(R_DONE) for r in top_k)
     assert any(off.routes[r] != int(R_DONE) for r in top_k)  # the passes served them
+
+
+@pytest.mark.parametrize("shape", ["flat", "mixed"])
+def test_top_k_rows_in_a_launch_of_their_own_keep_their_tokens_and_routes(shape: str) -> None:
+    """SamplerConfig.topk_launch: `_topk_kernel` serves the default variant's top-k-first
+    rows (here k <= 30; row 0 among them) and the row tail, compiled without top-k first,
+    the others (k = 40 past top_k_first, top-p, min-p, greedy, NaN / inf rows): the
+    tokens, routes and row lists of one tail. Stale row lists from a last call are emptied
+    though row 0's tail program is skipped."""
+    B, V = 9, 450
+    filters = [dict(top_k=5), dict(top_p=0.9), dict(top_k=40, top_p=0.9),
+               dict(top_k=3, min_p=0.05), dict(min_p=0.05), dict(top_k=20, top_p=0.5),
+               dict(temperature=0.0, top_k=4), dict(top_p=0.8), dict(top_k=30)]
+    params = _params(B, V, filters)
+    logits = logits_of(shape, B, V, seed=8)
+    cfg = CONFIGS["interp16_short"].replace(top_k_first=30)
+    out = {}
+    for on in (False, True):
+        table = SamplingTensors.from_params(params, V, "cpu")
+        ref = SamplerOutput.allocate(B, "cpu", None)
+        tri = SamplerOutput.allocate(B, "cpu", None)
+        pos = torch.arange(B) * 7 + 3
+        reference.sample(logits, torch.arange(B), pos, table, ref, None, SamplerVariant.DEFAULT,
+                         draw_block=cfg.draw_block)  # fmt: skip
+        ws = Workspace.allocate(B, V, "cpu", cfg, False)
+        ws.listed.fill_(3)  # a last call's lists
+        ws.refine.fill_(2)
+        launch.sample(logits, torch.arange(B), pos, table, tri, None, SamplerVariant.DEFAULT,
+                      config=cfg.replace(topk_launch=on), workspace=ws)  # fmt: skip
+        assert_same(ref, tri)
+        out[on] = (tri.token_ids, ws.rowi[:, 0], ws.listed.clone(), ws.refine.clone())
+    for a, b in zip(out[False], out[True], strict=True):
+        assert torch.equal(a, b)
+    routes = out[True][1].tolist()
+    assert any(routes[r] != int(R_DONE) for r in (1, 2, 4, 7))  # the passes served some
+    assert all(routes[r] == int(R_DONE) for r in (0, 3, 5, 8))  # top-k first, in the tail
 
 
 @triton.jit

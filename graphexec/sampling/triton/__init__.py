@@ -25,7 +25,9 @@ row):
     default               stats, tail, check, short, select, kept, finish, then round 2's
                           select, kept, finish (rows not in a launch's route leave at once;
                           select and kept serve a row list, the short kernel's, then round
-                          2's, whose rows share the launch's late_programs programs)
+                          2's, whose rows share the launch's late_programs programs); with
+                          SamplerConfig.topk_launch, topk before the tail for the top-k-first
+                          rows (the tail then holds no top-k-first code)
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate

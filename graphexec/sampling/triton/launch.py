@@ -115,10 +115,18 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
                                    PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
                                    **rows, **row_options(cfg, nblk_p2, tk_cap))  # fmt: skip
     else:
+        tkf = cfg.top_k_first if filters else 0
+        # the default variant's top-k-first rows in a launch of their own, so that the row
+        # tail is compiled without that code (`SamplerConfig.topk_launch`)
+        own = tkf if variant is SamplerVariant.DEFAULT and cfg.topk_launch else 0
+        if own:
+            _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
+                               **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                               PROF=cfg.phase_clock, TKF=own, CB=cfg.check_blocks, **search,
+                               **wrows)  # fmt: skip
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
-                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks,
-                           TKF=cfg.top_k_first if filters else 0, **sorts,
-                           WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks, TKF=0 if own else tkf,
+                           SKIP=own, **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
                            PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:

@@ -97,6 +97,12 @@ class SamplerConfig:
     top_k_first: the largest top-k that the default variant's row tail serves top-k first,
         as the top_k_top_p variant does every row (`topk`); 0: every top-k row takes the
         candidate's check and the cut's passes (for tests of them).
+    topk_launch: the default variant serves its top-k-first rows (top_k_first) in a launch
+        of their own (`tail._topk_kernel`) before the row tail, which is then compiled
+        without that code (sm_90, B = 1, V = 151,936: 21,616 -> 7,040 instructions, stack
+        120 -> 64 B). On an H200 (fp32, B = 1, V = 151,936) a tail without it (top_k_first
+        0) made top-p rows 6-9 % and min-p rows 4 % faster; the extra launch is not yet
+        measured, so it stays off until it is.
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     topk_programs: programs the top_k_top_p variant's row launch aims for over a small
         batch: a row gets up to 16 (`topk_parts`), one drawing its candidate while the
@@ -146,6 +152,7 @@ class SamplerConfig:
     mid_tokens: int = 256
     check_blocks: int = 16
     top_k_first: int = TOP_K_FIRST_MAX
+    topk_launch: bool = False
     logprobs_cap: int = 256
     topk_programs: int = 128
     num_warps: int = 4

@@ -37,15 +37,13 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
              FL: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TKF: tl.constexpr,
              ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr, INTERP: tl.constexpr,
              ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, WAYS: tl.constexpr,
-             PROF: tl.constexpr, PDL: tl.constexpr, REFINE: tl.constexpr = False, part=0,
-             parts=1, MULTI: tl.constexpr = False):  # fmt: skip
+             PROF: tl.constexpr, PDL: tl.constexpr, part=0, parts=1,
+             MULTI: tl.constexpr = False):  # fmt: skip
     """Row `row`'s tail (module docstring); EVERY: each filtered row top-k first, whatever
     its filters (no later pass runs: a row past the route is served by the exact search),
     and R_EXACT marks the rows the exact search served (for tests). PROF: phase clocks
     (`clock`: 0 start, 1 block stats read, 2 candidate drawn, 3-8 top-k first's, 9 end).
-    REFINE: program 0 empties the row lists of round 1 and round 2, which the short kernel
-    and round 1's finish fill. The row's inputs are read before the wait for the stats
-    pass (`process.row_inputs`).
+    The row's inputs are read before the wait for the stats pass (`process.row_inputs`).
     MULTI (EVERY only): `parts` programs serve the row, this one `part`: the last part
     draws what one program draws (the candidate, a greedy or tied row's token) and the
     others gather top-k first's candidates meanwhile (`topk.topk_first`); whoever ends the
@@ -53,10 +51,6 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     slot, greedy, s, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
     gb = block_noise(seed, pos, NBLK_P2)  # the candidate's, while the stats pass runs
     dependent_start(PDL)
-    if REFINE:
-        if row == 0:
-            tl.store(W.listed, 0)
-            tl.store(W.refine, 0)
     stamp(W, row, 0, PROF, 0)
     b = tl.arange(0, NBLK_P2)
     bm = b < NBLK
@@ -141,6 +135,16 @@ def tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS: tl.constexpr, EVERY: 
     stamp(W, row, 9, PROF, 1)
 
 
+@triton.jit
+def served_first(P, row, TKF: tl.constexpr):
+    """Whether the default variant serves row `row` top-k first (0 < top_k <= TKF): with
+    `SamplerConfig.topk_launch`, `_topk_kernel` serves those rows and `_tail_kernel` the
+    others. A function of the row's parameters alone, so both kernels agree before their
+    waits."""
+    k = tl.load(P.top_k + tl.load(P.slots + row))
+    return (k > 0) & (k <= TKF)
+
+
 @triton.jit(do_not_specialize=["NBLK"])
 def _tail_kernel(
     P, W,
@@ -150,12 +154,26 @@ def _tail_kernel(
     CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
+    SKIP: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
-    candidate and plans its next passes (module docstring)."""
-    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, FILTERS, False, NB_P2, NBLK_P2,
-             DB, NBINS, FL, R, CB, TKF, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
-             FILTERS)  # fmt: skip
+    candidate and plans its next passes (module docstring). SKIP > 0: rows that
+    `_topk_kernel` served before it (`served_first` at SKIP) are left alone, and TKF is 0,
+    so this kernel holds no top-k-first code. FILTERS: program 0 empties the row lists of
+    round 1 and round 2, which the short kernel and round 1's finish fill."""
+    row = tl.program_id(0)
+    skip = tl.zeros([], dtype=tl.int1)
+    if SKIP > 0:
+        skip = served_first(P, row, SKIP)
+    if skip:
+        dependent_start(PDL)  # every program waits for the stats pass before it ends
+    else:
+        tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, False, NB_P2, NBLK_P2, DB, NBINS,
+                 FL, R, CB, TKF, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL)  # fmt: skip
+    if FILTERS:
+        if row == 0:
+            tl.store(W.listed, 0)
+            tl.store(W.refine, 0)
 
 
 @triton.jit(do_not_specialize=["NBLK"])
@@ -166,13 +184,22 @@ def _topk_kernel(
     FL: tl.constexpr, R: tl.constexpr, ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False, PARTS=1,
-    MULTI: tl.constexpr = False,
+    MULTI: tl.constexpr = False, TKF: tl.constexpr = 0, CB: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid (B * PARTS,) (top_k_top_p: the last launch): the row tail with every filtered
     row top-k first, so that row b is served whole, by PARTS programs (MULTI: more than
-    one; `tail_row`)."""
-    tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0) // PARTS, NBLK, True, True, NB_P2,
-             NBLK_P2, DB, NBINS, FL, R, 0, 0, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL,
-             False, tl.program_id(0) % PARTS, PARTS, MULTI)  # fmt: skip
-
-
+    one; `tail_row`). TKF > 0 (the default variant with `SamplerConfig.topk_launch`), grid
+    (B,): only the rows `served_first` picks, as the default tail serves them; the
+    others are `_tail_kernel`'s."""
+    if TKF > 0:
+        row = tl.program_id(0)
+        if served_first(P, row, TKF):
+            tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, True, False, NB_P2, NBLK_P2, DB, NBINS,
+                     FL, R, CB, TKF, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF,
+                     PDL)  # fmt: skip
+        else:
+            dependent_start(PDL)
+    else:
+        tail_row(P, W, tok_ptr, valid_ptr, tl.program_id(0) // PARTS, NBLK, True, True, NB_P2,
+                 NBLK_P2, DB, NBINS, FL, R, 0, 0, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF,
+                 PDL, tl.program_id(0) % PARTS, PARTS, MULTI)  # fmt: skip
