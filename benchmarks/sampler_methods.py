@@ -46,6 +46,8 @@ METHODS = {
     "graphexec.top_k_top_p": "sample_step, temperature + top-k + top-p (variant top_k_top_p)",
     "graphexec.top_p": "sample_step, temperature + top-p, no top-k (variant default)",
     "graphexec.min_p": "sample_step, temperature + min-p 0.05 (variant default)",
+    "graphexec.mixed": "sample_step, rows cycling top-k + top-p / top-p / min-p (variant "
+    "default with top-k rows)",
     "graphexec.top_k_top_p+logprobs20": "graphexec.top_k_top_p with logprobs=20 on every row",
     "graphexec.top_k_top_p+bitmask": "graphexec.top_k_top_p with a random int32 bitmask "
     "allowing ~50% of tokens",
@@ -102,15 +104,20 @@ def _floor_read(c: Case) -> Bench:
     return Bench(lambda: torch.amax(c.logits, dim=1, out=out), note=note, tokens=False)
 
 
-def _gx(variant_params: dict, num_top: int | None = None, bitmask: bool = False):
+def _gx(variant_params: dict | tuple[dict, ...], num_top: int | None = None,
+        bitmask: bool = False):  # fmt: skip
+    """A graphexec method: every row with `variant_params`, or row b with the b-th of a
+    tuple of them, cycled."""
+    cycle = variant_params if isinstance(variant_params, tuple) else (variant_params,)
+
     def build(c: Case) -> Bench:
         import graphexec as gx
         from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
 
-        params = [gx.SamplingParams(seed=1000 + b, **variant_params) for b in range(c.B)]
-        if "top_p" in variant_params:  # each row's own top-p (mixed on sweep shapes)
-            params = [dataclasses.replace(p, top_p=t) for p, t in
-                      zip(params, row_top_p(c).tolist(), strict=True)]  # fmt: skip
+        params = [gx.SamplingParams(seed=1000 + b, **cycle[b % len(cycle)]) for b in range(c.B)]
+        # each top-p row's own top-p (mixed on sweep shapes)
+        params = [dataclasses.replace(p, top_p=t) if p.top_p < 1.0 else p for p, t in
+                  zip(params, row_top_p(c).tolist(), strict=True)]  # fmt: skip
         table = SamplingTensors.from_params(params, c.V, c.device)
         out = SamplerOutput.allocate(c.B, c.device, num_top)
         ws = cfg = None
@@ -244,6 +251,9 @@ BUILDERS: dict[str, Callable[[Case], Bench]] = {
     "graphexec.top_k_top_p": _gx(dict(_T, top_k=TOP_K, top_p=TOP_P)),
     "graphexec.top_p": _gx(dict(_T, top_p=TOP_P)),
     "graphexec.min_p": _gx(dict(_T, min_p=MIN_P)),
+    "graphexec.mixed": _gx(
+        (dict(_T, top_k=TOP_K, top_p=TOP_P), dict(_T, top_p=TOP_P), dict(_T, min_p=MIN_P))
+    ),
     "graphexec.top_k_top_p+logprobs20": _gx(
         dict(_T, top_k=TOP_K, top_p=TOP_P, logprobs=NUM_LOGPROBS), num_top=NUM_LOGPROBS
     ),
