@@ -224,14 +224,14 @@ def test_top_k_rows_in_a_launch_of_their_own_keep_their_tokens_and_routes(shape:
     params = _params(B, V, filters)
     logits = logits_of(shape, B, V, seed=8)
     cfg = CONFIGS["interp16_short"].replace(top_k_first=30)
+    table = SamplingTensors.from_params(params, V, "cpu")
+    pos = torch.arange(B) * 7 + 3
+    ref = SamplerOutput.allocate(B, "cpu", None)
+    reference.sample(logits, torch.arange(B), pos, table, ref, None, SamplerVariant.DEFAULT,
+                     draw_block=cfg.draw_block)  # fmt: skip
     out = {}
     for on in (False, True):
-        table = SamplingTensors.from_params(params, V, "cpu")
-        ref = SamplerOutput.allocate(B, "cpu", None)
         tri = SamplerOutput.allocate(B, "cpu", None)
-        pos = torch.arange(B) * 7 + 3
-        reference.sample(logits, torch.arange(B), pos, table, ref, None, SamplerVariant.DEFAULT,
-                         draw_block=cfg.draw_block)  # fmt: skip
         ws = Workspace.allocate(B, V, "cpu", cfg, False)
         ws.listed.fill_(3)  # a last call's lists
         ws.refine.fill_(2)

@@ -103,6 +103,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     tkst = min(cfg.short_tokens, cfg.gather_cap)
     tkmt = min(cfg.mid_tokens, cfg.gather_cap)
     sorts = dict(ST=tkst, MT=tkmt if tkst < tkmt < cfg.gather_cap else tkst)
+    # the row tail's constants, in each launch that runs it (`tail.tail_row`)
+    tails = dict(NBINS=cfg.bins, R=r, **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
+                 PROF=cfg.phase_clock, **search)  # fmt: skip
     # the filtered row launches' register cap past the SM count (`wide_registers`)
     sms = sm_count(logits.device)
     row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
@@ -110,24 +113,20 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         tk_cap = row_registers(cfg, B * parts, sms)
-        _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
-                                   **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                                   PROF=cfg.phase_clock, PARTS=parts, MULTI=parts > 1, **search,
-                                   **rows, **row_options(cfg, nblk_p2, tk_cap))  # fmt: skip
+        _topk_kernel[(B * parts,)](P, W, out.token_ids, out.valid, nblk, PARTS=parts,
+                                   MULTI=parts > 1, **tails, **rows,
+                                   **row_options(cfg, nblk_p2, tk_cap))  # fmt: skip
     else:
         tkf = cfg.top_k_first if filters else 0
         # the default variant's top-k-first rows in a launch of their own, so that the row
         # tail is compiled without that code (`SamplerConfig.topk_launch`)
         own = tkf if variant is SamplerVariant.DEFAULT and cfg.topk_launch else 0
         if own:
-            _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, NBINS=cfg.bins, R=r,
-                               **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                               PROF=cfg.phase_clock, TKF=own, CB=cfg.check_blocks, **search,
-                               **wrows)  # fmt: skip
+            _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, TKF=own, CB=cfg.check_blocks,
+                               **tails, **wrows)  # fmt: skip
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
-                           NBINS=cfg.bins, R=r, CB=cfg.check_blocks, TKF=0 if own else tkf,
-                           SKIP=own, **sorts, WCAP=cfg.gather_cap, INTERP=interpreter_enabled(),
-                           PROF=cfg.phase_clock, **search, **wrows)  # fmt: skip
+                           CB=cfg.check_blocks, TKF=0 if own else tkf, SKIP=own, **tails,
+                           **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,

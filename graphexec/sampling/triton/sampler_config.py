@@ -99,7 +99,7 @@ class SamplerConfig:
         candidate's check and the cut's passes (for tests of them).
     topk_launch: the default variant serves its top-k-first rows (top_k_first) in a launch
         of their own (`tail._topk_kernel`) before the row tail, which is then compiled
-        without that code (sm_90, B = 1, V = 151,936: 21,616 -> 7,040 instructions, stack
+        without that code (sm_90, B = 1, V = 151,936: 21,616 -> 7,072 instructions, stack
         120 -> 64 B). On an H200 (fp32, B = 1, V = 151,936) a tail without it (top_k_first
         0) made top-p rows 6-9 % and min-p rows 4 % faster; the extra launch is not yet
         measured, so it stays off until it is.
