@@ -100,9 +100,10 @@ class SamplerConfig:
     topk_launch: the default variant serves its top-k-first rows (top_k_first) in a launch
         of their own (`tail._topk_kernel`) before the row tail, which is then compiled
         without that code (sm_90, B = 1, V = 151,936: 21,616 -> 7,072 instructions, stack
-        120 -> 64 B). On an H200 (fp32, B = 1, V = 151,936) a tail without it (top_k_first
-        0) made top-p rows 6-9 % and min-p rows 4 % faster; the extra launch is not yet
-        measured, so it stays off until it is.
+        120 -> 64 B). Off: on an H200 (fp32, graph us, V = 151,936 and the real rows) it
+        made top-p batches 3-12 % faster at B <= 128 on peaked and real rows, but batches
+        with top-k rows 8-17 % slower at B = 32-128 (those rows no longer run beside the
+        others) and min-p batches up to 6 % slower (the launch itself).
     logprobs_cap: most top-N candidates the raw logprobs writer sorts (more: the general one).
     topk_programs: programs the top_k_top_p variant's row launch aims for over a small
         batch: a row gets up to 16 (`topk_parts`), one drawing its candidate while the
