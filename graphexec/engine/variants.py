@@ -28,7 +28,8 @@ NO_FILTER, TOP_K_TOP_P, DEFAULT = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_
 # one list of them (`sampling/triton/launch.py` `sample` launches them; its package
 # docstring says why; _check_kernel only while SamplerConfig's check_blocks is on,
 # _short_kernel while check_blocks or short_blocks is, as in both presets; with
-# SamplerConfig.topk_launch, default's _topk_kernel before its _tail_kernel). Update it
+# SamplerConfig.topk_launch, default's _topk_kernel before its _tail_kernel; with
+# SamplerConfig.late_queue, DEFAULT_QUEUED: one _late_kernel after the check). Update it
 # with the kernels; tests/engine/test_variants.py checks it against the launches in
 # launch.py.
 _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
@@ -39,6 +40,7 @@ TRITON_KERNELS: dict[SamplerVariant, tuple[str, ...]] = {
     TOP_K_TOP_P: ("_stats_kernel", "_topk_kernel"),
     DEFAULT: _FILTERED,
 }
+DEFAULT_QUEUED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_late_kernel")
 TRITON_LOGPROBS_KERNELS = ("_raw_logprobs_kernel", "_logprobs_kernel")  # keys with logprobs
 TRITON_VERIFY_KERNELS = ("_flatten_kernel", "_emit_kernel")  # spec_k > 0, strict verify
 

@@ -42,6 +42,7 @@ def test_the_triton_kernel_list_names_what_launch_py_launches() -> None:
     general = _launched("graphexec/sampling/triton/logprobs.py")  # write_logprobs' writer
     verify = _launched("graphexec/speculative/verify_kernels.py")
     listed = {k for ks in TRITON_KERNELS.values() for k in ks} | set(TRITON_LOGPROBS_KERNELS)
+    listed |= set(variants.DEFAULT_QUEUED)
     assert listed == sampler | general, "update TRITON_KERNELS in graphexec/engine/variants.py"
     assert set(variants.TRITON_VERIFY_KERNELS) <= verify
 

@@ -143,14 +143,19 @@ def preset_tokens_and(knobs: dict, logits: torch.Tensor, params: list,
                                    dict(row_elems=2),
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
-                                   dict(topk_launch=True), dict(pdl=False)])  # fmt: skip
+                                   dict(topk_launch=True), dict(pdl=False),
+                                   dict(late_queue=True),
+                                   dict(late_queue=True, gather_cap=16, short_tokens=16),
+                                   dict(late_queue=True, late_programs=8,
+                                        check_blocks=0)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps
     (row_elems 2: the row launches at 16 warps, the top-p total summed in another layout),
     the short route off, every candidate decided by the cut or by the check pass, top-k
     rows in a launch before the tail, plain launches (no kernel reading its row's
-    parameters before the wait for the one before it): the same tokens as the GPU preset,
-    on every shape and filter."""
+    parameters before the wait for the one before it), the passes after the check as one
+    queue (with round 2 and the exact search; with more listed rows than programs): the
+    same tokens as the GPU preset, on every shape and filter."""
     V, B = 128256, 48
     logits = torch.cat([shape_logits(s, B // 4, V, seed=22) for s in
                         ("peaked", "randn3", "flat", "ties")])  # fmt: skip
@@ -158,6 +163,44 @@ def test_config_changes_no_token(knobs):
               for i in range(B)]  # fmt: skip
     preset, other = preset_tokens_and(knobs, logits, params)
     assert torch.equal(preset, other)
+
+
+@pytest.mark.parametrize("B", [1, 48])
+def test_late_queue_replayed_gives_the_launches_tokens(B):
+    """The late queue captured once on a persistent workspace and replayed on new logits
+    (flat, randn * 3 and peaked rows: round 1, round 2 and rows done at the check) gives
+    the seven launches' tokens every time, and leaves its counters at zero."""
+    from graphexec.sampling.triton.sampler_config import SamplerConfig, Workspace
+
+    V = 151936
+    params = [P(seed=i, temperature=0.8, **[*BENCH_PARAMS, dict(top_k=1000, top_p=0.95)][i % 5])
+              for i in range(B)]  # fmt: skip
+    table = SamplingTensors.from_params(params, V, "cuda")
+    rows = torch.arange(B, device="cuda")
+    pos = torch.zeros(B, dtype=torch.int64, device="cuda")
+    cfg = SamplerConfig.gpu().replace(gather_cap=64, short_tokens=64)  # more rows in round 2
+    queue, seven = (Workspace.allocate(B, V, "cuda", cfg) for _ in range(2))
+    logits = torch.empty(B, V, device="cuda")
+    out, ref = SamplerOutput.allocate(B, "cuda", None), SamplerOutput.allocate(B, "cuda", None)
+
+    def step():
+        gx.sample_step(logits, rows, pos, table, out, None, SamplerVariant.DEFAULT, "triton",
+                       config=cfg.replace(late_queue=True), workspace=queue)  # fmt: skip
+
+    logits.copy_(shape_logits("flat", B, V, seed=1))
+    step()  # JIT warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in range(12):
+        logits.copy_(shape_logits(("flat", "randn3", "peaked")[t % 3], B, V, seed=30 + t))
+        pos.fill_(t)
+        graph.replay()
+        gx.sample_step(logits, rows, pos, table, ref, None, SamplerVariant.DEFAULT, "triton",
+                       config=cfg, workspace=seven)  # fmt: skip
+        assert torch.equal(out.token_ids, ref.token_ids), f"replay {t}"
+        assert not queue.queue.any(), f"replay {t}: {queue.queue.nonzero().flatten().tolist()}"
 
 
 @pytest.mark.parametrize("knobs", [dict(unfiltered_programs=64), dict(stats_registers=0)])

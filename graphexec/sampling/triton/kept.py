@@ -181,10 +181,10 @@ def _resolve(W, row, s, lo, top, inv_w, j2, lnmp, top_k, top_p, n_g,
 
 
 @triton.jit
-def _finish(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2: tl.constexpr,
-            DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr,
-            ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
-            ROUND2: tl.constexpr):  # fmt: skip
+def finish_row(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2: tl.constexpr,
+               DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, WAYS: tl.constexpr,
+               ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr,
+               ROUND2: tl.constexpr):  # fmt: skip
     """Row `row`'s finish (module docstring); inputs: its `process.row_inputs`."""
     slot, greedy, s_unused, seed, pos, ids, top_k, top_p, lnmp = inputs
     ri = W.rowi + row * cf.NUM_I
@@ -331,15 +331,15 @@ def _kept_kernel(
     if ROUND2:
         e0, e1, step, sp, n_sp = list_share(W.refine, S)
         for e in range(e0, e1, step):
-            _kept_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
+            kept_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
     else:
-        e, sp, n_sp = list_entry(W.listed, S)
+        e, sp, n_sp = list_entry(W.listed, tl.program_id(0), S)
         if e >= 0:
-            _kept_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
+            kept_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
 
 
 @triton.jit
-def _kept_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+def kept_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
                 DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
@@ -366,13 +366,13 @@ def _finish_kernel(
         if tl.program_id(0) < tl.load(W.refine):
             row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
             route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            _finish(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route, NBLK,
-                    NBLK_P2, DB, NBINS, WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+            finish_row(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route, NBLK,
+                       NBLK_P2, DB, NBINS, WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
     else:
         row = tl.program_id(0)
         inputs = row_inputs(P, row, NB_P2)
         dependent_start(PDL)
         route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
         if route != cf.R_DONE:
-            _finish(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2, DB, NBINS, WCAP,
-                    WAYS, ITA, ITB, SB, FL, False)  # fmt: skip
+            finish_row(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2, DB, NBINS,
+                       WCAP, WAYS, ITA, ITB, SB, FL, False)  # fmt: skip

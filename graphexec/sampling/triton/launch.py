@@ -15,8 +15,9 @@ from graphexec.params import SamplerVariant
 from graphexec.runtime.triton_env import interpreter_enabled
 from graphexec.runtime.triton_keys import settle
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors
-from graphexec.sampling.triton import kept, logprobs, select, short, stats, tail
+from graphexec.sampling.triton import kept, late, logprobs, select, short, stats, tail
 from graphexec.sampling.triton.kept import _finish_kernel, _kept_kernel
+from graphexec.sampling.triton.late import _late_kernel
 from graphexec.sampling.triton.logprobs import _raw_logprobs_kernel, write_logprobs
 from graphexec.sampling.triton.process import proc_args
 from graphexec.sampling.triton.sampler_config import (
@@ -36,7 +37,7 @@ from graphexec.sampling.triton.tail import _tail_kernel, _topk_kernel
 
 # the kernels' Triton cache keys, each after its callees' (`triton_keys`: the same keys
 # whichever kernel a process launches or compiles first)
-settle(kept, logprobs, select, short, stats, tail)
+settle(kept, logprobs, select, short, stats, tail, late)
 
 
 def sm_count(device: torch.device) -> int | None:
@@ -110,6 +111,8 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     sms = sm_count(logits.device)
     row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
     wrows = dict(rows, **row_options(cfg, nblk_p2, row_cap))
+    # the default variant's passes after the check as one queue, behind its gate (`late`)
+    queue = variant is SamplerVariant.DEFAULT and cfg.late_queue
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         tk_cap = row_registers(cfg, B * parts, sms)
@@ -125,40 +128,54 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             _topk_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, TKF=own, CB=cfg.check_blocks,
                                **tails, **wrows)  # fmt: skip
         _tail_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, FILTERS=filters,
-                           CB=cfg.check_blocks, TKF=0 if own else tkf, SKIP=own, **tails,
-                           **wrows)  # fmt: skip
+                           CB=cfg.check_blocks, TKF=0 if own else tkf, SKIP=own, QUEUE=queue,
+                           **tails, **wrows)  # fmt: skip
     if variant is SamplerVariant.DEFAULT:
         if cfg.check_blocks:
             _check_kernel[(B * S2,)](P, W, out.token_ids, out.valid, S2, nblk, NBLK_P2=nblk_p2,
-                                     **common)  # fmt: skip
-        # the short route, the check's plans, and round 1's row list
-        _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk,
-                            R=min(r, cfg.short_blocks or r), SB=cfg.short_blocks,
-                            ST=cfg.short_tokens, WCAP=cfg.gather_cap,
-                            INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
-        late = dict(common, WCAP=cfg.gather_cap)
-        kept = dict(late, R=max(1, r // 2))  # half tiles (SamplerConfig.tile_blocks)
-        finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
+                                     QUEUE=queue, **common)  # fmt: skip
         # the programs each round's listed rows share (round 1's: never fewer than its rows)
         G2 = min(cfg.late_programs, B * S2)
-        for round2, grid in ((False, max(G2, B)), (True, G2)):
-            _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
-            _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **kept)
-            _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2, **finish)
-    if need_lp:
-        # the raw-mode writer, then the general one for the rows it leaves (`logprobs`)
-        n = out.num_top or 0
-        cap = cfg.logprobs_cap
-        interp = interpreter_enabled()
-        y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
-        done = torch.empty(B, dtype=torch.int32, device=logits.device)
-        _raw_logprobs_kernel[(B,)](
-            P, W, y, torch.empty((B, cap), dtype=torch.int64, device=logits.device),
-            out.token_ids, out.logprobs, out.ranks, out.top_logprobs if n else out.logprobs,
-            out.top_token_ids if n else out.ranks, done, nblk, N=n,
-            N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
-            CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
-            **maxnreg(row_registers(cfg, B, sms, nblk_p2)),  # (184 registers on sm_90)
-        )  # fmt: skip
-        write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=pdl)
+        rsh, rk = min(r, cfg.short_blocks or r), max(1, r // 2)  # kept: half tiles
+        if queue:  # the seven launches below as one launch
+            _late_kernel[(max(G2, B),)](
+                P, W, out.token_ids, out.valid, B, max(G2, B), G2, nblk, RSH=rsh, RS=r, RK=rk,
+                SB=cfg.short_blocks, ST=cfg.short_tokens, NBINS=cfg.bins, WCAP=cfg.gather_cap,
+                WAYS=search["WAYS"], ITA=search["ITA"], ITB=search["ITB"], SSB=search["SB"],
+                INTERP=interpreter_enabled(), **wrows)  # fmt: skip
+        else:
+            # the short route, the check's plans, and round 1's row list
+            _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=rsh,
+                                SB=cfg.short_blocks, ST=cfg.short_tokens, WCAP=cfg.gather_cap,
+                                INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
+            late = dict(common, WCAP=cfg.gather_cap)
+            finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
+            for round2, grid in ((False, max(G2, B)), (True, G2)):
+                _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
+                _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **dict(late, R=rk))
+                _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2,
+                                     **finish)  # fmt: skip
+    return _logprobs(logits, slot_ids, table, out, P, W, nblk, nblk_p2, cfg, sms, base)
+
+
+def _logprobs(logits, slot_ids, table, out, P, W, nblk, nblk_p2, cfg, sms, base) -> SamplerOutput:
+    """The logprobs writers, last (out.logprobs None: none): the raw-mode one, then the
+    general one for the rows it leaves (`logprobs`)."""
+    if out.logprobs is None:
+        return out
+    B, V = logits.shape
+    n = out.num_top or 0
+    cap = cfg.logprobs_cap
+    interp = interpreter_enabled()
+    y = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    done = torch.empty(B, dtype=torch.int32, device=logits.device)
+    _raw_logprobs_kernel[(B,)](
+        P, W, y, torch.empty((B, cap), dtype=torch.int64, device=logits.device),
+        out.token_ids, out.logprobs, out.ranks, out.top_logprobs if n else out.logprobs,
+        out.top_token_ids if n else out.ranks, done, nblk, N=n,
+        N_POW2=max(1, triton.next_power_of_2(n)), NBLK_P2=nblk_p2, GR=2 if interp else 32,
+        CAP=cap, YB=256 if interp else 2048, INTERP=interp, num_warps=8, **base,
+        **maxnreg(row_registers(cfg, B, sms, nblk_p2)),  # (184 registers on sm_90)
+    )  # fmt: skip
+    write_logprobs(logits, y, slot_ids, table, out, cap=cap, done=done, pdl=base["PDL"])
     return out

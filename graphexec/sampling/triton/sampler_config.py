@@ -50,6 +50,8 @@ I_NTOP, I_MTOP, I_RA, I_RB = (tl.constexpr(i) for i in range(17, 21))
 # set), then the check pass's count and exact mass of the tokens ranked above it
 I_CAND, I_CCNT, I_CMASS = (tl.constexpr(i) for i in range(24, 27))
 NUM_I = tl.constexpr(32)
+QUEUE_WORDS = tl.constexpr(160)  # Workspace.queue's counters (`late`)
+Q_NEED = tl.constexpr(144)  # of them: rows the tail and check kernels left a pass to
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class SamplerConfig:
         B): a launch whose rows all leave at once costs about a program's start and wait
         per program (an H200: some 10 us over four launches of 2,048), while a flat row's
         passes want many.
+    late_queue: the default variant's passes after the check (the short route, rounds 1
+        and 2) in one persistent launch that drains a device-side queue of their items
+        (`late`), instead of seven launches most of whose programs leave at once.
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
@@ -144,6 +149,7 @@ class SamplerConfig:
     stats_programs: int = 256
     check_programs: int = 2048
     late_programs: int = 512
+    late_queue: bool = False
     bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
@@ -292,6 +298,7 @@ class Workspace(NamedTuple):
     # candidates top-k first's programs have gathered, when several serve a row)
     listed: torch.Tensor  # i32 [B + 1]: how many rows round 1's passes serve, then those rows
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
+    queue: torch.Tensor  # i32 [QUEUE_WORDS]: the late queue's counters (zero between calls)
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
     clock: torch.Tensor  # i64 [B, 16]: the row tail's phase clocks (`clock`; profiling only)
@@ -313,6 +320,7 @@ class Workspace(NamedTuple):
             gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
+            queue=torch.zeros(int(QUEUE_WORDS), dtype=torch.int32, device=d),
             listed=e(B + 1, dtype=torch.int32), refine=e(B + 1, dtype=torch.int32),
             raw_max=e(*raw), raw_sum=e(*raw),
             clock=torch.zeros((B, 16), dtype=i64, device=d),
@@ -329,4 +337,5 @@ class Workspace(NamedTuple):
     def rows(self, B: int) -> Workspace:
         """The first B rows (views: a persistent workspace serves every bucket)."""
         cut = {name: t[:B] for name, t in self._asdict().items()}
-        return Workspace(**{**cut, "listed": self.listed[: B + 1], "refine": self.refine[: B + 1]})
+        return Workspace(**{**cut, "listed": self.listed[: B + 1], "refine": self.refine[: B + 1],
+                            "queue": self.queue})  # fmt: skip

@@ -212,15 +212,16 @@ def listed_row(W, lst, e, ROUND2: tl.constexpr, CUT: tl.constexpr):
 
 
 @triton.jit
-def list_entry(lst, G):
-    """`list_share` where the rows never outnumber the G programs (round 1's grid is at
-    least B; a loop over entries would raise its registers): (entry, slice, slices) of this
-    program, entry -1 when the list is empty."""
-    n = tl.load(lst)
-    p = tl.program_id(0)
+def list_entry(lst, p, G):
+    """`list_share` for program p of G where the rows never outnumber the programs (round
+    1's grid is at least B; a loop over entries would raise its registers), or one item p
+    of a pass's max(rows, G) in the late queue (`late`: past G rows, item p is entry p,
+    whole): (entry, slice, slices), entry -1 when the list is empty."""
+    n = tl.load(lst, cache_modifier=".cg")
     nn = tl.maximum(n, 1)
-    e = p % nn
-    return tl.where(n > 0, e, -1), p // nn, tl.cdiv(G - e, nn)
+    e = tl.where(n <= G, p % nn, p)
+    return tl.where(n > 0, e, -1), tl.where(n <= G, p // nn, 0), tl.where(
+        n <= G, tl.cdiv(G - e, nn), 1)  # fmt: skip
 
 
 @triton.jit
@@ -308,15 +309,15 @@ def _select_kernel(
     if ROUND2:
         e0, e1, step, sp, n_sp = list_share(W.refine, S)
         for e in range(e0, e1, step):
-            _select_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
+            select_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, True)
     else:
-        e, sp, n_sp = list_entry(W.listed, S)
+        e, sp, n_sp = list_entry(W.listed, tl.program_id(0), S)
         if e >= 0:
-            _select_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
+            select_entry(P, W, W.listed, e, sp, n_sp, NBLK, NB_P2, R, DB, NBINS, WCAP, FL, False)
 
 
 @triton.jit
-def _select_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
+def select_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
                   DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                   ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""

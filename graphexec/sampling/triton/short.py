@@ -152,14 +152,24 @@ def _short_kernel(
     SB: tl.constexpr, ST: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
     INTERP: tl.constexpr, NBINS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (B,): program b plans row b when the check pass left it R_REPLAN (`plan_row`);
-    then draws it (and marks it R_DONE) when its plan (R_SELECT or R_CUT) fits SB blocks
-    and ST candidates (SB = 0: plans only); else puts it on round 1's row list
-    (`W.listed`), which the selection and kept passes share out."""
+    """Grid (B,): program b serves row b (`short_row`)."""
     row = tl.program_id(0)
-    # the row's inputs before the wait (`process.row_inputs`)
-    slot, greedy_unused, s_unused, seed, pos, ids, top_k, top_p, lnmp = row_inputs(P, row, NB_P2)
+    inputs = row_inputs(P, row, NB_P2)  # before the wait (`process.row_inputs`)
     dependent_start(PDL)
+    short_row(P, W, tok_ptr, valid_ptr, row, inputs, NBLK, NBLK_P2, DB, R, SB, ST, WCAP, FL,
+              INTERP, NBINS)  # fmt: skip
+
+
+@triton.jit
+def short_row(P, W, tok_ptr, valid_ptr, row, inputs, NBLK, NBLK_P2: tl.constexpr,
+              DB: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, ST: tl.constexpr,
+              WCAP: tl.constexpr, FL: tl.constexpr, INTERP: tl.constexpr,
+              NBINS: tl.constexpr):  # fmt: skip
+    """Plan the row when the check pass left it R_REPLAN (`plan_row`); then draw it (and
+    mark it R_DONE) when its plan (R_SELECT or R_CUT) fits SB blocks and ST candidates (SB
+    = 0: plans only); else put it on round 1's row list (`W.listed`), which the selection
+    and kept passes share out. inputs: the row's `process.row_inputs`."""
+    slot, greedy_unused, s_unused, seed, pos, ids, top_k, top_p, lnmp = inputs
     ri = W.rowi + row * cf.NUM_I
     route = tl.load(ri + cf.I_ROUTE).to(tl.int32)
     if route == cf.R_REPLAN:

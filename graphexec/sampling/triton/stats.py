@@ -246,11 +246,13 @@ def _check_kernel(
     S,  # programs per row
     NBLK, NB_P2: tl.constexpr, NBLK_P2: tl.constexpr, R: tl.constexpr, DB: tl.constexpr,
     NBINS: tl.constexpr, FL: tl.constexpr, PDL: tl.constexpr = False,
+    QUEUE: tl.constexpr = False,
 ):  # fmt: skip
     """The check pass of R_CHECK rows (more than check_blocks blocks to count). Grid (B * S,):
     program (row, sp) sums slice sp of the row's listed blocks into its I_CCNT / I_CMASS
-    (int64 atomics: exact in any order); the row's last program decides. The row's
-    inputs are read before the wait (`process.row_inputs`)."""
+    (int64 atomics: exact in any order); the row's last program decides (QUEUE: a row it
+    leaves to plan counts in the late queue's gate, `late`). The row's inputs are read
+    before the wait (`process.row_inputs`)."""
     row = tl.program_id(0) // S
     sp = tl.program_id(0) % S
     (slot, greedy_unused, s_unused, seed_unused, pos_unused, ids, top_k, top_p,
@@ -289,3 +291,5 @@ def _check_kernel(
                 if state == OUT:
                     tl.store(ri + cf.I_CAND, tl.full([], -1, tl.int64))
                 tl.store(ri + cf.I_ROUTE, tl.full([], cf.R_REPLAN, tl.int64))
+                if QUEUE:
+                    tl.atomic_add(W.queue + cf.Q_NEED, 1, sem="relaxed")

@@ -154,13 +154,14 @@ def _tail_kernel(
     CB: tl.constexpr, TKF: tl.constexpr, ST: tl.constexpr, MT: tl.constexpr, WCAP: tl.constexpr,
     INTERP: tl.constexpr, ITA: tl.constexpr, ITB: tl.constexpr, SB: tl.constexpr,
     WAYS: tl.constexpr, PROF: tl.constexpr = False, PDL: tl.constexpr = False,
-    SKIP: tl.constexpr = 0,
+    SKIP: tl.constexpr = 0, QUEUE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (B,) (no_filter, default): the row tail of row b serves it, or decides its
     candidate and plans its next passes (module docstring). SKIP > 0: rows that
     `_topk_kernel` served before it (`served_first` at SKIP) are left alone, and TKF is 0,
     so this kernel holds no top-k-first code. FILTERS: program 0 empties the row lists of
-    round 1 and round 2, which the short kernel and round 1's finish fill."""
+    round 1 and round 2, which the short kernel and round 1's finish fill. QUEUE: rows
+    planned here count in the late queue's gate (`late`)."""
     row = tl.program_id(0)
     skip = tl.zeros([], dtype=tl.int1)
     if SKIP > 0:
@@ -170,6 +171,11 @@ def _tail_kernel(
     else:
         tail_row(P, W, tok_ptr, valid_ptr, row, NBLK, FILTERS, False, NB_P2, NBLK_P2, DB, NBINS,
                  FL, R, CB, TKF, ST, MT, WCAP, INTERP, ITA, ITB, SB, WAYS, PROF, PDL)  # fmt: skip
+        if QUEUE:
+            tl.debug_barrier()  # the route tail_row stored
+            route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
+            if (route == cf.R_SELECT) | (route == cf.R_CUT):
+                tl.atomic_add(W.queue + cf.Q_NEED, 1, sem="relaxed")
     if FILTERS:
         if row == 0:
             tl.store(W.listed, 0)
