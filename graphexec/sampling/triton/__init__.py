@@ -27,7 +27,10 @@ row):
                           select and kept serve a row list, the short kernel's, then round
                           2's, whose rows share the launch's late_programs programs); with
                           SamplerConfig.topk_launch, topk before the tail for the top-k-first
-                          rows (the tail then holds no top-k-first code)
+                          rows (the tail then holds no top-k-first code); with
+                          SamplerConfig.late_queue, stats, tail, check, late: the seven launches
+                          after the check as items of one (`late`), behind a gate the tail and
+                          check fill, so a batch they drew whole costs one launch reading it
     + logprobs            raw logprobs, then the general writer for the rows it leaves
 
 Draw first, filter second (`reference`, step 6): a filtered row's token is its candidate
