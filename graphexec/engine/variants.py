@@ -29,9 +29,9 @@ NO_FILTER, TOP_K_TOP_P, DEFAULT = (SamplerVariant.NO_FILTER, SamplerVariant.TOP_
 # docstring says why; _check_kernel only while SamplerConfig's check_blocks is on,
 # _short_kernel while check_blocks or short_blocks is, as in both presets; with
 # SamplerConfig.topk_launch, default's _topk_kernel before its _tail_kernel; with
-# SamplerConfig.late_queue, DEFAULT_QUEUED: one _late_kernel after the check). Update it
-# with the kernels; tests/engine/test_variants.py checks it against the launches in
-# launch.py.
+# SamplerConfig.late_queue at the batch's size, DEFAULT_QUEUED: one _late_kernel after the
+# check). Update it with the kernels; tests/engine/test_variants.py checks it against the
+# launches in launch.py.
 _SELECT_ROUND = ("_select_kernel", "_kept_kernel", "_finish_kernel")
 _FILTERED = ("_stats_kernel", "_tail_kernel", "_check_kernel", "_short_kernel",
              *_SELECT_ROUND, *_SELECT_ROUND)  # fmt: skip

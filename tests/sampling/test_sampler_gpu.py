@@ -144,9 +144,9 @@ def preset_tokens_and(knobs: dict, logits: torch.Tensor, params: list,
                                    dict(short_blocks=0), dict(check_blocks=0),
                                    dict(check_blocks=1), dict(top_k_first=0),
                                    dict(topk_launch=True), dict(pdl=False),
-                                   dict(late_queue=True),
-                                   dict(late_queue=True, gather_cap=16, short_tokens=16),
-                                   dict(late_queue=True, late_programs=8,
+                                   dict(late_queue=64),
+                                   dict(late_queue=64, gather_cap=16, short_tokens=16),
+                                   dict(late_queue=64, late_programs=8,
                                         check_blocks=0)])  # fmt: skip
 def test_config_changes_no_token(knobs):
     """Another split, a gather cap that sends rows to the exact search, other bins or warps
@@ -185,7 +185,7 @@ def test_late_queue_replayed_gives_the_launches_tokens(B):
 
     def step():
         gx.sample_step(logits, rows, pos, table, out, None, SamplerVariant.DEFAULT, "triton",
-                       config=cfg.replace(late_queue=True), workspace=queue)  # fmt: skip
+                       config=cfg.replace(late_queue=B), workspace=queue)  # fmt: skip
 
     logits.copy_(shape_logits("flat", B, V, seed=1))
     step()  # JIT warm-up outside the capture

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from graphexec.params import SamplerVariant  # noqa: E402
 from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
-from graphexec.sampling.triton import launch  # noqa: E402
+from graphexec.sampling.triton import late, launch  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_CUT,
     R_DONE,
@@ -51,7 +51,7 @@ def _both_ways(params, logits, cfg, calls=1):
         for _ in range(calls):
             tri = SamplerOutput.allocate(B, "cpu", None)
             launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT,
-                          config=cfg.replace(late_queue=on), workspace=ws)  # fmt: skip
+                          config=cfg.replace(late_queue=B if on else 0), workspace=ws)  # fmt: skip
             assert_same(ref, tri)
             assert not ws.queue.any(), ws.queue.nonzero().flatten().tolist()
         lists = [lst[: 1 + int(lst[0])].clone() for lst in (ws.listed, ws.refine)]
@@ -99,3 +99,29 @@ def test_rows_the_check_pass_rejects_open_the_gate() -> None:
     params = [P(seed=i, temperature=1.0, top_p=0.6) for i in range(B)]
     routes = _both_ways(params, logits_of("flat", B, V, seed=0), CONFIGS["interp16_short"])
     assert int(R_DONE) not in routes
+
+
+@pytest.mark.parametrize("late_queue", [3, 4])
+def test_the_queue_serves_batches_up_to_its_size_only(monkeypatch, late_queue: int) -> None:
+    """SamplerConfig.late_queue is a batch size: a batch of 4 rows takes the queue at 4 and
+    the seven launches at 3, with the same tokens."""
+    B, V = 4, 512
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return late._late_kernel[grid]
+
+    monkeypatch.setattr(launch, "_late_kernel", Spy())
+    params = [P(seed=i, temperature=1.0, top_p=0.9) for i in range(B)]
+    logits = logits_of("randn3", B, V, seed=4)
+    table = SamplingTensors.from_params(params, V, "cpu")
+    ref, tri = SamplerOutput.allocate(B, "cpu", None), SamplerOutput.allocate(B, "cpu", None)
+    slots, pos = torch.arange(B), torch.arange(B)
+    cfg = CONFIGS["interp16"].replace(late_queue=late_queue)
+    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT,
+                     draw_block=cfg.draw_block)  # fmt: skip
+    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, config=cfg)
+    assert_same(ref, tri)
+    assert len(launched) == (late_queue >= B)

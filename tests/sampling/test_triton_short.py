@@ -93,6 +93,8 @@ def test_config_checks_name_the_field() -> None:
         SamplerConfig(top_k_first=-1)
     with pytest.raises(ValueError, match="mid_tokens"):
         SamplerConfig(mid_tokens=200)
+    with pytest.raises(ValueError, match="late_queue"):
+        SamplerConfig(late_queue=-1)
 
 
 REAL = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "smollm2-logits.pt"

@@ -112,7 +112,7 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
     row_cap = row_registers(cfg, B, sms, nblk_p2) if variant is SamplerVariant.DEFAULT else 0
     wrows = dict(rows, **row_options(cfg, nblk_p2, row_cap))
     # the default variant's passes after the check as one queue, behind its gate (`late`)
-    queue = variant is SamplerVariant.DEFAULT and cfg.late_queue
+    queue = variant is SamplerVariant.DEFAULT and B <= cfg.late_queue
     if variant is SamplerVariant.TOP_K_TOP_P:  # top-k first: the whole row in this launch
         parts = topk_parts(cfg, B)
         tk_cap = row_registers(cfg, B * parts, sms)

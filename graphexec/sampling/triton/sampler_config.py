@@ -82,10 +82,11 @@ class SamplerConfig:
         B): a launch whose rows all leave at once costs about a program's start and wait
         per program (an H200: some 10 us over four launches of 2,048), while a flat row's
         passes want many.
-    late_queue: the default variant's passes after the check (the short route, rounds 1
-        and 2) in one persistent launch that drains a device-side queue of their items
-        (`late`), instead of seven launches most of whose programs leave at once, behind a
-        gate: a batch that the tail and check drew whole costs that launch alone. Off: on
+    late_queue: batches of at most this many rows (0: none) run the default variant's
+        passes after the check (the short route, rounds 1 and 2) in one persistent launch
+        that drains a device-side queue of their items (`late`), instead of seven launches
+        most of whose programs leave at once, behind a gate: a batch that the tail and
+        check drew whole costs that launch alone (at small B, most batches). Off: on
         an H200 (fp32, V = 151,936) the queue without its gate was slower everywhere (B =
         1: top_p 28.4 -> 30.1 us at best; B >= 32: up to 1.7x, its passes at the row
         kernels' 16 warps); the seven launches replaced by one small one took B = 1 peaked
@@ -155,7 +156,7 @@ class SamplerConfig:
     stats_programs: int = 256
     check_programs: int = 2048
     late_programs: int = 512
-    late_queue: bool = False
+    late_queue: int = 0
     bins: int = 512
     gather_cap: int = 1024
     search_ways: int = 16
@@ -190,7 +191,7 @@ class SamplerConfig:
         if self.short_blocks and not 16 <= self.short_tokens <= self.gather_cap:
             raise ValueError("SamplerConfig.short_tokens must be between 16 and gather_cap "
                              f"({self.gather_cap}), got {self.short_tokens}")  # fmt: skip
-        for name in ("check_blocks", "top_k_first"):
+        for name in ("check_blocks", "top_k_first", "late_queue"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SamplerConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("stats_registers", "wide_registers"):
@@ -304,10 +305,10 @@ class Workspace(NamedTuple):
     # candidates top-k first's programs have gathered, when several serve a row)
     listed: torch.Tensor  # i32 [B + 1]: how many rows round 1's passes serve, then those rows
     refine: torch.Tensor  # i32 [B + 1]: how many rows round 2 serves, then those rows
-    queue: torch.Tensor  # i32 [QUEUE_WORDS]: the late queue's counters (zero between calls)
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
     clock: torch.Tensor  # i64 [B, 16]: the row tail's phase clocks (`clock`; profiling only)
+    queue: torch.Tensor  # i32 [QUEUE_WORDS]: the late queue's counters (zero between calls)
 
     @classmethod
     def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
@@ -326,10 +327,10 @@ class Workspace(NamedTuple):
             gath_x=e(B, config.gather_cap),
             rowf=e(B, 8), rowi=e(B, int(NUM_I), dtype=i64), total=e(B, dtype=torch.float64),
             arrive=torch.zeros((B, 4), dtype=torch.int32, device=d),
-            queue=torch.zeros(int(QUEUE_WORDS), dtype=torch.int32, device=d),
             listed=e(B + 1, dtype=torch.int32), refine=e(B + 1, dtype=torch.int32),
             raw_max=e(*raw), raw_sum=e(*raw),
             clock=torch.zeros((B, 16), dtype=i64, device=d),
+            queue=torch.zeros(int(QUEUE_WORDS), dtype=torch.int32, device=d),
         )  # fmt: skip
 
     def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:
