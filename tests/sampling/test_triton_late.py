@@ -17,6 +17,7 @@ from graphexec.sampling import reference  # noqa: E402
 from graphexec.sampling.tensors import SamplerOutput, SamplingTensors  # noqa: E402
 from graphexec.sampling.triton import late, launch  # noqa: E402
 from graphexec.sampling.triton.sampler_config import (  # noqa: E402
+    Q_NEED,
     R_CUT,
     R_DONE,
     R_ROUND2,
@@ -26,6 +27,29 @@ from graphexec.sampling.triton.sampler_config import (  # noqa: E402
 from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, mixed  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+class _Spy:
+    """Stands in for `launch._late_kernel`: records each launch's grid and its gate (the
+    rows the tail and check kernels counted), then launches the kernel."""
+
+    def __init__(self):
+        self.grids, self.gates = [], []
+
+    def __getitem__(self, grid):
+        def run(P, W, *args, **kw):
+            self.grids.append(grid)
+            self.gates.append(int(W.queue[int(Q_NEED)]))
+            return late._late_kernel[grid](P, W, *args, **kw)
+
+        return run
+
+
+@pytest.fixture
+def spy(monkeypatch) -> _Spy:
+    s = _Spy()
+    monkeypatch.setattr(launch, "_late_kernel", s)
+    return s
 
 
 def _rows(B: int) -> list:
@@ -72,48 +96,42 @@ def test_the_queue_serves_both_rounds_like_the_launches(late_programs: int) -> N
     assert {int(R_SELECT), int(R_CUT), int(R_DONE)} <= set(routes)
 
 
-@pytest.mark.parametrize("shape", ["peaked", "mixed", "ties"])
+@pytest.mark.parametrize("shape", ["peaked", "mixed"])
 def test_the_queue_serves_the_short_route_and_rows_done_at_the_check(shape: str) -> None:
     """With the short route and the candidate's check on: rows drawn by the tail or the check
-    (their short and finish items only), rows the short route finishes, penalties, bias and
-    NaN / inf rows; two calls on one workspace."""
+    (outside the gate), rows the short route finishes, penalties, bias and NaN / inf rows;
+    two calls on one workspace."""
     B, V = 12, 640
     routes = _both_ways(mixed(B, seed=3, V=V), logits_of(shape, B, V, seed=9),
                         CONFIGS["interp16_short"], calls=2)  # fmt: skip
     assert int(R_DONE) in routes
 
 
-def test_a_batch_with_no_filtered_row_publishes_no_pass() -> None:
-    """Greedy and unfiltered rows in the default variant: the queue has the short and finish
-    items alone."""
+def test_a_batch_with_no_filtered_row_opens_no_gate(spy: _Spy) -> None:
+    """Greedy and unfiltered rows in the default variant: the tail draws them all, the gate
+    stays shut and the queue serves nothing."""
     B, V = 5, 512
     params = [P(seed=i, **({"temperature": 0.0} if i % 2 else {})) for i in range(B)]
     routes = _both_ways(params, logits_of("randn3", B, V, seed=2), CONFIGS["interp16"])
     assert routes == [int(R_DONE)] * B
+    assert spy.gates == [0]
 
 
-def test_rows_the_check_pass_rejects_open_the_gate() -> None:
+def test_rows_the_check_pass_rejects_open_the_gate(spy: _Spy) -> None:
     """Two flat rows at top-p 0.6 whose candidates the check pass (not the tail) rejects:
     the check kernel alone counts them in the gate, and the queue plans and serves them."""
     B, V = 2, 640
     params = [P(seed=i, temperature=1.0, top_p=0.6) for i in range(B)]
     routes = _both_ways(params, logits_of("flat", B, V, seed=0), CONFIGS["interp16_short"])
     assert int(R_DONE) not in routes
+    assert spy.gates == [2]
 
 
 @pytest.mark.parametrize("late_queue", [3, 4])
-def test_the_queue_serves_batches_up_to_its_size_only(monkeypatch, late_queue: int) -> None:
+def test_the_queue_serves_batches_up_to_its_size_only(spy: _Spy, late_queue: int) -> None:
     """SamplerConfig.late_queue is a batch size: a batch of 4 rows takes the queue at 4 and
     the seven launches at 3, with the same tokens."""
     B, V = 4, 512
-    launched = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return late._late_kernel[grid]
-
-    monkeypatch.setattr(launch, "_late_kernel", Spy())
     params = [P(seed=i, temperature=1.0, top_p=0.9) for i in range(B)]
     logits = logits_of("randn3", B, V, seed=4)
     table = SamplingTensors.from_params(params, V, "cpu")
@@ -124,4 +142,4 @@ def test_the_queue_serves_batches_up_to_its_size_only(monkeypatch, late_queue: i
                      draw_block=cfg.draw_block)  # fmt: skip
     launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, config=cfg)
     assert_same(ref, tri)
-    assert len(launched) == (late_queue >= B)
+    assert len(spy.grids) == (late_queue >= B)
