@@ -9,7 +9,7 @@ The programs of `_late_kernel` drain a queue of *items* held in `W.queue`, phase
     1 select    max(G1, rows) while round 1 lists      a slice of a listed row (k as
                 rows, else none                        `select.list_entry`'s program)
     2 kept      as select                              likewise, `kept.kept_entry`
-    3 finish    B                                      row k: `kept.finish_row`
+    3 finish    B while round 1 lists rows, else none  row k: `kept.finish_row`
     4-5         round 2's select and kept over its     as 1-2 (G2 programs' slices)
                 list (max(G2, rows), or none)
     6 finish 2  one per row on round 2's list          that row: `kept.finish_row`
@@ -50,12 +50,14 @@ FIN = tl.constexpr(1 << 30)
 @triton.jit
 def _size(W, ph, B, G1, G2):
     """Items of phase ph > 0 (none past 6), from the row lists as the earlier phases left
-    them."""
+    them. Round 1's finish has none when round 1 lists no row: every row is then drawn
+    (the short kernel leaves a row either drawn or on the list)."""
     n1 = tl.load(W.listed, cache_modifier=".cg")
     n2 = tl.load(W.refine, cache_modifier=".cg")
     pass1 = tl.where(n1 > 0, tl.maximum(G1, n1), 0)
     pass2 = tl.where(n2 > 0, tl.maximum(G2, n2), 0)
-    n = tl.where(ph <= 2, pass1, tl.where(ph == 3, B, tl.where(ph == 6, n2, pass2)))
+    n = tl.where(ph <= 2, pass1, tl.where(ph == 3, tl.where(n1 > 0, B, 0),
+                                          tl.where(ph == 6, n2, pass2)))
     return tl.where(ph > 6, 0, n)
 
 
@@ -93,9 +95,10 @@ def _serve(P, W, tok_ptr, valid_ptr, ph, k, G1, G2, NBLK, NB_P2: tl.constexpr,
            SSB: tl.constexpr, FL: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """Item k of phase ph. Not inlined: the compiler would hoist the phases' constant
     vectors out of the queue's loop, where they would all stay live (and spill)."""
-    if ph == 0:
-        short_row(P, W, tok_ptr, valid_ptr, k, row_inputs(P, k, NB_P2), NBLK, NBLK_P2,
-                  DB, RSH, SB, ST, WCAP, FL, INTERP, NBINS)  # fmt: skip
+    if ph == 0:  # (a drawn row: nothing to do, so not even its inputs read)
+        if tl.load(W.rowi + k * cf.NUM_I + cf.I_ROUTE, cache_modifier=".cg") != cf.R_DONE:
+            short_row(P, W, tok_ptr, valid_ptr, k, row_inputs(P, k, NB_P2), NBLK, NBLK_P2,
+                      DB, RSH, SB, ST, WCAP, FL, INTERP, NBINS)  # fmt: skip
     elif ph == 1:
         e, sp, n_sp = list_entry(W.listed, k, G1)
         if e >= 0:
@@ -156,9 +159,9 @@ def _late_kernel(
             go = i < B + (pub & (FIN - 1))
             if go:
                 ph, k = _phase_of(q, i)
+                size = tl.where(ph == 0, B, tl.load(q + SIZE + ph, cache_modifier=".cg"))
                 _serve(P, W, tok_ptr, valid_ptr, ph, k, G1, G2, NBLK, NB_P2, NBLK_P2, DB, RSH, RS,
                        RK, SB, ST, NBINS, WCAP, WAYS, ITA, ITB, SSB, FL, INTERP)  # fmt: skip
-                size = tl.where(ph == 0, B, tl.load(q + SIZE + ph, cache_modifier=".cg"))
                 tl.debug_barrier()
                 if tl.atomic_add(q + DONE + ph, 1, sem="acq_rel") == size - 1:
                     _publish(W, q, ph, B, G1, G2)
