@@ -340,8 +340,8 @@ def _kept_kernel(
 
 @triton.jit
 def kept_entry(P, W, lst, e, sp, n_sp, NBLK, NB_P2: tl.constexpr, R: tl.constexpr,
-                DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
-                ROUND2: tl.constexpr):  # fmt: skip
+               DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
+               ROUND2: tl.constexpr):  # fmt: skip
     """Slice sp of n_sp of entry e's row, when its route still asks for this pass."""
     row, route, ok = listed_row(W, lst, e, ROUND2, True)
     if ok:

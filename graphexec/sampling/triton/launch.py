@@ -149,11 +149,11 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
             _short_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, R=rsh,
                                 SB=cfg.short_blocks, ST=cfg.short_tokens, WCAP=cfg.gather_cap,
                                 INTERP=interpreter_enabled(), NBINS=cfg.bins, **wrows)  # fmt: skip
-            late = dict(common, WCAP=cfg.gather_cap)
-            finish = dict(late, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
+            passes = dict(common, WCAP=cfg.gather_cap)
+            finish = dict(passes, NBLK_P2=nblk_p2, **search, **row_options(cfg, nblk_p2, row_cap))
             for round2, grid in ((False, max(G2, B)), (True, G2)):
-                _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **late)
-                _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **dict(late, R=rk))
+                _select_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **passes)
+                _kept_kernel[(grid,)](P, W, grid, nblk, ROUND2=round2, **dict(passes, R=rk))
                 _finish_kernel[(B,)](P, W, out.token_ids, out.valid, nblk, ROUND2=round2,
                                      **finish)  # fmt: skip
     return _logprobs(logits, slot_ids, table, out, P, W, nblk, nblk_p2, cfg, sms, base)

@@ -86,12 +86,12 @@ class SamplerConfig:
         passes after the check (the short route, rounds 1 and 2) in one persistent launch
         that drains a device-side queue of their items (`late`), instead of seven launches
         most of whose programs leave at once, behind a gate: a batch that the tail and
-        check drew whole costs that launch alone (at small B, most batches). Off: on
-        an H200 (fp32, V = 151,936) the queue without its gate was slower everywhere (B =
-        1: top_p 28.4 -> 30.1 us at best; B >= 32: up to 1.7x, its passes at the row
+        check drew whole costs that launch alone (at small B, most batches). 0 by default:
+        on an H200 (fp32, V = 151,936) the queue without its gate was slower everywhere (B
+        = 1: top_p 28.4 -> 30.1 us at best; B >= 32: up to 1.7x, its passes at the row
         kernels' 16 warps); the seven launches replaced by one small one took B = 1 peaked
-        rows' top_p from 28.4 to 22.7-24.0 us, min_p from 23.5 to 16.7-17.1. The gate
-        itself is not yet timed.
+        rows' top_p from 28.4 to 22.7-24.0 us, min_p from 23.5 to 16.7-17.1. The gate is
+        not yet timed, nor a batch that opens it (the real rows' first one does).
     bins: histogram bins of the selection pass.
     gather_cap: most bracket tokens a row gathers and resolves by counting.
     search_ways, search_blocks: candidates per pass of the exact search, and blocks per
