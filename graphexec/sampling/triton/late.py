@@ -14,8 +14,9 @@ The programs of `_late_kernel` drain a queue of *items* held in `W.queue`, phase
                 list (max(G2, rows), or none)
     6 finish 2  one per row on round 2's list          that row: `kept.finish_row`
 
-A program claims the next item number (one counter), waits until that item's phase is
-published, serves it and counts it done. Whoever completes a phase's last item publishes
+A program claims the next item number and learns how many are published in one atomic
+(the ticket), waits only if its item's phase is not yet published, serves it and counts
+it done. Whoever completes a phase's last item publishes
 the next phase that has items, or marks the queue finished: a phase with no rows costs
 nothing. The gate, Q_NEED, counts the rows the tail and check kernels left to plan or to
 pass over again; a batch they drew whole costs one launch that reads it.
@@ -40,11 +41,14 @@ from graphexec.sampling.triton.process import row_inputs
 from graphexec.sampling.triton.select import list_entry, select_entry
 from graphexec.sampling.triton.short import short_row
 
-# W.queue's words (i32), the hot ones a cache line apart: claims; items published past
-# phase 0 (+ FIN once no phase is left); each phase's first item and size (0: not
-# published); items done per phase; programs gone
-HEAD, PUB, START, SIZE, DONE, EXIT = (tl.constexpr(i) for i in (0, 32, 64, 72, 96, 128))
-FIN = tl.constexpr(1 << 30)
+# W.queue's words (i64), the hot ones a cache line apart: the ticket, claims in its low 32
+# bits and the items published past phase 0 above them (+ FIN once no phase is left), so
+# that one atomic both claims an item and says whether it is published; each phase's first
+# item, then its size (0: not published), read as one vector; items done per phase;
+# programs gone
+TICKET, START, SIZE, DONE, EXIT = (tl.constexpr(i) for i in (0, 16, 24, 32, 48))
+PUB1 = tl.constexpr(1 << 32)  # one item published
+FIN = tl.constexpr(1 << 62)
 
 
 @triton.jit
@@ -70,21 +74,25 @@ def _publish(W, q, ph, B, G1, G2):
         nxt += 1
         n = _size(W, nxt, B, G1, G2)
     if n > 0:
-        tl.store(q + START + nxt, B + tl.load(q + PUB, cache_modifier=".cg"))
-        tl.store(q + SIZE + nxt, n)
+        pub = (tl.load(q + TICKET, cache_modifier=".cg") >> 32) & (FIN // PUB1 - 1)
+        tl.store(q + START + nxt, B + pub)
+        tl.store(q + SIZE + nxt, n.to(tl.int64))
         tl.debug_barrier()
-        tl.atomic_add(q + PUB, n, sem="release")
+        tl.atomic_add(q + TICKET, n.to(tl.int64) * PUB1, sem="release")
     else:
-        tl.atomic_add(q + PUB, FIN, sem="release")
+        tl.atomic_add(q + TICKET, FIN, sem="release")
 
 
 @triton.jit
-def _phase_of(q, i):
-    """(phase, index in it) of published item i."""
-    j = tl.arange(0, 8)
-    start = tl.load(q + START + j, mask=(j >= 1) & (j <= 6), other=0, cache_modifier=".cg")
-    ph = tl.max(tl.where((start > 0) & (start <= i), j, 0), axis=0)
-    return ph, i - tl.sum(tl.where(j == ph, start, 0), axis=0)
+def _phase_of(q, i, B):
+    """(phase, index in it, its items) of published item i: one load of the phase table."""
+    j = tl.arange(0, 16)
+    t = tl.load(q + START + j, mask=((j >= 1) & (j <= 6)) | (j >= 9), other=0,
+                cache_modifier=".cg")  # fmt: skip
+    ph = tl.max(tl.where((j <= 6) & (t > 0) & (t <= i), j, 0), axis=0)
+    start = tl.sum(tl.where(j == ph, t, 0), axis=0)
+    size = tl.where(ph == 0, B, tl.sum(tl.where(j == ph + 8, t, 0), axis=0))
+    return ph, (i - start).to(tl.int32), size
 
 
 @triton.jit(noinline=True)
@@ -152,14 +160,13 @@ def _late_kernel(
     if tl.load(q + cf.Q_NEED, cache_modifier=".cg") > 0:
         go = B > 0
         while go:
-            i = tl.atomic_add(q + HEAD, 1, sem="relaxed")
-            pub = tl.atomic_add(q + PUB, 0, sem="acquire")
-            while (i >= B + (pub & (FIN - 1))) & (pub < FIN):
-                pub = tl.atomic_add(q + PUB, 0, sem="acquire")
-            go = i < B + (pub & (FIN - 1))
+            t = tl.atomic_add(q + TICKET, 1, sem="acquire")
+            i = t & (PUB1 - 1)
+            while (i >= B + ((t >> 32) & (FIN // PUB1 - 1))) & (t < FIN):
+                t = tl.atomic_add(q + TICKET, 0, sem="acquire")
+            go = i < B + ((t >> 32) & (FIN // PUB1 - 1))
             if go:
-                ph, k = _phase_of(q, i)
-                size = tl.where(ph == 0, B, tl.load(q + SIZE + ph, cache_modifier=".cg"))
+                ph, k, size = _phase_of(q, i, B)
                 _serve(P, W, tok_ptr, valid_ptr, ph, k, G1, G2, NBLK, NB_P2, NBLK_P2, DB, RSH, RS,
                        RK, SB, ST, NBINS, WCAP, WAYS, ITA, ITB, SSB, FL, INTERP)  # fmt: skip
                 tl.debug_barrier()
@@ -167,6 +174,6 @@ def _late_kernel(
                     _publish(W, q, ph, B, G1, G2)
         tl.debug_barrier()
         if tl.atomic_add(q + EXIT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            w = tl.arange(0, 256)
-            tl.store(q + w, tl.zeros([256], dtype=tl.int32), mask=w < cf.QUEUE_WORDS)
+            w = tl.arange(0, 128)
+            tl.store(q + w, tl.zeros([128], dtype=tl.int64), mask=w < cf.QUEUE_WORDS)
 

@@ -50,8 +50,8 @@ I_NTOP, I_MTOP, I_RA, I_RB = (tl.constexpr(i) for i in range(17, 21))
 # set), then the check pass's count and exact mass of the tokens ranked above it
 I_CAND, I_CCNT, I_CMASS = (tl.constexpr(i) for i in range(24, 27))
 NUM_I = tl.constexpr(32)
-QUEUE_WORDS = tl.constexpr(160)  # Workspace.queue's counters (`late`)
-Q_NEED = tl.constexpr(144)  # of them: rows the tail and check kernels left a pass to
+QUEUE_WORDS = tl.constexpr(80)  # Workspace.queue's counters (`late`)
+Q_NEED = tl.constexpr(64)  # of them: rows the tail and check kernels left a pass to
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ class Workspace(NamedTuple):
     raw_max: torch.Tensor  # f32 [B, NBLK] (logprobs on; else [1, 1]) raw logits' block max
     raw_sum: torch.Tensor  # f32 [B, NBLK] (likewise) their block sum of exp(v - raw_max)
     clock: torch.Tensor  # i64 [B, 16]: the row tail's phase clocks (`clock`; profiling only)
-    queue: torch.Tensor  # i32 [QUEUE_WORDS]: the late queue's counters (zero between calls)
+    queue: torch.Tensor  # i64 [QUEUE_WORDS]: the late queue's counters (zero between calls)
 
     @classmethod
     def allocate(cls, B: int, V: int, device, config: SamplerConfig, logprobs: bool = False):
@@ -330,7 +330,7 @@ class Workspace(NamedTuple):
             listed=e(B + 1, dtype=torch.int32), refine=e(B + 1, dtype=torch.int32),
             raw_max=e(*raw), raw_sum=e(*raw),
             clock=torch.zeros((B, 16), dtype=i64, device=d),
-            queue=torch.zeros(int(QUEUE_WORDS), dtype=torch.int32, device=d),
+            queue=torch.zeros(int(QUEUE_WORDS), dtype=i64, device=d),
         )  # fmt: skip
 
     def fits(self, B: int, V: int, config: SamplerConfig, logprobs: bool) -> bool:
