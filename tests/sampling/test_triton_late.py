@@ -89,21 +89,22 @@ def _both_ways(params, logits, cfg, calls=1):
 def test_the_queue_serves_both_rounds_like_the_launches(late_programs: int) -> None:
     """64 bins and a gather cap of 16: rows take round 2, others round 1 alone, min-p rows
     the cut; with 3 programs round 2's rows outnumber them (an item is a whole row)."""
-    B, V = 10, 1024
+    B, V = 8, 1024
     cfg = CONFIGS["interp16"].replace(gather_cap=16, bins=64, late_programs=late_programs)
     routes = _both_ways(_rows(B), logits_of("randn3", B, V, seed=5), cfg)
     assert routes.count(int(R_ROUND2)) > 3  # more than rows_outnumber_programs' 3
     assert {int(R_SELECT), int(R_CUT), int(R_DONE)} <= set(routes)
 
 
-@pytest.mark.parametrize("shape", ["peaked", "mixed"])
-def test_the_queue_serves_the_short_route_and_rows_done_at_the_check(shape: str) -> None:
+@pytest.mark.parametrize("shape, calls", [("peaked", 1), ("mixed", 2)])
+def test_the_queue_serves_the_short_route_and_rows_done_at_the_check(shape: str,
+                                                                      calls: int) -> None:
     """With the short route and the candidate's check on: rows drawn by the tail or the check
     (outside the gate), rows the short route finishes, penalties, bias and NaN / inf rows;
-    two calls on one workspace."""
+    the mixed rows twice on one workspace."""
     B, V = 12, 640
     routes = _both_ways(mixed(B, seed=3, V=V), logits_of(shape, B, V, seed=9),
-                        CONFIGS["interp16_short"], calls=2)  # fmt: skip
+                        CONFIGS["interp16_short"], calls=calls)  # fmt: skip
     assert int(R_DONE) in routes
 
 
