@@ -24,7 +24,14 @@ from graphexec.sampling.triton.sampler_config import (  # noqa: E402
     R_SELECT,
     Workspace,
 )  # fmt: skip
-from tests.sampling.triton_cases import CONFIGS, P, assert_same, logits_of, mixed  # noqa: E402
+from tests.sampling.triton_cases import (  # noqa: E402
+    CONFIGS,
+    P,
+    assert_same,
+    logits_of,
+    mixed,
+    run_both,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -134,13 +141,7 @@ def test_the_queue_serves_batches_up_to_its_size_only(spy: _Spy, late_queue: int
     the seven launches at 3, with the same tokens."""
     B, V = 4, 512
     params = [P(seed=i, temperature=1.0, top_p=0.9) for i in range(B)]
-    logits = logits_of("randn3", B, V, seed=4)
-    table = SamplingTensors.from_params(params, V, "cpu")
-    ref, tri = SamplerOutput.allocate(B, "cpu", None), SamplerOutput.allocate(B, "cpu", None)
-    slots, pos = torch.arange(B), torch.arange(B)
-    cfg = CONFIGS["interp16"].replace(late_queue=late_queue)
-    reference.sample(logits, slots, pos, table, ref, None, SamplerVariant.DEFAULT,
-                     draw_block=cfg.draw_block)  # fmt: skip
-    launch.sample(logits, slots, pos, table, tri, None, SamplerVariant.DEFAULT, config=cfg)
-    assert_same(ref, tri)
+    both = run_both(params, logits_of("randn3", B, V, seed=4),
+                    CONFIGS["interp16"].replace(late_queue=late_queue))  # fmt: skip
+    assert_same(both.ref, both.tri)
     assert len(spy.grids) == (late_queue >= B)

@@ -241,6 +241,18 @@ def finish_row(P, W, tok_ptr, valid_ptr, row, inputs, route, NBLK, NBLK_P2: tl.c
 
 
 @triton.jit
+def finish_refined(P, W, tok_ptr, valid_ptr, e, NBLK, NB_P2: tl.constexpr,
+                   NBLK_P2: tl.constexpr, DB: tl.constexpr, NBINS: tl.constexpr,
+                   WCAP: tl.constexpr, WAYS: tl.constexpr, ITA: tl.constexpr,
+                   ITB: tl.constexpr, SB: tl.constexpr, FL: tl.constexpr):  # fmt: skip
+    """Round 2's finish of entry e of its row list (`W.refine`)."""
+    row = tl.load(W.refine + 1 + e, cache_modifier=".cg").to(tl.int64)
+    route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE, cache_modifier=".cg")
+    finish_row(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route, NBLK, NBLK_P2,
+               DB, NBINS, WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+
+
+@triton.jit
 def _kept_tiles(P, W, row, slot, ids, e0, e1, n_list, lnmp, NBLK, R: tl.constexpr,
                 DB: tl.constexpr, NBINS: tl.constexpr, WCAP: tl.constexpr, FL: tl.constexpr,
                 BIAS: tl.constexpr):  # fmt: skip
@@ -364,10 +376,8 @@ def _finish_kernel(
     if ROUND2:
         dependent_start(PDL)
         if tl.program_id(0) < tl.load(W.refine):
-            row = tl.load(W.refine + 1 + tl.program_id(0)).to(tl.int64)
-            route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE)
-            finish_row(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route, NBLK,
-                       NBLK_P2, DB, NBINS, WCAP, WAYS, ITA, ITB, SB, FL, True)  # fmt: skip
+            finish_refined(P, W, tok_ptr, valid_ptr, tl.program_id(0), NBLK, NB_P2, NBLK_P2, DB,
+                           NBINS, WCAP, WAYS, ITA, ITB, SB, FL)  # fmt: skip
     else:
         row = tl.program_id(0)
         inputs = row_inputs(P, row, NB_P2)

@@ -12,14 +12,14 @@ The programs of `_late_kernel` drain a queue of *items* held in `W.queue`, phase
     3 finish    B while round 1 lists rows, else none  row k: `kept.finish_row`
     4-5         round 2's select and kept over its     as 1-2 (G2 programs' slices)
                 list (max(G2, rows), or none)
-    6 finish 2  one per row on round 2's list          that row: `kept.finish_row`
+    6 finish 2  one per row on round 2's list          that row: `kept.finish_refined`
 
 A program claims the next item number and learns how many are published in one atomic
 (the ticket), waits only if its item's phase is not yet published, serves it and counts
-it done. Whoever completes a phase's last item publishes
-the next phase that has items, or marks the queue finished: a phase with no rows costs
-nothing. The gate, Q_NEED, counts the rows the tail and check kernels left to plan or to
-pass over again; a batch they drew whole costs one launch that reads it.
+it done. Whoever completes a phase's last item publishes the next phase that has items,
+or marks the queue finished: a phase with no rows costs nothing. The gate, Q_NEED, counts
+the rows the tail and check kernels left to plan or to pass over again; a batch they drew
+whole costs one launch that reads it.
 
 Why it cannot deadlock, whatever the grid: only a running program claims an item, and a
 phase is published by the program that completes the previous phase's last item, which is
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from graphexec.kernels.dependent_launch import dependent_start
 from graphexec.sampling.triton import sampler_config as cf
-from graphexec.sampling.triton.kept import finish_row, kept_entry
+from graphexec.sampling.triton.kept import finish_refined, finish_row, kept_entry
 from graphexec.sampling.triton.process import row_inputs
 from graphexec.sampling.triton.select import list_entry, select_entry
 from graphexec.sampling.triton.short import short_row
@@ -49,6 +49,12 @@ from graphexec.sampling.triton.short import short_row
 TICKET, START, SIZE, DONE, EXIT = (tl.constexpr(i) for i in (0, 16, 24, 32, 48))
 PUB1 = tl.constexpr(1 << 32)  # one item published
 FIN = tl.constexpr(1 << 62)
+
+
+@triton.jit
+def _published(t):
+    """Items published past phase 0, from a ticket's value."""
+    return (t >> 32) & (FIN // PUB1 - 1)
 
 
 @triton.jit
@@ -74,8 +80,7 @@ def _publish(W, q, ph, B, G1, G2):
         nxt += 1
         n = _size(W, nxt, B, G1, G2)
     if n > 0:
-        pub = (tl.load(q + TICKET, cache_modifier=".cg") >> 32) & (FIN // PUB1 - 1)
-        tl.store(q + START + nxt, B + pub)
+        tl.store(q + START + nxt, B + _published(tl.load(q + TICKET, cache_modifier=".cg")))
         tl.store(q + SIZE + nxt, n.to(tl.int64))
         tl.debug_barrier()
         tl.atomic_add(q + TICKET, n.to(tl.int64) * PUB1, sem="release")
@@ -132,11 +137,8 @@ def _serve(P, W, tok_ptr, valid_ptr, ph, k, G1, G2, NBLK, NB_P2: tl.constexpr,
         kept_entry(P, W, W.refine, e, sp, n_sp, NBLK, NB_P2, RK, DB, NBINS, WCAP, FL,
                    True)  # fmt: skip
     else:
-        row = tl.load(W.refine + 1 + k, cache_modifier=".cg").to(tl.int64)
-        route = tl.load(W.rowi + row * cf.NUM_I + cf.I_ROUTE, cache_modifier=".cg")
-        finish_row(P, W, tok_ptr, valid_ptr, row, row_inputs(P, row, NB_P2), route,
-                   NBLK, NBLK_P2, DB, NBINS, WCAP, WAYS, ITA, ITB, SSB, FL,
-                   True)  # fmt: skip
+        finish_refined(P, W, tok_ptr, valid_ptr, k, NBLK, NB_P2, NBLK_P2, DB, NBINS, WCAP, WAYS,
+                       ITA, ITB, SSB, FL)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["B", "G1", "G2", "NBLK"])
@@ -162,9 +164,9 @@ def _late_kernel(
         while go:
             t = tl.atomic_add(q + TICKET, 1, sem="acquire")
             i = t & (PUB1 - 1)
-            while (i >= B + ((t >> 32) & (FIN // PUB1 - 1))) & (t < FIN):
+            while (i >= B + _published(t)) & (t < FIN):
                 t = tl.atomic_add(q + TICKET, 0, sem="acquire")
-            go = i < B + ((t >> 32) & (FIN // PUB1 - 1))
+            go = i < B + _published(t)
             if go:
                 ph, k, size = _phase_of(q, i, B)
                 _serve(P, W, tok_ptr, valid_ptr, ph, k, G1, G2, NBLK, NB_P2, NBLK_P2, DB, RSH, RS,

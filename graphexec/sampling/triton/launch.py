@@ -139,8 +139,9 @@ def sample(logits: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor
         rsh, rk = min(r, cfg.short_blocks or r), max(1, r // 2)  # kept: half tiles
         if queue:  # the seven launches below as one launch, one wave of its programs (at B
             # = 1 on an H200, 132 programs rather than 149 took 1.3 us off top_p)
-            _late_kernel[(min(max(G2, B), sms or max(G2, B)),)](
-                P, W, out.token_ids, out.valid, B, max(G2, B), G2, nblk, RSH=rsh, RS=r, RK=rk,
+            G1 = max(G2, B)
+            _late_kernel[(min(G1, sms or G1),)](
+                P, W, out.token_ids, out.valid, B, G1, G2, nblk, RSH=rsh, RS=r, RK=rk,
                 SB=cfg.short_blocks, ST=cfg.short_tokens, NBINS=cfg.bins, WCAP=cfg.gather_cap,
                 WAYS=search["WAYS"], ITA=search["ITA"], ITB=search["ITB"], SSB=search["SB"],
                 INTERP=interpreter_enabled(), **wrows)  # fmt: skip
